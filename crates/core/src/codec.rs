@@ -1,0 +1,527 @@
+//! The `.qstats` codec: [`Stats`] to bytes and back.
+//!
+//! ```text
+//! magic    8 bytes  "QFSTATS\0"
+//! version  u32 LE   FORMAT_VERSION
+//! length   u64 LE   body length in bytes
+//! body     see below
+//! crc32    u32 LE   CRC-32 (IEEE) of everything before it
+//! ```
+//!
+//! The body is a canonical encoding: unsigned LEB128 varints, sets in ascending
+//! order, tensors in name order, histogram bins ascending and delta-coded, no
+//! timestamps, hosts or run ids. Equal statistics therefore give equal bytes,
+//! and the decoder rejects any non-canonical body, so bytes → stats → bytes is
+//! the identity.
+//!
+//! ```text
+//! provenance:
+//!   flags u8 (bit 0: forced merge)
+//!   models, data, recipes: varint n, then n 32-byte SHA-256 digests each
+//!   passes:                varint n, then n × (varint len, UTF-8)
+//!   batches:               varint n, then n × (varint index, 32-byte digest)
+//! tensors: varint n, then per tensor:
+//!   name                   varint len, UTF-8
+//!   zero nan +inf -inf     4 varints
+//!   extremes               u8 0, or u8 1 + min f32 bits LE + max f32 bits LE
+//!   bins                   varint n, then n × (varint index delta, varint count)
+//!   channels               u8 0, or u8 1 + varint n + n × f32 bits LE
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::error::{Error, Result};
+use crate::histogram::{Histogram, HistogramParts};
+use crate::stats::{BatchId, Digest, Provenance, Stats, TensorStats};
+
+/// Magic bytes that open every `.qstats` file.
+pub const MAGIC: &[u8; 8] = b"QFSTATS\0";
+/// Version of the format this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+const HEADER_LEN: usize = 8 + 4 + 8;
+const TRAILER_LEN: usize = 4;
+
+/// Encodes statistics as `.qstats` bytes.
+pub fn encode(stats: &Stats) -> Vec<u8> {
+    let mut body = Vec::new();
+    let p = &stats.provenance;
+    body.push(u8::from(p.forced));
+    for set in [&p.models, &p.data, &p.recipes] {
+        put_varint(&mut body, set.len() as u64);
+        for digest in set {
+            body.extend_from_slice(&digest.0);
+        }
+    }
+    put_varint(&mut body, p.passes.len() as u64);
+    for pass in &p.passes {
+        put_str(&mut body, pass);
+    }
+    put_varint(&mut body, p.batches.len() as u64);
+    for batch in &p.batches {
+        put_varint(&mut body, batch.index);
+        body.extend_from_slice(&batch.content.0);
+    }
+    put_varint(&mut body, stats.tensors.len() as u64);
+    for (name, tensor) in &stats.tensors {
+        put_str(&mut body, name);
+        let parts = tensor.histogram().to_parts();
+        for count in [parts.zero, parts.nan, parts.pos_inf, parts.neg_inf] {
+            put_varint(&mut body, count);
+        }
+        match (parts.min, parts.max) {
+            (Some(min), Some(max)) => {
+                body.push(1);
+                body.extend_from_slice(&min.to_bits().to_le_bytes());
+                body.extend_from_slice(&max.to_bits().to_le_bytes());
+            }
+            _ => body.push(0),
+        }
+        put_varint(&mut body, parts.bins.len() as u64);
+        let mut previous = 0u64;
+        for (index, count) in parts.bins {
+            put_varint(&mut body, u64::from(index) - previous);
+            put_varint(&mut body, count);
+            previous = u64::from(index);
+        }
+        match tensor.channel_abs_max_bits() {
+            Some(channels) => {
+                body.push(1);
+                put_varint(&mut body, channels.len() as u64);
+                for bits in channels {
+                    body.extend_from_slice(&bits.to_le_bytes());
+                }
+            }
+            None => body.push(0),
+        }
+    }
+
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len() + TRAILER_LEN);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    out.extend_from_slice(&body);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Decodes `.qstats` bytes, checking magic, version, length, checksum and the
+/// body's structure.
+pub fn decode(bytes: &[u8]) -> Result<Stats> {
+    if bytes.len() < MAGIC.len() {
+        return Err(if MAGIC.starts_with(bytes) {
+            Error::Truncated(format!("{} bytes, shorter than the header", bytes.len()))
+        } else {
+            Error::NotStats
+        });
+    }
+    if &bytes[..8] != MAGIC {
+        return Err(Error::NotStats);
+    }
+    if bytes.len() < HEADER_LEN {
+        return Err(Error::Truncated(format!(
+            "{} bytes, shorter than the {HEADER_LEN}-byte header",
+            bytes.len()
+        )));
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if version != FORMAT_VERSION {
+        return Err(Error::Version {
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let body_len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
+    let available = (bytes.len() - HEADER_LEN) as u64;
+    let expected_total = body_len.saturating_add(TRAILER_LEN as u64);
+    if available < expected_total {
+        return Err(Error::Truncated(format!(
+            "header announces {body_len} body bytes + {TRAILER_LEN}-byte checksum, {available} present"
+        )));
+    }
+    if available > expected_total {
+        return Err(Error::Corrupt(format!(
+            "{} unexpected bytes after the checksum",
+            available - expected_total
+        )));
+    }
+    let body_end = HEADER_LEN + body_len as usize;
+    let stored = u32::from_le_bytes(bytes[body_end..].try_into().expect("4 bytes"));
+    let computed = crc32fast::hash(&bytes[..body_end]);
+    if stored != computed {
+        return Err(Error::Checksum { stored, computed });
+    }
+    let mut reader = Reader {
+        bytes: &bytes[HEADER_LEN..body_end],
+        offset: 0,
+    };
+    let stats = read_body(&mut reader)?;
+    if reader.offset != reader.bytes.len() {
+        return Err(Error::Corrupt(format!(
+            "{} unread bytes at the end of the body",
+            reader.bytes.len() - reader.offset
+        )));
+    }
+    Ok(stats)
+}
+
+fn read_body(r: &mut Reader<'_>) -> Result<Stats> {
+    let flags = r.byte("provenance flags")?;
+    if flags > 1 {
+        return Err(Error::Corrupt(format!(
+            "unknown provenance flags {flags:#x}"
+        )));
+    }
+    let mut digest_sets = Vec::with_capacity(3);
+    for what in ["model", "data", "recipe"] {
+        let n = r.count(32, what)?;
+        let mut set = BTreeSet::new();
+        for _ in 0..n {
+            let digest = r.digest(what)?;
+            ascending(set.last(), &digest, what)?;
+            set.insert(digest);
+        }
+        digest_sets.push(set);
+    }
+    let recipes = digest_sets.pop().expect("three sets");
+    let data = digest_sets.pop().expect("three sets");
+    let models = digest_sets.pop().expect("three sets");
+    let n = r.count(1, "pass")?;
+    let mut passes = BTreeSet::new();
+    for _ in 0..n {
+        let pass = r.string("pass name")?;
+        ascending(passes.last(), &pass, "pass")?;
+        passes.insert(pass);
+    }
+    let n = r.count(33, "batch id")?;
+    let mut batches = BTreeSet::new();
+    for _ in 0..n {
+        let index = r.varint("batch index")?;
+        let content = r.digest("batch content hash")?;
+        let id = BatchId { index, content };
+        ascending(batches.last(), &id, "batch id")?;
+        batches.insert(id);
+    }
+    let provenance = Provenance {
+        models,
+        data,
+        recipes,
+        passes,
+        batches,
+        forced: flags & 1 == 1,
+    };
+
+    let n = r.count(8, "tensor")?;
+    let mut tensors = BTreeMap::new();
+    for _ in 0..n {
+        let name = r.string("tensor name")?;
+        if tensors.keys().next_back().is_some_and(|last| *last >= name) {
+            return Err(Error::Corrupt(format!(
+                "tensor {name:?} out of order or repeated"
+            )));
+        }
+        let tensor = read_tensor(r, &name)?;
+        tensors.insert(name, tensor);
+    }
+    Ok(Stats {
+        provenance,
+        tensors,
+    })
+}
+
+fn read_tensor(r: &mut Reader<'_>, name: &str) -> Result<TensorStats> {
+    let context = |what: &str| format!("tensor {name:?}: {what}");
+    let zero = r.varint(&context("zero count"))?;
+    let nan = r.varint(&context("NaN count"))?;
+    let pos_inf = r.varint(&context("+inf count"))?;
+    let neg_inf = r.varint(&context("-inf count"))?;
+    let (min, max) = match r.byte(&context("extremes flag"))? {
+        0 => (None, None),
+        1 => {
+            let min = f32::from_bits(r.u32(&context("min"))?);
+            let max = f32::from_bits(r.u32(&context("max"))?);
+            (Some(min), Some(max))
+        }
+        other => {
+            return Err(Error::Corrupt(context(&format!(
+                "bad extremes flag {other}"
+            ))));
+        }
+    };
+    let n = r.count(2, &context("bin"))?;
+    let mut bins = Vec::with_capacity(n);
+    let mut index = 0u64;
+    for i in 0..n {
+        let delta = r.varint(&context("bin index"))?;
+        if i > 0 && delta == 0 {
+            return Err(Error::Corrupt(context("repeated histogram bin")));
+        }
+        index = index
+            .checked_add(delta)
+            .filter(|&v| v <= u64::from(u16::MAX))
+            .ok_or_else(|| Error::Corrupt(context("histogram bin index out of range")))?;
+        let count = r.varint(&context("bin count"))?;
+        bins.push((index as u16, count));
+    }
+    let histogram = Histogram::from_parts(HistogramParts {
+        bins,
+        zero,
+        nan,
+        pos_inf,
+        neg_inf,
+        min,
+        max,
+    })
+    .map_err(|e| Error::Corrupt(context(&e.to_string())))?;
+    let channels = match r.byte(&context("channels flag"))? {
+        0 => None,
+        1 => {
+            let n = r.count(4, &context("channel"))?;
+            let mut channels = Vec::with_capacity(n);
+            for _ in 0..n {
+                channels.push(r.u32(&context("channel abs-max"))?);
+            }
+            Some(channels)
+        }
+        other => {
+            return Err(Error::Corrupt(context(&format!(
+                "bad channels flag {other}"
+            ))));
+        }
+    };
+    TensorStats::from_parts(histogram, channels)
+        .map_err(|e| Error::Corrupt(context(&e.to_string())))
+}
+
+/// Rejects a set element that does not strictly follow its predecessor, so the
+/// body stays canonical.
+fn ascending<T: Ord + std::fmt::Debug>(previous: Option<&T>, next: &T, what: &str) -> Result<()> {
+    match previous {
+        Some(p) if p >= next => Err(Error::Corrupt(format!(
+            "{what} set not in strictly ascending order ({p:?} then {next:?})"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+fn put_str(out: &mut Vec<u8>, text: &str) {
+    put_varint(out, text.len() as u64);
+    out.extend_from_slice(text.as_bytes());
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    offset: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let remaining = self.bytes.len() - self.offset;
+        if n > remaining {
+            return Err(Error::Corrupt(format!(
+                "{what} needs {n} bytes at body offset {}, only {remaining} left",
+                self.offset
+            )));
+        }
+        let slice = &self.bytes[self.offset..self.offset + n];
+        self.offset += n;
+        Ok(slice)
+    }
+
+    fn byte(&mut self, what: &str) -> Result<u8> {
+        Ok(self.take(1, what)?[0])
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn digest(&mut self, what: &str) -> Result<Digest> {
+        Ok(Digest(self.take(32, what)?.try_into().expect("32 bytes")))
+    }
+
+    fn varint(&mut self, what: &str) -> Result<u64> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = self.byte(what)?;
+            let bits = u64::from(byte & 0x7F);
+            if shift == 63 && bits > 1 {
+                break;
+            }
+            value |= bits << shift;
+            if byte & 0x80 == 0 {
+                // A final zero byte after the first would be a second encoding
+                // of the same number.
+                if byte == 0 && shift > 0 {
+                    break;
+                }
+                return Ok(value);
+            }
+        }
+        Err(Error::Corrupt(format!(
+            "{what}: malformed varint ending at body offset {}",
+            self.offset
+        )))
+    }
+
+    /// Reads an element count and checks that `n` elements of at least
+    /// `min_size` bytes each can fit in what is left, so a corrupt count cannot
+    /// make the decoder allocate without bound.
+    fn count(&mut self, min_size: usize, what: &str) -> Result<usize> {
+        let n = self.varint(&format!("{what} count"))?;
+        let remaining = (self.bytes.len() - self.offset) as u64;
+        if n.saturating_mul(min_size as u64) > remaining {
+            return Err(Error::Corrupt(format!(
+                "{n} {what} entries cannot fit in the {remaining} bytes left"
+            )));
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self, what: &str) -> Result<String> {
+        let len = self.count(1, what)?;
+        let bytes = self.take(len, what)?;
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| Error::Corrupt(format!("{what} is not valid UTF-8")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stats::MergePolicy;
+
+    fn sample() -> Stats {
+        let mut tensor = TensorStats::with_channels(3);
+        tensor
+            .observe(&[1.0, -2.0, 0.0, f32::NAN, 7.5, -0.25])
+            .unwrap();
+        let mut plain = TensorStats::new();
+        plain.observe(&[f32::INFINITY, -3.0]).unwrap();
+        let id = BatchId {
+            index: 3,
+            content: Digest::of(b"batch"),
+        };
+        Stats {
+            provenance: Provenance::single(
+                Some(Digest::of(b"model")),
+                Digest::of(b"data"),
+                Digest::of(b"recipe"),
+                "activation",
+                id,
+            ),
+            tensors: BTreeMap::from([
+                ("model.layers.0.mlp.down_proj".to_owned(), tensor),
+                ("a".to_owned(), plain),
+                ("empty".to_owned(), TensorStats::new()),
+            ]),
+        }
+    }
+
+    #[test]
+    fn round_trips_exactly() {
+        let stats = sample();
+        let bytes = encode(&stats);
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back, stats);
+        assert_eq!(encode(&back), bytes);
+    }
+
+    #[test]
+    fn rejects_bad_magic_version_truncation_and_checksum() {
+        let bytes = encode(&sample());
+        assert!(matches!(decode(b"PK\x03\x04rest"), Err(Error::NotStats)));
+        let mut wrong_version = bytes.clone();
+        wrong_version[8] = 9;
+        assert!(matches!(
+            decode(&wrong_version),
+            Err(Error::Version { found: 9, .. })
+        ));
+        for cut in [3, 12, 25, bytes.len() - 1] {
+            let err = decode(&bytes[..cut]).unwrap_err();
+            assert!(matches!(err, Error::Truncated(_)), "cut {cut}: {err}");
+        }
+        for position in [HEADER_LEN, HEADER_LEN + 40, bytes.len() - 6] {
+            let mut flipped = bytes.clone();
+            flipped[position] ^= 0x10;
+            let err = decode(&flipped).unwrap_err();
+            assert!(
+                matches!(err, Error::Checksum { .. }),
+                "byte {position}: {err}"
+            );
+        }
+        let mut extended = bytes.clone();
+        extended.push(0);
+        assert!(matches!(decode(&extended), Err(Error::Corrupt(_))));
+    }
+
+    /// Re-seals a modified body with a valid checksum, to reach the structural
+    /// checks behind it.
+    fn seal(body: &[u8]) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        out.extend_from_slice(body);
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    #[test]
+    fn rejects_structurally_invalid_bodies_with_a_valid_checksum() {
+        // A count that cannot fit must not allocate.
+        let mut body = vec![0u8];
+        put_varint(&mut body, u64::MAX / 2);
+        assert!(matches!(decode(&seal(&body)), Err(Error::Corrupt(_))));
+        // Unsorted digests are not canonical.
+        let mut body = vec![0u8, 2];
+        body.extend_from_slice(&[9; 32]);
+        body.extend_from_slice(&[1; 32]);
+        let err = decode(&seal(&body)).unwrap_err();
+        assert!(err.to_string().contains("ascending"), "{err}");
+        // Histogram counts that disagree with the extremes.
+        let mut stats = Stats::default();
+        let mut t = TensorStats::new();
+        t.observe(&[1.0]).unwrap();
+        stats.tensors.insert("x".into(), t);
+        let bytes = encode(&stats);
+        let body = &bytes[HEADER_LEN..bytes.len() - TRAILER_LEN];
+        // Drop the extremes: flag byte follows name and four zero-count varints.
+        let flag_at = 1 + 3 + 1 + 1 + 1 + 2 + 4;
+        assert_eq!(body[flag_at], 1);
+        let mut broken = body[..flag_at].to_vec();
+        broken.push(0);
+        broken.extend_from_slice(&body[flag_at + 9..]);
+        let err = decode(&seal(&broken)).unwrap_err();
+        assert!(err.to_string().contains("inconsistent"), "{err}");
+    }
+
+    #[test]
+    fn equal_stats_from_different_merge_orders_encode_identically() {
+        let mut a = sample();
+        let mut b = sample();
+        b.provenance.batches = BTreeSet::from([BatchId {
+            index: 4,
+            content: Digest::of(b"other"),
+        }]);
+        let mut ab = a.clone();
+        ab.merge(&b, MergePolicy::Strict).unwrap();
+        let mut ba = b.clone();
+        ba.merge(&a, MergePolicy::Strict).unwrap();
+        assert_eq!(encode(&ab), encode(&ba));
+        // Merging the same batch twice is refused and leaves `a` untouched.
+        let before = encode(&a);
+        assert!(a.merge(&sample(), MergePolicy::Strict).is_err());
+        assert_eq!(encode(&a), before);
+    }
+}

@@ -1,0 +1,587 @@
+//! A histogram of f32 values whose bins do not depend on the data.
+//!
+//! # Bins
+//!
+//! A finite value's bin is the top 16 bits of its IEEE-754 pattern: the sign, the
+//! 8 exponent bits and the top [`MANTISSA_BITS`] = 7 mantissa bits (the value
+//! truncated to bfloat16). Within one octave `[2^e, 2^(e+1))` that cuts 128 equal
+//! bins, so a bin's width relative to its lower edge is at most 2^-7 ≈ 0.78 %.
+//! Seven bits is the least that meets a 1 % bound (six give 1.56 %), and cutting at
+//! bit 16 makes binning a single shift with no range check, because every index
+//! fits the 65 536-slot table (as HdrHistogram and DDSketch cut log-linear buckets
+//! from a value's bits, for integers and for a relative-accuracy sketch).
+//! Subnormals (|x| < 1.2e-38) fall into linear bins of their own; no int8 scale can
+//! resolve them, so their coarse relative width does not matter.
+//!
+//! Exact zeros (+0 and −0) have their own count, as do NaN, +∞ and −∞, so the
+//! 65 536 bins hold only finite non-zero values.
+//!
+//! # Merging
+//!
+//! Counts are `u64` and merge by addition; min/max are kept as order-preserving
+//! integer keys and merge by integer min/max. Every merge is therefore exact,
+//! commutative and associative: any sharding of the same values gives the same
+//! histogram, bit for bit.
+//!
+//! # Storage
+//!
+//! Dense: one `u64` per bin (512 KiB). The `observe` benchmark measured the dense
+//! table against a sparse map (see BENCHMARKS.md); dense wins by more than an order
+//! of magnitude on the hot path, and only the non-empty bins are serialized.
+
+use crate::error::{Error, Result};
+
+/// Mantissa bits kept in a bin index (see the module docs for the choice).
+pub const MANTISSA_BITS: u32 = 7;
+/// Bits dropped from an f32 pattern to form its bin index.
+const SHIFT: u32 = 23 - MANTISSA_BITS;
+/// Number of bins: every 16-bit pattern.
+pub const BIN_COUNT: usize = 1 << (32 - SHIFT);
+
+/// Sign bit of an f32 pattern.
+const SIGN: u32 = 0x8000_0000;
+/// Pattern of +∞; a magnitude above it is a NaN.
+const INF_BITS: u32 = 0x7F80_0000;
+/// First bin index whose exponent is all ones (Inf and NaN only).
+const FIRST_SPECIAL_BIN: usize = (INF_BITS >> SHIFT) as usize;
+/// Number of bins per sign that hold only Inf/NaN patterns.
+const SPECIAL_BINS: usize = (1 << (31 - SHIFT)) - FIRST_SPECIAL_BIN;
+/// Index of the bin holding −0 (and the tiniest negative subnormals).
+const NEG_ZERO_BIN: usize = (SIGN >> SHIFT) as usize;
+
+/// Order-preserving map from an f32 pattern to a `u32`: `a < b` (IEEE, with
+/// −0 < +0) iff `key(a) < key(b)`. Using it for min/max makes them independent of
+/// the order values arrive in, even for signed zeros.
+#[inline(always)]
+fn order_key(bits: u32) -> u32 {
+    if bits & SIGN != 0 { !bits } else { bits | SIGN }
+}
+
+/// Inverse of [`order_key`].
+#[inline(always)]
+fn from_order_key(key: u32) -> f32 {
+    f32::from_bits(if key & SIGN != 0 { key & !SIGN } else { !key })
+}
+
+/// Magnitude range `[lower, upper)` covered by bin `index` (sign ignored).
+///
+/// The last finite bin's upper edge is +∞; callers that know the data's
+/// abs-max clamp it (see [`Histogram::magnitude_bins`]).
+pub fn bin_magnitude_range(index: u16) -> (f32, f32) {
+    let magnitude = u32::from(index) & 0x7FFF;
+    (
+        f32::from_bits(magnitude << SHIFT),
+        f32::from_bits((magnitude + 1) << SHIFT),
+    )
+}
+
+/// Bin index of a value (meaningful for finite non-zero values).
+#[inline(always)]
+pub fn bin_index(value: f32) -> u16 {
+    (value.to_bits() >> SHIFT) as u16
+}
+
+/// One non-empty bin of |x|, as seen by the calibrators.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MagnitudeBin {
+    /// Inclusive lower edge.
+    pub lower: f64,
+    /// Exclusive upper edge, clamped to the observed abs-max.
+    pub upper: f64,
+    /// Number of values whose magnitude falls in the bin.
+    pub count: u64,
+}
+
+/// Exact, mergeable histogram of f32 values with min/max and special-value counts.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Histogram {
+    /// Finite non-zero values per bin; the zero and special bins stay empty.
+    counts: Box<[u64; BIN_COUNT]>,
+    zero: u64,
+    nan: u64,
+    pos_inf: u64,
+    neg_inf: u64,
+    /// Order key of the smallest finite value; `u32::MAX` when there is none.
+    min_key: u32,
+    /// Order key of the largest finite value; `0` when there is none.
+    max_key: u32,
+}
+
+impl std::fmt::Debug for Histogram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Histogram")
+            .field("count", &self.count())
+            .field("zero", &self.zero)
+            .field("nan", &self.nan)
+            .field("pos_inf", &self.pos_inf)
+            .field("neg_inf", &self.neg_inf)
+            .field("min", &self.min())
+            .field("max", &self.max())
+            .field("non_empty_bins", &self.non_empty_bins().count())
+            .finish()
+    }
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Per-call tallies of the vectorised pass, folded into the histogram at the end.
+struct Tally {
+    pos_zero: u64,
+    neg_zero: u64,
+    pos_inf: u64,
+    neg_inf: u64,
+    special: u64,
+    min_key: u32,
+    max_key: u32,
+}
+
+/// Values per block: the tally pass and the binning pass both walk one block, so
+/// the second reads it from L1 (16 KiB), and the `u32` lane counters cannot
+/// overflow within a block.
+const BLOCK: usize = 4096;
+/// Lanes of the tally pass: 8 × 32 bits fills one AVX2 register.
+const LANES: usize = 8;
+
+/// The observation kernel. `inline(always)` so that each CPU tier below compiles
+/// its own copy with that tier's instructions.
+#[inline(always)]
+fn observe_kernel(counts: &mut [u64; BIN_COUNT], values: &[f32], tally: &mut Tally) {
+    for block in values.chunks(BLOCK) {
+        // Pass 1, vectorisable: min/max over finite values and counts of the
+        // patterns that the binning pass cannot tell apart (±0, ±∞, NaN).
+        let mut min_k = [u32::MAX; LANES];
+        let mut max_k = [0u32; LANES];
+        let mut pos_zero = [0u32; LANES];
+        let mut neg_zero = [0u32; LANES];
+        let mut pos_inf = [0u32; LANES];
+        let mut neg_inf = [0u32; LANES];
+        let mut special = [0u32; LANES];
+        let lanes = block.chunks_exact(LANES);
+        let rest = lanes.remainder();
+        for group in lanes {
+            for l in 0..LANES {
+                let bits = group[l].to_bits();
+                let finite = bits & !SIGN < INF_BITS;
+                let key = order_key(bits);
+                min_k[l] = min_k[l].min(if finite { key } else { u32::MAX });
+                max_k[l] = max_k[l].max(if finite { key } else { 0 });
+                pos_zero[l] += u32::from(bits == 0);
+                neg_zero[l] += u32::from(bits == SIGN);
+                pos_inf[l] += u32::from(bits == INF_BITS);
+                neg_inf[l] += u32::from(bits == INF_BITS | SIGN);
+                special[l] += u32::from(!finite);
+            }
+        }
+        for (l, value) in rest.iter().enumerate() {
+            let bits = value.to_bits();
+            let finite = bits & !SIGN < INF_BITS;
+            let key = order_key(bits);
+            min_k[l] = min_k[l].min(if finite { key } else { u32::MAX });
+            max_k[l] = max_k[l].max(if finite { key } else { 0 });
+            pos_zero[l] += u32::from(bits == 0);
+            neg_zero[l] += u32::from(bits == SIGN);
+            pos_inf[l] += u32::from(bits == INF_BITS);
+            neg_inf[l] += u32::from(bits == INF_BITS | SIGN);
+            special[l] += u32::from(!finite);
+        }
+        let sum = |lanes: [u32; LANES]| lanes.iter().map(|&c| u64::from(c)).sum::<u64>();
+        tally.pos_zero += sum(pos_zero);
+        tally.neg_zero += sum(neg_zero);
+        tally.pos_inf += sum(pos_inf);
+        tally.neg_inf += sum(neg_inf);
+        tally.special += sum(special);
+        tally.min_key = min_k.iter().fold(tally.min_key, |a, &b| a.min(b));
+        tally.max_key = max_k.iter().fold(tally.max_key, |a, &b| a.max(b));
+
+        // Pass 2, scalar: one increment per value. The index is a u16, so the
+        // fixed-size table needs no bounds check. Zeros and specials land in
+        // their own bins here and are moved out in `fold_tally`.
+        for value in block {
+            counts[(value.to_bits() >> SHIFT) as usize] += 1;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn observe_avx2(counts: &mut [u64; BIN_COUNT], values: &[f32], tally: &mut Tally) {
+    observe_kernel(counts, values, tally)
+}
+
+fn observe_portable(counts: &mut [u64; BIN_COUNT], values: &[f32], tally: &mut Tally) {
+    observe_kernel(counts, values, tally)
+}
+
+/// A CPU tier of the observation kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObserveTier {
+    /// The kernel compiled for the target's baseline instruction set.
+    Portable,
+    /// The kernel compiled with AVX2 (x86-64 only).
+    Avx2,
+}
+
+impl ObserveTier {
+    /// The fastest tier this CPU supports.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            return Self::Avx2;
+        }
+        Self::Portable
+    }
+
+    /// Whether this CPU can run the tier.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Self::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => std::is_x86_feature_detected!("avx2"),
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx2 => false,
+        }
+    }
+}
+
+impl Histogram {
+    /// An empty histogram.
+    pub fn new() -> Self {
+        Self {
+            counts: vec![0u64; BIN_COUNT]
+                .into_boxed_slice()
+                .try_into()
+                .expect("BIN_COUNT elements"),
+            zero: 0,
+            nan: 0,
+            pos_inf: 0,
+            neg_inf: 0,
+            min_key: u32::MAX,
+            max_key: 0,
+        }
+    }
+
+    /// Records every value of `values` using the fastest kernel this CPU has.
+    /// Does not allocate.
+    pub fn observe(&mut self, values: &[f32]) {
+        self.observe_with(ObserveTier::detect(), values)
+            .expect("detected tier is supported");
+    }
+
+    /// Records `values` with a chosen kernel tier; errors if the CPU lacks it.
+    /// Tests use this to compare tiers.
+    pub fn observe_with(&mut self, tier: ObserveTier, values: &[f32]) -> Result<()> {
+        if !tier.is_supported() {
+            return Err(Error::UnsupportedTier(format!("{tier:?}")));
+        }
+        let mut tally = Tally {
+            pos_zero: 0,
+            neg_zero: 0,
+            pos_inf: 0,
+            neg_inf: 0,
+            special: 0,
+            min_key: u32::MAX,
+            max_key: 0,
+        };
+        match tier {
+            ObserveTier::Portable => observe_portable(&mut self.counts, values, &mut tally),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `is_supported` confirmed AVX2 above.
+            ObserveTier::Avx2 => unsafe { observe_avx2(&mut self.counts, values, &mut tally) },
+            #[cfg(not(target_arch = "x86_64"))]
+            ObserveTier::Avx2 => unreachable!("rejected by is_supported"),
+        }
+        self.fold_tally(&tally);
+        Ok(())
+    }
+
+    /// Moves zeros and non-finite values out of the bins the binning pass put
+    /// them in, into their own counts.
+    fn fold_tally(&mut self, tally: &Tally) {
+        self.counts[0] -= tally.pos_zero;
+        self.counts[NEG_ZERO_BIN] -= tally.neg_zero;
+        self.zero += tally.pos_zero + tally.neg_zero;
+        if tally.special > 0 {
+            // Only Inf/NaN patterns have an all-ones exponent, so these bins
+            // hold exactly the `special` values of this call.
+            let mut moved = 0;
+            for start in [FIRST_SPECIAL_BIN, FIRST_SPECIAL_BIN | NEG_ZERO_BIN] {
+                for bin in &mut self.counts[start..start + SPECIAL_BINS] {
+                    moved += *bin;
+                    *bin = 0;
+                }
+            }
+            debug_assert_eq!(moved, tally.special);
+            self.pos_inf += tally.pos_inf;
+            self.neg_inf += tally.neg_inf;
+            self.nan += tally.special - tally.pos_inf - tally.neg_inf;
+        }
+        self.min_key = self.min_key.min(tally.min_key);
+        self.max_key = self.max_key.max(tally.max_key);
+    }
+
+    /// Adds `other` into `self`: integer addition of counts, min/max of extremes.
+    pub fn merge(&mut self, other: &Histogram) {
+        for (a, b) in self.counts.iter_mut().zip(other.counts.iter()) {
+            *a += *b;
+        }
+        self.zero += other.zero;
+        self.nan += other.nan;
+        self.pos_inf += other.pos_inf;
+        self.neg_inf += other.neg_inf;
+        self.min_key = self.min_key.min(other.min_key);
+        self.max_key = self.max_key.max(other.max_key);
+    }
+
+    /// Number of finite values (zeros included).
+    pub fn count(&self) -> u64 {
+        self.zero + self.counts.iter().sum::<u64>()
+    }
+
+    /// Number of exact zeros (+0 and −0).
+    pub fn zero(&self) -> u64 {
+        self.zero
+    }
+
+    /// Number of NaNs.
+    pub fn nan(&self) -> u64 {
+        self.nan
+    }
+
+    /// Number of +∞.
+    pub fn pos_inf(&self) -> u64 {
+        self.pos_inf
+    }
+
+    /// Number of −∞.
+    pub fn neg_inf(&self) -> u64 {
+        self.neg_inf
+    }
+
+    /// Smallest finite value, if any.
+    pub fn min(&self) -> Option<f32> {
+        (self.min_key != u32::MAX).then(|| from_order_key(self.min_key))
+    }
+
+    /// Largest finite value, if any.
+    pub fn max(&self) -> Option<f32> {
+        (self.max_key != 0).then(|| from_order_key(self.max_key))
+    }
+
+    /// Largest finite magnitude, if any finite value was seen.
+    pub fn abs_max(&self) -> Option<f32> {
+        Some(self.min()?.abs().max(self.max()?.abs()))
+    }
+
+    /// Non-empty bins of finite non-zero values as `(index, count)`, in index order.
+    pub fn non_empty_bins(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c != 0)
+            .map(|(i, &c)| (i as u16, c))
+    }
+
+    /// Count of one bin.
+    pub fn bin(&self, index: u16) -> u64 {
+        self.counts[usize::from(index)]
+    }
+
+    /// The distribution of |x| over finite non-zero values, ascending, with the
+    /// sign folded and the top bin clamped to the abs-max. Zeros are in
+    /// [`Histogram::zero`].
+    pub fn magnitude_bins(&self) -> Vec<MagnitudeBin> {
+        let Some(abs_max) = self.abs_max() else {
+            return Vec::new();
+        };
+        let abs_max = f64::from(abs_max);
+        (0..NEG_ZERO_BIN)
+            .filter_map(|i| {
+                let count = self.counts[i] + self.counts[i | NEG_ZERO_BIN];
+                (count != 0).then(|| {
+                    let (lower, upper) = bin_magnitude_range(i as u16);
+                    MagnitudeBin {
+                        lower: f64::from(lower),
+                        upper: f64::from(upper).min(abs_max),
+                        count,
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Rebuilds a histogram from its parts, validating that they are consistent.
+    /// Used by the `.qstats` decoder.
+    pub(crate) fn from_parts(parts: HistogramParts) -> Result<Self> {
+        let mut histogram = Self::new();
+        let mut previous: Option<u16> = None;
+        for (index, count) in parts.bins {
+            let i = usize::from(index);
+            let special = (FIRST_SPECIAL_BIN..NEG_ZERO_BIN).contains(&(i & 0x7FFF));
+            if special || count == 0 || previous.is_some_and(|p| p >= index) {
+                return Err(Error::Corrupt(format!(
+                    "histogram bin {index:#06x} (count {count}) is invalid or out of order"
+                )));
+            }
+            histogram.counts[i] = count;
+            previous = Some(index);
+        }
+        histogram.zero = parts.zero;
+        histogram.nan = parts.nan;
+        histogram.pos_inf = parts.pos_inf;
+        histogram.neg_inf = parts.neg_inf;
+        let finite = histogram.count();
+        match (parts.min, parts.max) {
+            (None, None) if finite == 0 => {}
+            (Some(min), Some(max)) if finite > 0 && min.is_finite() && max.is_finite() => {
+                histogram.min_key = order_key(min.to_bits());
+                histogram.max_key = order_key(max.to_bits());
+                if histogram.min_key > histogram.max_key {
+                    return Err(Error::Corrupt(format!("min {min} exceeds max {max}")));
+                }
+            }
+            _ => {
+                return Err(Error::Corrupt(format!(
+                    "min/max ({:?}, {:?}) inconsistent with {finite} finite values",
+                    parts.min, parts.max
+                )));
+            }
+        }
+        Ok(histogram)
+    }
+}
+
+/// A histogram taken apart for serialization.
+pub(crate) struct HistogramParts {
+    pub bins: Vec<(u16, u64)>,
+    pub zero: u64,
+    pub nan: u64,
+    pub pos_inf: u64,
+    pub neg_inf: u64,
+    pub min: Option<f32>,
+    pub max: Option<f32>,
+}
+
+impl Histogram {
+    /// Takes the histogram apart for serialization.
+    pub(crate) fn to_parts(&self) -> HistogramParts {
+        HistogramParts {
+            bins: self.non_empty_bins().collect(),
+            zero: self.zero,
+            nan: self.nan,
+            pos_inf: self.pos_inf,
+            neg_inf: self.neg_inf,
+            min: self.min(),
+            max: self.max(),
+        }
+    }
+}
+
+/// The scalar twin of the observation kernels: classifies one value at a time
+/// with ordinary float operations. Tests compare every tier against it.
+pub fn observe_reference(histogram: &mut Histogram, values: &[f32]) {
+    for &v in values {
+        if v.is_nan() {
+            histogram.nan += 1;
+        } else if v == f32::INFINITY {
+            histogram.pos_inf += 1;
+        } else if v == f32::NEG_INFINITY {
+            histogram.neg_inf += 1;
+        } else {
+            if v == 0.0 {
+                histogram.zero += 1;
+            } else {
+                histogram.counts[usize::from(bin_index(v))] += 1;
+            }
+            let key = order_key(v.to_bits());
+            histogram.min_key = histogram.min_key.min(key);
+            histogram.max_key = histogram.max_key.max(key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bins_are_at_most_one_percent_wide_for_normal_values() {
+        let mut worst: f64 = 0.0;
+        for magnitude in (1u16 << MANTISSA_BITS)..(FIRST_SPECIAL_BIN as u16 - 1) {
+            let (lo, hi) = bin_magnitude_range(magnitude);
+            worst = worst.max((f64::from(hi) - f64::from(lo)) / f64::from(lo));
+        }
+        assert!(worst <= 0.01, "relative bin width {worst}");
+        assert!((worst - 2f64.powi(-7)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn every_value_falls_inside_its_bin() {
+        for v in [1.0f32, 1.5, 3.14159, 1e-30, 6.5e4, 3.0e38, -2.75, -1e-20] {
+            let (lo, hi) = bin_magnitude_range(bin_index(v));
+            assert!(lo <= v.abs() && v.abs() < hi, "{v} not in [{lo}, {hi})");
+        }
+    }
+
+    #[test]
+    fn special_values_and_zeros_are_counted_apart() {
+        let weird_nan = f32::from_bits(0x7F80_0001); // NaN whose bin is +Inf's
+        let values = [
+            0.0,
+            -0.0,
+            f32::NAN,
+            -f32::NAN,
+            weird_nan,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1.0,
+            -2.0,
+            f32::from_bits(1), // smallest subnormal: not a zero
+        ];
+        let mut h = Histogram::new();
+        h.observe(&values);
+        assert_eq!(h.zero(), 2);
+        assert_eq!(h.nan(), 3);
+        assert_eq!(h.pos_inf(), 1);
+        assert_eq!(h.neg_inf(), 1);
+        assert_eq!(h.count(), 5);
+        assert_eq!(h.min(), Some(-2.0));
+        assert_eq!(h.max(), Some(1.0));
+        assert_eq!(h.bin(0), 1, "subnormal in the lowest bin");
+        assert_eq!(h.non_empty_bins().count(), 3);
+    }
+
+    #[test]
+    fn signed_zero_extremes_do_not_depend_on_order() {
+        let mut a = Histogram::new();
+        a.observe(&[0.0, -0.0]);
+        let mut b = Histogram::new();
+        b.observe(&[-0.0, 0.0]);
+        assert_eq!(a, b);
+        assert_eq!(a.min().map(f32::to_bits), Some((-0.0f32).to_bits()));
+        assert_eq!(a.max().map(f32::to_bits), Some(0.0f32.to_bits()));
+    }
+
+    #[test]
+    fn empty_and_all_nan_have_no_extremes() {
+        let mut h = Histogram::new();
+        assert_eq!((h.min(), h.max(), h.abs_max()), (None, None, None));
+        h.observe(&[f32::NAN; 9]);
+        assert_eq!((h.count(), h.nan(), h.min()), (0, 9, None));
+        assert!(h.magnitude_bins().is_empty());
+    }
+
+    #[test]
+    fn magnitude_bins_fold_signs_and_clamp_the_top() {
+        let mut h = Histogram::new();
+        h.observe(&[1.0, -1.0, 3.0, 0.0]);
+        let bins = h.magnitude_bins();
+        assert_eq!(bins.len(), 2);
+        assert_eq!(bins[0].count, 2);
+        assert_eq!(bins[0].lower, 1.0);
+        assert_eq!(bins[1].upper, 3.0, "top bin clamped to abs-max");
+    }
+}

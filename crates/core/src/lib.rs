@@ -1,0 +1,33 @@
+//! `qforge-core`: the numeric heart of qforge.
+//!
+//! It owns the calibration statistics and everything computed from them:
+//!
+//! - [`Histogram`] and [`TensorStats`]: exact, mergeable statistics of f32
+//!   activations (data-independent log-linear bins, integer counts, min/max,
+//!   per-channel abs-max). Merging is integer addition or max, so statistics of
+//!   any sharding of the same data are identical bit for bit.
+//! - [`Stats`], [`Provenance`], [`BatchId`]: the merged statistics of a pass,
+//!   where they came from, and which batches they contain.
+//! - [`Calibrator`]: minmax, percentile, entropy (KL), mse and sigma clipping.
+//! - [`QuantParams`], [`RowQuantized`]: int8 quantization parameters (symmetric,
+//!   asymmetric, per-tensor, per-channel, per-token) and (de)quantization.
+//! - [`error_metrics`]: MSE, SQNR and max-abs error.
+//! - [`codec`]: the `.qstats` file format, bytes in and bytes out.
+//!
+//! It must not depend on any other qforge crate, and performs no file or network
+//! I/O and no async: callers hand it bytes and slices.
+
+pub mod calibrate;
+pub mod codec;
+pub mod error;
+pub mod histogram;
+pub mod metrics;
+pub mod params;
+pub mod stats;
+
+pub use calibrate::Calibrator;
+pub use error::{Error, Result};
+pub use histogram::{Histogram, ObserveTier};
+pub use metrics::{ErrorMetrics, error_metrics};
+pub use params::{Fit, QuantParams, RangeWarning, RowQuantized};
+pub use stats::{BatchId, Digest, DigestBuilder, MergePolicy, Provenance, Stats, TensorStats};
