@@ -1,1 +1,112 @@
-fn main() {}
+//! `qforge`: quantize trained RL policies to INT8 and deploy them.
+//!
+//! Raw arguments are parsed by clap (usage errors exit with 2), validated into
+//! a command, and run; `main` maps the outcome to the documented exit codes.
+
+mod demo;
+mod input;
+mod output;
+mod stats_cmd;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Exit code of a successful run.
+const EXIT_OK: u8 = 0;
+/// Exit code of a failed run (bad data, I/O error, refused merge, …).
+const EXIT_FAILURE: u8 = 1;
+/// Exit code of a usage error (bad flags or arguments).
+const EXIT_USAGE: u8 = 2;
+
+/// An error in how qforge was invoked, as opposed to a failure while running.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+#[derive(Parser)]
+#[command(
+    name = "qforge",
+    version,
+    about = "Quantize trained RL policies to INT8 and deploy them",
+    long_about = "qforge quantizes trained reinforcement-learning policies (LLM policies and MLP \
+                  control policies) to INT8 after training, with calibration statistics that merge \
+                  exactly across any number of workers.\n\n\
+                  Exit codes: 0 success; 1 failure (bad input data, I/O error, refused merge); \
+                  2 usage error (bad flags or arguments)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Inspect, create and merge calibration statistics (.qstats files).
+    #[command(subcommand)]
+    Stats(StatsCommand),
+    /// Run the calibration-statistics demo: synthetic activations observed by one
+    /// worker and by several worker threads give byte-identical statistics.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum StatsCommand {
+    /// Make statistics from a file of values (raw little-endian f32, or .npy).
+    ///
+    /// The batch id and data hash are the SHA-256 of the values, so statistics of
+    /// different files never collide and merging them needs --force.
+    Observe(stats_cmd::ObserveArgs),
+    /// Merge statistics files exactly (integer addition of histograms).
+    ///
+    /// Refuses files of different provenance (model, data, recipe, pass) or with
+    /// overlapping batch ids, unless --force.
+    Merge(stats_cmd::MergeArgs),
+    /// Show the statistics of a file and the threshold each calibrator chooses.
+    Show(stats_cmd::ShowArgs),
+}
+
+/// Flags shared by commands that print results.
+#[derive(Args, Clone, Copy)]
+pub struct OutputFlags {
+    /// Print machine-readable JSON on stdout instead of a human summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A required output path.
+#[derive(Args)]
+pub struct OutputPath {
+    /// Where to write the result (written atomically: temp file + rename).
+    #[arg(short = 'o', long = "output", value_name = "OUT")]
+    pub output: PathBuf,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Stats(StatsCommand::Observe(args)) => stats_cmd::observe(args),
+        Command::Stats(StatsCommand::Merge(args)) => stats_cmd::merge(args),
+        Command::Stats(StatsCommand::Show(args)) => stats_cmd::show(args),
+        Command::Demo(args) => demo::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::from(EXIT_OK),
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            if error.downcast_ref::<UsageError>().is_some() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::from(EXIT_FAILURE)
+            }
+        }
+    }
+}

@@ -319,7 +319,7 @@ fn moments(histogram: &Histogram) -> Option<(f64, f64)> {
 const ENTROPY_BINS: usize = 2048;
 /// Quantized levels of the entropy method (the positive half of int8).
 const ENTROPY_LEVELS: usize = 128;
-/// Smoothing mass given to empty entries before KL (MXNet's choice).
+/// Smoothing mass, in counts, given to empty entries before KL (MXNet's choice).
 const ENTROPY_EPSILON: f64 = 1e-4;
 
 fn entropy_threshold(histogram: &Histogram, abs_max: f64) -> f64 {
@@ -381,19 +381,21 @@ fn entropy_threshold(histogram: &Histogram, abs_max: f64) -> f64 {
     best.1 as f64 * width
 }
 
-/// Normalises `d` and moves ε of mass onto each empty entry, taken evenly from
-/// the others. `None` when `d` has no mass.
+/// Gives each empty entry of the count vector `d` a mass of ε, taken evenly
+/// from the non-empty ones (MXNet's `_smooth_distribution`, which ONNX Runtime
+/// shares). ε is in count units, so against real counts it is negligible; a
+/// non-empty entry never gives up more than half of itself (re-binned counts
+/// can be fractional). `None` when `d` has no mass.
 fn smooth(d: &mut [f64]) -> Option<()> {
-    let total: f64 = d.iter().sum();
     let nonzero = d.iter().filter(|&&v| v > 0.0).count();
-    if total <= 0.0 || nonzero == 0 {
+    if nonzero == 0 {
         return None;
     }
     let zeros = d.len() - nonzero;
     let take = ENTROPY_EPSILON * zeros as f64 / nonzero as f64;
     for v in d.iter_mut() {
         *v = if *v > 0.0 {
-            (*v / total - take).max(f64::MIN_POSITIVE)
+            *v - take.min(*v / 2.0)
         } else {
             ENTROPY_EPSILON
         };

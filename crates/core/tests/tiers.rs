@@ -1,0 +1,71 @@
+//! Every CPU tier of the observation kernel against its scalar twin, on random
+//! lengths (including empty, odd and block-straddling ones) and every value
+//! class. A tier this CPU lacks is reported as skipped, not passed.
+
+use proptest::prelude::*;
+use qforge_core::histogram::observe_reference;
+use qforge_core::{Histogram, ObserveTier};
+
+const TIERS: [ObserveTier; 2] = [ObserveTier::Portable, ObserveTier::Avx2];
+
+fn supported_tiers() -> Vec<ObserveTier> {
+    TIERS
+        .into_iter()
+        .filter(|tier| {
+            let ok = tier.is_supported();
+            if !ok {
+                eprintln!("SKIPPED: observe tier {tier:?} is not supported on this CPU");
+            }
+            ok
+        })
+        .collect()
+}
+
+fn value() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        4 => -100.0f32..100.0,
+        2 => Just(0.0f32),
+        1 => Just(-0.0f32),
+        1 => Just(f32::INFINITY),
+        1 => Just(f32::NEG_INFINITY),
+        1 => any::<u32>().prop_map(f32::from_bits),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn tiers_match_the_scalar_twin(values in proptest::collection::vec(value(), 0..9000)) {
+        let mut reference = Histogram::new();
+        observe_reference(&mut reference, &values);
+        for tier in supported_tiers() {
+            let mut h = Histogram::new();
+            h.observe_with(tier, &values).unwrap();
+            prop_assert_eq!(&h, &reference, "tier {:?}", tier);
+        }
+    }
+}
+
+#[test]
+fn tiers_match_on_finite_blocks_without_specials() {
+    // Exercises the fast path (whole blocks of finite values) on a long input.
+    let values: Vec<f32> = (0..3 * 4096)
+        .map(|i| ((i as f32) * 0.618).sin() * 1e3 * if i % 3 == 0 { 0.0 } else { 1.0 })
+        .collect();
+    let mut reference = Histogram::new();
+    observe_reference(&mut reference, &values);
+    for tier in supported_tiers() {
+        let mut h = Histogram::new();
+        h.observe_with(tier, &values).unwrap();
+        assert_eq!(h, reference, "tier {tier:?}");
+    }
+}
+
+#[test]
+fn unsupported_tier_is_an_error_not_a_silent_fallback() {
+    for tier in TIERS {
+        let result = Histogram::new().observe_with(tier, &[1.0]);
+        assert_eq!(result.is_ok(), tier.is_supported(), "{tier:?}");
+    }
+}
