@@ -79,9 +79,7 @@ fn batch_values(seed: u64, tensor: usize, batch: usize, rows: usize) -> Vec<f32>
                 }
             })
             .collect(),
-        _ => (0..n)
-            .map(|_| normal.sample(&mut rng).max(0.0))
-            .collect(),
+        _ => (0..n).map(|_| normal.sample(&mut rng).max(0.0)).collect(),
     }
 }
 

@@ -14,7 +14,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
+    fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create directory {}", dir.display()))?;
     let file_name = path
         .file_name()
         .with_context(|| format!("output path {} names no file", path.display()))?;

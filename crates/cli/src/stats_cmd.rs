@@ -165,11 +165,7 @@ fn report(stats: &Stats, path: &Path, flags: OutputFlags) -> Result<()> {
         out["output"] = json!(path.display().to_string());
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        let values: u64 = stats
-            .tensors
-            .values()
-            .map(|t| t.histogram().count())
-            .sum();
+        let values: u64 = stats.tensors.values().map(|t| t.histogram().count()).sum();
         println!(
             "wrote {}: {} tensor(s), {} finite value(s), {} batch(es){}",
             path.display(),

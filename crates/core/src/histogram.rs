@@ -564,7 +564,7 @@ mod tests {
 
     #[test]
     fn every_value_falls_inside_its_bin() {
-        for v in [1.0f32, 1.5, 3.14159, 1e-30, 6.5e4, 3.0e38, -2.75, -1e-20] {
+        for v in [1.0f32, 1.5, 3.3, 1e-30, 6.5e4, 3.0e38, -2.75, -1e-20] {
             let (lo, hi) = bin_magnitude_range(bin_index(v));
             assert!(lo <= v.abs() && v.abs() < hi, "{v} not in [{lo}, {hi})");
         }

@@ -41,7 +41,7 @@ impl TensorStats {
     pub fn observe(&mut self, values: &[f32]) -> Result<()> {
         if let Some(channels) = &mut self.channel_abs_max {
             let width = channels.len();
-            if width == 0 || values.len() % width != 0 {
+            if width == 0 || !values.len().is_multiple_of(width) {
                 return Err(Error::Shape(format!(
                     "{} values do not form rows of {width} channels",
                     values.len()

@@ -102,7 +102,12 @@ proptest! {
         shuffle(&mut partials, &mut seed);
         let sharded = merged(&partials);
         prop_assert_eq!(&encode(&sharded), &single);
-        prop_assert_eq!(decode(&single).unwrap(), sharded);
+        prop_assert_eq!(decode(&single).unwrap(), sharded.clone());
+
+        // And both equal the ground truth: every value observed at once.
+        let all: Vec<f32> = batches.concat();
+        let truth = batch_stats(0, &all);
+        prop_assert_eq!(&sharded.tensors, &truth.tensors);
     }
 
     /// A batch merged a second time (a retry or a speculative duplicate) is

@@ -21,14 +21,30 @@ fn supported_tiers() -> Vec<ObserveTier> {
         .collect()
 }
 
-fn value() -> impl Strategy<Value = f32> {
+/// Finite values only: whole blocks then take the vectorised fast path.
+fn finite() -> impl Strategy<Value = f32> {
     prop_oneof![
-        4 => -100.0f32..100.0,
+        6 => -100.0f32..100.0,
         2 => Just(0.0f32),
         1 => Just(-0.0f32),
+        1 => proptest::num::f32::NORMAL | proptest::num::f32::SUBNORMAL,
+    ]
+}
+
+/// Every class, NaN and ±∞ included: blocks take the exact slow path.
+fn any_class() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        4 => finite(),
         1 => Just(f32::INFINITY),
         1 => Just(f32::NEG_INFINITY),
         1 => any::<u32>().prop_map(f32::from_bits),
+    ]
+}
+
+fn values() -> impl Strategy<Value = Vec<f32>> {
+    prop_oneof![
+        proptest::collection::vec(finite(), 0..9000),
+        proptest::collection::vec(any_class(), 0..9000),
     ]
 }
 
@@ -36,7 +52,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
     #[test]
-    fn tiers_match_the_scalar_twin(values in proptest::collection::vec(value(), 0..9000)) {
+    fn tiers_match_the_scalar_twin(values in values()) {
         let mut reference = Histogram::new();
         observe_reference(&mut reference, &values);
         for tier in supported_tiers() {

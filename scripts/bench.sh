@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs the benchmarks and peer comparisons and rewrites BENCHMARKS.md with every
+# figure and the command that produced it. Needs the venv of scripts/test.sh for the
+# ONNX Runtime comparison (it creates it if missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+
+cargo bench -p qforge-core --bench observe -- --warm-up-time 2 --measurement-time 5
+cargo build --release -p qforge-cli
+.venv/bin/python tests/python/ort_crosscheck.py --markdown --qforge target/release/qforge \
+    > target/ort_crosscheck.md
+.venv/bin/python scripts/bench_report.py > BENCHMARKS.md
+echo "wrote BENCHMARKS.md"

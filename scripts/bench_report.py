@@ -1,0 +1,87 @@
+"""Writes BENCHMARKS.md (on stdout) from criterion's results under target/criterion
+and the peer comparisons that scripts/bench.sh leaves under target/."""
+
+import json
+import os
+import platform
+import subprocess
+
+CRITERION = "target/criterion"
+
+
+def throughput(group, bench, case):
+    """Elements per second (mean) of one criterion benchmark, or None."""
+    base = os.path.join(CRITERION, group, bench, case, "new")
+    try:
+        with open(os.path.join(base, "estimates.json")) as f:
+            mean_ns = json.load(f)["mean"]["point_estimate"]
+        with open(os.path.join(base, "benchmark.json")) as f:
+            elements = json.load(f)["throughput"]["Elements"]
+    except (OSError, KeyError, TypeError):
+        return None
+    return elements / (mean_ns * 1e-9)
+
+
+def mean_ns(group, bench):
+    try:
+        with open(os.path.join(CRITERION, group, bench, "new", "estimates.json")) as f:
+            return json.load(f)["mean"]["point_estimate"]
+    except OSError:
+        return None
+
+
+def cpu():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main():
+    rustc = subprocess.run(["rustc", "--version"], capture_output=True, text=True).stdout.strip()
+    print("# Benchmarks\n")
+    print(f"Machine: {cpu()}, {os.cpu_count()} cores; {rustc}. Regenerate everything with "
+          "`scripts/bench.sh`.\n")
+
+    print("## Observing activations (`Histogram::observe`)\n")
+    print("Command: `cargo bench -p qforge-core --bench observe` (one core; 256 Ki f32 values per "
+          "call, 1 MiB, L2-resident; histogram, min/max, zero and NaN/Inf counts all included). "
+          "`bare scalar binning` is one table increment per value with nothing else, the ceiling; "
+          "`sparse hashmap` is the same binning into a `HashMap`, the alternative to the dense "
+          "table.\n")
+    rows = [("histogram_avx2", "qforge, AVX2 tier"), ("histogram_portable", "qforge, portable tier"),
+            ("bare_scalar_binning", "bare scalar binning (ceiling)"),
+            ("sparse_hashmap_binning", "sparse HashMap binning")]
+    print("| kernel | gaussian (G values/s) | relu, half zeros (G values/s) |")
+    print("|---|---|---|")
+    for bench, label in rows:
+        cells = []
+        for case in ["gaussian", "relu"]:
+            t = throughput("observe", bench, case)
+            cells.append("n/a" if t is None else f"{t / 1e9:.2f}")
+        print(f"| {label} | {cells[0]} | {cells[1]} |")
+    merge = mean_ns("merge", "dense_histogram")
+    if merge is not None:
+        print(f"\nMerging two dense histograms (65 536 `u64` bins): {merge / 1e3:.1f} µs.\n")
+
+    print("## Calibrators against ONNX Runtime and TensorRT's method\n")
+    print("Command: `.venv/bin/python tests/python/ort_crosscheck.py --markdown` (1 M values per "
+          "data set, seed 1234). Tolerances and their reasons are in that file's docstring and "
+          "asserted by `tests/python/test_calibrators_vs_ort.py`. `|Δ| / allowed` is the distance "
+          "between qforge's and ORT's percentile as a fraction of the derived tolerance (one ORT "
+          "linear bin + one qforge log bin + the gap between adjacent ranked values). The last "
+          "column is the KL divergence, on TensorRT's objective evaluated on the exact values, of "
+          "qforge's entropy threshold over the best achievable.\n")
+    try:
+        with open("target/ort_crosscheck.md") as f:
+            print(f.read())
+    except OSError:
+        print("(not run)")
+
+
+if __name__ == "__main__":
+    main()

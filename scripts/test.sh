@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what the tests need (a Python
+# venv with the peers qforge is checked against), then checks formatting, runs
+# clippy with warnings denied, the Rust tests, and the Python cross-checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "python venv with test peers (tests/python/requirements.txt)"
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo test"
+cargo test --workspace --locked
+
+step "python cross-checks against ONNX Runtime (release build)"
+cargo build --release --locked -p qforge-cli
+QFORGE="$PWD/target/release/qforge" .venv/bin/python -m pytest -q tests/python
