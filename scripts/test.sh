@@ -13,6 +13,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 
+step "model fixtures (scripts/fetch-models.sh)"
+scripts/fetch-models.sh
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -1,0 +1,538 @@
+//! Llama-family decoders (Llama 1–3, SmolLM2, Mistral, Qwen2): one forward for
+//! every family, with observable linear inputs, padding masks and a KV cache.
+//!
+//! Weights load from GGUF (dequantized to f32) or from a Hugging Face directory.
+//! Both end up in Hugging Face layout: GGUF files of the Llama and Mistral
+//! families store q/k rows permuted for llama.cpp's interleaved rotary
+//! embedding, and they are permuted back at load, so a single (half-split)
+//! rotary embedding serves every source.
+
+mod config;
+
+pub use config::{Family, LlamaConfig, RopeScaling};
+
+use std::path::Path;
+
+use candle_core::{D, DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::linear::Linear;
+use crate::observe::Observer;
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+struct Layer {
+    input_norm: Tensor,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_norm: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// A Llama-family decoder.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    config: LlamaConfig,
+    embed_tokens: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    /// Cosine and sine tables, `[max_positions, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// Which positions' logits a forward returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Every position: `[batch, seq, vocab]`.
+    All,
+    /// The last real position of each sequence: `[batch, vocab]`.
+    Last,
+}
+
+/// Keys and values of the positions seen so far, per layer.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Where a model's tensors come from, by Hugging Face name.
+trait WeightSource {
+    fn tensor(&self, name: &str) -> Result<Tensor>;
+    fn has(&self, name: &str) -> bool;
+}
+
+/// Hugging Face tensor name → GGUF tensor name.
+fn gguf_name(hf: &str) -> String {
+    let rest = |prefix: &str| hf.strip_prefix(prefix);
+    if hf == "model.embed_tokens.weight" {
+        return "token_embd.weight".into();
+    }
+    if hf == "model.norm.weight" {
+        return "output_norm.weight".into();
+    }
+    if hf == "lm_head.weight" {
+        return "output.weight".into();
+    }
+    if let Some(tail) = rest("model.layers.") {
+        let (layer, module) = tail.split_once('.').unwrap_or((tail, ""));
+        let mapped = [
+            ("input_layernorm.", "attn_norm."),
+            ("self_attn.q_proj.", "attn_q."),
+            ("self_attn.k_proj.", "attn_k."),
+            ("self_attn.v_proj.", "attn_v."),
+            ("self_attn.o_proj.", "attn_output."),
+            ("post_attention_layernorm.", "ffn_norm."),
+            ("mlp.gate_proj.", "ffn_gate."),
+            ("mlp.up_proj.", "ffn_up."),
+            ("mlp.down_proj.", "ffn_down."),
+        ]
+        .iter()
+        .find_map(|(from, to)| module.strip_prefix(from).map(|p| format!("{to}{p}")));
+        if let Some(m) = mapped {
+            return format!("blk.{layer}.{m}");
+        }
+    }
+    hf.to_owned()
+}
+
+struct GgufSource {
+    file: GgufFile,
+    /// Heads of q and of k, when q/k rows are stored permuted.
+    permuted_heads: Option<(usize, usize)>,
+}
+
+impl WeightSource for GgufSource {
+    fn tensor(&self, name: &str) -> Result<Tensor> {
+        let t = self.file.tensor_f32(&gguf_name(name))?;
+        let heads = match self.permuted_heads {
+            Some((q, _)) if name.ends_with("self_attn.q_proj.weight") => Some(q),
+            Some((_, k)) if name.ends_with("self_attn.k_proj.weight") => Some(k),
+            _ => None,
+        };
+        match heads {
+            Some(h) => unpermute_rope_rows(&t, h),
+            None => Ok(t),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.file.has(&gguf_name(name))
+    }
+}
+
+/// Undoes llama.cpp's q/k row permutation: within each head, GGUF row
+/// `2j + s` holds Hugging Face row `s·(head_dim/2) + j`.
+fn unpermute_rope_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(Error::Shape(format!(
+            "cannot un-permute a [{rows}, {cols}] rotary weight into {heads} heads"
+        )));
+    }
+    let half = rows / heads / 2;
+    Ok(w.reshape((heads, half, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))?)
+}
+
+struct SafetensorsSource {
+    tensors: candle_core::safetensors::MmapedSafetensors,
+    names: std::collections::HashSet<String>,
+}
+
+impl WeightSource for SafetensorsSource {
+    fn tensor(&self, name: &str) -> Result<Tensor> {
+        Ok(self.tensors.load(name, &Device::Cpu)?)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.names.contains(name)
+    }
+}
+
+impl Llama {
+    /// Loads a GGUF file, dequantizing every tensor to f32.
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let config = LlamaConfig::from_gguf(&file.header).map_err(|e| e.in_file(path))?;
+        let permuted_heads = matches!(config.family, Family::Llama | Family::Mistral)
+            .then_some((config.num_heads, config.num_kv_heads));
+        let source = GgufSource {
+            file,
+            permuted_heads,
+        };
+        Self::load(config, &source).map_err(|e| e.in_file(path))
+    }
+
+    /// Loads a Hugging Face directory: `config.json` and `model.safetensors` or
+    /// a sharded `model.safetensors.index.json`.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+        let config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
+        let files = safetensors_files(dir)?;
+        // SAFETY: read-only maps of model files that qforge does not modify.
+        let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
+            .map_err(|e| Error::Format(format!("{}: {e}", dir.display())))?;
+        let names = tensors.tensors().into_iter().map(|(n, _)| n).collect();
+        let source = SafetensorsSource { tensors, names };
+        Self::load(config, &source).map_err(|e| e.in_file(dir))
+    }
+
+    fn load(config: LlamaConfig, source: &dyn WeightSource) -> Result<Self> {
+        let c = &config;
+        let (d, kv) = (c.hidden_size, c.num_kv_heads * c.head_dim);
+        let q_width = c.num_heads * c.head_dim;
+        let vector = |name: &str, len: usize| -> Result<Tensor> {
+            let t = source.tensor(name)?.to_dtype(DType::F32)?;
+            if t.dims() != [len] {
+                return Err(Error::Shape(format!(
+                    "{name} is {:?}, expected [{len}]",
+                    t.dims()
+                )));
+            }
+            Ok(t)
+        };
+        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            let w = source.tensor(&format!("{name}.weight"))?;
+            let b = if bias {
+                Some(source.tensor(&format!("{name}.bias"))?)
+            } else {
+                None
+            };
+            Linear::fp(name, w, b, (out, inp))
+        };
+        let embed_tokens = source
+            .tensor("model.embed_tokens.weight")?
+            .to_dtype(DType::F32)?;
+        if embed_tokens.dims() != [c.vocab_size, d] {
+            return Err(Error::Shape(format!(
+                "model.embed_tokens.weight is {:?}, expected [{}, {d}]",
+                embed_tokens.dims(),
+                c.vocab_size
+            )));
+        }
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                input_norm: vector(&format!("{p}.input_layernorm.weight"), d)?,
+                q_proj: linear(
+                    &format!("{p}.self_attn.q_proj"),
+                    q_width,
+                    d,
+                    c.attention_bias,
+                )?,
+                k_proj: linear(&format!("{p}.self_attn.k_proj"), kv, d, c.attention_bias)?,
+                v_proj: linear(&format!("{p}.self_attn.v_proj"), kv, d, c.attention_bias)?,
+                o_proj: linear(&format!("{p}.self_attn.o_proj"), d, q_width, false)?,
+                post_attention_norm: vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                gate_proj: linear(&format!("{p}.mlp.gate_proj"), c.intermediate_size, d, false)?,
+                up_proj: linear(&format!("{p}.mlp.up_proj"), c.intermediate_size, d, false)?,
+                down_proj: linear(&format!("{p}.mlp.down_proj"), d, c.intermediate_size, false)?,
+            });
+        }
+        let norm = vector("model.norm.weight", d)?;
+        // Tied embeddings: the output projection is the embedding matrix.
+        let lm_head = if source.has("lm_head.weight") {
+            linear("lm_head", c.vocab_size, d, false)?
+        } else {
+            Linear::fp("lm_head", embed_tokens.clone(), None, (c.vocab_size, d))?
+        };
+        let positions = c.max_position_embeddings;
+        let inv = Tensor::new(c.inverse_frequencies(), &Device::Cpu)?;
+        let t = Tensor::arange(0u32, positions as u32, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .reshape((positions, 1))?;
+        let freqs = t.broadcast_mul(&inv.reshape((1, c.head_dim / 2))?)?;
+        Ok(Self {
+            cos: freqs.cos()?.contiguous()?,
+            sin: freqs.sin()?.contiguous()?,
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// An empty KV cache for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: vec![None; self.layers.len()],
+            len: 0,
+        }
+    }
+
+    /// Runs the decoder over a batch of token sequences.
+    ///
+    /// Sequences of different lengths are right-padded; padded positions are
+    /// masked out of attention and never observed. With a `cache`, every
+    /// sequence must have the same length and positions continue after the
+    /// cached ones. Every distinct linear input is handed to `observer`.
+    pub fn forward(
+        &self,
+        batch: &[Vec<u32>],
+        cache: Option<&mut KvCache>,
+        mut observer: Option<&mut dyn Observer>,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let lengths: Vec<usize> = batch.iter().map(Vec::len).collect();
+        let seq = lengths.iter().copied().max().unwrap_or(0);
+        if batch.is_empty() || lengths.contains(&0) {
+            return Err(Error::Shape(
+                "forward needs at least one token per sequence".into(),
+            ));
+        }
+        let start = cache.as_ref().map_or(0, |k| k.len);
+        if cache.is_some() && lengths.iter().any(|&l| l != seq) {
+            return Err(Error::Shape(
+                "with a KV cache, every sequence of a batch must have the same length".into(),
+            ));
+        }
+        if start + seq > c.max_position_embeddings {
+            return Err(Error::Shape(format!(
+                "{} positions exceed the model's context of {}",
+                start + seq,
+                c.max_position_embeddings
+            )));
+        }
+        if let Some(bad) = batch
+            .iter()
+            .flatten()
+            .find(|&&t| t as usize >= c.vocab_size)
+        {
+            return Err(Error::Shape(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let b = batch.len();
+        let padded: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| {
+                s.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0, seq - s.len()))
+            })
+            .collect();
+        let ids = Tensor::from_vec(padded, (b, seq), &Device::Cpu)?;
+        let mut x = self
+            .embed_tokens
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, seq, c.hidden_size))?;
+        let mask = attention_mask(&lengths, seq, start)?;
+        let cos = self.cos.narrow(0, start, seq)?;
+        let sin = self.sin.narrow(0, start, seq)?;
+        let mut cache = cache;
+        let eps = c.rms_norm_eps as f32;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.self_attn.q_proj"),
+                &h,
+                &lengths,
+            )?;
+            let q = self.heads(&layer.q_proj.forward(&h)?, c.num_heads)?;
+            let k = self.heads(&layer.k_proj.forward(&h)?, c.num_kv_heads)?;
+            let v = self.heads(&layer.v_proj.forward(&h)?, c.num_kv_heads)?;
+            let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
+            let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+            let (k, v) = match cache.as_deref_mut() {
+                Some(kv) => {
+                    let (k, v) = match &kv.layers[i] {
+                        Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+                        None => (k, v),
+                    };
+                    kv.layers[i] = Some((k.clone(), v.clone()));
+                    (k, v)
+                }
+                None => (k, v),
+            };
+            let attended = self.attention(&q, &k, &v, &mask)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.self_attn.o_proj"),
+                &attended,
+                &lengths,
+            )?;
+            x = (x + layer.o_proj.forward(&attended)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.post_attention_norm, eps)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.mlp.gate_proj"),
+                &h,
+                &lengths,
+            )?;
+            let gated = (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
+                * layer.up_proj.forward(&h)?)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.mlp.down_proj"),
+                &gated,
+                &lengths,
+            )?;
+            x = (x + layer.down_proj.forward(&gated)?)?;
+        }
+        if let Some(kv) = cache {
+            kv.len += seq;
+        }
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        let x = match logits {
+            Logits::All => x,
+            Logits::Last => {
+                let rows: Vec<Tensor> = lengths
+                    .iter()
+                    .enumerate()
+                    .map(|(s, &len)| x.get(s)?.get(len - 1))
+                    .collect::<candle_core::Result<_>>()?;
+                Tensor::stack(&rows, 0)?
+            }
+        };
+        if logits == Logits::All {
+            observe(&mut observer, "lm_head", &x, &lengths)?;
+        } else {
+            let ones = vec![1; b];
+            observe(&mut observer, "lm_head", &x.unsqueeze(1)?, &ones)?;
+        }
+        self.lm_head.forward(&x)
+    }
+
+    /// `[b, seq, heads·head_dim]` → `[b, heads, seq, head_dim]`.
+    fn heads(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
+        let (b, seq, _) = x.dims3()?;
+        Ok(x.reshape((b, seq, heads, self.config.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    }
+
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        let (b, _, seq, hd) = q.dims4()?;
+        let group = c.num_heads / c.num_kv_heads;
+        let repeat = |t: &Tensor| -> Result<Tensor> {
+            if group == 1 {
+                return Ok(t.clone());
+            }
+            let (b, kvh, s, hd) = t.dims4()?;
+            Ok(t.unsqueeze(2)?
+                .expand((b, kvh, group, s, hd))?
+                .reshape((b, kvh * group, s, hd))?)
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+        let scores = scores.broadcast_add(mask)?;
+        let weights = candle_nn::ops::softmax_last_dim(&scores)?;
+        Ok(weights
+            .matmul(&v.contiguous()?)?
+            .transpose(1, 2)?
+            .reshape((b, seq, c.num_heads * hd))?)
+    }
+}
+
+/// Additive mask `[batch, 1, seq, start + seq]`: a query at position `start+i`
+/// sees keys up to itself that are not padding.
+fn attention_mask(lengths: &[usize], seq: usize, start: usize) -> Result<Tensor> {
+    let keys = start + seq;
+    let mut mask = Vec::with_capacity(lengths.len() * seq * keys);
+    for &len in lengths {
+        for i in 0..seq {
+            for j in 0..keys {
+                let visible = j <= start + i && j < start + len;
+                mask.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
+            }
+        }
+    }
+    Ok(Tensor::from_vec(
+        mask,
+        (lengths.len(), 1, seq, keys),
+        &Device::Cpu,
+    )?)
+}
+
+/// Hands the real (non-padding) rows of `x: [batch, seq, width]` to the observer.
+fn observe(
+    observer: &mut Option<&mut dyn Observer>,
+    point: &str,
+    x: &Tensor,
+    lengths: &[usize],
+) -> Result<()> {
+    let Some(observer) = observer.as_deref_mut() else {
+        return Ok(());
+    };
+    let (_, seq, width) = x.dims3()?;
+    let values = x.flatten_all()?.to_vec1::<f32>()?;
+    if lengths.iter().all(|&l| l == seq) {
+        return observer.observe(point, &values, width);
+    }
+    for (s, &len) in lengths.iter().enumerate() {
+        let start = s * seq * width;
+        observer.observe(point, &values[start..start + len * width], width)?;
+    }
+    Ok(())
+}
+
+/// The safetensors files of a Hugging Face directory.
+fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+        let map = json["weight_map"]
+            .as_object()
+            .ok_or_else(|| Error::Format(format!("{}: no weight_map", index.display())))?;
+        let mut files: Vec<_> = map
+            .values()
+            .filter_map(serde_json::Value::as_str)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|f| dir.join(f))
+            .collect();
+        files.dedup();
+        return Ok(files);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(Error::Format(format!(
+        "{}: no model.safetensors or model.safetensors.index.json",
+        dir.display()
+    )))
+}
+
+/// Log-softmax over the last dimension, in f32.
+pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::ops::log_softmax(logits, D::Minus1)?)
+}
