@@ -13,9 +13,11 @@ pub mod error;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
+pub mod mlp;
 pub mod observe;
 
 pub use error::{Error, Result};
 pub use linear::Linear;
 pub use llama::{KvCache, Llama, LlamaConfig, Logits};
+pub use mlp::{Action, MlpPolicy, PolicyConfig};
 pub use observe::{Observer, StatsObserver};

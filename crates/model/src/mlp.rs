@@ -1,0 +1,255 @@
+//! MLP control policies (game AI, robots): a stack of linear layers with one
+//! activation, and a head that turns the last layer's output into an action.
+//!
+//! On disk a policy is a directory with `policy.json` and `model.safetensors`
+//! (`layers.{i}.weight` `[out, in]` and `layers.{i}.bias` `[out]`, f32); see
+//! `fixtures/policies/README.md`. The observation point of layer `i` is its
+//! input, named `layers.{i}`.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::linear::Linear;
+use crate::observe::Observer;
+
+/// Hidden-layer activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// tanh.
+    Tanh,
+    /// max(0, x).
+    Relu,
+}
+
+/// What the last layer's output means.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Head {
+    /// Logits over `actions` discrete actions; the action is the argmax.
+    Discrete {
+        /// Number of actions.
+        actions: usize,
+    },
+    /// The mean of a Gaussian policy; the action is the mean clipped to
+    /// `[low, high]`.
+    Gaussian {
+        /// Action dimensions.
+        action_dim: usize,
+        /// Lower bound per dimension.
+        low: Vec<f32>,
+        /// Upper bound per dimension.
+        high: Vec<f32>,
+    },
+    /// A state-value estimate (one output).
+    Value,
+}
+
+impl Head {
+    /// Width of the last layer's output.
+    pub fn outputs(&self) -> usize {
+        match self {
+            Head::Discrete { actions } => *actions,
+            Head::Gaussian { action_dim, .. } => *action_dim,
+            Head::Value => 1,
+        }
+    }
+}
+
+/// `policy.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyConfig {
+    /// Always `qforge-mlp-policy`.
+    pub format: String,
+    /// Format version (1).
+    pub version: u32,
+    /// The environment the policy acts in (e.g. `CartPole-v1`), if known.
+    #[serde(default)]
+    pub env: Option<String>,
+    /// Width of an observation.
+    pub observation_dim: usize,
+    /// Widths of the hidden layers.
+    pub hidden: Vec<usize>,
+    /// Activation after every hidden layer.
+    pub activation: Activation,
+    /// The head.
+    pub head: Head,
+}
+
+/// An action chosen by a policy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Action {
+    /// Index of a discrete action.
+    Discrete(usize),
+    /// A continuous action (or a value estimate).
+    Continuous(Vec<f32>),
+}
+
+/// An MLP policy.
+#[derive(Debug, Clone)]
+pub struct MlpPolicy {
+    config: PolicyConfig,
+    layers: Vec<Linear>,
+}
+
+impl MlpPolicy {
+    /// Loads `policy.json` and `model.safetensors` from `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let config_path = dir.join("policy.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let config: PolicyConfig = serde_json::from_str(&text)
+            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+        let weights_path = dir.join("model.safetensors");
+        let bytes = std::fs::read(&weights_path).map_err(|e| Error::io(&weights_path, e))?;
+        let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+            .map_err(|e| Error::Format(format!("{}: {e}", weights_path.display())))?;
+        Self::new(config, |name| {
+            tensors
+                .get(name)
+                .cloned()
+                .ok_or_else(|| Error::MissingTensor {
+                    name: name.to_owned(),
+                    file: weights_path.clone(),
+                })
+        })
+        .map_err(|e| e.in_file(dir))
+    }
+
+    /// Builds a policy from its config and a tensor lookup.
+    pub fn new(config: PolicyConfig, tensor: impl Fn(&str) -> Result<Tensor>) -> Result<Self> {
+        if config.format != "qforge-mlp-policy" || config.version != 1 {
+            return Err(Error::Unsupported(format!(
+                "policy format {:?} version {} (expected qforge-mlp-policy version 1)",
+                config.format, config.version
+            )));
+        }
+        if let Head::Gaussian {
+            action_dim,
+            low,
+            high,
+        } = &config.head
+            && (low.len() != *action_dim
+                || high.len() != *action_dim
+                || low.iter().zip(high).any(|(l, h)| !(l < h)))
+        {
+            return Err(Error::Format(format!(
+                "gaussian head: low {low:?} and high {high:?} must both have {action_dim} entries with low < high"
+            )));
+        }
+        let mut widths = vec![config.observation_dim];
+        widths.extend(&config.hidden);
+        widths.push(config.head.outputs());
+        if widths.contains(&0) {
+            return Err(Error::Format(format!(
+                "layer widths {widths:?} include zero"
+            )));
+        }
+        let layers = widths
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| {
+                let name = format!("layers.{i}");
+                let weight = tensor(&format!("{name}.weight"))?;
+                let bias = tensor(&format!("{name}.bias"))?;
+                Linear::fp(&name, weight, Some(bias), (w[1], w[0]))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { config, layers })
+    }
+
+    /// The policy's configuration.
+    pub fn config(&self) -> &PolicyConfig {
+        &self.config
+    }
+
+    /// Raw head outputs for `observations` (row-major, `observation_dim` per
+    /// row): `[rows, head outputs]`. Each layer's input goes to `observer`.
+    pub fn forward(
+        &self,
+        observations: &[f32],
+        mut observer: Option<&mut dyn Observer>,
+    ) -> Result<Vec<f32>> {
+        let dim = self.config.observation_dim;
+        if observations.is_empty() || !observations.len().is_multiple_of(dim) {
+            return Err(Error::Shape(format!(
+                "{} observation values are not whole rows of {dim}",
+                observations.len()
+            )));
+        }
+        let rows = observations.len() / dim;
+        let mut x = Tensor::from_slice(observations, (rows, dim), &Device::Cpu)?;
+        let last = self.layers.len() - 1;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if let Some(o) = observer.as_deref_mut() {
+                let width = x.dim(1)?;
+                o.observe(
+                    &format!("layers.{i}"),
+                    &x.flatten_all()?.to_vec1::<f32>()?,
+                    width,
+                )?;
+            }
+            x = layer.forward(&x)?;
+            if i < last {
+                x = match self.config.activation {
+                    Activation::Tanh => x.tanh()?,
+                    Activation::Relu => x.relu()?,
+                };
+            }
+        }
+        Ok(x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// The action for each observation row.
+    pub fn act(&self, observations: &[f32]) -> Result<Vec<Action>> {
+        let outputs = self.forward(observations, None)?;
+        Ok(self.actions_from_outputs(&outputs))
+    }
+
+    /// Turns raw head outputs into actions.
+    pub fn actions_from_outputs(&self, outputs: &[f32]) -> Vec<Action> {
+        let width = self.config.head.outputs();
+        outputs
+            .chunks_exact(width)
+            .map(|row| match &self.config.head {
+                Head::Discrete { .. } => {
+                    // First maximum wins ties, as numpy's argmax does.
+                    let best = row
+                        .iter()
+                        .enumerate()
+                        .fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
+                    Action::Discrete(best)
+                }
+                Head::Gaussian { low, high, .. } => Action::Continuous(
+                    row.iter()
+                        .zip(low.iter().zip(high))
+                        .map(|(&v, (&lo, &hi))| v.clamp(lo, hi))
+                        .collect(),
+                ),
+                Head::Value => Action::Continuous(row.to_vec()),
+            })
+            .collect()
+    }
+
+    /// Whether two actions agree: the same discrete action, or every component
+    /// within 5 % of its action range (continuous) or of the reference value's
+    /// magnitude (value heads).
+    pub fn actions_agree(&self, a: &Action, b: &Action) -> bool {
+        match (a, b, &self.config.head) {
+            (Action::Discrete(x), Action::Discrete(y), _) => x == y,
+            (Action::Continuous(x), Action::Continuous(y), Head::Gaussian { low, high, .. }) => x
+                .iter()
+                .zip(y)
+                .zip(low.iter().zip(high))
+                .all(|((p, q), (lo, hi))| (p - q).abs() <= 0.05 * (hi - lo)),
+            (Action::Continuous(x), Action::Continuous(y), _) => x
+                .iter()
+                .zip(y)
+                .all(|(p, q)| (p - q).abs() <= 0.05 * q.abs().max(1e-6)),
+            _ => false,
+        }
+    }
+}

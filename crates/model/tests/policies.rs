@@ -1,0 +1,119 @@
+//! The trained policy fixtures: qforge's forward reproduces every action the
+//! numpy forward of `scripts/record_rollouts.py` recorded.
+
+use std::path::PathBuf;
+
+use qforge_model::{Action, MlpPolicy, StatsObserver};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/policies")
+        .join(name)
+}
+
+/// Observations and recorded actions of a fixture's bundled rollouts.
+fn rollouts(name: &str) -> (Vec<f32>, Vec<serde_json::Value>) {
+    let text = std::fs::read_to_string(fixture(name).join("rollouts.jsonl")).unwrap();
+    let mut observations = Vec::new();
+    let mut actions = Vec::new();
+    for line in text.lines() {
+        let episode: serde_json::Value = serde_json::from_str(line).unwrap();
+        for obs in episode["observations"].as_array().unwrap() {
+            observations.extend(
+                obs.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32),
+            );
+        }
+        actions.extend(episode["actions"].as_array().unwrap().iter().cloned());
+    }
+    (observations, actions)
+}
+
+#[test]
+fn cartpole_reproduces_every_recorded_action() {
+    let policy = MlpPolicy::from_dir(&fixture("cartpole")).unwrap();
+    let (observations, recorded) = rollouts("cartpole");
+    let actions = policy.act(&observations).unwrap();
+    assert_eq!(actions.len(), recorded.len());
+    assert!(actions.len() >= 2000);
+    for (i, (got, want)) in actions.iter().zip(&recorded).enumerate() {
+        assert_eq!(
+            *got,
+            Action::Discrete(want.as_u64().unwrap() as usize),
+            "step {i}"
+        );
+    }
+}
+
+#[test]
+fn pendulum_reproduces_every_recorded_action() {
+    let policy = MlpPolicy::from_dir(&fixture("pendulum")).unwrap();
+    let (observations, recorded) = rollouts("pendulum");
+    let actions = policy.act(&observations).unwrap();
+    assert_eq!(actions.len(), recorded.len());
+    for (i, (got, want)) in actions.iter().zip(&recorded).enumerate() {
+        let Action::Continuous(got) = got else {
+            panic!("continuous head")
+        };
+        let want: Vec<f32> = want
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-4, "step {i}: {g} vs {w}");
+        }
+        assert!(policy.actions_agree(&Action::Continuous(got.clone()), &Action::Continuous(want)));
+    }
+}
+
+#[test]
+fn observer_sees_every_layer_input_by_name() {
+    let policy = MlpPolicy::from_dir(&fixture("cartpole")).unwrap();
+    let (observations, _) = rollouts("cartpole");
+    let mut observer = StatsObserver::new(true);
+    policy
+        .forward(&observations[..400], Some(&mut observer))
+        .unwrap();
+    let names: Vec<_> = observer.tensors.keys().cloned().collect();
+    assert_eq!(names, ["layers.0", "layers.1", "layers.2"]);
+    assert_eq!(observer.tensors["layers.0"].histogram().count(), 400);
+    assert_eq!(
+        observer.tensors["layers.1"]
+            .channel_abs_max()
+            .unwrap()
+            .len(),
+        32
+    );
+}
+
+#[test]
+fn bad_policy_files_are_clear_errors() {
+    let dir = std::env::temp_dir().join(format!("qforge-bad-policy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        fixture("cartpole").join("policy.json"),
+        dir.join("policy.json"),
+    )
+    .unwrap();
+    let weights = std::fs::read(fixture("cartpole").join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("model.safetensors"), &weights[..weights.len() / 2]).unwrap();
+    let err = MlpPolicy::from_dir(&dir).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    std::fs::write(dir.join("model.safetensors"), &weights).unwrap();
+    let config = std::fs::read_to_string(dir.join("policy.json")).unwrap();
+    std::fs::write(
+        dir.join("policy.json"),
+        config.replace("\"observation_dim\": 4", "\"observation_dim\": 5"),
+    )
+    .unwrap();
+    let err = MlpPolicy::from_dir(&dir).unwrap_err().to_string();
+    assert!(err.contains("layers.0.weight"), "{err}");
+    std::fs::write(dir.join("policy.json"), "{not json").unwrap();
+    let err = MlpPolicy::from_dir(&dir).unwrap_err().to_string();
+    assert!(err.contains("policy.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
