@@ -134,7 +134,10 @@ impl MlpPolicy {
         } = &config.head
             && (low.len() != *action_dim
                 || high.len() != *action_dim
-                || low.iter().zip(high).any(|(l, h)| !(l < h)))
+                || low
+                    .iter()
+                    .zip(high)
+                    .any(|(l, h)| l.partial_cmp(h) != Some(std::cmp::Ordering::Less)))
         {
             return Err(Error::Format(format!(
                 "gaussian head: low {low:?} and high {high:?} must both have {action_dim} entries with low < high"
