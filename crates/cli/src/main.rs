@@ -5,6 +5,7 @@
 
 mod demo;
 mod input;
+mod model_cmd;
 mod output;
 mod stats_cmd;
 
@@ -56,6 +57,15 @@ enum Command {
     /// Run the calibration-statistics demo: synthetic activations observed by one
     /// worker and by several worker threads give byte-identical statistics.
     Demo(demo::DemoArgs),
+    /// Generate text with a language model (greedy unless --temperature).
+    Generate(model_cmd::GenerateArgs),
+    /// Evaluate models: perplexity, comparison with a reference, action agreement.
+    #[command(subcommand)]
+    Eval(model_cmd::EvalCommand),
+    /// Print the determinism fingerprint of a model: a hash of the activations
+    /// of a fixed probe batch. Workers with equal fingerprints compute equal
+    /// calibration statistics.
+    Fingerprint(model_cmd::FingerprintArgs),
 }
 
 #[derive(Subcommand)]
@@ -97,6 +107,9 @@ fn main() -> ExitCode {
         Command::Stats(StatsCommand::Merge(args)) => stats_cmd::merge(args),
         Command::Stats(StatsCommand::Show(args)) => stats_cmd::show(args),
         Command::Demo(args) => demo::run(args),
+        Command::Generate(args) => model_cmd::generate(args),
+        Command::Eval(command) => model_cmd::eval(command),
+        Command::Fingerprint(args) => model_cmd::fingerprint(args),
     };
     match result {
         Ok(()) => ExitCode::from(EXIT_OK),

@@ -1,23 +1,31 @@
 //! `qforge-model`: the models qforge quantizes, loaded from real files.
 //!
-//! It owns the file formats in (GGUF, Hugging Face safetensors directories),
-//! the architectures with a per-layer choice of linear implementation
-//! ([`Linear`]), the observation hook calibration uses ([`Observer`]), and the
-//! full-precision forward that is the reference for everything downstream.
+//! It owns the file formats in (GGUF, Hugging Face safetensors directories,
+//! MLP policy directories), the architectures with a per-layer choice of
+//! linear implementation ([`Linear`]), the observation hook calibration uses
+//! ([`Observer`]), tokenizers, generation, evaluation (perplexity, model
+//! comparison, action agreement) and the determinism fingerprint.
 //!
 //! It depends on `qforge-core` only (and on `qforge-kernels` once the INT8
 //! engine exists); it must not depend on calibration, distribution, serving
 //! or the CLI.
 
 pub mod error;
+pub mod fingerprint;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
+pub mod lm;
 pub mod mlp;
 pub mod observe;
+pub mod onnx;
+pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use linear::Linear;
 pub use llama::{KvCache, Llama, LlamaConfig, Logits};
+pub use lm::{GenerateOptions, Generation, LanguageModel};
 pub use mlp::{Action, MlpPolicy, PolicyConfig};
 pub use observe::{Observer, StatsObserver};
+pub use onnx::import_mlp;
+pub use tokenizer::TextTokenizer;

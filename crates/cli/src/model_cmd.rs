@@ -1,0 +1,374 @@
+//! `qforge generate`, `qforge eval …` and `qforge fingerprint`: running models.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
+use qforge_model::lm::{compare, perplexity};
+use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy};
+use serde_json::json;
+
+use crate::{OutputFlags, UsageError};
+
+/// Numeric precision to run a model in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// Full precision: every weight dequantized to f32 (the reference).
+    F32,
+}
+
+/// A model file or directory, recognised by its content.
+pub enum AnyModel {
+    /// A decoder with its tokenizer.
+    Language(Box<LanguageModel>),
+    /// An MLP policy.
+    Policy(MlpPolicy),
+}
+
+/// Loads a GGUF file, a Hugging Face directory or a policy directory.
+pub fn load_model(path: &Path) -> Result<AnyModel> {
+    if !path.exists() {
+        bail!("model {} does not exist", path.display());
+    }
+    if path.is_dir() && path.join("policy.json").exists() {
+        return Ok(AnyModel::Policy(MlpPolicy::from_dir(path)?));
+    }
+    if path.is_dir() && !path.join("config.json").exists() {
+        bail!(
+            "{} is neither a policy directory (policy.json) nor a Hugging Face model directory (config.json)",
+            path.display()
+        );
+    }
+    Ok(AnyModel::Language(Box::new(LanguageModel::load(path)?)))
+}
+
+fn load_language_model(path: &Path) -> Result<LanguageModel> {
+    match load_model(path)? {
+        AnyModel::Language(lm) => Ok(*lm),
+        AnyModel::Policy(_) => Err(UsageError(format!(
+            "{} is a policy; this command needs a language model (GGUF file or Hugging Face directory)",
+            path.display()
+        ))
+        .into()),
+    }
+}
+
+/// Arguments of `qforge generate`.
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Model: a GGUF file or a Hugging Face directory.
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    /// Prompt text (special tokens such as <|im_start|> are recognised).
+    #[arg(long)]
+    prompt: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sample with this temperature instead of greedy decoding.
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Precision to run in.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
+    #[command(flatten)]
+    flags: OutputFlags,
+}
+
+/// `qforge generate`.
+pub fn generate(args: GenerateArgs) -> Result<()> {
+    if let Some(t) = args.temperature
+        && !(t >= 0.0 && t.is_finite())
+    {
+        return Err(UsageError(format!("--temperature must be ≥ 0, got {t}")).into());
+    }
+    let Precision::F32 = args.precision;
+    let lm = load_language_model(&args.model)?;
+    let prompt = lm.tokenizer.encode(&args.prompt)?;
+    let generation = lm.generate(
+        &prompt,
+        &GenerateOptions {
+            max_tokens: args.max_tokens,
+            temperature: args.temperature,
+            seed: args.seed,
+        },
+    )?;
+    let text = lm.tokenizer.decode(&generation.tokens)?;
+    if args.flags.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "text": text,
+                "tokens": generation.tokens,
+                "prompt_tokens": generation.prompt_tokens,
+                "prefill_tokens_per_s": generation.prefill_tokens_per_second(),
+                "decode_tokens_per_s": generation.decode_tokens_per_second(),
+                "precision": "f32",
+            }))?
+        );
+    } else {
+        println!("{text}");
+        eprintln!(
+            "{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s",
+            generation.prompt_tokens,
+            generation.prefill_tokens_per_second(),
+            generation.tokens.len(),
+            generation.decode_tokens_per_second()
+        );
+    }
+    Ok(())
+}
+
+/// `qforge eval` subcommands.
+#[derive(Subcommand)]
+pub enum EvalCommand {
+    /// Perplexity over a text file (llama.cpp's method: chunks of --ctx tokens,
+    /// the second half of each scored).
+    Perplexity(PerplexityArgs),
+    /// Compare a model with a reference on a text: both perplexities, mean KL
+    /// divergence of next-token distributions, top-1 agreement.
+    Compare(CompareArgs),
+    /// Action agreement of two policies over the observations of a JSONL file
+    /// (discrete: same action; continuous: every component within 5 % of the
+    /// action range).
+    Agreement(AgreementArgs),
+}
+
+/// Arguments of `qforge eval perplexity`.
+#[derive(Args)]
+pub struct PerplexityArgs {
+    /// Model: a GGUF file or a Hugging Face directory.
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    /// UTF-8 text file.
+    #[arg(long, value_name = "FILE")]
+    text: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Precision to run in.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
+    #[command(flatten)]
+    flags: OutputFlags,
+}
+
+/// Arguments of `qforge eval compare`.
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Model under test.
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    /// Reference model (usually the full-precision original).
+    #[arg(long, value_name = "PATH")]
+    reference: PathBuf,
+    /// UTF-8 text file.
+    #[arg(long, value_name = "FILE")]
+    text: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    #[command(flatten)]
+    flags: OutputFlags,
+}
+
+/// Arguments of `qforge eval agreement`.
+#[derive(Args)]
+pub struct AgreementArgs {
+    /// Policy under test.
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// Reference policy.
+    #[arg(long, value_name = "DIR")]
+    reference: PathBuf,
+    /// Trajectories as JSONL: {"observations": [[…], …], …} per line.
+    #[arg(long, value_name = "FILE")]
+    observations: PathBuf,
+    #[command(flatten)]
+    flags: OutputFlags,
+}
+
+fn read_text_tokens(lm: &LanguageModel, path: &Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read {} as UTF-8 text", path.display()))?;
+    Ok(lm.tokenizer.encode(&text)?)
+}
+
+fn check_ctx(ctx: usize) -> Result<()> {
+    if ctx < 4 {
+        return Err(UsageError(format!("--ctx must be at least 4, got {ctx}")).into());
+    }
+    Ok(())
+}
+
+/// `qforge eval …`.
+pub fn eval(command: EvalCommand) -> Result<()> {
+    match command {
+        EvalCommand::Perplexity(args) => {
+            check_ctx(args.ctx)?;
+            let Precision::F32 = args.precision;
+            let lm = load_language_model(&args.model)?;
+            let tokens = read_text_tokens(&lm, &args.text)?;
+            let result = perplexity(&lm.model, &tokens, args.ctx)?;
+            if args.flags.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "perplexity": result.perplexity,
+                        "tokens": result.tokens,
+                        "chunks": result.chunks,
+                        "ctx": args.ctx,
+                    }))?
+                );
+            } else {
+                println!(
+                    "perplexity {:.4} over {} scored tokens ({} chunks of {})",
+                    result.perplexity, result.tokens, result.chunks, args.ctx
+                );
+            }
+        }
+        EvalCommand::Compare(args) => {
+            check_ctx(args.ctx)?;
+            let lm = load_language_model(&args.model)?;
+            let reference = load_language_model(&args.reference)?;
+            if lm.tokenizer.vocab_size() != reference.tokenizer.vocab_size() {
+                bail!(
+                    "the models have different vocabularies ({} vs {} tokens); compare needs the same tokenizer",
+                    lm.tokenizer.vocab_size(),
+                    reference.tokenizer.vocab_size()
+                );
+            }
+            let tokens = read_text_tokens(&reference, &args.text)?;
+            let c = compare(&lm.model, &reference.model, &tokens, args.ctx)?;
+            if args.flags.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "perplexity": c.perplexity,
+                        "reference_perplexity": c.reference_perplexity,
+                        "kl_divergence": c.kl_divergence,
+                        "top1_agreement": c.top1_agreement,
+                        "tokens": c.tokens,
+                    }))?
+                );
+            } else {
+                println!(
+                    "perplexity {:.4} (reference {:.4}), mean KL {:.6}, top-1 agreement {:.2} % over {} tokens",
+                    c.perplexity,
+                    c.reference_perplexity,
+                    c.kl_divergence,
+                    100.0 * c.top1_agreement,
+                    c.tokens
+                );
+            }
+        }
+        EvalCommand::Agreement(args) => {
+            let policy = |p: &Path| -> Result<MlpPolicy> {
+                match load_model(p)? {
+                    AnyModel::Policy(policy) => Ok(policy),
+                    AnyModel::Language(_) => Err(UsageError(format!(
+                        "{} is a language model; `eval agreement` compares policies",
+                        p.display()
+                    ))
+                    .into()),
+                }
+            };
+            let (model, reference) = (policy(&args.model)?, policy(&args.reference)?);
+            let dim = reference.config().observation_dim;
+            if model.config().observation_dim != dim
+                || model.config().head != reference.config().head
+            {
+                bail!(
+                    "the policies differ in observation width or head; agreement needs the same interface"
+                );
+            }
+            let observations = read_observations(&args.observations, dim)?;
+            let ours = model.act(&observations)?;
+            let theirs = reference.act(&observations)?;
+            let agreeing = ours
+                .iter()
+                .zip(&theirs)
+                .filter(|(a, b)| reference.actions_agree(a, b))
+                .count();
+            let agreement = agreeing as f64 / ours.len() as f64;
+            if args.flags.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "agreement": agreement,
+                        "observations": ours.len(),
+                    }))?
+                );
+            } else {
+                println!(
+                    "action agreement {:.2} % over {} observations",
+                    100.0 * agreement,
+                    ours.len()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every observation of a trajectories JSONL file, row-major.
+pub fn read_observations(path: &Path, dim: usize) -> Result<Vec<f32>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let at = || format!("{}:{}", path.display(), n + 1);
+        let record: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: not valid JSON", at()))?;
+        let rows = record["observations"]
+            .as_array()
+            .with_context(|| format!("{}: no \"observations\" array", at()))?;
+        for row in rows {
+            let row = row.as_array().filter(|r| r.len() == dim).with_context(|| {
+                format!("{}: an observation is not a list of {dim} numbers", at())
+            })?;
+            for v in row {
+                let v = v
+                    .as_f64()
+                    .with_context(|| format!("{}: observation value {v} is not a number", at()))?;
+                out.push(v as f32);
+            }
+        }
+    }
+    if out.is_empty() {
+        bail!("{} holds no observations", path.display());
+    }
+    Ok(out)
+}
+
+/// Arguments of `qforge fingerprint`.
+#[derive(Args)]
+pub struct FingerprintArgs {
+    /// Model: GGUF file, Hugging Face directory or policy directory.
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    #[command(flatten)]
+    flags: OutputFlags,
+}
+
+/// `qforge fingerprint`: the hash of the activations of a fixed probe batch.
+pub fn fingerprint(args: FingerprintArgs) -> Result<()> {
+    let digest = match load_model(&args.model)? {
+        AnyModel::Language(lm) => llm_fingerprint(&lm.model)?,
+        AnyModel::Policy(policy) => policy_fingerprint(&policy)?,
+    };
+    if args.flags.json {
+        println!("{}", json!({ "fingerprint": digest.to_hex() }));
+    } else {
+        println!("{digest}");
+    }
+    Ok(())
+}

@@ -1,0 +1,71 @@
+//! The determinism fingerprint: a hash of every activation a fixed probe batch
+//! produces. Two workers whose fingerprints agree compute the same activations
+//! (bit for bit) and so the same calibration statistics; matching instruction
+//! sets are not enough, since matmul blocking can follow cache sizes.
+
+use qforge_core::{Digest, DigestBuilder};
+
+use crate::error::Result;
+use crate::llama::{Llama, Logits};
+use crate::mlp::MlpPolicy;
+use crate::observe::Observer;
+
+/// Hashes everything it observes, in order.
+#[derive(Default)]
+struct HashingObserver(DigestBuilder);
+
+impl Observer for HashingObserver {
+    fn observe(&mut self, point: &str, rows: &[f32], width: usize) -> Result<()> {
+        self.0.update(point.as_bytes());
+        self.0.update(&(width as u64).to_le_bytes());
+        for v in rows {
+            self.0.update(&v.to_bits().to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+/// SplitMix64: a fixed, platform-independent stream for the probe inputs.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Fingerprint of a decoder: a batch of two sequences (16 and 11 tokens, so
+/// padding is exercised) of pseudo-random token ids.
+pub fn llm_fingerprint(model: &Llama) -> Result<Digest> {
+    let vocab = model.config().vocab_size as u64;
+    let mut state = 0x5146_4f52_4745; // "QFORGE"
+    let batch: Vec<Vec<u32>> = [16usize, 11]
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| (splitmix(&mut state) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let mut observer = HashingObserver::default();
+    let logits = model.forward(&batch, None, Some(&mut observer), Logits::Last)?;
+    for v in logits.flatten_all()?.to_vec1::<f32>()? {
+        observer.0.update(&v.to_bits().to_le_bytes());
+    }
+    Ok(observer.0.finish())
+}
+
+/// Fingerprint of a policy: 64 pseudo-random observations in [−2, 2).
+pub fn policy_fingerprint(policy: &MlpPolicy) -> Result<Digest> {
+    let dim = policy.config().observation_dim;
+    let mut state = 0x5146_4f52_4745;
+    let observations: Vec<f32> = (0..64 * dim)
+        .map(|_| (splitmix(&mut state) >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
+        .collect();
+    let mut observer = HashingObserver::default();
+    let outputs = policy.forward(&observations, Some(&mut observer))?;
+    for v in outputs {
+        observer.0.update(&v.to_bits().to_le_bytes());
+    }
+    Ok(observer.0.finish())
+}

@@ -1,0 +1,287 @@
+//! A language model ready to use: decoder, tokenizer and chat template, with
+//! generation and evaluation (perplexity, comparison of two models).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{D, Tensor};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::llama::{Llama, Logits, log_softmax};
+use crate::tokenizer::TextTokenizer;
+
+/// A decoder with its tokenizer.
+#[derive(Debug, Clone)]
+pub struct LanguageModel {
+    /// The decoder.
+    pub model: Llama,
+    /// Its tokenizer.
+    pub tokenizer: TextTokenizer,
+    /// The chat template (Jinja), when the model ships one.
+    pub chat_template: Option<String>,
+    /// Where it was loaded from.
+    pub source: PathBuf,
+}
+
+impl LanguageModel {
+    /// Loads a GGUF file or a Hugging Face directory (`config.json`,
+    /// safetensors, `tokenizer.json`).
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let model = Llama::from_hf_dir(path)?;
+            let c = model.config();
+            let tokenizer_path = path.join("tokenizer.json");
+            let tokenizer = TextTokenizer::from_file(
+                &tokenizer_path,
+                c.bos_token_id,
+                hf_adds_bos(path),
+                c.eos_token_ids.clone(),
+            )?;
+            let chat_template = std::fs::read_to_string(path.join("tokenizer_config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|j| j["chat_template"].as_str().map(str::to_owned));
+            return Ok(Self {
+                model,
+                tokenizer,
+                chat_template,
+                source: path.to_owned(),
+            });
+        }
+        let model = Llama::from_gguf(path)?;
+        let header = GgufFile::open(path)?.header;
+        let tokenizer = TextTokenizer::from_gguf(&header).map_err(|e| e.in_file(path))?;
+        let chat_template = header
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned);
+        Ok(Self {
+            model,
+            tokenizer,
+            chat_template,
+            source: path.to_owned(),
+        })
+    }
+
+    /// Generates up to `options.max_tokens` tokens after `prompt`, stopping at
+    /// an end-of-sequence token.
+    pub fn generate(&self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
+        if prompt.is_empty() {
+            return Err(Error::Shape("the prompt has no tokens".into()));
+        }
+        let mut cache = self.model.new_cache();
+        let mut rng = StdRng::seed_from_u64(options.seed);
+        let started = Instant::now();
+        let logits =
+            self.model
+                .forward(&[prompt.to_vec()], Some(&mut cache), None, Logits::Last)?;
+        let prefill = started.elapsed().as_secs_f64();
+        let mut next = sample(&logits, options.temperature, &mut rng)?;
+        let mut tokens = Vec::new();
+        let started = Instant::now();
+        while tokens.len() < options.max_tokens && !self.tokenizer.eos.contains(&next) {
+            tokens.push(next);
+            if tokens.len() == options.max_tokens {
+                break;
+            }
+            let logits = self
+                .model
+                .forward(&[vec![next]], Some(&mut cache), None, Logits::Last)?;
+            next = sample(&logits, options.temperature, &mut rng)?;
+        }
+        Ok(Generation {
+            prompt_tokens: prompt.len(),
+            tokens,
+            prefill_seconds: prefill,
+            decode_seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Whether a Hugging Face tokenizer config asks for BOS.
+fn hf_adds_bos(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|j| j["add_bos_token"].as_bool())
+        .unwrap_or(false)
+}
+
+/// How to generate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GenerateOptions {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// `None`: greedy; `Some(t)`: sample from softmax(logits / t).
+    pub temperature: Option<f64>,
+    /// Seed of the sampler.
+    pub seed: u64,
+}
+
+/// The result of a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Generated tokens (without the prompt or the final EOS).
+    pub tokens: Vec<u32>,
+    /// Seconds spent on the prompt.
+    pub prefill_seconds: f64,
+    /// Seconds spent generating.
+    pub decode_seconds: f64,
+}
+
+impl Generation {
+    /// Prompt tokens per second.
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_seconds.max(1e-9)
+    }
+
+    /// Generated tokens per second (the first comes from the prefill, so
+    /// `tokens − 1` decode steps are timed).
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        self.tokens.len().saturating_sub(1) as f64 / self.decode_seconds.max(1e-9)
+    }
+}
+
+/// Picks the next token from `[1, vocab]` logits.
+fn sample(logits: &Tensor, temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {
+    let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+    match temperature {
+        None | Some(0.0) => Ok(argmax(&logits)),
+        Some(t) if t > 0.0 && t.is_finite() => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let weights: Vec<f64> = logits
+                .iter()
+                .map(|&l| ((f64::from(l) - f64::from(max)) / t).exp())
+                .collect();
+            let total: f64 = weights.iter().sum();
+            let mut target = rng.random::<f64>() * total;
+            for (i, w) in weights.iter().enumerate() {
+                target -= w;
+                if target <= 0.0 {
+                    return Ok(i as u32);
+                }
+            }
+            Ok(argmax(&logits))
+        }
+        Some(t) => Err(Error::Shape(format!(
+            "temperature must be ≥ 0 and finite, got {t}"
+        ))),
+    }
+}
+
+/// Index of the first maximum.
+fn argmax(values: &[f32]) -> u32 {
+    values
+        .iter()
+        .enumerate()
+        .fold(0, |best, (i, &v)| if v > values[best] { i } else { best }) as u32
+}
+
+/// Perplexity with llama.cpp's method: consecutive, non-overlapping chunks of
+/// `ctx` tokens; in each, only the second half is scored (every scored token
+/// has at least ctx/2 tokens of context), so figures are comparable with
+/// `llama-perplexity`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Perplexity {
+    /// exp(mean negative log-likelihood).
+    pub perplexity: f64,
+    /// Number of scored tokens.
+    pub tokens: usize,
+    /// Number of chunks.
+    pub chunks: usize,
+}
+
+/// Per-token log-probabilities of the scored positions of every chunk,
+/// `[scored, vocab]`, with the tokens they score.
+fn chunk_log_probs(model: &Llama, tokens: &[u32], ctx: usize) -> Result<Vec<(Tensor, Vec<u32>)>> {
+    if ctx < 4 {
+        return Err(Error::Shape(format!(
+            "--ctx {ctx} is too small (at least 4)"
+        )));
+    }
+    let chunks = tokens.len() / ctx;
+    if chunks == 0 {
+        return Err(Error::Shape(format!(
+            "the text has {} tokens, fewer than one chunk of --ctx {ctx}; use a longer text or a smaller --ctx",
+            tokens.len()
+        )));
+    }
+    let first = ctx / 2;
+    (0..chunks)
+        .map(|c| {
+            let chunk = &tokens[c * ctx..(c + 1) * ctx];
+            let logits = model.forward(&[chunk.to_vec()], None, None, Logits::All)?;
+            // Position j predicts token j + 1; score j in [first, ctx − 1).
+            let scored = logits.get(0)?.narrow(0, first, ctx - 1 - first)?;
+            Ok((log_softmax(&scored)?, chunk[first + 1..].to_vec()))
+        })
+        .collect()
+}
+
+/// Perplexity of `model` on `tokens` (see [`Perplexity`]).
+pub fn perplexity(model: &Llama, tokens: &[u32], ctx: usize) -> Result<Perplexity> {
+    let chunks = chunk_log_probs(model, tokens, ctx)?;
+    let (mut nll, mut count) = (0.0f64, 0usize);
+    for (log_probs, targets) in &chunks {
+        let rows = log_probs.to_vec2::<f32>()?;
+        for (row, &t) in rows.iter().zip(targets) {
+            nll -= f64::from(row[t as usize]);
+            count += 1;
+        }
+    }
+    Ok(Perplexity {
+        perplexity: (nll / count as f64).exp(),
+        tokens: count,
+        chunks: chunks.len(),
+    })
+}
+
+/// Two models compared on the same text, as llama.cpp's `--kl-divergence`
+/// reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Comparison {
+    /// Perplexity of the model under test.
+    pub perplexity: f64,
+    /// Perplexity of the reference.
+    pub reference_perplexity: f64,
+    /// Mean KL(reference ‖ model) of the next-token distributions.
+    pub kl_divergence: f64,
+    /// Fraction of positions where both predict the same top token.
+    pub top1_agreement: f64,
+    /// Number of scored positions.
+    pub tokens: usize,
+}
+
+/// Compares `model` against `reference` on `tokens`.
+pub fn compare(model: &Llama, reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Comparison> {
+    let ours = chunk_log_probs(model, tokens, ctx)?;
+    let theirs = chunk_log_probs(reference, tokens, ctx)?;
+    let (mut nll, mut ref_nll, mut kl, mut agree, mut count) = (0.0, 0.0, 0.0, 0usize, 0usize);
+    for ((lp, targets), (rp, _)) in ours.iter().zip(&theirs) {
+        // KL(P_ref ‖ P_model) = Σ p_ref (log p_ref − log p_model), per row.
+        let row_kl = (rp.exp()? * (rp - lp)?)?.sum(D::Minus1)?.to_vec1::<f32>()?;
+        let our_top = lp.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let ref_top = rp.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let (lp, rp) = (lp.to_vec2::<f32>()?, rp.to_vec2::<f32>()?);
+        for (i, &t) in targets.iter().enumerate() {
+            nll -= f64::from(lp[i][t as usize]);
+            ref_nll -= f64::from(rp[i][t as usize]);
+            kl += f64::from(row_kl[i]);
+            agree += usize::from(our_top[i] == ref_top[i]);
+            count += 1;
+        }
+    }
+    let n = count as f64;
+    Ok(Comparison {
+        perplexity: (nll / n).exp(),
+        reference_perplexity: (ref_nll / n).exp(),
+        kl_divergence: kl / n,
+        top1_agreement: agree as f64 / n,
+        tokens: count,
+    })
+}

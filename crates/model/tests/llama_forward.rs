@@ -1,0 +1,273 @@
+//! The Llama forward on a small random model in a Hugging Face directory:
+//! against candle-transformers' Llama (a peer with its own code), and the
+//! forward's own contracts: padding, KV cache, observation.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_transformers::models::llama as peer;
+use qforge_model::{Llama, Logits, Observer, StatsObserver};
+
+const VOCAB: usize = 96;
+const HIDDEN: usize = 64;
+const LAYERS: usize = 2;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const FFN: usize = 160;
+
+/// Deterministic pseudo-random values (LCG), scaled.
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(2862933555777941757)
+        .wrapping_add(3037000493);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// Writes a random GQA Llama with tied embeddings to a fresh directory.
+fn tiny_model(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qforge-tiny-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 128, "tie_word_embeddings": true,
+        "bos_token_id": 1, "eos_token_id": 2
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let hd = HIDDEN / HEADS;
+    let mut tensors = HashMap::new();
+    let mut seed = 1;
+    let mut add = |name: String, shape: &[usize], scale: f32, offset: f32| {
+        seed += 1;
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = values(n, seed, scale)
+            .into_iter()
+            .map(|x| x + offset)
+            .collect();
+        tensors.insert(name, Tensor::from_vec(v, shape, &Device::Cpu).unwrap());
+    };
+    add(
+        "model.embed_tokens.weight".into(),
+        &[VOCAB, HIDDEN],
+        1.0,
+        0.0,
+    );
+    add("model.norm.weight".into(), &[HIDDEN], 0.2, 1.0);
+    for i in 0..LAYERS {
+        let p = format!("model.layers.{i}");
+        add(format!("{p}.input_layernorm.weight"), &[HIDDEN], 0.2, 1.0);
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[HIDDEN],
+            0.2,
+            1.0,
+        );
+        add(
+            format!("{p}.self_attn.q_proj.weight"),
+            &[HEADS * hd, HIDDEN],
+            0.3,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            &[KV_HEADS * hd, HIDDEN],
+            0.3,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            &[KV_HEADS * hd, HIDDEN],
+            0.3,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            &[HIDDEN, HEADS * hd],
+            0.3,
+            0.0,
+        );
+        add(
+            format!("{p}.mlp.gate_proj.weight"),
+            &[FFN, HIDDEN],
+            0.3,
+            0.0,
+        );
+        add(format!("{p}.mlp.up_proj.weight"), &[FFN, HIDDEN], 0.3, 0.0);
+        add(
+            format!("{p}.mlp.down_proj.weight"),
+            &[HIDDEN, FFN],
+            0.3,
+            0.0,
+        );
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn peer_last_logits(dir: &Path, tokens: &[u32]) -> Vec<f32> {
+    let config: peer::LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let config = config.into_config(false);
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
+    }
+    .unwrap();
+    let model = peer::Llama::load(vb, &config).unwrap();
+    let mut cache = peer::Cache::new(false, DType::F32, &config, &Device::Cpu).unwrap();
+    let x = Tensor::new(tokens, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    model
+        .forward(&x, 0, &mut cache)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn last_logits(model: &Llama, batch: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    model
+        .forward(batch, None, None, Logits::Last)
+        .unwrap()
+        .to_vec2()
+        .unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn matches_candle_transformers_llama_on_a_hf_directory() {
+    let dir = tiny_model("peer");
+    let ours = Llama::from_hf_dir(&dir).unwrap();
+    for tokens in [
+        vec![1u32, 5, 9, 33, 70, 2, 11],
+        vec![4u32; 3],
+        (0..40).map(|i| (i * 7 % 96) as u32).collect(),
+    ] {
+        let expected = peer_last_logits(&dir, &tokens);
+        let got = &last_logits(&ours, &[tokens.clone()])[0];
+        let diff = max_diff(got, &expected);
+        assert!(diff < 1e-4, "{} tokens: max |Δ| {diff}", tokens.len());
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn padding_kv_cache_and_observation_keep_their_contracts() {
+    let dir = tiny_model("contracts");
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let long: Vec<u32> = (0..12).map(|i| (i * 5 + 3) % 96).collect();
+    let short: Vec<u32> = vec![7, 8, 9, 10, 11];
+
+    // A right-padded batch gives each sequence the logits it gets alone.
+    let batched = last_logits(&model, &[long.clone(), short.clone()]);
+    assert!(max_diff(&batched[0], &last_logits(&model, &[long.clone()])[0]) < 1e-4);
+    assert!(max_diff(&batched[1], &last_logits(&model, &[short.clone()])[0]) < 1e-4);
+
+    // Decoding token by token with the cache gives the full forward's logits.
+    let mut cache = model.new_cache();
+    model
+        .forward(&[long[..8].to_vec()], Some(&mut cache), None, Logits::Last)
+        .unwrap();
+    let mut step = None;
+    for &t in &long[8..] {
+        step = Some(
+            model
+                .forward(&[vec![t]], Some(&mut cache), None, Logits::Last)
+                .unwrap(),
+        );
+    }
+    assert_eq!(cache.len(), long.len());
+    let step: Vec<f32> = step.unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert!(max_diff(&step, &last_logits(&model, &[long.clone()])[0]) < 1e-4);
+
+    // Every distinct linear input is observed, padding never.
+    let mut observer = StatsObserver::new(true);
+    model
+        .forward(
+            &[long.clone(), short.clone()],
+            None,
+            Some(&mut observer as &mut dyn Observer),
+            Logits::All,
+        )
+        .unwrap();
+    let points: Vec<&str> = observer.tensors.keys().map(String::as_str).collect();
+    assert_eq!(points.len(), 4 * LAYERS + 1, "{points:?}");
+    for i in 0..LAYERS {
+        for p in [
+            "self_attn.q_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.down_proj",
+        ] {
+            assert!(
+                points.contains(&format!("model.layers.{i}.{p}").as_str()),
+                "{p}"
+            );
+        }
+    }
+    let rows = (long.len() + short.len()) as u64;
+    let q = &observer.tensors["model.layers.0.self_attn.q_proj"];
+    assert_eq!(q.histogram().count(), rows * HIDDEN as u64);
+    let down = &observer.tensors["model.layers.1.mlp.down_proj"];
+    assert_eq!(down.histogram().count(), rows * FFN as u64);
+    assert_eq!(down.channel_abs_max().unwrap().len(), FFN);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dir = tiny_model("bad");
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let err = model
+        .forward(&[vec![500]], None, None, Logits::Last)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    assert!(model.forward(&[vec![]], None, None, Logits::Last).is_err());
+    let err = model
+        .forward(&[vec![1; 200]], None, None, Logits::Last)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("context"), "{err}");
+
+    // A truncated safetensors file and a missing tensor name the problem.
+    let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        &weights[..weights.len() - 100],
+    )
+    .unwrap();
+    let err = Llama::from_hf_dir(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("model.safetensors") || err.contains(dir.to_str().unwrap()),
+        "{err}"
+    );
+    let mut tensors = candle_core::safetensors::load_buffer(&weights, &Device::Cpu).unwrap();
+    tensors.remove("model.layers.1.mlp.up_proj.weight");
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    let err = Llama::from_hf_dir(&dir).unwrap_err().to_string();
+    assert!(err.contains("model.layers.1.mlp.up_proj.weight"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
