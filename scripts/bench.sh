@@ -10,7 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 
+scripts/fetch-models.sh
 cargo bench -p qforge-core --bench observe -- --warm-up-time 2 --measurement-time 5
+cargo bench -p qforge-model --bench forward
 cargo build --release -p qforge-cli
 .venv/bin/python tests/python/ort_crosscheck.py --markdown --qforge target/release/qforge \
     > target/ort_crosscheck.md

@@ -11,7 +11,8 @@ CRITERION = "target/criterion"
 
 def throughput(group, bench, case):
     """Elements per second (mean) of one criterion benchmark, or None."""
-    base = os.path.join(CRITERION, group, bench, case, "new")
+    base = os.path.join(CRITERION, group, bench, case, "new") if case else os.path.join(
+        CRITERION, group, bench, "new")
     try:
         with open(os.path.join(base, "estimates.json")) as f:
             mean_ns = json.load(f)["mean"]["point_estimate"]
@@ -67,6 +68,29 @@ def main():
     merge = mean_ns("merge", "dense_histogram")
     if merge is not None:
         print(f"\nMerging two dense histograms (65 536 `u64` bins): {merge / 1e3:.1f} µs.\n")
+
+    print("## SmolLM2-135M full-precision forward\n")
+    print("Command: `cargo bench -p qforge-model --bench forward` (2 threads; weights are the "
+          "GGUF Q4_1 file dequantized to f32). `observed` runs the same prefill with every "
+          "linear input recorded into exact statistics (histogram + per-channel abs-max), as "
+          "calibration does.\n")
+    prefill = throughput("smollm2_fp32", "prefill_128", "")
+    observed = throughput("smollm2_fp32", "prefill_128_observed", "")
+    decode = mean_ns("smollm2_fp32", "decode_step_at_128")
+    if prefill and observed and decode:
+        print("| measurement | tokens/s |")
+        print("|---|---|")
+        print(f"| prefill, 128 tokens | {prefill:.0f} |")
+        print(f"| prefill, 128 tokens, observed | {observed:.0f} ({100 * (prefill / observed - 1):.1f} % slower) |")
+        print(f"| decode, one token after 128 | {1e9 / decode:.1f} |\n")
+    else:
+        print("(not run)\n")
+    try:
+        with open("target/llamacpp-reference.md") as f:
+            print("### llama.cpp on the same machine\n")
+            print(f.read())
+    except OSError:
+        pass
 
     print("## Calibrators against ONNX Runtime and TensorRT's method\n")
     print("Command: `.venv/bin/python tests/python/ort_crosscheck.py --markdown` (1 M values per "

@@ -72,6 +72,8 @@ pub fn import_mlp(path: &Path, head: Head, env: Option<String>) -> Result<MlpPol
 /// protobuf decoding checks every length prefix against the bytes left (and
 /// nests at most 100 messages deep), and a tensor's data is copied only after
 /// its declared dims have been checked against the length it actually holds.
+/// The constant is not 1: a crafted file of empty messages (two bytes each)
+/// decodes to structs of up to ~200 bytes each.
 pub fn import_mlp_bytes(bytes: &[u8], head: Head, env: Option<String>) -> Result<MlpPolicy> {
     let model = ModelProto::decode(bytes).map_err(|e| {
         Error::Format(format!(
@@ -723,12 +725,16 @@ fn build_policy(chain: Chain, head: Head, env: Option<String>) -> Result<MlpPoli
     if let Some(features) = input_features
         && features.iter().all(Option::is_some)
     {
-        let declared: i64 = features.iter().flatten().product();
-        if usize::try_from(declared).ok() != Some(observation_dim) {
+        let declared = features
+            .iter()
+            .flatten()
+            .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+        if declared != Some(observation_dim) {
             return Err(Error::Shape(format!(
-                "input `{}` declares {declared} features per observation but the first layer \
-                 ({}) takes {observation_dim}",
+                "input `{}` declares {:?} features per observation but the first layer ({}) \
+                 takes {observation_dim}",
                 shown(&input_name),
+                features.iter().flatten().collect::<Vec<_>>(),
                 layers[0].node
             )));
         }

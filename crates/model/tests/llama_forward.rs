@@ -166,7 +166,7 @@ fn matches_candle_transformers_llama_on_a_hf_directory() {
         (0..40).map(|i| (i * 7 % 96) as u32).collect(),
     ] {
         let expected = peer_last_logits(&dir, &tokens);
-        let got = &last_logits(&ours, &[tokens.clone()])[0];
+        let got = &last_logits(&ours, std::slice::from_ref(&tokens))[0];
         let diff = max_diff(got, &expected);
         assert!(diff < 1e-4, "{} tokens: max |Δ| {diff}", tokens.len());
     }
@@ -182,8 +182,18 @@ fn padding_kv_cache_and_observation_keep_their_contracts() {
 
     // A right-padded batch gives each sequence the logits it gets alone.
     let batched = last_logits(&model, &[long.clone(), short.clone()]);
-    assert!(max_diff(&batched[0], &last_logits(&model, &[long.clone()])[0]) < 1e-4);
-    assert!(max_diff(&batched[1], &last_logits(&model, &[short.clone()])[0]) < 1e-4);
+    assert!(
+        max_diff(
+            &batched[0],
+            &last_logits(&model, std::slice::from_ref(&long))[0]
+        ) < 1e-4
+    );
+    assert!(
+        max_diff(
+            &batched[1],
+            &last_logits(&model, std::slice::from_ref(&short))[0]
+        ) < 1e-4
+    );
 
     // Decoding token by token with the cache gives the full forward's logits.
     let mut cache = model.new_cache();
@@ -200,7 +210,7 @@ fn padding_kv_cache_and_observation_keep_their_contracts() {
     }
     assert_eq!(cache.len(), long.len());
     let step: Vec<f32> = step.unwrap().flatten_all().unwrap().to_vec1().unwrap();
-    assert!(max_diff(&step, &last_logits(&model, &[long.clone()])[0]) < 1e-4);
+    assert!(max_diff(&step, &last_logits(&model, std::slice::from_ref(&long))[0]) < 1e-4);
 
     // Every distinct linear input is observed, padding never.
     let mut observer = StatsObserver::new(true);

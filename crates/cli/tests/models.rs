@@ -1,0 +1,214 @@
+//! `qforge generate`, `eval` and `fingerprint` on the real fixtures:
+//! SmolLM2-135M-Instruct (fetched by scripts/fetch-models.sh) and the trained
+//! policies. Each SmolLM2 run stays within a few hundred tokens.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn smollm2() -> String {
+    let path = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
+        path.display()
+    );
+    path.to_string_lossy().into_owned()
+}
+
+fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qforge"))
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run qforge")
+}
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "qforge failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn generate_answers_a_chat_prompt_greedily() {
+    let prompt =
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    let out = json(&run(
+        &[
+            "generate",
+            "--model",
+            &smollm2(),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "12",
+            "--json",
+        ],
+        &[],
+    ));
+    let text = out["text"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+    assert!(
+        !text.contains("capital of France?"),
+        "the prompt is not echoed: {text:?}"
+    );
+    assert!(out["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(out["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // Greedy decoding is reproducible.
+    let again = json(&run(
+        &[
+            "generate",
+            "--model",
+            &smollm2(),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "12",
+            "--json",
+        ],
+        &[],
+    ));
+    assert_eq!(out["tokens"], again["tokens"]);
+}
+
+#[test]
+fn perplexity_and_self_comparison_are_consistent() {
+    let text = root().join("fixtures/text/eval.txt");
+    let text = text.to_str().unwrap();
+    let ppl = json(&run(
+        &[
+            "eval",
+            "perplexity",
+            "--model",
+            &smollm2(),
+            "--text",
+            text,
+            "--ctx",
+            "128",
+            "--json",
+        ],
+        &[],
+    ));
+    let p = ppl["perplexity"].as_f64().unwrap();
+    // 6 chunks of 128 tokens, 63 scored in each.
+    assert_eq!(ppl["tokens"], 6 * 63);
+    assert!(p > 1.0 && p < 100.0, "perplexity {p}");
+    let cmp = json(&run(
+        &[
+            "eval",
+            "compare",
+            "--model",
+            &smollm2(),
+            "--reference",
+            &smollm2(),
+            "--text",
+            text,
+            "--ctx",
+            "128",
+            "--json",
+        ],
+        &[],
+    ));
+    assert_eq!(cmp["top1_agreement"], 1.0);
+    assert!(cmp["kl_divergence"].as_f64().unwrap().abs() < 1e-6);
+    assert!((cmp["perplexity"].as_f64().unwrap() - p).abs() < 1e-9);
+    assert_eq!(cmp["perplexity"], cmp["reference_perplexity"]);
+}
+
+/// The forward is deterministic whatever the thread count: the fingerprint
+/// (a hash of every activation of a probe batch) is the same with 1 and 2.
+#[test]
+fn fingerprint_does_not_depend_on_the_thread_count() {
+    let policy = root().join("fixtures/policies/pendulum");
+    for model in [smollm2(), policy.to_string_lossy().into_owned()] {
+        let fingerprints: Vec<Value> = ["1", "2"]
+            .iter()
+            .map(|threads| {
+                json(&run(
+                    &["fingerprint", "--model", &model, "--json"],
+                    &[
+                        ("RAYON_NUM_THREADS", threads),
+                        ("CANDLE_NUM_THREADS", threads),
+                    ],
+                ))["fingerprint"]
+                    .clone()
+            })
+            .collect();
+        assert_eq!(fingerprints[0], fingerprints[1], "{model}");
+        assert_eq!(fingerprints[0].as_str().unwrap().len(), 64);
+    }
+}
+
+#[test]
+fn policy_agreement_with_itself_is_total() {
+    let dir = root().join("fixtures/policies/cartpole");
+    let dir = dir.to_str().unwrap();
+    let rollouts = root().join("fixtures/policies/cartpole/rollouts.jsonl");
+    let out = json(&run(
+        &[
+            "eval",
+            "agreement",
+            "--model",
+            dir,
+            "--reference",
+            dir,
+            "--observations",
+            rollouts.to_str().unwrap(),
+            "--json",
+        ],
+        &[],
+    ));
+    assert_eq!(out["agreement"], 1.0);
+    assert_eq!(out["observations"], 4000);
+}
+
+#[test]
+fn wrong_model_kinds_and_missing_files_fail_clearly() {
+    let policy = root().join("fixtures/policies/cartpole");
+    let out = run(
+        &[
+            "generate",
+            "--model",
+            policy.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is a policy"));
+    let out = run(
+        &["generate", "--model", "/nonexistent.gguf", "--prompt", "hi"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+    let garbage = std::env::temp_dir().join(format!("qforge-garbage-{}.gguf", std::process::id()));
+    std::fs::write(&garbage, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    let out = run(
+        &[
+            "generate",
+            "--model",
+            garbage.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("truncated") && stderr.contains(garbage.to_str().unwrap()),
+        "{stderr}"
+    );
+    std::fs::remove_file(garbage).unwrap();
+}
