@@ -25,6 +25,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
-step "python cross-checks against ONNX Runtime (release build)"
-cargo build --release --locked -p qforge-cli
-QFORGE="$PWD/target/release/qforge" .venv/bin/python -m pytest -q tests/python
+# `cargo test` built target/debug/qforge with the test profile (optimised, debug
+# assertions on), so the cross-checks reuse it instead of a second, release build.
+step "python cross-checks against ONNX Runtime"
+QFORGE="$PWD/target/debug/qforge" .venv/bin/python -m pytest -q tests/python

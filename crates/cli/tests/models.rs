@@ -101,7 +101,9 @@ fn perplexity_and_self_comparison_are_consistent() {
     let p = ppl["perplexity"].as_f64().unwrap();
     // 6 chunks of 128 tokens, 63 scored in each.
     assert_eq!(ppl["tokens"], 6 * 63);
-    assert!(p > 1.0 && p < 100.0, "perplexity {p}");
+    // llama.cpp's llama-perplexity on the same weights (the GGUF requantized to
+    // F32), text and context gives 31.6053 (BENCHMARKS.md has the command).
+    assert!((p - 31.6053).abs() / 31.6053 < 1e-3, "perplexity {p} vs llama.cpp 31.6053");
     let cmp = json(&run(
         &[
             "eval",
