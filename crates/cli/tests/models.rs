@@ -103,7 +103,10 @@ fn perplexity_and_self_comparison_are_consistent() {
     assert_eq!(ppl["tokens"], 6 * 63);
     // llama.cpp's llama-perplexity on the same weights (the GGUF requantized to
     // F32), text and context gives 31.6053 (BENCHMARKS.md has the command).
-    assert!((p - 31.6053).abs() / 31.6053 < 1e-3, "perplexity {p} vs llama.cpp 31.6053");
+    assert!(
+        (p - 31.6053).abs() / 31.6053 < 1e-3,
+        "perplexity {p} vs llama.cpp 31.6053"
+    );
     let cmp = json(&run(
         &[
             "eval",

@@ -9,9 +9,12 @@ use crate::error::{Error, Result};
 /// that calibration observes.
 #[derive(Debug, Clone)]
 pub enum Linear {
-    /// f32 weights `[out, in]` and an optional bias `[out]`.
+    /// Full-precision weights `[out, in]` and an optional bias `[out]`.
+    /// bf16 and f16 weights stay as stored and are widened to f32 one layer at
+    /// a time in the forward (exactly: both widen to f32 without rounding), so
+    /// a bf16 Llama-3-8B needs 16 GB, not 32 GB.
     Fp {
-        /// Weight, `[out, in]`.
+        /// Weight, `[out, in]`, in f32, bf16 or f16.
         weight: Tensor,
         /// Bias, `[out]`.
         bias: Option<Tensor>,
@@ -19,7 +22,8 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// A full-precision layer; checks shapes and converts to f32.
+    /// A full-precision layer; checks shapes. f32, bf16 and f16 weights are kept
+    /// as they are; other dtypes are converted to f32.
     pub fn fp(
         name: &str,
         weight: Tensor,
@@ -43,8 +47,12 @@ impl Linear {
                 shape.0
             )));
         }
+        let weight = match weight.dtype() {
+            DType::F32 | DType::BF16 | DType::F16 => weight,
+            _ => weight.to_dtype(DType::F32)?,
+        };
         Ok(Linear::Fp {
-            weight: weight.to_dtype(DType::F32)?.contiguous()?,
+            weight: weight.contiguous()?,
             bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
         })
     }
@@ -53,12 +61,26 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Fp { weight, bias } => {
+                let widened;
+                let weight = if weight.dtype() == DType::F32 {
+                    weight
+                } else {
+                    widened = weight.to_dtype(DType::F32)?;
+                    &widened
+                };
                 let y = x.broadcast_matmul(&weight.t()?)?;
                 Ok(match bias {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,
                 })
             }
+        }
+    }
+
+    /// Bytes the weight occupies as stored.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Linear::Fp { weight, .. } => weight.elem_count() * weight.dtype().size_in_bytes(),
         }
     }
 

@@ -33,14 +33,23 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// Writes a random GQA Llama with tied embeddings to a fresh directory.
 fn tiny_model(name: &str) -> PathBuf {
+    tiny_family(name, false)
+}
+
+/// Writes a random GQA decoder: a Llama with tied embeddings, or (`qwen2`) a
+/// Qwen2 with q/k/v biases and its own lm_head.
+fn tiny_family(name: &str, qwen2: bool) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("qforge-tiny-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": FFN,
+        "architectures": [if qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "hidden_size": HIDDEN, "intermediate_size": FFN,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
         "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 128, "tie_word_embeddings": true,
-        "bos_token_id": 1, "eos_token_id": 2
+        "max_position_embeddings": 128, "tie_word_embeddings": !qwen2,
+        "bos_token_id": 1, "eos_token_id": 2,
+        "sliding_window": 128, "max_window_layers": LAYERS, "use_sliding_window": false,
+        "hidden_act": "silu"
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let hd = HIDDEN / HEADS;
@@ -62,6 +71,9 @@ fn tiny_model(name: &str) -> PathBuf {
         0.0,
     );
     add("model.norm.weight".into(), &[HIDDEN], 0.2, 1.0);
+    if qwen2 {
+        add("lm_head.weight".into(), &[VOCAB, HIDDEN], 0.5, 0.0);
+    }
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
         add(format!("{p}.input_layernorm.weight"), &[HIDDEN], 0.2, 1.0);
@@ -108,6 +120,26 @@ fn tiny_model(name: &str) -> PathBuf {
             0.3,
             0.0,
         );
+        if qwen2 {
+            add(
+                format!("{p}.self_attn.q_proj.bias"),
+                &[HEADS * hd],
+                0.5,
+                0.0,
+            );
+            add(
+                format!("{p}.self_attn.k_proj.bias"),
+                &[KV_HEADS * hd],
+                0.5,
+                0.0,
+            );
+            add(
+                format!("{p}.self_attn.v_proj.bias"),
+                &[KV_HEADS * hd],
+                0.5,
+                0.0,
+            );
+        }
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
     dir
@@ -133,6 +165,31 @@ fn peer_last_logits(dir: &Path, tokens: &[u32]) -> Vec<f32> {
         .unwrap();
     model
         .forward(&x, 0, &mut cache)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn qwen2_peer_last_logits(dir: &Path, tokens: &[u32]) -> Vec<f32> {
+    let config: candle_transformers::models::qwen2::Config =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
+    }
+    .unwrap();
+    let mut model = candle_transformers::models::qwen2::ModelForCausalLM::new(&config, vb).unwrap();
+    let x = Tensor::new(tokens, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    model
+        .forward(&x, 0)
         .unwrap()
         .flatten_all()
         .unwrap()
@@ -166,6 +223,48 @@ fn matches_candle_transformers_llama_on_a_hf_directory() {
         (0..40).map(|i| (i * 7 % 96) as u32).collect(),
     ] {
         let expected = peer_last_logits(&dir, &tokens);
+        let got = &last_logits(&ours, std::slice::from_ref(&tokens))[0];
+        let diff = max_diff(got, &expected);
+        assert!(diff < 1e-4, "{} tokens: max |Δ| {diff}", tokens.len());
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bf16_weights_stay_bf16_and_match_the_peer() {
+    let dir = tiny_model("bf16");
+    let path = dir.join("model.safetensors");
+    let tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let bf16: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(name, t)| (name, t.to_dtype(DType::BF16).unwrap()))
+        .collect();
+    candle_core::safetensors::save(&bf16, &path).unwrap();
+    let ours = Llama::from_hf_dir(&dir).unwrap();
+    // Decoder linears stay 2 bytes a weight; the tied lm_head is the f32 embedding.
+    let hd = HIDDEN / HEADS;
+    let per_layer = HIDDEN * (HEADS + 2 * KV_HEADS) * hd + HEADS * hd * HIDDEN + 3 * HIDDEN * FFN;
+    assert_eq!(
+        ours.linear_weight_bytes(),
+        2 * LAYERS * per_layer + 4 * VOCAB * HIDDEN
+    );
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 13 % 96) as u32).collect();
+    let expected = peer_last_logits(&dir, &tokens);
+    let got = &last_logits(&ours, std::slice::from_ref(&tokens))[0];
+    assert!(max_diff(got, &expected) < 1e-4);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn qwen2_with_biases_matches_candle_transformers_qwen2() {
+    let dir = tiny_family("qwen2", true);
+    let ours = Llama::from_hf_dir(&dir).unwrap();
+    assert!(ours.config().attention_bias);
+    for tokens in [
+        vec![3u32, 1, 4, 1, 5, 9, 2, 6],
+        (0..30).map(|i| (i * 11 % 96) as u32).collect(),
+    ] {
+        let expected = qwen2_peer_last_logits(&dir, &tokens);
         let got = &last_logits(&ours, std::slice::from_ref(&tokens))[0];
         let diff = max_diff(got, &expected);
         assert!(diff < 1e-4, "{} tokens: max |Δ| {diff}", tokens.len());

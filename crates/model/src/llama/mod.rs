@@ -284,6 +284,27 @@ impl Llama {
         &self.config
     }
 
+    /// Bytes of every linear layer's weight as stored (lm_head included; a tied
+    /// lm_head shares the embedding's f32 copy).
+    pub fn linear_weight_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| {
+                [
+                    &l.q_proj,
+                    &l.k_proj,
+                    &l.v_proj,
+                    &l.o_proj,
+                    &l.gate_proj,
+                    &l.up_proj,
+                    &l.down_proj,
+                ]
+            })
+            .map(Linear::weight_bytes)
+            .sum::<usize>()
+            + self.lm_head.weight_bytes()
+    }
+
     /// An empty KV cache for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache {
