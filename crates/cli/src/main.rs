@@ -3,6 +3,7 @@
 //! Raw arguments are parsed by clap (usage errors exit with 2), validated into
 //! a command, and run; `main` maps the outcome to the documented exit codes.
 
+mod calibrate_cmd;
 mod demo;
 mod input;
 mod model_cmd;
@@ -57,6 +58,9 @@ enum Command {
     /// Run the calibration-statistics demo: synthetic activations observed by one
     /// worker and by several worker threads give byte-identical statistics.
     Demo(demo::DemoArgs),
+    /// Run a calibration pass: sample the data, observe every batch on worker
+    /// threads, merge the statistics exactly into OUT.qstats.
+    Calibrate(calibrate_cmd::CalibrateArgs),
     /// Generate text with a language model (greedy unless --temperature).
     Generate(model_cmd::GenerateArgs),
     /// Evaluate models: perplexity, comparison with a reference, action agreement.
@@ -101,12 +105,21 @@ pub struct OutputPath {
 }
 
 fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`qforge stats show X | head`), as other
+    // Unix tools do, instead of panicking in println!.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread
+    // starts; no handler is installed.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Stats(StatsCommand::Observe(args)) => stats_cmd::observe(args),
         Command::Stats(StatsCommand::Merge(args)) => stats_cmd::merge(args),
         Command::Stats(StatsCommand::Show(args)) => stats_cmd::show(args),
         Command::Demo(args) => demo::run(args),
+        Command::Calibrate(args) => calibrate_cmd::calibrate(args),
         Command::Generate(args) => model_cmd::generate(args),
         Command::Eval(command) => model_cmd::eval(command),
         Command::Fingerprint(args) => model_cmd::fingerprint(args),

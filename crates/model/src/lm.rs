@@ -66,6 +66,34 @@ impl LanguageModel {
         })
     }
 
+    /// Renders a prompt and a completion as one conversation with the model's
+    /// chat template (a user turn and an assistant turn), or concatenates them
+    /// when the model has no template.
+    pub fn chat_text(&self, prompt: &str, completion: &str) -> Result<String> {
+        let Some(template) = &self.chat_template else {
+            return Ok(format!("{prompt}{completion}"));
+        };
+        let mut env = minijinja::Environment::new();
+        env.add_template("chat", template)
+            .map_err(|e| Error::Format(format!("chat template: {e}")))?;
+        let token = |id: Option<u32>| {
+            id.and_then(|i| self.tokenizer.decode(&[i]).ok())
+                .unwrap_or_default()
+        };
+        let context = minijinja::context! {
+            messages => vec![
+                minijinja::context! { role => "user", content => prompt },
+                minijinja::context! { role => "assistant", content => completion },
+            ],
+            add_generation_prompt => false,
+            bos_token => token(self.tokenizer.bos),
+            eos_token => token(self.tokenizer.eos.first().copied()),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(context))
+            .map_err(|e| Error::Format(format!("chat template: {e}")))
+    }
+
     /// Generates up to `options.max_tokens` tokens after `prompt`, stopping at
     /// an end-of-sequence token.
     pub fn generate(&self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {

@@ -429,6 +429,9 @@ impl Llama {
             kv.len += seq;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        // lm_head's input is observed at every real position, whichever
+        // logits are asked for.
+        observe(&mut observer, "lm_head", &x, &lengths)?;
         let x = match logits {
             Logits::All => x,
             Logits::Last => {
@@ -440,12 +443,6 @@ impl Llama {
                 Tensor::stack(&rows, 0)?
             }
         };
-        if logits == Logits::All {
-            observe(&mut observer, "lm_head", &x, &lengths)?;
-        } else {
-            let ones = vec![1; b];
-            observe(&mut observer, "lm_head", &x.unsqueeze(1)?, &ones)?;
-        }
         self.lm_head.forward(&x)
     }
 

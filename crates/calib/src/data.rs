@@ -1,0 +1,289 @@
+//! Calibration data in the shapes RL trainers emit, as JSONL.
+//!
+//! LLM episodes: `{"prompt": …, "completion" | "text" | "token_ids": …,
+//! "reward"?: …, "episode_id"?: …}` (a `text` or `token_ids` record needs no
+//! prompt). Policy trajectories: `{"observations": [[…], …], "actions"?: …,
+//! "rewards"?: …}`. Every line is one record; blank lines are ignored.
+
+use std::path::Path;
+
+use qforge_core::{Digest, DigestBuilder};
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// What an LLM episode holds to calibrate on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EpisodeContent {
+    /// A prompt and the policy's completion.
+    PromptCompletion {
+        /// The prompt.
+        prompt: String,
+        /// The completion.
+        completion: String,
+    },
+    /// Plain text.
+    Text(String),
+    /// Token ids, already tokenized.
+    TokenIds(Vec<u32>),
+}
+
+/// One record of calibration data.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// An LLM episode.
+    Episode {
+        /// Its content.
+        content: EpisodeContent,
+        /// The episode's reward, if recorded.
+        reward: Option<f64>,
+    },
+    /// A control-policy trajectory.
+    Trajectory {
+        /// Observations, one row per step.
+        observations: Vec<Vec<f32>>,
+        /// Total reward of the trajectory, if rewards were recorded.
+        reward: Option<f64>,
+    },
+}
+
+impl Record {
+    /// The record's reward (episode reward, or sum of trajectory rewards).
+    pub fn reward(&self) -> Option<f64> {
+        match self {
+            Record::Episode { reward, .. } | Record::Trajectory { reward, .. } => *reward,
+        }
+    }
+}
+
+/// A loaded calibration data file.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    /// Valid records, in file order.
+    pub records: Vec<Record>,
+    /// Lines skipped under `skip_invalid`: (1-based line, reason).
+    pub skipped: Vec<(usize, String)>,
+    /// SHA-256 of the file's bytes.
+    pub digest: Digest,
+}
+
+/// Reads a JSONL file. A bad line fails the load with its line number, unless
+/// `skip_invalid`, which counts and skips it.
+pub fn load_jsonl(path: &Path, skip_invalid: bool) -> Result<Dataset> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    parse_jsonl(&bytes, &path.display().to_string(), skip_invalid)
+}
+
+/// Parses JSONL bytes (`name` labels errors).
+pub fn parse_jsonl(bytes: &[u8], name: &str, skip_invalid: bool) -> Result<Dataset> {
+    let mut digest = DigestBuilder::default();
+    digest.update(bytes);
+    let mut records = Vec::new();
+    let mut skipped = Vec::new();
+    for (index, line) in bytes.split(|&b| b == b'\n').enumerate() {
+        let line_no = index + 1;
+        let text = match std::str::from_utf8(line) {
+            Ok(t) => t.trim(),
+            Err(_) => {
+                let reason = "not valid UTF-8".to_owned();
+                if skip_invalid {
+                    skipped.push((line_no, reason));
+                    continue;
+                }
+                return Err(Error::InvalidLine {
+                    path: name.to_owned(),
+                    line: line_no,
+                    reason,
+                });
+            }
+        };
+        if text.is_empty() {
+            continue;
+        }
+        match parse_record(text) {
+            Ok(record) => records.push(record),
+            Err(reason) if skip_invalid => skipped.push((line_no, reason)),
+            Err(reason) => {
+                return Err(Error::InvalidLine {
+                    path: name.to_owned(),
+                    line: line_no,
+                    reason,
+                });
+            }
+        }
+    }
+    if records.is_empty() {
+        return Err(Error::Data(format!(
+            "{name}: no valid records ({} skipped)",
+            skipped.len()
+        )));
+    }
+    let kinds = records
+        .iter()
+        .map(|r| matches!(r, Record::Episode { .. }))
+        .collect::<std::collections::BTreeSet<_>>();
+    if kinds.len() > 1 {
+        return Err(Error::Data(format!(
+            "{name} mixes LLM episodes and policy trajectories; use one kind per file"
+        )));
+    }
+    Ok(Dataset {
+        records,
+        skipped,
+        digest: digest.finish(),
+    })
+}
+
+fn parse_record(text: &str) -> std::result::Result<Record, String> {
+    let value: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| "a record must be a JSON object".to_owned())?;
+    let number = |key: &str| -> std::result::Result<Option<f64>, String> {
+        match object.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .filter(|f| f.is_finite())
+                .map(Some)
+                .ok_or_else(|| format!("\"{key}\" must be a finite number")),
+        }
+    };
+    if let Some(observations) = object.get("observations") {
+        let rows = observations
+            .as_array()
+            .ok_or("\"observations\" must be a list of lists of numbers")?;
+        let mut parsed = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            let row = row
+                .as_array()
+                .ok_or_else(|| format!("observation {i} is not a list"))?;
+            let values = row
+                .iter()
+                .map(|v| {
+                    v.as_f64()
+                        .filter(|f| f.is_finite())
+                        .map(|f| f as f32)
+                        .ok_or_else(|| format!("observation {i} holds {v}, not a finite number"))
+                })
+                .collect::<std::result::Result<Vec<f32>, String>>()?;
+            if parsed
+                .first()
+                .is_some_and(|first: &Vec<f32>| first.len() != values.len())
+            {
+                return Err(format!(
+                    "observation {i} has {} values, the first has {}",
+                    values.len(),
+                    parsed[0].len()
+                ));
+            }
+            parsed.push(values);
+        }
+        if parsed.is_empty() || parsed[0].is_empty() {
+            return Err("\"observations\" is empty".into());
+        }
+        let reward = match object.get("rewards") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(r)) => Some(
+                r.iter()
+                    .map(|v| v.as_f64().filter(|f| f.is_finite()))
+                    .sum::<Option<f64>>()
+                    .ok_or("\"rewards\" must be finite numbers")?,
+            ),
+            Some(_) => return Err("\"rewards\" must be a list of numbers".into()),
+        };
+        return Ok(Record::Trajectory {
+            observations: parsed,
+            reward,
+        });
+    }
+    let string = |key: &str| -> std::result::Result<Option<String>, String> {
+        match object.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(format!("\"{key}\" must be a string")),
+        }
+    };
+    let reward = number("reward")?;
+    let content = if let Some(ids) = object.get("token_ids") {
+        let ids = ids
+            .as_array()
+            .ok_or("\"token_ids\" must be a list of integers")?
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|id| u32::try_from(id).ok())
+                    .ok_or_else(|| format!("token id {v} is not a 32-bit unsigned integer"))
+            })
+            .collect::<std::result::Result<Vec<u32>, String>>()?;
+        if ids.is_empty() {
+            return Err("\"token_ids\" is empty".into());
+        }
+        EpisodeContent::TokenIds(ids)
+    } else if let Some(text) = string("text")? {
+        EpisodeContent::Text(text)
+    } else if let Some(completion) = string("completion")? {
+        let prompt = string("prompt")?.ok_or("a \"completion\" record needs a \"prompt\"")?;
+        EpisodeContent::PromptCompletion { prompt, completion }
+    } else {
+        return Err(
+            "a record needs \"observations\" (policy) or \"completion\"/\"text\"/\"token_ids\" (LLM)"
+                .into(),
+        );
+    };
+    Ok(Record::Episode { content, reward })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_shape_and_names_bad_lines() {
+        let good = br#"{"prompt": "2+2=", "completion": "4", "reward": 1.0, "episode_id": "a"}
+{"text": "hello"}
+
+{"token_ids": [1, 2, 3], "reward": -0.5}
+"#;
+        let d = parse_jsonl(good, "x.jsonl", false).unwrap();
+        assert_eq!(d.records.len(), 3);
+        assert_eq!(d.records[2].reward(), Some(-0.5));
+
+        let bad = b"{\"text\": \"ok\"}\n{\"prompt\": 3, \"completion\": \"x\"}\nnot json\n";
+        let err = parse_jsonl(bad, "x.jsonl", false).unwrap_err().to_string();
+        assert!(
+            err.contains("x.jsonl:2") && err.contains("--skip-invalid"),
+            "{err}"
+        );
+        let d = parse_jsonl(bad, "x.jsonl", true).unwrap();
+        assert_eq!(d.records.len(), 1);
+        assert_eq!(
+            d.skipped.iter().map(|s| s.0).collect::<Vec<_>>(),
+            vec![2, 3]
+        );
+
+        let traj = b"{\"observations\": [[1, 2], [3, 4]], \"rewards\": [1, 0.5]}\n";
+        let d = parse_jsonl(traj, "t", false).unwrap();
+        assert_eq!(d.records[0].reward(), Some(1.5));
+        for (line, needle) in [
+            (&b"{\"observations\": [[1, 2], [3]]}"[..], "has 1 values"),
+            (b"{\"observations\": [[1, NaN]]}", "not valid JSON"),
+            (b"{\"observations\": []}", "empty"),
+            (b"{\"token_ids\": [-1]}", "token id"),
+            (b"[1, 2]", "object"),
+        ] {
+            let err = parse_jsonl(line, "t", false).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+        let mixed = b"{\"text\": \"a\"}\n{\"observations\": [[1]]}\n";
+        assert!(
+            parse_jsonl(mixed, "m", false)
+                .unwrap_err()
+                .to_string()
+                .contains("mixes")
+        );
+    }
+}

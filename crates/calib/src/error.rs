@@ -1,0 +1,41 @@
+//! The error type of `qforge-calib`.
+
+/// Errors of `qforge-calib`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A line of the calibration data is not a valid record.
+    #[error(
+        "{path}:{line}: {reason} (fix the line, or pass --skip-invalid to count and skip such lines)"
+    )]
+    InvalidLine {
+        /// The data file.
+        path: String,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The data cannot serve the model or recipe.
+    #[error("{0}")]
+    Data(String),
+    /// An I/O error.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A recipe value is invalid.
+    #[error("invalid calibration recipe: {0}")]
+    Recipe(String),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] qforge_model::Error),
+    /// Statistics failed.
+    #[error(transparent)]
+    Core(#[from] qforge_core::Error),
+}
+
+/// Result type of `qforge-calib`.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,19 @@
+//! `qforge-calib`: what a calibration pass computes, independent of where it
+//! runs.
+//!
+//! It owns calibration data ([`data`]: JSONL rollouts of LLM episodes and
+//! policy trajectories), the hashed [`Recipe`], the [`plan`] of batches with
+//! stable ids, and the map step of a pass ([`observe_batch`]: one batch →
+//! `Stats`). The reduce step is `qforge_core::Stats::merge`, exact and
+//! order-free. It depends on `qforge-core` and `qforge-model`; it must not
+//! know about workers, queues or files other than the data it reads.
+
+pub mod data;
+pub mod error;
+pub mod observe;
+pub mod plan;
+
+pub use data::{Dataset, EpisodeContent, Record, load_jsonl};
+pub use error::{Error, Result};
+pub use observe::{Job, Target, observe_batch};
+pub use plan::{Batch, Pass, Plan, Recipe, Sample, Stratify, plan};

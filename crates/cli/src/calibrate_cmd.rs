@@ -1,0 +1,279 @@
+//! `qforge calibrate`: a calibration pass on the embedded backend.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use qforge_calib::{EpisodeContent, Job, Pass, Recipe, Stratify, Target, load_jsonl, plan};
+use qforge_core::codec::encode;
+use qforge_core::{Digest, DigestBuilder};
+use qforge_dist::{CheckpointStore, Embedded, RunOptions, run};
+use serde_json::json;
+
+use crate::model_cmd::{AnyModel, load_model};
+use crate::output::write_atomic;
+use crate::{OutputFlags, OutputPath, UsageError};
+
+/// `--stratify`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StratifyArg {
+    /// Seeded shuffle.
+    None,
+    /// Evenly across reward quantiles (every record needs a reward).
+    Reward,
+}
+
+/// `--pass`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PassArg {
+    /// Histograms of every linear input.
+    Activation,
+    /// Histograms and per-channel abs-max (for smoothing).
+    Smoothing,
+}
+
+/// Arguments of `qforge calibrate`.
+#[derive(Args)]
+pub struct CalibrateArgs {
+    /// Model: GGUF file, Hugging Face directory or policy directory.
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    /// Calibration data: JSONL episodes (LLM) or trajectories (policy).
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: PathBuf,
+    /// Samples to draw: sequences for LLMs, observations for policies
+    /// (500–2000 is the usual range).
+    #[arg(long, default_value_t = 512)]
+    samples: usize,
+    /// Most tokens per sequence (LLMs).
+    #[arg(long, default_value_t = 512)]
+    seq_len: usize,
+    /// Samples per batch (the unit of work and of retries).
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// How samples are drawn.
+    #[arg(long, value_enum, default_value_t = StratifyArg::None)]
+    stratify: StratifyArg,
+    /// What the pass records.
+    #[arg(long, value_enum, default_value_t = PassArg::Activation)]
+    pass: PassArg,
+    /// Worker threads (default: available cores).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Write checkpoints under DIR/RUN/.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint after this many merged batches.
+    #[arg(long, default_value_t = 50)]
+    checkpoint_every: usize,
+    /// Name of the run (its checkpoint folder); default: derived from the
+    /// model, data and recipe hashes.
+    #[arg(long)]
+    run: Option<String>,
+    /// Continue run NAME from its newest readable checkpoint (needs
+    /// --checkpoint-dir).
+    #[arg(long, value_name = "NAME")]
+    resume: Option<String>,
+    /// Accept statistics covering at least this fraction of the batches.
+    #[arg(long, default_value_t = 1.0)]
+    min_coverage: f64,
+    /// Count and skip invalid data lines instead of failing.
+    #[arg(long)]
+    skip_invalid: bool,
+    #[command(flatten)]
+    output: OutputPath,
+    #[command(flatten)]
+    flags: OutputFlags,
+}
+
+/// SHA-256 over the files that make up a model.
+fn model_digest(path: &Path) -> Result<Digest> {
+    let mut files: Vec<PathBuf> = if path.is_dir() {
+        std::fs::read_dir(path)
+            .with_context(|| format!("cannot list {}", path.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                name.ends_with(".safetensors") || name.ends_with(".json")
+            })
+            .collect()
+    } else {
+        vec![path.to_owned()]
+    };
+    files.sort();
+    let mut digest = DigestBuilder::default();
+    for file in files {
+        let bytes =
+            std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
+        digest.update(file.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
+        digest.update(&bytes);
+    }
+    Ok(digest.finish())
+}
+
+/// `qforge calibrate`.
+pub fn calibrate(args: CalibrateArgs) -> Result<()> {
+    if !(0.0..=1.0).contains(&args.min_coverage) {
+        return Err(UsageError("--min-coverage must be in [0, 1]".into()).into());
+    }
+    if args.resume.is_some() && args.checkpoint_dir.is_none() {
+        return Err(UsageError("--resume needs --checkpoint-dir".into()).into());
+    }
+    if args.checkpoint_every == 0 || args.workers == Some(0) {
+        return Err(
+            UsageError("--checkpoint-every and --workers must be at least 1".into()).into(),
+        );
+    }
+    let recipe = Recipe {
+        samples: args.samples,
+        seq_len: args.seq_len,
+        batch_size: args.batch_size,
+        seed: args.seed,
+        stratify: match args.stratify {
+            StratifyArg::None => Stratify::None,
+            StratifyArg::Reward => Stratify::Reward,
+        },
+        pass: match args.pass {
+            PassArg::Activation => Pass::Activation,
+            PassArg::Smoothing => Pass::Smoothing,
+        },
+    };
+    recipe.validate().map_err(|e| UsageError(e.to_string()))?;
+    let data = load_jsonl(&args.data, args.skip_invalid)?;
+    for (line, reason) in &data.skipped {
+        eprintln!("warning: {}:{line}: skipped: {reason}", args.data.display());
+    }
+    let model = load_model(&args.model)?;
+    let plan = match &model {
+        AnyModel::Language(lm) => {
+            let tokenize = |content: &EpisodeContent| -> qforge_calib::Result<Vec<u32>> {
+                let text = match content {
+                    EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
+                    EpisodeContent::Text(text) => text.clone(),
+                    EpisodeContent::PromptCompletion { prompt, completion } => {
+                        lm.chat_text(prompt, completion)?
+                    }
+                };
+                Ok(lm.tokenizer.encode(&text)?)
+            };
+            plan(&data, &recipe, Some(&tokenize))?
+        }
+        AnyModel::Policy(_) => plan(&data, &recipe, None)?,
+    };
+    if plan.samples < recipe.samples {
+        eprintln!(
+            "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
+            plan.samples, recipe.samples
+        );
+    }
+    let job = Job {
+        model: model_digest(&args.model)?,
+        data: data.digest,
+        recipe,
+    };
+    let target = match model {
+        AnyModel::Language(lm) => Target::Language(lm.model),
+        AnyModel::Policy(policy) => Target::Policy(policy),
+    };
+    let workers = args
+        .workers
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let run_name = args.resume.clone().or(args.run.clone()).unwrap_or_else(|| {
+        let mut d = DigestBuilder::default();
+        d.update(&job.model.0);
+        d.update(&job.data.0);
+        d.update(&job.recipe.digest().0);
+        d.finish().to_hex()[..12].to_owned()
+    });
+    let options = RunOptions {
+        checkpoints: args
+            .checkpoint_dir
+            .as_ref()
+            .map(|dir| CheckpointStore::new(dir.join(&run_name))),
+        checkpoint_every: args.checkpoint_every,
+        resume: args.resume.is_some(),
+        min_coverage: args.min_coverage,
+    };
+    let backend = Embedded::new(target, job.clone(), workers);
+    let bar = if args.flags.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(plan.batches.len() as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}")
+            .expect("valid template"),
+    );
+    let summary = run(&job, &plan, &backend, &options, &mut |p| {
+        bar.set_position(p.merged as u64);
+        bar.set_message(format!("{} workers, {} retries", p.workers, p.retries));
+    });
+    bar.finish_and_clear();
+    let summary = summary?;
+    for warning in &summary.warnings {
+        eprintln!("warning: {warning}");
+    }
+    write_atomic(&args.output.output, &encode(&summary.stats))?;
+    if args.flags.json {
+        let workers: serde_json::Map<String, serde_json::Value> = summary
+            .workers
+            .iter()
+            .map(|(name, w)| {
+                (
+                    name.clone(),
+                    json!({
+                        "merged": w.merged,
+                        "duplicates": w.duplicates,
+                        "failures": w.failures,
+                        "batches_per_s": w.merged as f64 / w.busy_seconds.max(1e-9),
+                    }),
+                )
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "output": args.output.output.display().to_string(),
+                "run": run_name,
+                "planned_batches": summary.planned,
+                "merged_batches": summary.merged,
+                "coverage": summary.coverage,
+                "resumed_batches": summary.resumed,
+                "duplicates": summary.duplicates,
+                "retries": summary.retries,
+                "quarantined": summary.quarantined.iter().map(|(id, e)| json!({"batch": id.to_string(), "error": e})).collect::<Vec<_>>(),
+                "checkpoints_written": summary.checkpoints_written,
+                "samples": plan.samples,
+                "rows": plan.rows,
+                "seconds": summary.seconds,
+                "rows_per_s": plan.rows as f64 / summary.seconds.max(1e-9),
+                "workers": workers,
+                "model_sha256": job.model.to_hex(),
+                "data_sha256": job.data.to_hex(),
+                "recipe_sha256": job.recipe.digest().to_hex(),
+            }))?
+        );
+    } else {
+        println!(
+            "wrote {}: {}/{} batches ({:.1} % coverage), {} samples, {} rows in {:.1} s with {} workers{}",
+            args.output.output.display(),
+            summary.merged,
+            summary.planned,
+            100.0 * summary.coverage,
+            plan.samples,
+            plan.rows,
+            summary.seconds,
+            workers,
+            if summary.resumed > 0 {
+                format!(", {} batches resumed from a checkpoint", summary.resumed)
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
+}

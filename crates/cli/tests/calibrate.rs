@@ -1,0 +1,226 @@
+//! `qforge calibrate` end to end on the embedded backend: byte-identical
+//! statistics whatever the worker count, bad data reported by line, resume
+//! from checkpoints.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn path(relative: &str) -> String {
+    root().join(relative).to_string_lossy().into_owned()
+}
+
+fn qforge(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qforge"))
+        .args(args)
+        .output()
+        .expect("run qforge")
+}
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "qforge failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qforge-calibrate-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn policy_calibrate(out: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "calibrate",
+        "--model",
+        &path("fixtures/policies/pendulum"),
+        "--data",
+        &path("fixtures/policies/pendulum/rollouts.jsonl"),
+        "--samples",
+        "1500",
+        "--batch-size",
+        "50",
+        "-o",
+        out,
+        "--json",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect::<Vec<_>>();
+    args.extend(extra.iter().map(|s| (*s).to_owned()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    qforge(&refs)
+}
+
+#[test]
+fn worker_count_does_not_change_a_byte() {
+    let dir = temp("workers");
+    let mut files = Vec::new();
+    for workers in ["1", "4"] {
+        let out = dir.join(format!("w{workers}.qstats"));
+        let summary = json(&policy_calibrate(
+            out.to_str().unwrap(),
+            &["--workers", workers],
+        ));
+        assert_eq!(summary["coverage"], 1.0);
+        assert_eq!(summary["planned_batches"], 30);
+        assert_eq!(
+            summary["workers"].as_object().unwrap().len(),
+            workers.parse::<usize>().unwrap()
+        );
+        files.push(std::fs::read(out).unwrap());
+    }
+    assert_eq!(files[0], files[1]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn smollm2_episodes_calibrate_identically_on_one_and_two_workers() {
+    let model = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(
+        model.exists(),
+        "{} missing: run scripts/fetch-models.sh",
+        model.display()
+    );
+    let dir = temp("smollm2");
+    let mut files = Vec::new();
+    for workers in ["1", "2"] {
+        let out = dir.join(format!("w{workers}.qstats"));
+        let summary = json(&qforge(&[
+            "calibrate",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            &path("fixtures/episodes/arithmetic.jsonl"),
+            "--samples",
+            "8",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "2",
+            "--workers",
+            workers,
+            "--stratify",
+            "reward",
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+        ]));
+        assert_eq!(summary["merged_batches"], 4);
+        files.push(std::fs::read(&out).unwrap());
+    }
+    assert_eq!(files[0], files[1]);
+    let shown = json(&qforge(&[
+        "stats",
+        "show",
+        dir.join("w1.qstats").to_str().unwrap(),
+        "--json",
+    ]));
+    let tensors = shown["tensors"].as_object().unwrap();
+    assert_eq!(
+        tensors.len(),
+        30 * 4 + 1,
+        "every distinct linear input of 30 layers + lm_head"
+    );
+    assert!(tensors.contains_key("model.layers.29.mlp.down_proj"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_lines_are_reported_by_number_or_skipped_on_request() {
+    let dir = temp("bad");
+    let data = dir.join("bad.jsonl");
+    let good =
+        std::fs::read_to_string(root().join("fixtures/policies/pendulum/rollouts.jsonl")).unwrap();
+    let first = good.lines().next().unwrap();
+    std::fs::write(
+        &data,
+        format!("{first}\n{{\"observations\": [[1, 2]]\n{first}\n"),
+    )
+    .unwrap();
+    let out = qforge(&[
+        "calibrate",
+        "--model",
+        &path("fixtures/policies/pendulum"),
+        "--data",
+        data.to_str().unwrap(),
+        "--samples",
+        "100",
+        "-o",
+        dir.join("x.qstats").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bad.jsonl:2") && stderr.contains("--skip-invalid"),
+        "{stderr}"
+    );
+    let out = qforge(&[
+        "calibrate",
+        "--model",
+        &path("fixtures/policies/pendulum"),
+        "--data",
+        data.to_str().unwrap(),
+        "--samples",
+        "100",
+        "--skip-invalid",
+        "-o",
+        dir.join("x.qstats").to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad.jsonl:2: skipped"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_finished_run_resumes_without_recomputing_and_gives_the_same_bytes() {
+    let dir = temp("resume");
+    let checkpoints = dir.join("ckpt");
+    let first = dir.join("first.qstats");
+    let summary = json(&policy_calibrate(
+        first.to_str().unwrap(),
+        &[
+            "--checkpoint-dir",
+            checkpoints.to_str().unwrap(),
+            "--checkpoint-every",
+            "7",
+            "--run",
+            "r1",
+        ],
+    ));
+    assert_eq!(
+        summary["checkpoints_written"], 5,
+        "after 7, 14, 21, 28 and the final 30"
+    );
+    let kept = std::fs::read_dir(checkpoints.join("r1")).unwrap().count();
+    assert_eq!(kept, 3);
+    let second = dir.join("second.qstats");
+    let resumed = json(&policy_calibrate(
+        second.to_str().unwrap(),
+        &[
+            "--checkpoint-dir",
+            checkpoints.to_str().unwrap(),
+            "--resume",
+            "r1",
+        ],
+    ));
+    assert_eq!(resumed["resumed_batches"], 30);
+    assert_eq!(
+        std::fs::read(first).unwrap(),
+        std::fs::read(second).unwrap()
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

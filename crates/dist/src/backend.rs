@@ -1,0 +1,180 @@
+//! The `Backend` trait and the embedded backend (worker threads in-process).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use qforge_calib::{Job, Plan, Target, observe_batch};
+use qforge_core::Stats;
+
+use crate::error::{Error, Result};
+
+/// What a worker reports for one batch.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The batch's statistics.
+    Done {
+        /// Index of the batch in the plan.
+        batch: usize,
+        /// Its statistics.
+        stats: Box<Stats>,
+        /// The worker that computed them.
+        worker: String,
+        /// Time spent observing.
+        elapsed: Duration,
+    },
+    /// The batch failed on a worker.
+    Failed {
+        /// Index of the batch in the plan.
+        batch: usize,
+        /// The worker.
+        worker: String,
+        /// The error.
+        error: String,
+    },
+}
+
+/// What the coordinator tells a backend after each outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Keep going.
+    Continue,
+    /// Retry this batch (it failed fewer times than the limit).
+    Retry(usize),
+    /// Stop: the coordinator has what it needs or gave up.
+    Stop,
+}
+
+/// Runs the map step of a pass: turns the planned batches it is given into
+/// [`Outcome`]s. Outcomes may arrive in any order and may repeat (a retried
+/// or speculatively re-run batch); the coordinator merges each batch id
+/// exactly once.
+pub trait Backend {
+    /// Observes the batches `pending` (indices into `plan.batches`, not
+    /// empty), calling `on_outcome` for each result as it arrives, until it
+    /// answers [`Next::Stop`] or an error.
+    fn run(
+        &self,
+        plan: &Plan,
+        pending: &[usize],
+        on_outcome: &mut dyn FnMut(Outcome) -> Result<Next>,
+    ) -> Result<()>;
+
+    /// How many workers it runs.
+    fn workers(&self) -> usize;
+}
+
+/// N worker threads in this process, sharing the model (weights are shared,
+/// not copied). The default backend: no services needed.
+pub struct Embedded {
+    target: Target,
+    job: Job,
+    workers: usize,
+}
+
+impl Embedded {
+    /// A backend of `workers` threads (at least 1).
+    pub fn new(target: Target, job: Job, workers: usize) -> Self {
+        Self {
+            target,
+            job,
+            workers: workers.max(1),
+        }
+    }
+}
+
+impl Backend for Embedded {
+    fn workers(&self) -> usize {
+        self.workers
+    }
+
+    fn run(
+        &self,
+        plan: &Plan,
+        pending: &[usize],
+        on_outcome: &mut dyn FnMut(Outcome) -> Result<Next>,
+    ) -> Result<()> {
+        let cursor = AtomicUsize::new(0);
+        let stop = AtomicBool::new(false);
+        let (retry_tx, retry_rx) = mpsc::channel::<usize>();
+        let retry_rx = std::sync::Mutex::new(retry_rx);
+        std::thread::scope(|scope| -> Result<()> {
+            let (tx, rx) = mpsc::channel::<Outcome>();
+            let handles: Vec<_> = (0..self.workers)
+                .map(|w| {
+                    let tx = tx.clone();
+                    let (cursor, stop, retry_rx) = (&cursor, &stop, &retry_rx);
+                    let name = format!("embedded-{w}");
+                    scope.spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            // Retries first, then fresh work; with neither, wait
+                            // for a retry until the coordinator says stop.
+                            let retried = retry_rx.lock().ok().and_then(|r| r.try_recv().ok());
+                            let batch = match retried {
+                                Some(b) => b,
+                                None => match pending.get(cursor.fetch_add(1, Ordering::Relaxed)) {
+                                    Some(&b) => b,
+                                    None => {
+                                        std::thread::sleep(Duration::from_millis(5));
+                                        continue;
+                                    }
+                                },
+                            };
+                            let started = Instant::now();
+                            // A panic inside the forward becomes a failed batch, so
+                            // the coordinator hears of it instead of waiting forever.
+                            let observed =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    observe_batch(&self.target, &plan.batches[batch], &self.job)
+                                }))
+                                .unwrap_or_else(|_| {
+                                    Err(qforge_calib::Error::Data(
+                                        "the forward pass panicked".into(),
+                                    ))
+                                });
+                            let outcome = match observed {
+                                Ok(stats) => Outcome::Done {
+                                    batch,
+                                    stats: Box::new(stats),
+                                    worker: name.clone(),
+                                    elapsed: started.elapsed(),
+                                },
+                                Err(e) => Outcome::Failed {
+                                    batch,
+                                    worker: name.clone(),
+                                    error: e.to_string(),
+                                },
+                            };
+                            if tx.send(outcome).is_err() {
+                                break;
+                            }
+                        }
+                    })
+                })
+                .collect();
+            drop(tx);
+            let mut result = Ok(());
+            for outcome in &rx {
+                match on_outcome(outcome) {
+                    Ok(Next::Continue) => {}
+                    Ok(Next::Retry(batch)) => {
+                        let _ = retry_tx.send(batch);
+                    }
+                    Ok(Next::Stop) => break,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            drop(rx);
+            for (w, handle) in handles.into_iter().enumerate() {
+                if handle.join().is_err() && result.is_ok() {
+                    result = Err(Error::WorkerPanic(format!("embedded-{w}")));
+                }
+            }
+            result
+        })
+    }
+}

@@ -1,0 +1,59 @@
+//! The error type of `qforge-dist`.
+
+/// Errors of `qforge-dist`. Each says whether retrying can help.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Observing a batch failed.
+    #[error(transparent)]
+    Calib(#[from] qforge_calib::Error),
+    /// Merging or decoding statistics failed.
+    #[error(transparent)]
+    Core(#[from] qforge_core::Error),
+    /// A checkpoint could not be written or read.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file or directory.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The run merged too few batches.
+    #[error(
+        "coverage {merged}/{planned} batches is below the required {required:.3}; missing batch ids: {missing}; \
+         rerun (or --resume) to compute them, or lower --min-coverage to accept partial statistics"
+    )]
+    Coverage {
+        /// Batches merged.
+        merged: usize,
+        /// Batches planned.
+        planned: usize,
+        /// Required fraction.
+        required: f64,
+        /// The first missing ids.
+        missing: String,
+    },
+    /// A worker returned statistics that do not belong to the run.
+    #[error("worker {worker} returned statistics for an unknown batch {batch}")]
+    ForeignResult {
+        /// The worker.
+        worker: String,
+        /// The batch id it claimed.
+        batch: String,
+    },
+    /// A worker thread died.
+    #[error("worker {0} panicked")]
+    WorkerPanic(String),
+}
+
+impl Error {
+    /// Whether running the same thing again can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Checkpoint { .. } | Error::Coverage { .. } | Error::WorkerPanic(_) => true,
+            Error::Calib(_) | Error::Core(_) | Error::ForeignResult { .. } => false,
+        }
+    }
+}
+
+/// Result type of `qforge-dist`.
+pub type Result<T> = std::result::Result<T, Error>;

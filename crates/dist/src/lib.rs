@@ -1,0 +1,19 @@
+//! `qforge-dist`: where calibration passes run.
+//!
+//! It owns the [`Backend`] trait (the map step: batches in, outcomes out), the
+//! embedded backend (worker threads in this process), the [`coordinator`]
+//! (the reduce step: each batch id merged exactly once, retries, quarantine,
+//! coverage) and [`checkpoint`]s. Because merging is exact and order-free, the
+//! statistics of a run are byte-identical whatever the backend, the number of
+//! workers, the order results arrive in, and the failures on the way. It
+//! depends on `qforge-calib` and `qforge-core`.
+
+pub mod backend;
+pub mod checkpoint;
+pub mod coordinator;
+pub mod error;
+
+pub use backend::{Backend, Embedded, Next, Outcome};
+pub use checkpoint::CheckpointStore;
+pub use coordinator::{Progress, RunOptions, RunSummary, run};
+pub use error::{Error, Result};
