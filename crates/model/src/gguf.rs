@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::{GgmlDType, ggml_file::qtensor_from_ggml};
+use candle_core::quantized::{GgmlDType, QTensor, ggml_file::qtensor_from_ggml};
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
@@ -398,8 +398,11 @@ impl GgufFile {
         self.header.tensors.contains_key(name)
     }
 
-    /// A tensor dequantized to f32 (`[out, in]` for linear weights).
-    pub fn tensor_f32(&self, name: &str) -> Result<Tensor> {
+    /// A tensor as stored (still quantized), with its rows optionally
+    /// reordered: row `r` of the result is row `row_order[r]` of the file.
+    /// Rows of a GGUF matrix are whole quantization blocks, so reordering them
+    /// is exact.
+    pub fn tensor_quantized(&self, name: &str, row_order: Option<&[usize]>) -> Result<QTensor> {
         let info = self
             .header
             .tensors
@@ -409,8 +412,49 @@ impl GgufFile {
                 file: self.path.clone(),
             })?;
         let bytes = &self.map[info.start as usize..(info.start + info.size) as usize];
-        let q = qtensor_from_ggml(info.dtype, bytes, info.shape.clone(), &Device::Cpu)?;
-        Ok(q.dequantize(&Device::Cpu)?)
+        let reordered;
+        let bytes = match row_order {
+            None => bytes,
+            Some(order) => {
+                let rows = info.shape.first().copied().unwrap_or(0);
+                if info.shape.len() != 2 || order.len() != rows || rows == 0 {
+                    return Err(Error::Shape(format!(
+                        "{name}: cannot reorder {} rows of a {:?} tensor",
+                        order.len(),
+                        info.shape
+                    )));
+                }
+                let row_bytes = bytes.len() / rows;
+                reordered = order
+                    .iter()
+                    .flat_map(|&r| &bytes[r * row_bytes..(r + 1) * row_bytes])
+                    .copied()
+                    .collect::<Vec<u8>>();
+                &reordered[..]
+            }
+        };
+        Ok(qtensor_from_ggml(
+            info.dtype,
+            bytes,
+            info.shape.clone(),
+            &Device::Cpu,
+        )?)
+    }
+
+    /// A tensor dequantized to f32 (`[out, in]` for linear weights).
+    pub fn tensor_f32(&self, name: &str) -> Result<Tensor> {
+        Ok(self
+            .tensor_quantized(name, None)?
+            .dequantize(&Device::Cpu)?)
+    }
+
+    /// Bytes every tensor takes once dequantized to f32.
+    pub fn dequantized_bytes(&self) -> u64 {
+        self.header
+            .tensors
+            .values()
+            .map(|t| t.shape.iter().product::<usize>() as u64 * 4)
+            .sum()
     }
 }
 

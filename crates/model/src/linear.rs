@@ -1,6 +1,9 @@
 //! The linear layer, chosen per layer.
 
-use candle_core::{DType, Tensor};
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -16,6 +19,17 @@ pub enum Linear {
     Fp {
         /// Weight, `[out, in]`, in f32, bf16 or f16.
         weight: Tensor,
+        /// Bias, `[out]`.
+        bias: Option<Tensor>,
+    },
+    /// Weights kept as a GGUF file stores them (quantized) and dequantized to
+    /// f32 at every forward: the same values as [`Linear::Fp`] after a
+    /// load-time dequantization, for models whose f32 copy would not fit in
+    /// memory. Prefill-heavy work (calibration, evaluation) barely notices the
+    /// extra dequantization; decoding does.
+    Dequantizing {
+        /// Weight, `[out, in]`, quantized.
+        weight: Arc<QTensor>,
         /// Bias, `[out]`.
         bias: Option<Tensor>,
     },
@@ -59,28 +73,23 @@ impl Linear {
 
     /// Applies the layer to `x` of shape `[..., in]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Linear::Fp { weight, bias } => {
-                let widened;
-                let weight = if weight.dtype() == DType::F32 {
-                    weight
-                } else {
-                    widened = weight.to_dtype(DType::F32)?;
-                    &widened
-                };
-                let y = x.broadcast_matmul(&weight.t()?)?;
-                Ok(match bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                })
-            }
-        }
+        let (weight, bias) = match self {
+            Linear::Fp { weight, bias } if weight.dtype() == DType::F32 => (weight.clone(), bias),
+            Linear::Fp { weight, bias } => (weight.to_dtype(DType::F32)?, bias),
+            Linear::Dequantizing { weight, bias } => (weight.dequantize(&Device::Cpu)?, bias),
+        };
+        let y = x.broadcast_matmul(&weight.t()?)?;
+        Ok(match bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
     }
 
     /// Bytes the weight occupies as stored.
     pub fn weight_bytes(&self) -> usize {
         match self {
             Linear::Fp { weight, .. } => weight.elem_count() * weight.dtype().size_in_bytes(),
+            Linear::Dequantizing { weight, .. } => weight.storage_size_in_bytes(),
         }
     }
 
@@ -89,6 +98,10 @@ impl Linear {
         match self {
             Linear::Fp { weight, .. } => {
                 let d = weight.dims();
+                (d[0], d[1])
+            }
+            Linear::Dequantizing { weight, .. } => {
+                let d = weight.shape().dims();
                 (d[0], d[1])
             }
         }

@@ -96,27 +96,66 @@ pub struct MlpPolicy {
     layers: Vec<Linear>,
 }
 
+/// Why the bytes of a policy did not load, by the input at fault.
+enum Malformed {
+    /// `policy.json` does not parse.
+    Config(serde_json::Error),
+    /// `model.safetensors` does not parse.
+    Weights(candle_core::Error),
+    /// Both parse but do not make a policy.
+    Policy(Error),
+}
+
 impl MlpPolicy {
     /// Loads `policy.json` and `model.safetensors` from `dir`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("policy.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-        let config: PolicyConfig = serde_json::from_str(&text)
-            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+        let config = std::fs::read(&config_path).map_err(|e| Error::io(&config_path, e))?;
         let weights_path = dir.join("model.safetensors");
-        let bytes = std::fs::read(&weights_path).map_err(|e| Error::io(&weights_path, e))?;
-        let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
-            .map_err(|e| Error::Format(format!("{}: {e}", weights_path.display())))?;
+        let weights = std::fs::read(&weights_path).map_err(|e| Error::io(&weights_path, e))?;
+        Self::parse(&config, &weights, &weights_path).map_err(|e| match e {
+            Malformed::Config(e) => Error::Format(format!("{}: {e}", config_path.display())),
+            Malformed::Weights(e) => Error::Format(format!("{}: {e}", weights_path.display())),
+            Malformed::Policy(e) => e.in_file(dir),
+        })
+    }
+
+    /// Builds a policy from the bytes of `policy.json` and of
+    /// `model.safetensors`.
+    ///
+    /// Never panics on any input, and memory stays proportional to the
+    /// input: every layer's shape must match a tensor the safetensors bytes
+    /// actually hold (the `policy` fuzz target checks both).
+    pub fn from_bytes(config_json: &[u8], safetensors: &[u8]) -> Result<Self> {
+        Self::parse(config_json, safetensors, Path::new("model.safetensors")).map_err(|e| match e {
+            Malformed::Config(e) => Error::Format(format!("policy.json: {e}")),
+            Malformed::Weights(e) => Error::Format(format!("model.safetensors: {e}")),
+            Malformed::Policy(e) => e,
+        })
+    }
+
+    /// [`Self::from_bytes`] with errors tagged by the input at fault, so
+    /// [`Self::from_dir`] can name the file; `weights_file` names the
+    /// safetensors in missing-tensor errors.
+    fn parse(
+        config_json: &[u8],
+        safetensors: &[u8],
+        weights_file: &Path,
+    ) -> std::result::Result<Self, Malformed> {
+        let config: PolicyConfig =
+            serde_json::from_slice(config_json).map_err(Malformed::Config)?;
+        let tensors = candle_core::safetensors::load_buffer(safetensors, &Device::Cpu)
+            .map_err(Malformed::Weights)?;
         Self::new(config, |name| {
             tensors
                 .get(name)
                 .cloned()
                 .ok_or_else(|| Error::MissingTensor {
                     name: name.to_owned(),
-                    file: weights_path.clone(),
+                    file: weights_file.to_owned(),
                 })
         })
-        .map_err(|e| e.in_file(dir))
+        .map_err(Malformed::Policy)
     }
 
     /// Builds a policy from its config and a tensor lookup.

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
-use qforge_model::{Llama, Logits};
+use qforge_model::{Llama, Logits, Residency};
 
 /// The SmolLM2 fixture; fails (never skips) when it is missing.
 pub fn smollm2_path() -> PathBuf {
@@ -29,6 +29,10 @@ fn logits_match_candle_transformers_within_1e_3() {
     unsafe { std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1") };
     let path = smollm2_path();
     let ours = Llama::from_gguf(&path).unwrap();
+    // Weights kept quantized and dequantized per forward give the same bits.
+    let stored = Llama::from_gguf_with(&path, Residency::Stored).unwrap();
+    // Q4_1 decoder weights (5 bits a weight) next to the f32 tied lm_head.
+    assert!(stored.linear_weight_bytes() * 2 < ours.linear_weight_bytes());
 
     let mut file = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
@@ -69,6 +73,14 @@ fn logits_match_candle_transformers_within_1e_3() {
             .to_vec1::<f32>()
             .unwrap();
         assert_eq!(got.len(), expected.len());
+        let from_stored = stored
+            .forward(&[prompt.to_vec()], None, None, Logits::Last)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(from_stored, got, "stored residency changes no bit");
         let max_diff = got
             .iter()
             .zip(&expected)

@@ -79,7 +79,34 @@ impl KvCache {
 trait WeightSource {
     fn tensor(&self, name: &str) -> Result<Tensor>;
     fn has(&self, name: &str) -> bool;
+
+    /// The linear layer `name` (`name.weight`, and `name.bias` when `bias`).
+    fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
+        let b = if bias {
+            Some(self.tensor(&format!("{name}.bias"))?)
+        } else {
+            None
+        };
+        Linear::fp(name, self.tensor(&format!("{name}.weight"))?, b, shape)
+    }
 }
+
+/// Whether GGUF weights are dequantized once at load or kept as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residency {
+    /// Dequantize at load unless the f32 copy would exceed
+    /// [`DEQUANTIZE_AT_LOAD_LIMIT`] bytes.
+    Auto,
+    /// Dequantize every weight to f32 at load (fastest).
+    Dequantized,
+    /// Keep quantized linear weights as stored; dequantize per layer at each
+    /// forward (least memory; same values).
+    Stored,
+}
+
+/// Largest f32 copy of a GGUF model made at load: 8 GiB, a third of this
+/// project's 24 GiB machines.
+pub const DEQUANTIZE_AT_LOAD_LIMIT: u64 = 8 << 30;
 
 /// Hugging Face tensor name → GGUF tensor name.
 fn gguf_name(hf: &str) -> String {
@@ -119,41 +146,74 @@ struct GgufSource {
     file: GgufFile,
     /// Heads of q and of k, when q/k rows are stored permuted.
     permuted_heads: Option<(usize, usize)>,
+    keep_quantized: bool,
+}
+
+impl GgufSource {
+    /// The row order that undoes llama.cpp's q/k permutation, if `name` needs it.
+    fn row_order(&self, name: &str) -> Option<Vec<usize>> {
+        let heads = match self.permuted_heads {
+            Some((q, _)) if name.ends_with("self_attn.q_proj.weight") => q,
+            Some((_, k)) if name.ends_with("self_attn.k_proj.weight") => k,
+            _ => return None,
+        };
+        let rows = self.file.header.tensors.get(&gguf_name(name))?.shape[0];
+        Some(rope_row_order(rows, heads))
+    }
+
+    fn quantized(&self, name: &str) -> Result<candle_core::quantized::QTensor> {
+        let order = self.row_order(name);
+        self.file
+            .tensor_quantized(&gguf_name(name), order.as_deref())
+    }
 }
 
 impl WeightSource for GgufSource {
     fn tensor(&self, name: &str) -> Result<Tensor> {
-        let t = self.file.tensor_f32(&gguf_name(name))?;
-        let heads = match self.permuted_heads {
-            Some((q, _)) if name.ends_with("self_attn.q_proj.weight") => Some(q),
-            Some((_, k)) if name.ends_with("self_attn.k_proj.weight") => Some(k),
-            _ => None,
-        };
-        match heads {
-            Some(h) => unpermute_rope_rows(&t, h),
-            None => Ok(t),
-        }
+        Ok(self.quantized(name)?.dequantize(&Device::Cpu)?)
     }
 
     fn has(&self, name: &str) -> bool {
         self.file.has(&gguf_name(name))
     }
+
+    fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
+        let b = if bias {
+            Some(self.tensor(&format!("{name}.bias"))?)
+        } else {
+            None
+        };
+        let weight = self.quantized(&format!("{name}.weight"))?;
+        if !self.keep_quantized {
+            return Linear::fp(name, weight.dequantize(&Device::Cpu)?, b, shape);
+        }
+        if weight.shape().dims() != [shape.0, shape.1] {
+            return Err(Error::Shape(format!(
+                "{name}.weight is {:?}, expected [{}, {}]",
+                weight.shape().dims(),
+                shape.0,
+                shape.1
+            )));
+        }
+        Ok(Linear::Dequantizing {
+            weight: std::sync::Arc::new(weight),
+            bias: b.map(|t| t.to_dtype(DType::F32)).transpose()?,
+        })
+    }
 }
 
-/// Undoes llama.cpp's q/k row permutation: within each head, GGUF row
-/// `2j + s` holds Hugging Face row `s·(head_dim/2) + j`.
-fn unpermute_rope_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
-    let (rows, cols) = w.dims2()?;
-    if heads == 0 || rows % (2 * heads) != 0 {
-        return Err(Error::Shape(format!(
-            "cannot un-permute a [{rows}, {cols}] rotary weight into {heads} heads"
-        )));
-    }
-    let half = rows / heads / 2;
-    Ok(w.reshape((heads, half, 2, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((rows, cols))?)
+/// The row order that undoes llama.cpp's q/k permutation: within each head,
+/// GGUF row `2j + s` holds Hugging Face row `s·(head_dim/2) + j`, so Hugging
+/// Face row `r` is taken from GGUF row `order[r]`.
+fn rope_row_order(rows: usize, heads: usize) -> Vec<usize> {
+    let head_dim = rows / heads.max(1);
+    let half = (head_dim / 2).max(1);
+    (0..rows)
+        .map(|r| {
+            let (head, within) = (r / head_dim, r % head_dim);
+            head * head_dim + 2 * (within % half) + within / half
+        })
+        .collect()
 }
 
 struct SafetensorsSource {
@@ -172,15 +232,27 @@ impl WeightSource for SafetensorsSource {
 }
 
 impl Llama {
-    /// Loads a GGUF file, dequantizing every tensor to f32.
+    /// Loads a GGUF file, dequantizing weights to f32 at load unless the f32
+    /// copy would exceed [`DEQUANTIZE_AT_LOAD_LIMIT`].
     pub fn from_gguf(path: &Path) -> Result<Self> {
+        Self::from_gguf_with(path, Residency::Auto)
+    }
+
+    /// Loads a GGUF file with a chosen weight residency.
+    pub fn from_gguf_with(path: &Path, residency: Residency) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&file.header).map_err(|e| e.in_file(path))?;
         let permuted_heads = matches!(config.family, Family::Llama | Family::Mistral)
             .then_some((config.num_heads, config.num_kv_heads));
+        let keep_quantized = match residency {
+            Residency::Auto => file.dequantized_bytes() > DEQUANTIZE_AT_LOAD_LIMIT,
+            Residency::Dequantized => false,
+            Residency::Stored => true,
+        };
         let source = GgufSource {
             file,
             permuted_heads,
+            keep_quantized,
         };
         Self::load(config, &source).map_err(|e| e.in_file(path))
     }
@@ -217,13 +289,7 @@ impl Llama {
             Ok(t)
         };
         let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
-            let w = source.tensor(&format!("{name}.weight"))?;
-            let b = if bias {
-                Some(source.tensor(&format!("{name}.bias"))?)
-            } else {
-                None
-            };
-            Linear::fp(name, w, b, (out, inp))
+            source.linear(name, bias, (out, inp))
         };
         let embed_tokens = source
             .tensor("model.embed_tokens.weight")?
