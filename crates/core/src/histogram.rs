@@ -477,6 +477,19 @@ impl Histogram {
         histogram.nan = parts.nan;
         histogram.pos_inf = parts.pos_inf;
         histogram.neg_inf = parts.neg_inf;
+        // Decoded counts are untrusted. Real data never holds 2^64 values, and
+        // with the total in range `count()` and every sum over bins cannot
+        // overflow (the `qstats_decode` fuzz target found this).
+        let total = histogram
+            .counts
+            .iter()
+            .chain([&parts.zero, &parts.nan, &parts.pos_inf, &parts.neg_inf])
+            .try_fold(0u64, |sum, &c| sum.checked_add(c));
+        if total.is_none() {
+            return Err(Error::Corrupt(
+                "histogram counts add up to more than 2^64 - 1 values".into(),
+            ));
+        }
         let finite = histogram.count();
         match (parts.min, parts.max) {
             (None, None) if finite == 0 => {}
