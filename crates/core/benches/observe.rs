@@ -87,7 +87,7 @@ fn bench_merge(c: &mut Criterion) {
     a.observe(&values);
     let b = a.clone();
     group.bench_function("dense_histogram", |bench| {
-        bench.iter(|| a.merge(black_box(&b)))
+        bench.iter(|| a.merge(black_box(&b)).expect("counts fit in u64"))
     });
     group.finish();
 }

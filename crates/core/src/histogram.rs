@@ -367,8 +367,30 @@ impl Histogram {
         self.max_key = self.max_key.max(tally.max_key);
     }
 
-    /// Adds `other` into `self`: integer addition of counts, min/max of extremes.
-    pub fn merge(&mut self, other: &Histogram) {
+    /// Every value recorded: finite, NaN and infinite. `None` only for a
+    /// corrupt histogram whose counts overflow (decoding rejects those).
+    fn total(&self) -> Option<u64> {
+        self.counts
+            .iter()
+            .chain([&self.zero, &self.nan, &self.pos_inf, &self.neg_inf])
+            .try_fold(0u64, |sum, &c| sum.checked_add(c))
+    }
+
+    /// Fails if merging `other` into `self` would overflow a `u64` count (more
+    /// than 2^64 − 1 values in all, which only crafted files can claim).
+    pub fn check_merge(&self, other: &Histogram) -> Result<()> {
+        match (self.total(), other.total()) {
+            (Some(a), Some(b)) if a.checked_add(b).is_some() => Ok(()),
+            _ => Err(Error::Corrupt(
+                "merged histogram would hold more than 2^64 - 1 values".into(),
+            )),
+        }
+    }
+
+    /// Adds `other` into `self`: integer addition of counts, min/max of
+    /// extremes. Fails, leaving `self` unchanged, if a count would overflow.
+    pub fn merge(&mut self, other: &Histogram) -> Result<()> {
+        self.check_merge(other)?;
         for (a, b) in self.counts.iter_mut().zip(other.counts.iter()) {
             *a += *b;
         }
@@ -378,6 +400,7 @@ impl Histogram {
         self.neg_inf += other.neg_inf;
         self.min_key = self.min_key.min(other.min_key);
         self.max_key = self.max_key.max(other.max_key);
+        Ok(())
     }
 
     /// Number of finite values (zeros included).
@@ -480,12 +503,7 @@ impl Histogram {
         // Decoded counts are untrusted. Real data never holds 2^64 values, and
         // with the total in range `count()` and every sum over bins cannot
         // overflow (the `qstats_decode` fuzz target found this).
-        let total = histogram
-            .counts
-            .iter()
-            .chain([&parts.zero, &parts.nan, &parts.pos_inf, &parts.neg_inf])
-            .try_fold(0u64, |sum, &c| sum.checked_add(c));
-        if total.is_none() {
+        if histogram.total().is_none() {
             return Err(Error::Corrupt(
                 "histogram counts add up to more than 2^64 - 1 values".into(),
             ));
@@ -629,6 +647,28 @@ mod tests {
         h.observe(&[f32::NAN; 9]);
         assert_eq!((h.count(), h.nan(), h.min()), (0, 9, None));
         assert!(h.magnitude_bins().is_empty());
+    }
+
+    #[test]
+    fn merging_past_u64_is_refused_and_changes_nothing() {
+        let huge = |n: u64| {
+            Histogram::from_parts(HistogramParts {
+                bins: vec![(bin_index(1.0), n)],
+                zero: 0,
+                nan: 0,
+                pos_inf: 0,
+                neg_inf: 0,
+                min: Some(1.0),
+                max: Some(1.0),
+            })
+            .unwrap()
+        };
+        let mut a = huge(u64::MAX - 5);
+        let before = a.clone();
+        assert!(a.merge(&huge(6)).is_err());
+        assert_eq!(a, before);
+        a.merge(&huge(5)).unwrap();
+        assert_eq!(a.count(), u64::MAX);
     }
 
     #[test]

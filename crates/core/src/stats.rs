@@ -64,23 +64,28 @@ impl TensorStats {
     /// Merges `other` into `self`. Both must track the same number of channels
     /// (or neither).
     pub fn merge(&mut self, other: &TensorStats) -> Result<()> {
-        match (&mut self.channel_abs_max, &other.channel_abs_max) {
-            (None, None) => {}
-            (Some(a), Some(b)) if a.len() == b.len() => {
-                for (x, y) in a.iter_mut().zip(b) {
-                    *x = (*x).max(*y);
-                }
-            }
-            (a, b) => {
-                return Err(Error::Shape(format!(
-                    "cannot merge per-channel stats of {} channels with {} channels",
-                    a.as_ref().map_or(0, Vec::len),
-                    b.as_ref().map_or(0, Vec::len)
-                )));
+        self.check_merge(other)?;
+        self.histogram.merge(&other.histogram)?;
+        if let (Some(a), Some(b)) = (&mut self.channel_abs_max, &other.channel_abs_max) {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x = (*x).max(*y);
             }
         }
-        self.histogram.merge(&other.histogram);
         Ok(())
+    }
+
+    /// Fails if `other` cannot be merged into `self`: different channel
+    /// tracking, or counts that would overflow.
+    pub fn check_merge(&self, other: &TensorStats) -> Result<()> {
+        let (a, b) = (&self.channel_abs_max, &other.channel_abs_max);
+        if a.as_ref().map(Vec::len) != b.as_ref().map(Vec::len) {
+            return Err(Error::Shape(format!(
+                "cannot merge per-channel stats of {} channels with {} channels",
+                a.as_ref().map_or(0, Vec::len),
+                b.as_ref().map_or(0, Vec::len)
+            )));
+        }
+        self.histogram.check_merge(&other.histogram)
     }
 
     /// The value histogram.
@@ -329,17 +334,12 @@ impl Stats {
         if let (Some(reason), MergePolicy::Strict) = (&conflict, policy) {
             return Err(Error::ProvenanceMismatch(reason.clone()));
         }
-        // Check shapes before touching anything, so a failed merge leaves `self`
-        // as it was.
+        // Check everything before touching anything, so a failed merge leaves
+        // `self` as it was.
         for (name, theirs) in &other.tensors {
             if let Some(ours) = self.tensors.get(name) {
-                let a = ours.channel_abs_max_bits().map(<[u32]>::len);
-                let b = theirs.channel_abs_max_bits().map(<[u32]>::len);
-                if a != b {
-                    return Err(Error::Shape(format!(
-                        "tensor {name}: per-channel stats of {a:?} vs {b:?} channels"
-                    )));
-                }
+                ours.check_merge(theirs)
+                    .map_err(|e| Error::Shape(format!("tensor {name}: {e}")))?;
             }
         }
         for (name, theirs) in &other.tensors {
