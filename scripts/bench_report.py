@@ -85,12 +85,29 @@ def main():
         print(f"| decode, one token after 128 | {1e9 / decode:.1f} |\n")
     else:
         print("(not run)\n")
-    try:
-        with open("target/llamacpp-reference.md") as f:
-            print("### llama.cpp on the same machine\n")
-            print(f.read())
-    except OSError:
-        pass
+    with open("benchmarks/llamacpp-reference.md") as f:
+        print(f.read())
+
+    print("## Calibration throughput (embedded backend)\n")
+    print("Command: `qforge calibrate --model models/smollm2-135m-instruct-q4_1.gguf --data "
+          "fixtures/episodes/arithmetic.jsonl --samples 32 --seq-len 128 --batch-size 4 --workers N "
+          "--json` (32 chat-formatted episodes, every linear input observed). Both runs write "
+          "byte-identical statistics.\n")
+    rows = []
+    for workers in (1, 2):
+        try:
+            with open(f"target/bench-calibrate-{workers}.json") as f:
+                rows.append((workers, json.load(f)))
+        except OSError:
+            pass
+    if rows:
+        print("| workers | tokens | seconds | tokens/s |")
+        print("|---|---|---|---|")
+        for workers, r in rows:
+            print(f"| {workers} | {r['rows']} | {r['seconds']:.2f} | {r['rows_per_s']:.0f} |")
+        print()
+    else:
+        print("(not run)\n")
 
     print("## Calibrators against ONNX Runtime and TensorRT's method\n")
     print("Command: `.venv/bin/python tests/python/ort_crosscheck.py --markdown` (1 M values per "

@@ -578,6 +578,14 @@ fn weight(t: &TensorProto, what: &str, transposed: bool) -> Result<(usize, usize
             shown(&t.name)
         )));
     };
+    // With a zero dim the other one is unbounded by the data (0 × 2^40 holds
+    // no values), and the layer's zero bias would allocate `out` floats.
+    if a == 0 || b == 0 {
+        return Err(Error::Shape(format!(
+            "{what}: weight `{}` has dims {dims:?}; a linear layer's weight has no zero dim",
+            shown(&t.name)
+        )));
+    }
     if transposed {
         return Ok((a, b, data));
     }

@@ -86,8 +86,27 @@ fn family_from_architecture(name: &str) -> Result<Family> {
 }
 
 impl LlamaConfig {
-    /// Validates the relations between the sizes.
+    /// Validates the sizes and their relations. Upper bounds (far above any
+    /// published model) keep a hostile config from sizing allocations.
     fn validate(self) -> Result<Self> {
+        let bounded = self.num_layers <= 1024
+            && self.num_heads <= 1024
+            && self.num_kv_heads <= 1024
+            && self.head_dim <= 1024
+            && self.hidden_size <= 1 << 17
+            && self.intermediate_size <= 1 << 20
+            && self.vocab_size <= 1 << 23;
+        if !bounded {
+            return Err(Error::Format(format!(
+                "implausible model sizes: {} layers, {} heads, head_dim {}, hidden {}, intermediate {}, vocab {}",
+                self.num_layers,
+                self.num_heads,
+                self.head_dim,
+                self.hidden_size,
+                self.intermediate_size,
+                self.vocab_size
+            )));
+        }
         let ok = self.num_heads > 0
             && self.num_kv_heads > 0
             && self.num_heads.is_multiple_of(self.num_kv_heads)

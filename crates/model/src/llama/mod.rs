@@ -104,6 +104,11 @@ pub enum Residency {
     Stored,
 }
 
+/// Longest context qforge runs (its rotary tables are built for this many
+/// positions at most): 64 Ki tokens, far beyond what a CPU calibration or
+/// evaluation uses.
+pub const MAX_POSITIONS: usize = 1 << 16;
+
 /// Largest f32 copy of a GGUF model made at load: 8 GiB, a third of this
 /// project's 24 GiB machines.
 pub const DEQUANTIZE_AT_LOAD_LIMIT: u64 = 8 << 30;
@@ -328,7 +333,7 @@ impl Llama {
         } else {
             Linear::fp("lm_head", embed_tokens.clone(), None, (c.vocab_size, d))?
         };
-        let positions = c.max_position_embeddings;
+        let positions = c.max_position_embeddings.min(MAX_POSITIONS);
         let inv = Tensor::new(c.inverse_frequencies(), &Device::Cpu)?;
         let t = Tensor::arange(0u32, positions as u32, &Device::Cpu)?
             .to_dtype(DType::F32)?
@@ -406,11 +411,11 @@ impl Llama {
                 "with a KV cache, every sequence of a batch must have the same length".into(),
             ));
         }
-        if start + seq > c.max_position_embeddings {
+        let context = c.max_position_embeddings.min(MAX_POSITIONS);
+        if start + seq > context {
             return Err(Error::Shape(format!(
-                "{} positions exceed the model's context of {}",
-                start + seq,
-                c.max_position_embeddings
+                "{} positions exceed the context of {context} (the model's, capped at {MAX_POSITIONS})",
+                start + seq
             )));
         }
         if let Some(bad) = batch
