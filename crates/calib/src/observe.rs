@@ -25,6 +25,8 @@ pub struct Job {
     pub data: Digest,
     /// The recipe.
     pub recipe: Recipe,
+    /// Batches in the plan (the denominator of coverage).
+    pub planned: u64,
 }
 
 /// Runs `batch` through the full-precision model and returns its statistics:
@@ -73,6 +75,7 @@ pub fn observe_batch(target: &Target, batch: &Batch, job: &Job) -> Result<Stats>
             job.recipe.digest(),
             job.recipe.pass.name(),
             batch.id,
+            job.planned,
         ),
         tensors: observer.tensors,
     })

@@ -174,6 +174,7 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         model: model_digest(&args.model)?,
         data: data.digest,
         recipe,
+        planned: plan.batches.len() as u64,
     };
     let target = match model {
         AnyModel::Language(lm) => Target::Language(lm.model),

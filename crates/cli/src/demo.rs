@@ -84,7 +84,14 @@ fn batch_values(seed: u64, tensor: usize, batch: usize, rows: usize) -> Vec<f32>
 }
 
 /// Statistics of one batch, as a calibration worker would produce them.
-fn observe_batch(seed: u64, batch: usize, rows: usize, data: Digest, recipe: Digest) -> Stats {
+fn observe_batch(
+    seed: u64,
+    batch: usize,
+    batches: usize,
+    rows: usize,
+    data: Digest,
+    recipe: Digest,
+) -> Stats {
     let mut content = qforge_core::DigestBuilder::default();
     let mut tensors = std::collections::BTreeMap::new();
     for (t, name) in TENSORS.iter().enumerate() {
@@ -103,7 +110,7 @@ fn observe_batch(seed: u64, batch: usize, rows: usize, data: Digest, recipe: Dig
         content: content.finish(),
     };
     Stats {
-        provenance: Provenance::single(None, data, recipe, "activation", id),
+        provenance: Provenance::single(None, data, recipe, "activation", id, batches as u64),
         tensors,
     }
 }
@@ -131,7 +138,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         .as_bytes(),
     );
     let recipe = Digest::of(b"qforge.demo.v1 pass=activation channels=64");
-    let observe = |b| observe_batch(args.seed, b, rows, data, recipe);
+    let observe = |b| observe_batch(args.seed, b, args.batches, rows, data, recipe);
 
     let started = Instant::now();
     let mut single = Stats::default();

@@ -133,6 +133,7 @@ pub fn observe(args: ObserveArgs) -> Result<()> {
                 index: 0,
                 content: data,
             },
+            1,
         ),
         tensors: [(args.name.clone(), tensor)].into(),
     };
@@ -271,6 +272,7 @@ pub fn stats_json(stats: &Stats, calibrators: &[Calibrator]) -> Value {
         .collect();
     json!({
         "provenance": stats.provenance,
+        "coverage": stats.provenance.coverage(),
         "tensors": tensors,
     })
 }
@@ -295,8 +297,10 @@ fn print_human(stats: &Stats, calibrators: &[Calibrator]) {
         p.passes.iter().cloned().collect::<Vec<_>>().join(", ")
     );
     println!(
-        "batches: {}{}",
+        "batches: {} of {} planned ({:.1} % coverage){}",
         p.batches.len(),
+        p.planned,
+        100.0 * p.coverage(),
         if p.forced { " (forced merge)" } else { "" }
     );
     println!();

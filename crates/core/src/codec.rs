@@ -20,6 +20,7 @@
 //!   models, data, recipes: varint n, then n 32-byte SHA-256 digests each
 //!   passes:                varint n, then n × (varint len, UTF-8)
 //!   batches:               varint n, then n × (varint index, 32-byte digest)
+//!   planned:               varint (batches in the plan; coverage = n / planned)
 //! tensors: varint n, then per tensor:
 //!   name                   varint len, UTF-8
 //!   zero nan +inf -inf     4 varints
@@ -37,7 +38,7 @@ use crate::stats::{BatchId, Digest, Provenance, Stats, TensorStats};
 /// Magic bytes that open every `.qstats` file.
 pub const MAGIC: &[u8; 8] = b"QFSTATS\0";
 /// Version of the format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const HEADER_LEN: usize = 8 + 4 + 8;
 const TRAILER_LEN: usize = 4;
 
@@ -61,6 +62,7 @@ pub fn encode(stats: &Stats) -> Vec<u8> {
         put_varint(&mut body, batch.index);
         body.extend_from_slice(&batch.content.0);
     }
+    put_varint(&mut body, p.planned);
     put_varint(&mut body, stats.tensors.len() as u64);
     for (name, tensor) in &stats.tensors {
         put_str(&mut body, name);
@@ -202,12 +204,14 @@ fn read_body(r: &mut Reader<'_>) -> Result<Stats> {
         ascending(batches.last(), &id, "batch id")?;
         batches.insert(id);
     }
+    let planned = r.varint("planned batch count")?;
     let provenance = Provenance {
         models,
         data,
         recipes,
         passes,
         batches,
+        planned,
         forced: flags & 1 == 1,
     };
 
@@ -419,6 +423,7 @@ mod tests {
                 Digest::of(b"recipe"),
                 "activation",
                 id,
+                8,
             ),
             tensors: BTreeMap::from([
                 ("model.layers.0.mlp.down_proj".to_owned(), tensor),
@@ -496,8 +501,9 @@ mod tests {
         stats.tensors.insert("x".into(), t);
         let bytes = encode(&stats);
         let body = &bytes[HEADER_LEN..bytes.len() - TRAILER_LEN];
-        // Drop the extremes: flag byte follows name and four zero-count varints.
-        let flag_at = 1 + 3 + 1 + 1 + 1 + 2 + 4;
+        // Drop the extremes: flags, 3 digest sets, passes, batches, planned,
+        // tensor count, name, four zero-count varints, then the flag byte.
+        let flag_at = 1 + 3 + 1 + 1 + 1 + 1 + 2 + 4;
         assert_eq!(body[flag_at], 1);
         let mut broken = body[..flag_at].to_vec();
         broken.push(0);

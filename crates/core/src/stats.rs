@@ -220,6 +220,8 @@ pub struct Provenance {
     pub passes: BTreeSet<String>,
     /// Every batch merged into these statistics.
     pub batches: BTreeSet<BatchId>,
+    /// Batches the calibration planned: coverage is `batches / planned`.
+    pub planned: u64,
     /// True once statistics of different provenance or overlapping batches were
     /// merged with `force`: they are no longer the result of one calibration.
     pub forced: bool,
@@ -233,6 +235,7 @@ impl Provenance {
         recipe: Digest,
         pass: &str,
         batch: BatchId,
+        planned: u64,
     ) -> Self {
         Self {
             models: model.into_iter().collect(),
@@ -240,7 +243,18 @@ impl Provenance {
             recipes: BTreeSet::from([recipe]),
             passes: BTreeSet::from([pass.to_owned()]),
             batches: BTreeSet::from([batch]),
+            planned,
             forced: false,
+        }
+    }
+
+    /// Fraction of the planned batches these statistics hold (1 when the plan
+    /// is unknown, i.e. `planned` is 0).
+    pub fn coverage(&self) -> f64 {
+        if self.planned == 0 {
+            1.0
+        } else {
+            self.batches.len() as f64 / self.planned as f64
         }
     }
 
@@ -286,6 +300,12 @@ impl Provenance {
             passes(&other.passes),
             &mut reasons,
         );
+        differs(
+            "planned batch count",
+            self.planned.to_string(),
+            other.planned.to_string(),
+            &mut reasons,
+        );
         let overlap: Vec<_> = self.batches.intersection(&other.batches).collect();
         if !overlap.is_empty() {
             reasons.push(format!(
@@ -303,6 +323,7 @@ impl Provenance {
         self.recipes.extend(other.recipes.iter().copied());
         self.passes.extend(other.passes.iter().cloned());
         self.batches.extend(other.batches.iter().copied());
+        self.planned = self.planned.max(other.planned);
         self.forced |= other.forced || forced;
     }
 }

@@ -43,6 +43,7 @@ fn batch_stats(index: u64, values: &[f32]) -> Stats {
             Digest::of(b"recipe"),
             "activation",
             id,
+            100,
         ),
         tensors: [
             ("layers.0.mlp.down_proj".to_owned(), with_channels),

@@ -300,11 +300,13 @@ fn check_checkpoint(
             index: 0,
             content: job.data,
         },
+        job.planned,
     );
     let same_source = provenance.models == expected.models
         && provenance.data == expected.data
         && provenance.recipes == expected.recipes
         && provenance.passes == expected.passes
+        && provenance.planned == expected.planned
         && !provenance.forced;
     if !same_source {
         return Err(Error::Checkpoint {

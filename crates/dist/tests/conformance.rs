@@ -30,6 +30,7 @@ fn setup() -> (Target, Job, Plan) {
         model: Digest::of(b"pendulum fixture"),
         data: data.digest,
         recipe,
+        planned: plan.batches.len() as u64,
     };
     (Target::Policy(policy), job, plan)
 }
