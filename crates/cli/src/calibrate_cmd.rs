@@ -106,11 +106,20 @@ fn model_digest(path: &Path) -> Result<Digest> {
     };
     files.sort();
     let mut digest = DigestBuilder::default();
+    // Streamed: a model can be far larger than memory allows reading at once.
+    let mut buffer = vec![0u8; 1 << 20];
     for file in files {
-        let bytes =
-            std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
+        let mut reader = std::fs::File::open(&file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
         digest.update(file.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
-        digest.update(&bytes);
+        loop {
+            let n = std::io::Read::read(&mut reader, &mut buffer)
+                .with_context(|| format!("cannot read {}", file.display()))?;
+            if n == 0 {
+                break;
+            }
+            digest.update(&buffer[..n]);
+        }
     }
     Ok(digest.finish())
 }

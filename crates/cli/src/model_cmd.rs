@@ -315,36 +315,29 @@ pub fn eval(command: EvalCommand) -> Result<()> {
     Ok(())
 }
 
-/// Every observation of a trajectories JSONL file, row-major.
-pub fn read_observations(path: &Path, dim: usize) -> Result<Vec<f32>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+/// Every observation of a trajectories JSONL file (the calibration data
+/// format, read by the same parser), row-major, checked against the policy's
+/// observation width.
+fn read_observations(path: &Path, dim: usize) -> Result<Vec<f32>> {
+    let data = qforge_calib::load_jsonl(path, false)?;
     let mut out = Vec::new();
-    for (n, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let at = || format!("{}:{}", path.display(), n + 1);
-        let record: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("{}: not valid JSON", at()))?;
-        let rows = record["observations"]
-            .as_array()
-            .with_context(|| format!("{}: no \"observations\" array", at()))?;
-        for row in rows {
-            let row = row.as_array().filter(|r| r.len() == dim).with_context(|| {
-                format!("{}: an observation is not a list of {dim} numbers", at())
-            })?;
-            for v in row {
-                let v = v
-                    .as_f64()
-                    .with_context(|| format!("{}: observation value {v} is not a number", at()))?;
-                out.push(v as f32);
+    for record in &data.records {
+        let qforge_calib::Record::Trajectory { observations, .. } = record else {
+            bail!(
+                "{} holds LLM episodes, not policy trajectories",
+                path.display()
+            );
+        };
+        for row in observations {
+            if row.len() != dim {
+                bail!(
+                    "{}: an observation has {} values; the policy takes {dim}",
+                    path.display(),
+                    row.len()
+                );
             }
+            out.extend_from_slice(row);
         }
-    }
-    if out.is_empty() {
-        bail!("{} holds no observations", path.display());
     }
     Ok(out)
 }

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::llama::{Llama, Logits, log_softmax};
+use crate::llama::{Llama, Logits, Residency, log_softmax};
 use crate::tokenizer::TextTokenizer;
 
 /// A decoder with its tokenizer.
@@ -50,16 +50,17 @@ impl LanguageModel {
                 source: path.to_owned(),
             });
         }
-        let model = Llama::from_gguf(path)?;
-        let header = GgufFile::open(path)?.header;
-        let tokenizer = TextTokenizer::from_gguf(&header).map_err(|e| e.in_file(path))?;
-        let chat_template = header
+        // One parse of the header serves the tokenizer and the decoder.
+        let file = GgufFile::open(path)?;
+        let tokenizer = TextTokenizer::from_gguf(&file.header).map_err(|e| e.in_file(path))?;
+        let chat_template = file
+            .header
             .metadata
             .get("tokenizer.chat_template")
             .and_then(|v| v.as_str())
             .map(str::to_owned);
         Ok(Self {
-            model,
+            model: Llama::from_gguf_file(file, Residency::Auto)?,
             tokenizer,
             chat_template,
             source: path.to_owned(),

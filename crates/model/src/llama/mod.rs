@@ -245,7 +245,14 @@ impl Llama {
 
     /// Loads a GGUF file with a chosen weight residency.
     pub fn from_gguf_with(path: &Path, residency: Residency) -> Result<Self> {
-        let file = GgufFile::open(path)?;
+        Self::from_gguf_file(GgufFile::open(path)?, residency)
+    }
+
+    /// Builds the decoder from an opened GGUF file (whose header the caller
+    /// may already have read, e.g. for the tokenizer).
+    pub fn from_gguf_file(file: GgufFile, residency: Residency) -> Result<Self> {
+        let path = file.path().to_owned();
+        let path = path.as_path();
         let config = LlamaConfig::from_gguf(&file.header).map_err(|e| e.in_file(path))?;
         let permuted_heads = matches!(config.family, Family::Llama | Family::Mistral)
             .then_some((config.num_heads, config.num_kv_heads));
