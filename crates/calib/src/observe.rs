@@ -1,6 +1,7 @@
 //! Observing one batch: the map step of a pass.
 
 use qforge_core::{Digest, Provenance, Stats};
+use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
 use qforge_model::{Llama, Logits, MlpPolicy, StatsObserver};
 
 use crate::error::{Error, Result};
@@ -13,6 +14,17 @@ pub enum Target {
     Language(Llama),
     /// A policy.
     Policy(MlpPolicy),
+}
+
+impl Target {
+    /// The determinism fingerprint of this machine's forward pass: workers
+    /// whose fingerprints agree compute bit-identical activations.
+    pub fn fingerprint(&self) -> Result<Digest> {
+        Ok(match self {
+            Target::Language(model) => llm_fingerprint(model)?,
+            Target::Policy(policy) => policy_fingerprint(policy)?,
+        })
+    }
 }
 
 /// What identifies a calibration: the hashes of model, data and recipe, and the

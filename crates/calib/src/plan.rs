@@ -2,13 +2,13 @@
 //! selects from the data, cut into batches with stable ids.
 
 use qforge_core::{BatchId, Digest, DigestBuilder};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::data::{Dataset, EpisodeContent, Record};
 use crate::error::{Error, Result};
 
 /// How samples are drawn from the data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Stratify {
     /// A seeded shuffle.
@@ -19,7 +19,7 @@ pub enum Stratify {
 }
 
 /// What a pass records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Pass {
     /// Histograms of every linear input (for activation scales).
@@ -41,7 +41,8 @@ impl Pass {
 
 /// Everything besides model and data that decides the statistics. Equal
 /// recipes, and only equal recipes, have equal digests.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Recipe {
     /// Samples to draw: sequences for LLMs, observations for policies.
     pub samples: usize,
@@ -116,6 +117,21 @@ pub struct Plan {
     pub samples: usize,
     /// Tokens or observation rows planned.
     pub rows: usize,
+}
+
+impl Plan {
+    /// SHA-256 over the batch ids in order: two machines that planned the
+    /// same batches from the same data agree on it, so a worker can prove it
+    /// holds the coordinator's plan before observing anything.
+    pub fn digest(&self) -> Digest {
+        let mut d = DigestBuilder::default();
+        d.update(b"qforge.plan.v1");
+        for batch in &self.batches {
+            d.update(&batch.id.index.to_le_bytes());
+            d.update(&batch.id.content.0);
+        }
+        d.finish()
+    }
 }
 
 /// SplitMix64 of `x`: the platform-independent sort key of the shuffle.

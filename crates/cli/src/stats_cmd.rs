@@ -303,6 +303,12 @@ fn print_human(stats: &Stats, calibrators: &[Calibrator]) {
         100.0 * p.coverage(),
         if p.forced { " (forced merge)" } else { "" }
     );
+    if p.mixed_hardware {
+        println!(
+            "note:    observed on workers with different determinism fingerprints; \
+             exact only up to forward-pass rounding"
+        );
+    }
     println!();
     let fmt = |v: Option<f32>| v.map_or("-".to_owned(), |v| format!("{v:.6e}"));
     for (name, tensor) in &stats.tensors {

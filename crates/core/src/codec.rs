@@ -16,7 +16,7 @@
 //!
 //! ```text
 //! provenance:
-//!   flags u8 (bit 0: forced merge)
+//!   flags u8 (bit 0: forced merge; bit 1: mixed hardware)
 //!   models, data, recipes: varint n, then n 32-byte SHA-256 digests each
 //!   passes:                varint n, then n × (varint len, UTF-8)
 //!   batches:               varint n, then n × (varint index, 32-byte digest)
@@ -46,7 +46,7 @@ const TRAILER_LEN: usize = 4;
 pub fn encode(stats: &Stats) -> Vec<u8> {
     let mut body = Vec::new();
     let p = &stats.provenance;
-    body.push(u8::from(p.forced));
+    body.push(u8::from(p.forced) | u8::from(p.mixed_hardware) << 1);
     for set in [&p.models, &p.data, &p.recipes] {
         put_varint(&mut body, set.len() as u64);
         for digest in set {
@@ -169,7 +169,7 @@ pub fn decode(bytes: &[u8]) -> Result<Stats> {
 
 fn read_body(r: &mut Reader<'_>) -> Result<Stats> {
     let flags = r.byte("provenance flags")?;
-    if flags > 1 {
+    if flags > 0b11 {
         return Err(Error::Corrupt(format!(
             "unknown provenance flags {flags:#x}"
         )));
@@ -213,6 +213,7 @@ fn read_body(r: &mut Reader<'_>) -> Result<Stats> {
         batches,
         planned,
         forced: flags & 1 == 1,
+        mixed_hardware: flags & 2 == 2,
     };
 
     let n = r.count(8, "tensor")?;
@@ -440,6 +441,12 @@ mod tests {
         let back = decode(&bytes).unwrap();
         assert_eq!(back, stats);
         assert_eq!(encode(&back), bytes);
+        for (forced, mixed_hardware) in [(true, false), (false, true), (true, true)] {
+            let mut flagged = sample();
+            flagged.provenance.forced = forced;
+            flagged.provenance.mixed_hardware = mixed_hardware;
+            assert_eq!(decode(&encode(&flagged)).unwrap(), flagged);
+        }
     }
 
     #[test]

@@ -225,6 +225,11 @@ pub struct Provenance {
     /// True once statistics of different provenance or overlapping batches were
     /// merged with `force`: they are no longer the result of one calibration.
     pub forced: bool,
+    /// True when some batches were observed by workers whose determinism
+    /// fingerprints differed (a run that allowed mixed hardware): the merge is
+    /// still exact, but the statistics equal a single-machine run only up to
+    /// forward-pass rounding.
+    pub mixed_hardware: bool,
 }
 
 impl Provenance {
@@ -245,6 +250,7 @@ impl Provenance {
             batches: BTreeSet::from([batch]),
             planned,
             forced: false,
+            mixed_hardware: false,
         }
     }
 
@@ -325,6 +331,7 @@ impl Provenance {
         self.batches.extend(other.batches.iter().copied());
         self.planned = self.planned.max(other.planned);
         self.forced |= other.forced || forced;
+        self.mixed_hardware |= other.mixed_hardware;
     }
 }
 

@@ -22,6 +22,9 @@ pub enum Outcome {
         worker: String,
         /// Time spent observing.
         elapsed: Duration,
+        /// Whether it was a speculative re-execution of a batch another
+        /// worker still held.
+        speculative: bool,
     },
     /// The batch failed on a worker.
     Failed {
@@ -60,8 +63,19 @@ pub trait Backend {
         on_outcome: &mut dyn FnMut(Outcome) -> Result<Next>,
     ) -> Result<()>;
 
-    /// How many workers it runs.
+    /// How many workers it runs (for a cluster: how many are alive now).
     fn workers(&self) -> usize;
+
+    /// Everything passed to `on_outcome` so far is durable (checkpointed, or
+    /// there is no checkpoint to resume from): a backend may forget it.
+    fn committed(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// What the backend noticed on the way (lost tasks, refused results…).
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// N worker threads in this process, sharing the model (weights are shared,
@@ -138,6 +152,7 @@ impl Backend for Embedded {
                                     stats: Box::new(stats),
                                     worker: name.clone(),
                                     elapsed: started.elapsed(),
+                                    speculative: false,
                                 },
                                 Err(e) => Outcome::Failed {
                                     batch,

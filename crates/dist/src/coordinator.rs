@@ -84,6 +84,8 @@ pub struct RunSummary {
     pub duplicates: usize,
     /// Retries of failed batches.
     pub retries: usize,
+    /// Results of speculative re-executions received (merged or dropped).
+    pub speculative: usize,
     /// Batches that failed `MAX_ATTEMPTS` times, with their last error.
     pub quarantined: BTreeMap<BatchId, String>,
     /// Checkpoints written.
@@ -146,7 +148,8 @@ pub fn run(
     let mut attempts: BTreeMap<usize, u32> = BTreeMap::new();
     let mut quarantined = BTreeMap::new();
     let mut workers: BTreeMap<String, WorkerReport> = BTreeMap::new();
-    let (mut duplicates, mut retries, mut since_checkpoint, mut checkpoints_written) = (0, 0, 0, 0);
+    let (mut duplicates, mut retries, mut speculative) = (0, 0, 0);
+    let (mut since_checkpoint, mut checkpoints_written) = (0, 0);
     let mut unresolved = pending.len();
     progress(Progress {
         merged: done.len(),
@@ -162,7 +165,9 @@ pub fn run(
                     stats,
                     worker,
                     elapsed,
+                    speculative: was_speculative,
                 } => {
+                    speculative += usize::from(was_speculative);
                     let report = workers.entry(worker.clone()).or_default();
                     report.busy_seconds += elapsed.as_secs_f64();
                     let claimed: Vec<BatchId> = stats.provenance.batches.iter().copied().collect();
@@ -193,6 +198,9 @@ pub fn run(
                             store.write(done.len() as u64, &merged_stats)?;
                             checkpoints_written += 1;
                             since_checkpoint = 0;
+                            backend.committed()?;
+                        } else if options.checkpoints.is_none() {
+                            backend.committed()?;
                         }
                         if unresolved == 0 {
                             Next::Stop
@@ -242,7 +250,9 @@ pub fn run(
     {
         store.write(done.len() as u64, &merged_stats)?;
         checkpoints_written += 1;
+        backend.committed()?;
     }
+    warnings.extend(backend.warnings());
     let merged = done.len();
     let coverage = if planned == 0 {
         1.0
@@ -276,6 +286,7 @@ pub fn run(
         resumed_from,
         duplicates,
         retries,
+        speculative,
         quarantined,
         checkpoints_written,
         warnings,

@@ -40,6 +40,12 @@ pub enum Error {
         /// The batch id it claimed.
         batch: String,
     },
+    /// Redis (or the run in it) could not be used.
+    #[error("{0}")]
+    Cluster(String),
+    /// The run refused this worker.
+    #[error("refused: {0}")]
+    Refused(String),
     /// A worker thread died.
     #[error("worker {0} panicked")]
     WorkerPanic(String),
@@ -49,8 +55,13 @@ impl Error {
     /// Whether running the same thing again can succeed.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Checkpoint { .. } | Error::Coverage { .. } | Error::WorkerPanic(_) => true,
-            Error::Calib(_) | Error::Core(_) | Error::ForeignResult { .. } => false,
+            Error::Checkpoint { .. }
+            | Error::Coverage { .. }
+            | Error::WorkerPanic(_)
+            | Error::Cluster(_) => true,
+            Error::Calib(_) | Error::Core(_) | Error::ForeignResult { .. } | Error::Refused(_) => {
+                false
+            }
         }
     }
 }

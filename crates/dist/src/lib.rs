@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod cluster;
 pub mod coordinator;
 pub mod error;
 
@@ -17,3 +18,6 @@ pub use backend::{Backend, Embedded, Next, Outcome};
 pub use checkpoint::CheckpointStore;
 pub use coordinator::{Progress, RunOptions, RunSummary, run};
 pub use error::{Error, Result};
+
+/// The build a worker reports when it joins a run.
+pub const BUILD: &str = concat!("qforge ", env!("CARGO_PKG_VERSION"));

@@ -1,17 +1,27 @@
-//! Conformance of a backend + coordinator: the merged statistics are
-//! byte-identical to a clean single-worker run whatever the worker count, the
-//! order of results, duplicates, failures, a coordinator crash and resume, or
-//! a corrupt checkpoint. Uses the trained Pendulum policy and its rollouts
-//! (small, real). The Redis backend will run the same suite.
+//! Conformance of a backend + coordinator, run against both backends
+//! (embedded threads, and Redis with worker threads on a real `redis-server`):
+//! the merged statistics are byte-identical to a clean single-worker run
+//! whatever the worker count, the order of results, duplicates, failures, a
+//! coordinator crash and resume, or a corrupt checkpoint. Uses the trained
+//! Pendulum policy and its rollouts (small, real). Faults with real processes
+//! (SIGKILL, SIGSTOP, Redis restarts) are in the CLI's cluster tests.
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use qforge_calib::{Job, Plan, Recipe, Target, load_jsonl, plan};
 use qforge_core::Digest;
 use qforge_core::codec::encode;
-use qforge_dist::{Backend, CheckpointStore, Embedded, Error, Next, Outcome, RunOptions, run};
+use qforge_dist::cluster::{ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, serve};
+use qforge_dist::{
+    Backend, CheckpointStore, Embedded, Error, Next, Outcome, RunOptions, RunSummary, run,
+};
 use qforge_model::MlpPolicy;
+use redis_server::RedisServer;
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/pendulum")
@@ -48,51 +58,155 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// The backends every test runs on: embedded always, Redis when a server
+/// could be started (always under CI).
+fn backends(test: &str) -> Vec<Option<RedisServer>> {
+    let mut kinds = vec![None];
+    if let Some(server) = RedisServer::start(test, None) {
+        kinds.push(Some(server));
+    }
+    kinds
+}
+
+/// Runs the job on the embedded backend (`redis` is `None`) or on Redis with
+/// `workers` worker threads joining run `name`; `faults` wraps the backend.
+fn run_on(
+    redis: Option<&RedisServer>,
+    name: &str,
+    workers: usize,
+    options: &RunOptions,
+    faults: &Faults,
+) -> qforge_dist::Result<RunSummary> {
+    let (target, job, plan) = setup();
+    let Some(server) = redis else {
+        let backend = Embedded::new(target, job.clone(), workers);
+        return run(&job, &plan, &faults.wrap(&backend), options, &mut |_| {});
+    };
+    let mut spec = RunSpec::new(name, "pendulum", "rollouts.jsonl", &job, &plan);
+    // Speculation would add duplicates whose count depends on timing; the
+    // counting assertions below want none (speculation is tested with real
+    // processes in the CLI tests).
+    spec.speculation = 1.0;
+    spec.heartbeat_ms = 100;
+    spec.heartbeat_timeout_ms = 600;
+    let backend = RedisBackend::open(
+        spec,
+        &ClusterOptions {
+            url: server.url(),
+            resume: options.resume,
+            outage_limit: Duration::from_secs(10),
+        },
+    )?;
+    std::thread::scope(|scope| {
+        for w in 0..workers {
+            let (target, job, plan) = (target.clone(), job.clone(), plan.clone());
+            let worker = WorkerOptions {
+                url: server.url(),
+                run: Some(name.to_owned()),
+                name: format!("{name}-w{w}"),
+                forever: false,
+                wait: Duration::from_secs(10),
+                outage_limit: Duration::from_secs(10),
+                build: "test".into(),
+            };
+            scope.spawn(move || {
+                let mut prepare = |_: &RunSpec| {
+                    Ok(Prepared {
+                        target: target.clone(),
+                        job: job.clone(),
+                        plan: plan.clone(),
+                    })
+                };
+                serve(&worker, &mut prepare, &mut |_| {}).unwrap();
+            });
+        }
+        let summary = run(&job, &plan, &faults.wrap(&backend), options, &mut |_| {});
+        backend.finish(summary.is_ok()).unwrap();
+        summary
+    })
+}
+
 #[test]
 fn any_worker_count_gives_identical_bytes() {
     let (target, job, plan) = setup();
     assert_eq!(plan.batches.len(), 19);
     let clean = clean_bytes(&target, &job, &plan);
-    for workers in [2, 4, 7] {
-        let backend = Embedded::new(target.clone(), job.clone(), workers);
-        let summary = run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {}).unwrap();
-        assert_eq!(encode(&summary.stats), clean, "{workers} workers");
-        assert_eq!(
-            summary.workers.values().map(|w| w.merged).sum::<usize>(),
-            19
-        );
+    for redis in backends("counts") {
+        for workers in [1, 2, 4, 7] {
+            let name = format!("counts-{workers}");
+            let summary = run_on(
+                redis.as_ref(),
+                &name,
+                workers,
+                &RunOptions::default(),
+                &Faults::none(),
+            )
+            .unwrap();
+            assert_eq!(
+                encode(&summary.stats),
+                clean,
+                "{workers} workers, redis: {}",
+                redis.is_some()
+            );
+            assert_eq!(
+                summary.workers.values().map(|w| w.merged).sum::<usize>(),
+                19
+            );
+            let prefix = if redis.is_some() { "counts-" } else { "embedded-" };
+            assert!(
+                summary.workers.keys().all(|w| w.starts_with(prefix)),
+                "{:?}",
+                summary.workers.keys()
+            );
+        }
     }
 }
 
-/// Wraps a backend to inject faults into what the coordinator sees.
-struct Faulty<'a> {
-    inner: &'a dyn Backend,
-    /// Deliver every result twice (speculative re-execution).
+/// Faults injected into what the coordinator sees.
+#[derive(Default)]
+struct Faults {
+    /// Deliver every result twice (a speculative re-execution).
     duplicate: bool,
     /// Fail this batch index this many times before letting it through.
     fail: Option<(usize, usize)>,
     /// Stop the run with an error after this many outcomes (a coordinator crash).
     crash_after: Option<usize>,
-    seen: AtomicUsize,
-    failures: AtomicUsize,
 }
 
-impl<'a> Faulty<'a> {
-    fn new(inner: &'a dyn Backend) -> Self {
-        Self {
+impl Faults {
+    fn none() -> Self {
+        Self::default()
+    }
+
+    fn wrap<'a>(&'a self, inner: &'a dyn Backend) -> Faulty<'a> {
+        Faulty {
             inner,
-            duplicate: false,
-            fail: None,
-            crash_after: None,
+            faults: self,
             seen: AtomicUsize::new(0),
             failures: AtomicUsize::new(0),
         }
     }
 }
 
+/// A backend with [`Faults`] injected.
+struct Faulty<'a> {
+    inner: &'a dyn Backend,
+    faults: &'a Faults,
+    seen: AtomicUsize,
+    failures: AtomicUsize,
+}
+
 impl Backend for Faulty<'_> {
     fn workers(&self) -> usize {
         self.inner.workers()
+    }
+
+    fn committed(&self) -> qforge_dist::Result<()> {
+        self.inner.committed()
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.inner.warnings()
     }
 
     fn run(
@@ -102,12 +216,12 @@ impl Backend for Faulty<'_> {
         on: &mut dyn FnMut(Outcome) -> qforge_dist::Result<Next>,
     ) -> qforge_dist::Result<()> {
         self.inner.run(plan, pending, &mut |outcome| {
-            if let Some(limit) = self.crash_after
+            if let Some(limit) = self.faults.crash_after
                 && self.seen.fetch_add(1, Ordering::SeqCst) >= limit
             {
                 return Err(Error::WorkerPanic("simulated coordinator crash".into()));
             }
-            let outcome = match (outcome, self.fail) {
+            let outcome = match (outcome, self.faults.fail) {
                 (Outcome::Done { batch, worker, .. }, Some((b, times)))
                     if batch == b && self.failures.fetch_add(1, Ordering::SeqCst) < times =>
                 {
@@ -119,12 +233,13 @@ impl Backend for Faulty<'_> {
                 }
                 (o, _) => o,
             };
-            if self.duplicate
+            if self.faults.duplicate
                 && let Outcome::Done {
                     batch,
                     stats,
                     worker,
                     elapsed,
+                    ..
                 } = &outcome
             {
                 let copy = Outcome::Done {
@@ -132,6 +247,7 @@ impl Backend for Faulty<'_> {
                     stats: stats.clone(),
                     worker: format!("{worker}-speculative"),
                     elapsed: *elapsed,
+                    speculative: true,
                 };
                 if on(copy)? == Next::Stop {
                     return Ok(Next::Stop);
@@ -146,102 +262,137 @@ impl Backend for Faulty<'_> {
 fn duplicates_are_dropped_and_failures_retried() {
     let (target, job, plan) = setup();
     let clean = clean_bytes(&target, &job, &plan);
-    let inner = Embedded::new(target.clone(), job.clone(), 3);
+    for redis in backends("faults") {
+        let duplicate = Faults {
+            duplicate: true,
+            ..Faults::none()
+        };
+        let summary = run_on(redis.as_ref(), "dup", 3, &RunOptions::default(), &duplicate).unwrap();
+        assert_eq!(encode(&summary.stats), clean);
+        assert!(
+            summary.duplicates >= 18,
+            "duplicates {}",
+            summary.duplicates
+        );
+        assert!(
+            summary.speculative >= 18,
+            "speculative {}",
+            summary.speculative
+        );
 
-    let mut dup = Faulty::new(&inner);
-    dup.duplicate = true;
-    let summary = run(&job, &plan, &dup, &RunOptions::default(), &mut |_| {}).unwrap();
-    assert_eq!(encode(&summary.stats), clean);
-    assert!(
-        summary.duplicates >= 18,
-        "duplicates {}",
-        summary.duplicates
-    );
-
-    let mut flaky = Faulty::new(&inner);
-    flaky.fail = Some((5, 2));
-    let summary = run(&job, &plan, &flaky, &RunOptions::default(), &mut |_| {}).unwrap();
-    assert_eq!(encode(&summary.stats), clean);
-    assert_eq!(summary.retries, 2);
-    assert!(summary.quarantined.is_empty());
+        let flaky = Faults {
+            fail: Some((5, 2)),
+            ..Faults::none()
+        };
+        let summary = run_on(redis.as_ref(), "flaky", 3, &RunOptions::default(), &flaky).unwrap();
+        assert_eq!(encode(&summary.stats), clean);
+        assert_eq!(summary.retries, 2);
+        assert!(summary.quarantined.is_empty());
+    }
 }
 
 #[test]
 fn a_batch_failing_three_times_is_quarantined_and_reported() {
-    let (target, job, plan) = setup();
-    let inner = Embedded::new(target.clone(), job.clone(), 2);
-    let mut broken = Faulty::new(&inner);
-    broken.fail = Some((7, usize::MAX));
-    let err = run(&job, &plan, &broken, &RunOptions::default(), &mut |_| {}).unwrap_err();
-    let message = err.to_string();
-    assert!(
-        message.contains("18/19") && message.contains("quarantined"),
-        "{message}"
-    );
+    let (_, _, plan) = setup();
+    for redis in backends("quarantine") {
+        let broken = Faults {
+            fail: Some((7, usize::MAX)),
+            ..Faults::none()
+        };
+        let err = run_on(redis.as_ref(), "strict", 2, &RunOptions::default(), &broken).unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("18/19") && message.contains("quarantined"),
+            "{message}"
+        );
 
-    let mut broken = Faulty::new(&inner);
-    broken.fail = Some((7, usize::MAX));
-    let lenient = RunOptions {
-        min_coverage: 0.9,
-        ..RunOptions::default()
-    };
-    let summary = run(&job, &plan, &broken, &lenient, &mut |_| {}).unwrap();
-    assert_eq!(summary.merged, 18);
-    assert_eq!(summary.quarantined.len(), 1);
-    assert!(
-        !summary
-            .stats
-            .provenance
-            .batches
-            .contains(&plan.batches[7].id)
-    );
+        let lenient = RunOptions {
+            min_coverage: 0.9,
+            ..RunOptions::default()
+        };
+        let summary = run_on(redis.as_ref(), "lenient", 2, &lenient, &broken).unwrap();
+        assert_eq!(summary.merged, 18);
+        assert_eq!(summary.quarantined.len(), 1);
+        assert!(
+            !summary
+                .stats
+                .provenance
+                .batches
+                .contains(&plan.batches[7].id)
+        );
+    }
 }
 
 #[test]
 fn a_crashed_coordinator_resumes_to_identical_bytes_even_past_a_corrupt_checkpoint() {
     let (target, job, plan) = setup();
     let clean = clean_bytes(&target, &job, &plan);
-    let dir = temp_dir("resume");
-    let inner = Embedded::new(target.clone(), job.clone(), 2);
+    for redis in backends("resume") {
+        let dir = temp_dir(&format!("resume-{}", redis.is_some()));
+        let options = RunOptions {
+            checkpoints: Some(CheckpointStore::new(&dir)),
+            checkpoint_every: 3,
+            ..RunOptions::default()
+        };
+        let crash = Faults {
+            crash_after: Some(11),
+            ..Faults::none()
+        };
+        assert!(run_on(redis.as_ref(), "resume", 2, &options, &crash).is_err());
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        assert_eq!(files.len(), 3, "keeps the last three: {files:?}");
+
+        // Corrupt the newest checkpoint: resume falls back to the previous one.
+        let newest = files.last().unwrap();
+        let mut bytes = std::fs::read(newest).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0xFF;
+        std::fs::write(newest, bytes).unwrap();
+
+        let resume = RunOptions {
+            resume: true,
+            ..options.clone()
+        };
+        let summary = run_on(redis.as_ref(), "resume", 2, &resume, &Faults::none()).unwrap();
+        assert_eq!(encode(&summary.stats), clean);
+        assert_eq!(
+            summary.resumed, 6,
+            "resumed from the checkpoint after 6 batches"
+        );
+        assert!(
+            summary.warnings.iter().any(|w| w.contains("falling back")),
+            "{:?}",
+            summary.warnings
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn a_checkpoint_of_another_recipe_is_refused() {
+    let (target, job, plan) = setup();
+    let dir = temp_dir("foreign");
     let options = RunOptions {
         checkpoints: Some(CheckpointStore::new(&dir)),
-        checkpoint_every: 3,
+        resume: true,
         ..RunOptions::default()
     };
-    let mut crashing = Faulty::new(&inner);
-    crashing.crash_after = Some(11);
-    assert!(run(&job, &plan, &crashing, &options, &mut |_| {}).is_err());
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    assert_eq!(files.len(), 3, "keeps the last three: {files:?}");
-
-    // Corrupt the newest checkpoint: resume falls back to the previous one.
-    let newest = files.last().unwrap();
-    let mut bytes = std::fs::read(newest).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0xFF;
-    std::fs::write(newest, bytes).unwrap();
-
-    let resume = RunOptions {
-        resume: true,
-        ..options.clone()
-    };
-    let summary = run(&job, &plan, &inner, &resume, &mut |_| {}).unwrap();
-    assert_eq!(encode(&summary.stats), clean);
-    assert_eq!(
-        summary.resumed, 6,
-        "resumed from the checkpoint after 6 batches"
-    );
-    assert!(
-        summary.warnings.iter().any(|w| w.contains("falling back")),
-        "{:?}",
-        summary.warnings
-    );
-
-    // A checkpoint of another recipe is refused.
+    let embedded = Embedded::new(target.clone(), job.clone(), 2);
+    run(
+        &job,
+        &plan,
+        &embedded,
+        &RunOptions {
+            resume: false,
+            ..options.clone()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
     let other = Job {
         recipe: Recipe {
             seed: 9,
@@ -255,7 +406,7 @@ fn a_crashed_coordinator_resumes_to_identical_bytes_even_past_a_corrupt_checkpoi
         None,
     )
     .unwrap();
-    let err = run(&other, &other_plan, &inner, &resume, &mut |_| {}).unwrap_err();
+    let err = run(&other, &other_plan, &embedded, &options, &mut |_| {}).unwrap_err();
     assert!(
         err.to_string().contains("different model, data or recipe"),
         "{err}"

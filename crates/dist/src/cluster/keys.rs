@@ -1,0 +1,115 @@
+//! Key names of a run.
+
+use crate::error::{Error, Result};
+
+/// The consumer group of the task stream.
+pub(crate) const GROUP: &str = "workers";
+
+/// The run that workers without `--run` join.
+pub(crate) const ACTIVE: &str = "qforge:active";
+
+/// The keys of one run, all sharing the hash tag `{run}`.
+#[derive(Debug, Clone)]
+pub struct RunKeys {
+    run: String,
+}
+
+impl RunKeys {
+    /// Keys of run `run`. Run names are 1–64 characters of `[A-Za-z0-9._-]`
+    /// (braces would break the hash tag).
+    pub fn new(run: &str) -> Result<Self> {
+        let valid = !run.is_empty()
+            && run.len() <= 64
+            && run
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !valid {
+            return Err(Error::Cluster(format!(
+                "invalid run name {run:?}: use 1-64 characters of letters, digits, '.', '_' and '-'"
+            )));
+        }
+        Ok(Self {
+            run: run.to_owned(),
+        })
+    }
+
+    /// The run's name.
+    pub fn run(&self) -> &str {
+        &self.run
+    }
+
+    fn key(&self, suffix: &str) -> String {
+        format!("qforge:{{{}}}:{suffix}", self.run)
+    }
+
+    pub(crate) fn spec(&self) -> String {
+        self.key("spec")
+    }
+    pub(crate) fn state(&self) -> String {
+        self.key("state")
+    }
+    pub(crate) fn coordinator(&self) -> String {
+        self.key("coordinator")
+    }
+    pub(crate) fn tasks(&self) -> String {
+        self.key("tasks")
+    }
+    pub(crate) fn results(&self) -> String {
+        self.key("results")
+    }
+    pub(crate) fn heartbeat(&self, worker: &str) -> String {
+        self.key(&format!("hb:{worker}"))
+    }
+    pub(crate) fn workers(&self) -> String {
+        self.key("workers")
+    }
+    pub(crate) fn reference(&self) -> String {
+        self.key("reference")
+    }
+    pub(crate) fn speculative(&self) -> String {
+        self.key("speculative")
+    }
+    pub(crate) fn speculation_claim(&self, entry: &str) -> String {
+        self.key(&format!("spec:{entry}"))
+    }
+
+    /// Keys that describe the run as a whole (not per worker or per entry).
+    pub(crate) fn run_wide(&self) -> [String; 8] {
+        [
+            self.spec(),
+            self.state(),
+            self.coordinator(),
+            self.tasks(),
+            self.results(),
+            self.workers(),
+            self.reference(),
+            self.speculative(),
+        ]
+    }
+}
+
+/// A stream entry id `ms-seq`, ordered as Redis orders them.
+pub(crate) fn entry_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_share_the_hash_tag_and_names_are_checked() {
+        let keys = RunKeys::new("cartpole-7").unwrap();
+        for key in keys.run_wide() {
+            assert!(key.starts_with("qforge:{cartpole-7}:"), "{key}");
+        }
+        assert_eq!(keys.heartbeat("w1"), "qforge:{cartpole-7}:hb:w1");
+        for bad in ["", "a{b}", "has space", &"x".repeat(65)] {
+            assert!(RunKeys::new(bad).is_err(), "{bad:?}");
+        }
+        assert!(entry_id("12-3") < entry_id("12-10"));
+        assert!(entry_id("9-99") < entry_id("10-0"));
+        assert_eq!(entry_id("junk"), None);
+    }
+}

@@ -1,0 +1,50 @@
+//! The Redis backend: a coordinator and any number of worker processes, on
+//! any machines, meeting in a Redis 7 server.
+//!
+//! # Keys
+//!
+//! Every key of run `R` carries the hash tag `{R}`, so a Redis Cluster keeps a
+//! run on one shard and multi-key commands stay legal:
+//!
+//! | key                         | type   | holds                                              |
+//! |-----------------------------|--------|----------------------------------------------------|
+//! | `qforge:active`             | string | the run workers without `--run` join               |
+//! | `qforge:{R}:spec`           | string | the [`RunSpec`] (JSON)                             |
+//! | `qforge:{R}:state`          | string | `running`, `done` or `failed`                      |
+//! | `qforge:{R}:coordinator`    | string | the live coordinator's token (TTL)                 |
+//! | `qforge:{R}:tasks`          | stream | one entry per batch to observe; group `workers`    |
+//! | `qforge:{R}:results`        | stream | `.qstats` bytes (or an error) per observed batch   |
+//! | `qforge:{R}:hb:{worker}`    | string | heartbeat (TTL), naming the task being observed    |
+//! | `qforge:{R}:workers`        | hash   | worker → build, kernel tier, fingerprint, admitted |
+//! | `qforge:{R}:reference`      | string | the fingerprint workers must match                 |
+//! | `qforge:{R}:speculative`    | string | speculative executions started (counter)           |
+//! | `qforge:{R}:spec:{entry}`   | string | who re-executes a task speculatively (TTL)         |
+//!
+//! # Protocol
+//!
+//! The coordinator writes the spec, enqueues one task per pending batch and
+//! reads the results stream, handing every result to the generic coordinator
+//! (which merges each batch id once). A worker reads tasks through the
+//! consumer group, observes, appends the result, then acknowledges the task;
+//! a heartbeat thread refreshes its key every interval. A task pending on a
+//! worker whose heartbeat expired, or whose heartbeat names another task for
+//! longer than the timeout, is claimed (`XCLAIM`) and redone by an idle
+//! worker: liveness comes from the heartbeat, never from how long a task has
+//! been pending, so a live worker on a slow batch keeps it. With the queue
+//! empty, idle workers re-execute the oldest pending tasks speculatively, at
+//! most `(speculation − 1) × planned` times per run. Redis may lose the last
+//! second of writes (AOF `everysec`): the coordinator periodically checks that
+//! every unresolved batch still has a queued or pending task and re-enqueues
+//! the ones that vanished, so a lost write costs a recomputation, never a
+//! missing or doubled batch.
+
+mod keys;
+mod link;
+mod redis_backend;
+mod spec;
+mod worker;
+
+pub use keys::RunKeys;
+pub use redis_backend::{ClusterOptions, RedisBackend};
+pub use spec::{FileRef, RunSpec};
+pub use worker::{Prepared, WorkerOptions, WorkerReport, serve};

@@ -1,0 +1,470 @@
+//! The coordinator's side of the Redis backend.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use qforge_calib::Plan;
+use qforge_core::codec::decode;
+use redis::streams::{
+    StreamId, StreamInfoGroupsReply, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
+};
+
+use super::keys::{ACTIVE, GROUP, RunKeys, entry_id};
+use super::link::Link;
+use super::spec::RunSpec;
+use crate::backend::{Backend, Next, Outcome};
+use crate::error::{Error, Result};
+
+/// How a cluster run is coordinated.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// `redis://[:PASSWORD@]HOST:PORT`.
+    pub url: String,
+    /// Continue the run's results and workers instead of starting clean.
+    pub resume: bool,
+    /// Give up when Redis stays unreachable this long.
+    pub outage_limit: Duration,
+}
+
+/// How often the coordinator checks that no task was lost.
+const RECONCILE_EVERY: Duration = Duration::from_secs(1);
+
+/// What the backend keeps between calls.
+#[derive(Default)]
+struct Bookkeeping {
+    /// The last results entry handed to the coordinator.
+    cursor: Option<String>,
+    /// The reference fingerprint, once a worker has set it.
+    reference: Option<String>,
+    /// Unresolved batches that had no queued or pending task at the last
+    /// reconciliation; re-enqueued if still so at the next one.
+    suspects: BTreeSet<usize>,
+    /// Results dropped, with why.
+    dropped: BTreeMap<String, usize>,
+    /// Tasks re-enqueued after Redis lost them.
+    reenqueued: usize,
+}
+
+/// The coordinator's side of a Redis run. It publishes the spec, enqueues the
+/// pending batches, and turns the results stream into [`Outcome`]s.
+pub struct RedisBackend {
+    link: RefCell<Link>,
+    keys: RunKeys,
+    spec: RunSpec,
+    token: String,
+    alive: Cell<usize>,
+    book: RefCell<Bookkeeping>,
+}
+
+impl RedisBackend {
+    /// Connects, takes the coordinator role of `spec.run` (waiting out a
+    /// crashed predecessor's lease) and publishes the spec. Unless resuming,
+    /// whatever an earlier run of that name left is cleared.
+    pub fn open(spec: RunSpec, options: &ClusterOptions) -> Result<Self> {
+        let keys = RunKeys::new(&spec.run)?;
+        let mut link = Link::open(&options.url, options.outage_limit)?;
+        let token = format!("{}-{}", std::process::id(), now_ms());
+        let lease = spec.heartbeat_timeout_ms;
+        let waited = Instant::now();
+        loop {
+            let took: Option<String> = link.call(|c| {
+                redis::cmd("SET")
+                    .arg(keys.coordinator())
+                    .arg(&token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(lease)
+                    .query(c)
+            })?;
+            if took.is_some() {
+                break;
+            }
+            if waited.elapsed() > Duration::from_millis(2 * lease + 500) {
+                return Err(Error::Cluster(format!(
+                    "run {} already has a live coordinator; give this one another --run name",
+                    spec.run
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let existing: Option<String> =
+            link.call(|c| redis::cmd("GET").arg(keys.spec()).query(c))?;
+        if options.resume {
+            if let Some(json) = existing {
+                let previous: RunSpec = serde_json::from_str(&json).map_err(|e| {
+                    Error::Cluster(format!("run {} holds an unreadable spec: {e}", spec.run))
+                })?;
+                if !previous.same_job(&spec) {
+                    return Err(Error::Cluster(format!(
+                        "run {} in Redis is a different calibration (model, data or recipe); resume it with the same inputs or pick another --run",
+                        spec.run
+                    )));
+                }
+            }
+        } else {
+            let stale = keys.run_wide();
+            link.call(|c| redis::cmd("DEL").arg(&stale[..]).query::<i64>(c))?;
+            link.call(|c| {
+                redis::cmd("SET")
+                    .arg(keys.coordinator())
+                    .arg(&token)
+                    .arg("PX")
+                    .arg(lease)
+                    .query::<()>(c)
+            })?;
+        }
+        let json = serde_json::to_string(&spec).expect("a spec serializes");
+        link.call(|c| {
+            redis::pipe()
+                .atomic()
+                .cmd("SET")
+                .arg(keys.spec())
+                .arg(&json)
+                .ignore()
+                .cmd("SET")
+                .arg(keys.state())
+                .arg("running")
+                .ignore()
+                .cmd("SET")
+                .arg(ACTIVE)
+                .arg(keys.run())
+                .ignore()
+                .query::<()>(c)
+        })?;
+        Ok(Self {
+            link: RefCell::new(link),
+            keys,
+            spec,
+            token,
+            alive: Cell::new(0),
+            book: RefCell::new(Bookkeeping::default()),
+        })
+    }
+
+    /// The run's keys.
+    pub fn keys(&self) -> &RunKeys {
+        &self.keys
+    }
+
+    /// Marks the run finished (`done` or `failed`) so workers leave, releases
+    /// the coordinator lease and lets the run's keys expire after a day.
+    pub fn finish(&self, succeeded: bool) -> Result<()> {
+        let mut link = self.link.borrow_mut();
+        let keys = &self.keys;
+        link.call(|c| {
+            let mut pipe = redis::pipe();
+            pipe.atomic()
+                .cmd("SET")
+                .arg(keys.state())
+                .arg(if succeeded { "done" } else { "failed" })
+                .ignore()
+                .cmd("DEL")
+                .arg(keys.coordinator())
+                .ignore();
+            for key in keys.run_wide() {
+                pipe.cmd("EXPIRE").arg(key).arg(24 * 3600).ignore();
+            }
+            pipe.query::<()>(c)
+        })?;
+        // Only clear the active pointer if it still names this run.
+        let active: Option<String> = link.call(|c| redis::cmd("GET").arg(ACTIVE).query(c))?;
+        if active.as_deref() == Some(keys.run()) {
+            link.call(|c| redis::cmd("DEL").arg(ACTIVE).query::<i64>(c))?;
+        }
+        Ok(())
+    }
+
+    fn enqueue(&self, link: &mut Link, plan: &Plan, batches: &[usize]) -> Result<()> {
+        for chunk in batches.chunks(512) {
+            link.call(|c| {
+                let mut pipe = redis::pipe();
+                for &b in chunk {
+                    pipe.cmd("XADD")
+                        .arg(self.keys.tasks())
+                        .arg("*")
+                        .arg("batch")
+                        .arg(b)
+                        .arg("id")
+                        .arg(plan.batches[b].id.to_string())
+                        .ignore();
+                }
+                pipe.query::<()>(c)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// A fresh task stream and group holding exactly the pending batches.
+    fn reset_tasks(&self, link: &mut Link, plan: &Plan, pending: &[usize]) -> Result<()> {
+        let tasks = self.keys.tasks();
+        link.call(|c| redis::cmd("DEL").arg(&tasks).query::<i64>(c))?;
+        self.create_group(link)?;
+        self.enqueue(link, plan, pending)
+    }
+
+    fn create_group(&self, link: &mut Link) -> Result<()> {
+        let tasks = self.keys.tasks();
+        link.call(|c| {
+            match redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(&tasks)
+                .arg(GROUP)
+                .arg("0")
+                .arg("MKSTREAM")
+                .query::<()>(c)
+            {
+                Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+                other => other,
+            }
+        })
+    }
+
+    /// Re-enqueues unresolved batches that have neither a queued nor a
+    /// pending task two checks in a row (Redis lost the task, or a result
+    /// and its acknowledgement).
+    fn reconcile(&self, link: &mut Link, plan: &Plan, open: &BTreeSet<usize>) -> Result<()> {
+        let tasks = self.keys.tasks();
+        let groups: Option<StreamInfoGroupsReply> =
+            link.call(
+                |c| match redis::cmd("XINFO").arg("GROUPS").arg(&tasks).query(c) {
+                    Ok(reply) => Ok(Some(reply)),
+                    Err(e) if e.to_string().contains("no such key") => Ok(None),
+                    Err(e) => Err(e),
+                },
+            )?;
+        let last_delivered = groups
+            .and_then(|g| g.groups.into_iter().find(|g| g.name == GROUP))
+            .map(|g| g.last_delivered_id);
+        let Some(last_delivered) = last_delivered else {
+            // Redis lost the stream or the group: recreate, re-enqueue all.
+            self.create_group(link)?;
+            let all: Vec<usize> = open.iter().copied().collect();
+            self.enqueue(link, plan, &all)?;
+            self.book.borrow_mut().reenqueued += all.len();
+            return Ok(());
+        };
+        let entries: StreamRangeReply =
+            link.call(|c| redis::cmd("XRANGE").arg(&tasks).arg("-").arg("+").query(c))?;
+        let pending: StreamPendingCountReply = link.call(|c| {
+            redis::cmd("XPENDING")
+                .arg(&tasks)
+                .arg(GROUP)
+                .arg("-")
+                .arg("+")
+                .arg(entries.ids.len().max(1))
+                .query(c)
+        })?;
+        let pending: BTreeSet<&str> = pending.ids.iter().map(|p| p.id.as_str()).collect();
+        let delivered_up_to = entry_id(&last_delivered);
+        let covered: BTreeSet<usize> = entries
+            .ids
+            .iter()
+            .filter(|e| entry_id(&e.id) > delivered_up_to || pending.contains(e.id.as_str()))
+            .filter_map(|e| e.get::<usize>("batch"))
+            .collect();
+        let uncovered: BTreeSet<usize> = open.difference(&covered).copied().collect();
+        let mut book = self.book.borrow_mut();
+        let lost: Vec<usize> = uncovered.intersection(&book.suspects).copied().collect();
+        book.suspects = uncovered.difference(&book.suspects).copied().collect();
+        if !lost.is_empty() {
+            book.reenqueued += lost.len();
+            drop(book);
+            self.enqueue(link, plan, &lost)?;
+        }
+        Ok(())
+    }
+
+    /// Workers whose heartbeat key is alive.
+    fn count_alive(&self, link: &mut Link) -> Result<usize> {
+        let names: Vec<String> =
+            link.call(|c| redis::cmd("HKEYS").arg(self.keys.workers()).query(c))?;
+        if names.is_empty() {
+            return Ok(0);
+        }
+        let beats: Vec<String> = names.iter().map(|n| self.keys.heartbeat(n)).collect();
+        link.call(|c| redis::cmd("EXISTS").arg(&beats[..]).query(c))
+    }
+
+    /// Turns a results entry into an outcome; `None` (with the reason
+    /// counted) for one that must not reach the merge.
+    fn outcome(&self, link: &mut Link, plan: &Plan, entry: &StreamId) -> Result<Option<Outcome>> {
+        let text = |field: &str| entry.get::<String>(field).unwrap_or_default();
+        let batch = entry.get::<usize>("batch");
+        let worker = text("worker");
+        let drop_as = |why: &str| {
+            *self
+                .book
+                .borrow_mut()
+                .dropped
+                .entry(why.to_owned())
+                .or_default() += 1;
+            Ok(None)
+        };
+        let Some(batch) = batch.filter(|&b| b < plan.batches.len()) else {
+            return drop_as("names no batch of this plan");
+        };
+        if text("id") != plan.batches[batch].id.to_string() {
+            return drop_as("has a batch id that differs from the plan's");
+        }
+        if let Some(error) = entry.get::<String>("error") {
+            return Ok(Some(Outcome::Failed {
+                batch,
+                worker,
+                error,
+            }));
+        }
+        if self.book.borrow().reference.is_none() {
+            let reference: Option<String> =
+                link.call(|c| redis::cmd("GET").arg(self.keys.reference()).query(c))?;
+            self.book.borrow_mut().reference = reference;
+        }
+        let mixed = self.book.borrow().reference.as_deref() != Some(text("fingerprint").as_str());
+        if mixed && !self.spec.allow_mixed_hardware {
+            return drop_as("came from a worker whose determinism fingerprint differs");
+        }
+        let Some(bytes) = entry.get::<Vec<u8>>("stats") else {
+            return drop_as("carries neither statistics nor an error");
+        };
+        let mut stats = match decode(&bytes) {
+            Ok(stats) => stats,
+            Err(e) => {
+                return Ok(Some(Outcome::Failed {
+                    batch,
+                    worker,
+                    error: format!("the result does not decode: {e}"),
+                }));
+            }
+        };
+        stats.provenance.mixed_hardware |= mixed;
+        Ok(Some(Outcome::Done {
+            batch,
+            stats: Box::new(stats),
+            worker,
+            elapsed: Duration::from_micros(entry.get::<u64>("elapsed_us").unwrap_or(0)),
+            speculative: text("speculative") == "1",
+        }))
+    }
+}
+
+impl Backend for RedisBackend {
+    fn workers(&self) -> usize {
+        self.alive.get()
+    }
+
+    fn run(
+        &self,
+        plan: &Plan,
+        pending: &[usize],
+        on_outcome: &mut dyn FnMut(Outcome) -> Result<Next>,
+    ) -> Result<()> {
+        let mut link = self.link.borrow_mut();
+        self.reset_tasks(&mut link, plan, pending)?;
+        let results = self.keys.results();
+        let mut open: BTreeSet<usize> = pending.iter().copied().collect();
+        // From the start of the stream: a resumed coordinator also merges what
+        // workers finished while it was down (duplicates of the checkpoint
+        // are dropped by the merge).
+        let mut cursor = self
+            .book
+            .borrow()
+            .cursor
+            .clone()
+            .unwrap_or_else(|| "0-0".into());
+        let mut housekeeping = Instant::now() - RECONCILE_EVERY;
+        let lease = self.spec.heartbeat_timeout_ms;
+        loop {
+            if housekeeping.elapsed() >= RECONCILE_EVERY {
+                housekeeping = Instant::now();
+                let token = &self.token;
+                let held: Option<String> = link.call(|c| {
+                    redis::cmd("SET")
+                        .arg(self.keys.coordinator())
+                        .arg(token)
+                        .arg("PX")
+                        .arg(lease)
+                        .arg("GET")
+                        .query(c)
+                })?;
+                if held.as_deref().is_some_and(|h| h != token) {
+                    return Err(Error::Cluster(format!(
+                        "another coordinator took over run {}; this one stops",
+                        self.keys.run()
+                    )));
+                }
+                self.alive.set(self.count_alive(&mut link)?);
+                self.reconcile(&mut link, plan, &open)?;
+            }
+            let reply: Option<StreamReadReply> = link.call(|c| {
+                redis::cmd("XREAD")
+                    .arg("COUNT")
+                    .arg(16)
+                    .arg("BLOCK")
+                    .arg(250)
+                    .arg("STREAMS")
+                    .arg(&results)
+                    .arg(&cursor)
+                    .query(c)
+            })?;
+            let entries = reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids);
+            for entry in entries {
+                cursor = entry.id.clone();
+                self.book.borrow_mut().cursor = Some(cursor.clone());
+                let Some(outcome) = self.outcome(&mut link, plan, &entry)? else {
+                    continue;
+                };
+                let batch = match &outcome {
+                    Outcome::Done { batch, .. } | Outcome::Failed { batch, .. } => *batch,
+                };
+                drop(link);
+                let next = on_outcome(outcome);
+                link = self.link.borrow_mut();
+                match next? {
+                    Next::Continue => {
+                        open.remove(&batch);
+                    }
+                    Next::Retry(b) => self.enqueue(&mut link, plan, &[b])?,
+                    Next::Stop => return Ok(()),
+                }
+            }
+        }
+    }
+
+    fn committed(&self) -> Result<()> {
+        let Some((ms, seq)) = self.book.borrow().cursor.as_deref().and_then(entry_id) else {
+            return Ok(());
+        };
+        // XTRIM MINID drops entries below the id: everything up to the cursor.
+        let min_id = format!("{ms}-{}", seq + 1);
+        self.link.borrow_mut().call(|c| {
+            redis::cmd("XTRIM")
+                .arg(self.keys.results())
+                .arg("MINID")
+                .arg(&min_id)
+                .query::<i64>(c)
+        })?;
+        Ok(())
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        let book = self.book.borrow();
+        let mut warnings: Vec<String> = book
+            .dropped
+            .iter()
+            .map(|(why, n)| format!("dropped {n} result(s) that {why}"))
+            .collect();
+        if book.reenqueued > 0 {
+            warnings.push(format!(
+                "re-enqueued {} task(s) that Redis lost (a restart without the last writes); they were recomputed",
+                book.reenqueued
+            ));
+        }
+        warnings
+    }
+}
+
+fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}

@@ -1,0 +1,590 @@
+//! The worker's side of the Redis backend: `qforge worker`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use qforge_calib::{Job, Plan, Target, observe_batch};
+use qforge_core::codec::encode;
+use redis::streams::{
+    StreamClaimReply, StreamId, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
+};
+use serde_json::json;
+
+use super::keys::{ACTIVE, GROUP, RunKeys};
+use super::link::Link;
+use super::spec::RunSpec;
+use crate::error::{Error, Result};
+
+/// A task delivered this many times to workers that all died is reported as
+/// failed instead of being handed out again (the coordinator then retries or
+/// quarantines it like any failure).
+const MAX_DELIVERIES: usize = 3;
+
+/// What a worker loads for a run: the model, the job and the plan.
+pub struct Prepared {
+    /// The model to observe.
+    pub target: Target,
+    /// The job, whose hashes must match the spec's.
+    pub job: Job,
+    /// The plan, whose digest must match the spec's.
+    pub plan: Plan,
+}
+
+/// How a worker behaves.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// `redis://[:PASSWORD@]HOST:PORT`.
+    pub url: String,
+    /// Join this run; `None`: whichever run is active.
+    pub run: Option<String>,
+    /// This worker's name (unique in the run).
+    pub name: String,
+    /// Keep serving runs after one finishes.
+    pub forever: bool,
+    /// How long to wait for a run to appear.
+    pub wait: Duration,
+    /// Give up when Redis stays unreachable this long.
+    pub outage_limit: Duration,
+    /// Build identity reported on joining.
+    pub build: String,
+}
+
+/// What a worker did.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerReport {
+    /// Runs served.
+    pub runs: usize,
+    /// Batches observed (including speculative and reclaimed ones).
+    pub batches: usize,
+    /// Of which speculative re-executions.
+    pub speculative: usize,
+    /// Of which taken over from dead workers.
+    pub reclaimed: usize,
+    /// Batches whose observation failed.
+    pub failed: usize,
+}
+
+/// Serves runs until the one joined finishes (or, with `forever`, until an
+/// error). `prepare` loads the model and plans the data a spec names; `log`
+/// receives one line per notable event.
+pub fn serve(
+    options: &WorkerOptions,
+    prepare: &mut dyn FnMut(&RunSpec) -> std::result::Result<Prepared, String>,
+    log: &mut dyn FnMut(&str),
+) -> Result<WorkerReport> {
+    let mut link = Link::open(&options.url, options.outage_limit)?;
+    let mut report = WorkerReport::default();
+    let mut finished: Option<String> = None;
+    loop {
+        let Some(spec) = wait_for_run(&mut link, options, finished.as_deref(), log)? else {
+            return Ok(report);
+        };
+        let run = spec.run.clone();
+        let prepared =
+            prepare(&spec).map_err(|e| Error::Cluster(format!("cannot load run {run}: {e}")))?;
+        let mut session = Session::join(options, spec, prepared, log)?;
+        session.serve(&mut link, &mut report, log)?;
+        report.runs += 1;
+        if !options.forever {
+            return Ok(report);
+        }
+        finished = Some(run);
+    }
+}
+
+/// Waits for a running run: the named one, or the active one (not `skip`,
+/// the run just served). `None` when a named run is already over.
+fn wait_for_run(
+    link: &mut Link,
+    options: &WorkerOptions,
+    skip: Option<&str>,
+    log: &mut dyn FnMut(&str),
+) -> Result<Option<RunSpec>> {
+    let started = Instant::now();
+    let mut announced = false;
+    loop {
+        let run = match &options.run {
+            Some(run) => Some(run.clone()),
+            None => link
+                .call(|c| redis::cmd("GET").arg(ACTIVE).query::<Option<String>>(c))?
+                .filter(|r| Some(r.as_str()) != skip),
+        };
+        if let Some(run) = run {
+            let keys = RunKeys::new(&run)?;
+            let (spec, state): (Option<String>, Option<String>) = link.call(|c| {
+                redis::pipe()
+                    .cmd("GET")
+                    .arg(keys.spec())
+                    .cmd("GET")
+                    .arg(keys.state())
+                    .query(c)
+            })?;
+            match (spec, state.as_deref()) {
+                (Some(json), Some("running")) => {
+                    let spec: RunSpec = serde_json::from_str(&json).map_err(|e| {
+                        Error::Cluster(format!(
+                            "run {run} has a spec this build cannot read ({e}); use the coordinator's qforge version"
+                        ))
+                    })?;
+                    if spec.format != RunSpec::FORMAT || spec.version != RunSpec::VERSION {
+                        return Err(Error::Cluster(format!(
+                            "run {run} uses spec {} v{}; this build reads {} v{}",
+                            spec.format,
+                            spec.version,
+                            RunSpec::FORMAT,
+                            RunSpec::VERSION
+                        )));
+                    }
+                    return Ok(Some(spec));
+                }
+                (Some(_), Some(state)) if options.run.is_some() && !options.forever => {
+                    log(&format!("run {run} is {state}; nothing to do"));
+                    return Ok(None);
+                }
+                _ => {}
+            }
+        }
+        if started.elapsed() >= options.wait {
+            return Err(Error::Cluster(format!(
+                "no {} appeared within {:.0} s; start `qforge calibrate --cluster …` or raise --wait",
+                options
+                    .run
+                    .as_ref()
+                    .map_or("active run".to_owned(), |r| format!("running run {r}")),
+                options.wait.as_secs_f64()
+            )));
+        }
+        if !announced {
+            log("waiting for a run");
+            announced = true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// One worker in one run.
+struct Session {
+    keys: RunKeys,
+    spec: RunSpec,
+    prepared: Prepared,
+    name: String,
+    fingerprint: String,
+    url: String,
+    outage_limit: Duration,
+}
+
+/// Shared with the heartbeat thread: the task being observed ("-" when idle).
+type Current = Arc<Mutex<String>>;
+
+impl Session {
+    fn join(
+        options: &WorkerOptions,
+        spec: RunSpec,
+        prepared: Prepared,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Self> {
+        let run = spec.run.clone();
+        let mismatch = |what: &str, found: String, expected: &str| {
+            Error::Cluster(format!(
+                "run {run}: this worker's {what} has sha256 {found} but the run expects {expected}; \
+                 every worker must reach the same files (a shared filesystem)"
+            ))
+        };
+        let job = &prepared.job;
+        if job.model.to_hex() != spec.model.sha256 {
+            return Err(mismatch("model", job.model.to_hex(), &spec.model.sha256));
+        }
+        if job.data.to_hex() != spec.data.sha256 {
+            return Err(mismatch("data", job.data.to_hex(), &spec.data.sha256));
+        }
+        if prepared.plan.digest().to_hex() != spec.plan_sha256
+            || job.planned != spec.planned
+            || job.recipe != spec.recipe
+        {
+            return Err(Error::Cluster(format!(
+                "run {run}: this worker planned different batches than the coordinator; use the same qforge build"
+            )));
+        }
+        let fingerprint = prepared.target.fingerprint()?.to_hex();
+        log(&format!(
+            "joining run {run} as {} (fingerprint {})",
+            options.name,
+            &fingerprint[..16]
+        ));
+        Ok(Self {
+            keys: RunKeys::new(&run)?,
+            spec,
+            prepared,
+            name: options.name.clone(),
+            fingerprint,
+            url: options.url.clone(),
+            outage_limit: options.outage_limit,
+        })
+    }
+
+    /// Registers, checks admission, then observes tasks until the run ends.
+    fn serve(
+        &mut self,
+        link: &mut Link,
+        report: &mut WorkerReport,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        let keys = &self.keys;
+        let fingerprint = &self.fingerprint;
+        let reference: String = link.call(|c| {
+            redis::pipe()
+                .cmd("SET")
+                .arg(keys.reference())
+                .arg(fingerprint)
+                .arg("NX")
+                .ignore()
+                .cmd("GET")
+                .arg(keys.reference())
+                .query::<(String,)>(c)
+                .map(|(r,)| r)
+        })?;
+        let matches = &reference == fingerprint;
+        let admitted = matches || self.spec.allow_mixed_hardware;
+        let record = json!({
+            "build": crate::BUILD,
+            "kernel_tier": format!("{:?}", qforge_core::ObserveTier::detect()).to_lowercase(),
+            "fingerprint": fingerprint,
+            "host": hostname(),
+            "pid": std::process::id(),
+            "admitted": admitted,
+        })
+        .to_string();
+        link.call(|c| {
+            redis::cmd("HSET")
+                .arg(keys.workers())
+                .arg(&self.name)
+                .arg(&record)
+                .query::<i64>(c)
+        })?;
+        if !admitted {
+            return Err(Error::Refused(format!(
+                "this worker's determinism fingerprint {} differs from the run's {}: its forward pass \
+                 computes different activations (another build or CPU), which would break byte-identical \
+                 statistics; run workers on matching machines, or start the coordinator with \
+                 --allow-mixed-hardware to accept results exact only up to forward-pass rounding",
+                &fingerprint[..16],
+                &reference[..16.min(reference.len())]
+            )));
+        }
+        if !matches {
+            log("fingerprint differs from the run's reference; admitted (--allow-mixed-hardware)");
+        }
+
+        let current: Current = Arc::new(Mutex::new("-".into()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let heartbeat = self.start_heartbeat(current.clone(), stop.clone())?;
+        let served = self.work(link, &current, report);
+        stop.store(true, Ordering::Relaxed);
+        let _ = heartbeat.join();
+        let _ = link.call(|c| {
+            redis::cmd("DEL")
+                .arg(self.keys.heartbeat(&self.name))
+                .query::<i64>(c)
+        });
+        served?;
+        log(&format!(
+            "run {} finished; this worker observed {} batch(es) ({} speculative, {} reclaimed)",
+            self.spec.run, report.batches, report.speculative, report.reclaimed
+        ));
+        Ok(())
+    }
+
+    fn start_heartbeat(
+        &self,
+        current: Current,
+        stop: Arc<AtomicBool>,
+    ) -> Result<std::thread::JoinHandle<()>> {
+        let mut link = Link::open(&self.url, self.outage_limit)?;
+        let key = self.keys.heartbeat(&self.name);
+        let interval = Duration::from_millis(self.spec.heartbeat_ms);
+        let ttl = self.spec.heartbeat_timeout_ms;
+        let beat = move |link: &mut Link, value: &str| {
+            link.call(|c| {
+                redis::cmd("SET")
+                    .arg(&key)
+                    .arg(value)
+                    .arg("PX")
+                    .arg(ttl)
+                    .query::<()>(c)
+            })
+        };
+        beat(&mut link, "-")?;
+        Ok(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let value = current.lock().map(|v| v.clone()).unwrap_or_default();
+                if beat(&mut link, &value).is_err() {
+                    // Redis is gone past the outage limit: the main loop will
+                    // report it; stop beating so the worker reads as dead.
+                    return;
+                }
+                let until = Instant::now() + interval;
+                while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(20).min(interval));
+                }
+            }
+        }))
+    }
+
+    fn work(&self, link: &mut Link, current: &Current, report: &mut WorkerReport) -> Result<()> {
+        let mut last_state_check = Instant::now();
+        loop {
+            if last_state_check.elapsed() >= Duration::from_millis(250) {
+                last_state_check = Instant::now();
+                let state: Option<String> =
+                    link.call(|c| redis::cmd("GET").arg(self.keys.state()).query(c))?;
+                if state.as_deref() != Some("running") {
+                    return Ok(());
+                }
+            }
+            if let Some(entry) = self.next_task(link)? {
+                self.execute(link, current, &entry, false, report)?;
+            } else if let Some(entry) = self.reclaim(link, report)? {
+                report.reclaimed += 1;
+                self.execute(link, current, &entry, false, report)?;
+            } else if let Some(entry) = self.speculate(link)? {
+                report.speculative += 1;
+                self.execute(link, current, &entry, true, report)?;
+            }
+        }
+    }
+
+    /// The next undelivered task, waiting briefly for one.
+    fn next_task(&self, link: &mut Link) -> Result<Option<StreamId>> {
+        let reply: Option<StreamReadReply> = link.call(|c| {
+            match redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(GROUP)
+                .arg(&self.name)
+                .arg("COUNT")
+                .arg(1)
+                .arg("BLOCK")
+                .arg(200)
+                .arg("STREAMS")
+                .arg(self.keys.tasks())
+                .arg(">")
+                .query(c)
+            {
+                // The coordinator is (re)creating the task stream.
+                Err(e) if e.code() == Some("NOGROUP") => {
+                    std::thread::sleep(Duration::from_millis(100));
+                    Ok(None)
+                }
+                other => other,
+            }
+        })?;
+        Ok(reply
+            .into_iter()
+            .flat_map(|r| r.keys)
+            .flat_map(|k| k.ids)
+            .next())
+    }
+
+    /// Takes over a task whose worker is dead: its heartbeat expired, or
+    /// names another task while this one has been pending past the timeout.
+    fn reclaim(&self, link: &mut Link, report: &mut WorkerReport) -> Result<Option<StreamId>> {
+        let timeout = self.spec.heartbeat_timeout_ms;
+        let tasks = self.keys.tasks();
+        let stale: StreamPendingCountReply = link.call(|c| {
+            match redis::cmd("XPENDING")
+                .arg(&tasks)
+                .arg(GROUP)
+                .arg("IDLE")
+                .arg(timeout)
+                .arg("-")
+                .arg("+")
+                .arg(32)
+                .query(c)
+            {
+                Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
+                other => other,
+            }
+        })?;
+        for pending in stale.ids {
+            let beat: Option<String> = link.call(|c| {
+                redis::cmd("GET")
+                    .arg(self.keys.heartbeat(&pending.consumer))
+                    .query(c)
+            })?;
+            if beat.as_deref() == Some(pending.id.as_str()) {
+                continue; // alive and still on it
+            }
+            // XCLAIM with the idle floor: of several idle workers, one wins.
+            let claimed: StreamClaimReply = link.call(|c| {
+                redis::cmd("XCLAIM")
+                    .arg(&tasks)
+                    .arg(GROUP)
+                    .arg(&self.name)
+                    .arg(timeout)
+                    .arg(&pending.id)
+                    .query(c)
+            })?;
+            let Some(entry) = claimed.ids.into_iter().next() else {
+                continue;
+            };
+            if pending.times_delivered >= MAX_DELIVERIES {
+                self.publish(
+                    link,
+                    &entry,
+                    Err(format!(
+                        "{} workers died while observing it (out of memory? a crash in the forward?)",
+                        pending.times_delivered
+                    )),
+                    Duration::ZERO,
+                    false,
+                )?;
+                report.failed += 1;
+                continue;
+            }
+            return Ok(Some(entry));
+        }
+        Ok(None)
+    }
+
+    /// Picks the oldest task another (live) worker still holds, if the run's
+    /// speculation budget allows one more execution and nobody else
+    /// speculates on it.
+    fn speculate(&self, link: &mut Link) -> Result<Option<StreamId>> {
+        let tasks = self.keys.tasks();
+        let oldest: StreamPendingCountReply = link.call(|c| {
+            match redis::cmd("XPENDING")
+                .arg(&tasks)
+                .arg(GROUP)
+                .arg("-")
+                .arg("+")
+                .arg(8)
+                .query(c)
+            {
+                Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
+                other => other,
+            }
+        })?;
+        for pending in oldest.ids {
+            if pending.consumer == self.name {
+                continue;
+            }
+            let mine: Option<String> = link.call(|c| {
+                redis::cmd("SET")
+                    .arg(self.keys.speculation_claim(&pending.id))
+                    .arg(&self.name)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(3_600_000)
+                    .query(c)
+            })?;
+            if mine.is_none() {
+                continue;
+            }
+            let started: u64 =
+                link.call(|c| redis::cmd("INCR").arg(self.keys.speculative()).query(c))?;
+            if started > self.spec.speculation_cap() {
+                return Ok(None);
+            }
+            let range: StreamRangeReply = link.call(|c| {
+                redis::cmd("XRANGE")
+                    .arg(&tasks)
+                    .arg(&pending.id)
+                    .arg(&pending.id)
+                    .query(c)
+            })?;
+            return Ok(range.ids.into_iter().next());
+        }
+        Ok(None)
+    }
+
+    fn execute(
+        &self,
+        link: &mut Link,
+        current: &Current,
+        entry: &StreamId,
+        speculative: bool,
+        report: &mut WorkerReport,
+    ) -> Result<()> {
+        let batches = &self.prepared.plan.batches;
+        let batch = entry.get::<usize>("batch").unwrap_or(usize::MAX);
+        let id = entry.get::<String>("id").unwrap_or_default();
+        if let Ok(mut c) = current.lock() {
+            c.clone_from(&entry.id);
+        }
+        let started = Instant::now();
+        let observed = match batches.get(batch) {
+            Some(planned) if planned.id.to_string() == id => {
+                // A panic in the forward becomes a failed batch.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    observe_batch(&self.prepared.target, planned, &self.prepared.job)
+                }))
+                .map_err(|_| "the forward pass panicked".to_owned())
+                .and_then(|r| r.map_err(|e| e.to_string()))
+                .map(|stats| encode(&stats))
+            }
+            _ => Err(format!(
+                "task names batch {batch} ({id}), which is not in this worker's plan"
+            )),
+        };
+        report.batches += 1;
+        report.failed += usize::from(observed.is_err());
+        self.publish(link, entry, observed, started.elapsed(), speculative)?;
+        if let Ok(mut c) = current.lock() {
+            "-".clone_into(&mut c);
+        }
+        Ok(())
+    }
+
+    /// Appends the result, then acknowledges the task: in this order, a
+    /// crash in between leaves a pending task whose rerun is a duplicate the
+    /// merge drops, never a lost result.
+    fn publish(
+        &self,
+        link: &mut Link,
+        entry: &StreamId,
+        observed: std::result::Result<Vec<u8>, String>,
+        elapsed: Duration,
+        speculative: bool,
+    ) -> Result<()> {
+        let results = self.keys.results();
+        let batch = entry.get::<usize>("batch").unwrap_or(usize::MAX);
+        let id = entry.get::<String>("id").unwrap_or_default();
+        link.call(|c| {
+            let mut add = redis::cmd("XADD");
+            add.arg(&results)
+                .arg("*")
+                .arg("batch")
+                .arg(batch)
+                .arg("id")
+                .arg(&id)
+                .arg("worker")
+                .arg(&self.name)
+                .arg("fingerprint")
+                .arg(&self.fingerprint)
+                .arg("elapsed_us")
+                .arg(elapsed.as_micros() as u64)
+                .arg("speculative")
+                .arg(if speculative { "1" } else { "0" });
+            match &observed {
+                Ok(bytes) => add.arg("stats").arg(&bytes[..]),
+                Err(error) => add.arg("error").arg(error),
+            };
+            add.query::<String>(c)
+        })?;
+        link.call(|c| {
+            redis::cmd("XACK")
+                .arg(self.keys.tasks())
+                .arg(GROUP)
+                .arg(&entry.id)
+                .query::<i64>(c)
+        })?;
+        Ok(())
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "unknown".into())
+}
