@@ -1,14 +1,18 @@
-//! `qforge calibrate`: a calibration pass on the embedded backend.
+//! `qforge calibrate` (a calibration pass, coordinated on worker threads or
+//! on a Redis cluster) and `qforge worker` (a cluster worker).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use qforge_calib::{EpisodeContent, Job, Pass, Recipe, Stratify, Target, load_jsonl, plan};
+use std::time::Duration;
+
+use qforge_calib::{EpisodeContent, Job, Pass, Plan, Recipe, Stratify, Target, load_jsonl, plan};
 use qforge_core::codec::encode;
 use qforge_core::{Digest, DigestBuilder};
-use qforge_dist::{CheckpointStore, Embedded, RunOptions, run};
+use qforge_dist::cluster::{ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, serve};
+use qforge_dist::{Backend, CheckpointStore, Embedded, RunOptions, run};
 use serde_json::json;
 
 use crate::model_cmd::{AnyModel, load_model};
@@ -62,8 +66,14 @@ pub struct CalibrateArgs {
     #[arg(long, value_enum, default_value_t = PassArg::Activation)]
     pass: PassArg,
     /// Worker threads (default: available cores).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cluster")]
     workers: Option<usize>,
+    /// Coordinate the run through Redis (redis://[:PASSWORD@]HOST:PORT):
+    /// batches are observed by `qforge worker` processes on any machines.
+    #[arg(long, value_name = "URL")]
+    cluster: Option<String>,
+    #[command(flatten)]
+    cluster_settings: ClusterSettings,
     /// Write checkpoints under DIR/RUN/.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
@@ -88,6 +98,30 @@ pub struct CalibrateArgs {
     output: OutputPath,
     #[command(flatten)]
     flags: OutputFlags,
+}
+
+/// Settings of a cluster run (ignored by the embedded backend).
+#[derive(Args)]
+struct ClusterSettings {
+    /// Admit workers whose determinism fingerprint differs from the first
+    /// worker's; the statistics are then exact only up to forward-pass rounding
+    /// (and say so).
+    #[arg(long, requires = "cluster")]
+    allow_mixed_hardware: bool,
+    /// Workers heartbeat this often (milliseconds).
+    #[arg(long, default_value_t = 500, value_name = "MS")]
+    heartbeat_ms: u64,
+    /// A worker silent this long is dead and its batch is redone elsewhere
+    /// (milliseconds).
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    heartbeat_timeout_ms: u64,
+    /// Cap on executions, as a multiple of the planned batches: idle workers
+    /// re-run the oldest in-flight batches speculatively up to this bound.
+    #[arg(long, default_value_t = 1.2)]
+    speculation: f64,
+    /// Fail when Redis stays unreachable this long (seconds).
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    outage_limit: f64,
 }
 
 /// SHA-256 over the files that make up a model.
@@ -124,6 +158,64 @@ fn model_digest(path: &Path) -> Result<Digest> {
     Ok(digest.finish())
 }
 
+/// A calibration loaded from its inputs: the same on the coordinator and on
+/// every worker.
+struct Loaded {
+    target: Target,
+    job: Job,
+    plan: Plan,
+}
+
+/// Loads the model and data, and plans the batches of `recipe`.
+fn load(
+    model_path: &Path,
+    data_path: &Path,
+    recipe: &Recipe,
+    skip_invalid: bool,
+) -> Result<Loaded> {
+    let data = load_jsonl(data_path, skip_invalid)?;
+    for (line, reason) in &data.skipped {
+        eprintln!("warning: {}:{line}: skipped: {reason}", data_path.display());
+    }
+    let model = load_model(model_path)?;
+    let plan = match &model {
+        AnyModel::Language(lm) => {
+            let tokenize = |content: &EpisodeContent| -> qforge_calib::Result<Vec<u32>> {
+                let text = match content {
+                    EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
+                    EpisodeContent::Text(text) => text.clone(),
+                    EpisodeContent::PromptCompletion { prompt, completion } => {
+                        lm.chat_text(prompt, completion)?
+                    }
+                };
+                Ok(lm.tokenizer.encode(&text)?)
+            };
+            plan(&data, recipe, Some(&tokenize))?
+        }
+        AnyModel::Policy(_) => plan(&data, recipe, None)?,
+    };
+    let job = Job {
+        model: model_digest(model_path)?,
+        data: data.digest,
+        recipe: recipe.clone(),
+        planned: plan.batches.len() as u64,
+    };
+    let target = match model {
+        AnyModel::Language(lm) => Target::Language(lm.model),
+        AnyModel::Policy(policy) => Target::Policy(policy),
+    };
+    Ok(Loaded { target, job, plan })
+}
+
+/// The absolute form of `path`, as workers on other machines must find it.
+fn absolute(path: &Path) -> Result<String> {
+    let path = std::fs::canonicalize(path)
+        .with_context(|| format!("cannot resolve {}", path.display()))?;
+    path.to_str()
+        .map(str::to_owned)
+        .with_context(|| format!("{} is not valid UTF-8", path.display()))
+}
+
 /// `qforge calibrate`.
 pub fn calibrate(args: CalibrateArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&args.min_coverage) {
@@ -152,43 +244,29 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         },
     };
     recipe.validate().map_err(|e| UsageError(e.to_string()))?;
-    let data = load_jsonl(&args.data, args.skip_invalid)?;
-    for (line, reason) in &data.skipped {
-        eprintln!("warning: {}:{line}: skipped: {reason}", args.data.display());
+    let settings = &args.cluster_settings;
+    if settings.heartbeat_ms == 0 || settings.heartbeat_timeout_ms <= settings.heartbeat_ms {
+        return Err(UsageError(
+            "--heartbeat-timeout-ms must exceed --heartbeat-ms, which must be at least 1".into(),
+        )
+        .into());
     }
-    let model = load_model(&args.model)?;
-    let plan = match &model {
-        AnyModel::Language(lm) => {
-            let tokenize = |content: &EpisodeContent| -> qforge_calib::Result<Vec<u32>> {
-                let text = match content {
-                    EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
-                    EpisodeContent::Text(text) => text.clone(),
-                    EpisodeContent::PromptCompletion { prompt, completion } => {
-                        lm.chat_text(prompt, completion)?
-                    }
-                };
-                Ok(lm.tokenizer.encode(&text)?)
-            };
-            plan(&data, &recipe, Some(&tokenize))?
-        }
-        AnyModel::Policy(_) => plan(&data, &recipe, None)?,
-    };
+    if !(1.0..=2.0).contains(&settings.speculation)
+        || !settings.outage_limit.is_finite()
+        || settings.outage_limit <= 0.0
+    {
+        return Err(UsageError(
+            "--speculation must be in [1, 2] and --outage-limit positive".into(),
+        )
+        .into());
+    }
+    let Loaded { target, job, plan } = load(&args.model, &args.data, &recipe, args.skip_invalid)?;
     if plan.samples < recipe.samples {
         eprintln!(
             "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
             plan.samples, recipe.samples
         );
     }
-    let job = Job {
-        model: model_digest(&args.model)?,
-        data: data.digest,
-        recipe,
-        planned: plan.batches.len() as u64,
-    };
-    let target = match model {
-        AnyModel::Language(lm) => Target::Language(lm.model),
-        AnyModel::Policy(policy) => Target::Policy(policy),
-    };
     let workers = args
         .workers
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -208,7 +286,45 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         resume: args.resume.is_some(),
         min_coverage: args.min_coverage,
     };
-    let backend = Embedded::new(target, job.clone(), workers);
+    let cluster = match &args.cluster {
+        None => None,
+        Some(url) => {
+            let mut spec = RunSpec::new(
+                &run_name,
+                &absolute(&args.model)?,
+                &absolute(&args.data)?,
+                &job,
+                &plan,
+            );
+            spec.skip_invalid = args.skip_invalid;
+            spec.heartbeat_ms = settings.heartbeat_ms;
+            spec.heartbeat_timeout_ms = settings.heartbeat_timeout_ms;
+            spec.allow_mixed_hardware = settings.allow_mixed_hardware;
+            spec.speculation = settings.speculation;
+            let backend = RedisBackend::open(
+                spec,
+                &ClusterOptions {
+                    url: url.clone(),
+                    resume: args.resume.is_some(),
+                    outage_limit: Duration::from_secs_f64(settings.outage_limit),
+                },
+            )?;
+            if !args.flags.json {
+                eprintln!(
+                    "run {run_name} is open: start workers with `qforge worker --cluster URL --run {run_name}`"
+                );
+            }
+            Some(backend)
+        }
+    };
+    let embedded;
+    let backend: &dyn Backend = match &cluster {
+        Some(cluster) => cluster,
+        None => {
+            embedded = Embedded::new(target, job.clone(), workers);
+            &embedded
+        }
+    };
     let bar = if args.flags.json {
         ProgressBar::hidden()
     } else {
@@ -218,16 +334,29 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}")
             .expect("valid template"),
     );
-    let summary = run(&job, &plan, &backend, &options, &mut |p| {
+    let alive = if args.cluster.is_some() { " alive" } else { "" };
+    let summary = run(&job, &plan, backend, &options, &mut |p| {
         bar.set_position(p.merged as u64);
-        bar.set_message(format!("{} workers, {} retries", p.workers, p.retries));
+        bar.set_message(format!(
+            "{} workers{alive}, {} retries",
+            p.workers, p.retries
+        ));
     });
     bar.finish_and_clear();
+    if let Some(cluster) = &cluster {
+        cluster.finish(summary.is_ok())?;
+    }
     let summary = summary?;
     for warning in &summary.warnings {
         eprintln!("warning: {warning}");
     }
     write_atomic(&args.output.output, &encode(&summary.stats))?;
+    // For a cluster: the workers that delivered results.
+    let workers = if cluster.is_some() {
+        summary.workers.len()
+    } else {
+        workers
+    };
     if args.flags.json {
         let workers: serde_json::Map<String, serde_json::Value> = summary
             .workers
@@ -249,12 +378,15 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
             serde_json::to_string_pretty(&json!({
                 "output": args.output.output.display().to_string(),
                 "run": run_name,
+                "backend": if cluster.is_some() { "redis" } else { "embedded" },
                 "planned_batches": summary.planned,
                 "merged_batches": summary.merged,
                 "coverage": summary.coverage,
                 "resumed_batches": summary.resumed,
                 "duplicates": summary.duplicates,
                 "retries": summary.retries,
+                "speculative_executions": summary.speculative,
+                "mixed_hardware": summary.stats.provenance.mixed_hardware,
                 "quarantined": summary.quarantined.iter().map(|(id, e)| json!({"batch": id.to_string(), "error": e})).collect::<Vec<_>>(),
                 "checkpoints_written": summary.checkpoints_written,
                 "samples": plan.samples,
@@ -285,5 +417,75 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
             }
         );
     }
+    Ok(())
+}
+
+/// Arguments of `qforge worker`.
+#[derive(Args)]
+pub struct WorkerArgs {
+    /// The Redis the coordinator uses (redis://[:PASSWORD@]HOST:PORT).
+    #[arg(long, value_name = "URL")]
+    cluster: String,
+    /// Join this run (default: whichever run is active).
+    #[arg(long)]
+    run: Option<String>,
+    /// Keep serving runs after one finishes.
+    #[arg(long)]
+    forever: bool,
+    /// This worker's name, unique in the run (default: HOST-PID).
+    #[arg(long)]
+    name: Option<String>,
+    /// Seconds to wait for a run to start.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    wait: f64,
+    /// Fail when Redis stays unreachable this long (seconds).
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    outage_limit: f64,
+}
+
+/// `qforge worker`.
+pub fn worker(args: WorkerArgs) -> Result<()> {
+    if !(args.wait.is_finite()
+        && args.wait >= 0.0
+        && args.outage_limit.is_finite()
+        && args.outage_limit > 0.0)
+    {
+        return Err(UsageError("--wait must be ≥ 0 and --outage-limit positive".into()).into());
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "worker".into());
+    let options = WorkerOptions {
+        url: args.cluster,
+        run: args.run,
+        name: args
+            .name
+            .unwrap_or_else(|| format!("{host}-{}", std::process::id())),
+        forever: args.forever,
+        wait: Duration::from_secs_f64(args.wait),
+        outage_limit: Duration::from_secs_f64(args.outage_limit),
+    };
+    let mut prepare = |spec: &RunSpec| -> std::result::Result<Prepared, String> {
+        let loaded = load(
+            Path::new(&spec.model.path),
+            Path::new(&spec.data.path),
+            &spec.recipe,
+            spec.skip_invalid,
+        )
+        .map_err(|e| format!("{e:#}"))?;
+        Ok(Prepared {
+            target: loaded.target,
+            job: loaded.job,
+            plan: loaded.plan,
+        })
+    };
+    let name = options.name.clone();
+    let report = serve(&options, &mut prepare, &mut |line| {
+        eprintln!("qforge worker {name}: {line}");
+    })?;
+    eprintln!(
+        "qforge worker {name}: served {} run(s), {} batch(es), {} failed",
+        report.runs, report.batches, report.failed
+    );
     Ok(())
 }

@@ -61,6 +61,9 @@ enum Command {
     /// Run a calibration pass: sample the data, observe every batch on worker
     /// threads, merge the statistics exactly into OUT.qstats.
     Calibrate(calibrate_cmd::CalibrateArgs),
+    /// Serve a cluster calibration: join a run in Redis (the active one, or
+    /// --run NAME), observe its batches, and exit when it is done.
+    Worker(calibrate_cmd::WorkerArgs),
     /// Generate text with a language model (greedy unless --temperature).
     Generate(model_cmd::GenerateArgs),
     /// Evaluate models: perplexity, comparison with a reference, action agreement.
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
         Command::Stats(StatsCommand::Show(args)) => stats_cmd::show(args),
         Command::Demo(args) => demo::run(args),
         Command::Calibrate(args) => calibrate_cmd::calibrate(args),
+        Command::Worker(args) => calibrate_cmd::worker(args),
         Command::Generate(args) => model_cmd::generate(args),
         Command::Eval(command) => model_cmd::eval(command),
         Command::Fingerprint(args) => model_cmd::fingerprint(args),

@@ -107,7 +107,6 @@ fn run_on(
                 forever: false,
                 wait: Duration::from_secs(10),
                 outage_limit: Duration::from_secs(10),
-                build: "test".into(),
             };
             scope.spawn(move || {
                 let mut prepare = |_: &RunSpec| {
@@ -152,7 +151,11 @@ fn any_worker_count_gives_identical_bytes() {
                 summary.workers.values().map(|w| w.merged).sum::<usize>(),
                 19
             );
-            let prefix = if redis.is_some() { "counts-" } else { "embedded-" };
+            let prefix = if redis.is_some() {
+                "counts-"
+            } else {
+                "embedded-"
+            };
             assert!(
                 summary.workers.keys().all(|w| w.starts_with(prefix)),
                 "{:?}",

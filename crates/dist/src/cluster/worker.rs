@@ -46,8 +46,6 @@ pub struct WorkerOptions {
     pub wait: Duration,
     /// Give up when Redis stays unreachable this long.
     pub outage_limit: Duration,
-    /// Build identity reported on joining.
-    pub build: String,
 }
 
 /// What a worker did.
