@@ -330,7 +330,12 @@ impl Session {
     }
 
     fn work(&self, link: &mut Link, current: &Current, report: &mut WorkerReport) -> Result<()> {
+        // Dead workers' tasks are looked for this often even while fresh work
+        // is queued, so a death costs about one timeout, not the queue's
+        // length.
+        let every = Duration::from_millis((self.spec.heartbeat_timeout_ms / 4).clamp(50, 1000));
         let mut last_state_check = Instant::now();
+        let mut last_reclaim = Instant::now();
         loop {
             if last_state_check.elapsed() >= Duration::from_millis(250) {
                 last_state_check = Instant::now();
@@ -338,6 +343,14 @@ impl Session {
                     link.call(|c| redis::cmd("GET").arg(self.keys.state()).query(c))?;
                 if state.as_deref() != Some("running") {
                     return Ok(());
+                }
+            }
+            if last_reclaim.elapsed() >= every {
+                last_reclaim = Instant::now();
+                if let Some(entry) = self.reclaim(link, report)? {
+                    report.reclaimed += 1;
+                    self.execute(link, current, &entry, false, report)?;
+                    continue;
                 }
             }
             if let Some(entry) = self.next_task(link)? {
@@ -369,7 +382,7 @@ impl Session {
                 .query(c)
             {
                 // The coordinator is (re)creating the task stream.
-                Err(e) if e.code() == Some("NOGROUP") => {
+                Err(e) if matches!(e.code(), Some("NOGROUP" | "UNBLOCKED")) => {
                     std::thread::sleep(Duration::from_millis(100));
                     Ok(None)
                 }
@@ -414,13 +427,17 @@ impl Session {
             }
             // XCLAIM with the idle floor: of several idle workers, one wins.
             let claimed: StreamClaimReply = link.call(|c| {
-                redis::cmd("XCLAIM")
+                match redis::cmd("XCLAIM")
                     .arg(&tasks)
                     .arg(GROUP)
                     .arg(&self.name)
                     .arg(timeout)
                     .arg(&pending.id)
                     .query(c)
+                {
+                    Err(e) if e.code() == Some("NOGROUP") => Ok(StreamClaimReply::default()),
+                    other => other,
+                }
             })?;
             let Some(entry) = claimed.ids.into_iter().next() else {
                 continue;
@@ -506,9 +523,7 @@ impl Session {
         let batches = &self.prepared.plan.batches;
         let batch = entry.get::<usize>("batch").unwrap_or(usize::MAX);
         let id = entry.get::<String>("id").unwrap_or_default();
-        if let Ok(mut c) = current.lock() {
-            c.clone_from(&entry.id);
-        }
+        self.announce(link, current, &entry.id)?;
         let started = Instant::now();
         let observed = match batches.get(batch) {
             Some(planned) if planned.id.to_string() == id => {
@@ -527,10 +542,24 @@ impl Session {
         report.batches += 1;
         report.failed += usize::from(observed.is_err());
         self.publish(link, entry, observed, started.elapsed(), speculative)?;
+        self.announce(link, current, "-")
+    }
+
+    /// Names the task being observed ("-": none) in the heartbeat at once,
+    /// not only at the next beat, so the key never claims a finished task
+    /// for long, nor misses a started one.
+    fn announce(&self, link: &mut Link, current: &Current, task: &str) -> Result<()> {
         if let Ok(mut c) = current.lock() {
-            "-".clone_into(&mut c);
+            task.clone_into(&mut c);
         }
-        Ok(())
+        link.call(|c| {
+            redis::cmd("SET")
+                .arg(self.keys.heartbeat(&self.name))
+                .arg(task)
+                .arg("PX")
+                .arg(self.spec.heartbeat_timeout_ms)
+                .query::<()>(c)
+        })
     }
 
     /// Appends the result, then acknowledges the task: in this order, a

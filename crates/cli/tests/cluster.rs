@@ -1,0 +1,427 @@
+//! The Redis backend with real processes: a real `redis-server` on a free
+//! loopback port, `qforge calibrate --cluster` as the coordinator and
+//! `qforge worker` processes, killed and stopped on purpose. The assertion
+//! is always the same: the `.qstats` bytes equal a clean single-worker run.
+//!
+//! The model is a seeded, wide MLP policy written by the test (two 2048-wide
+//! layers; a 64-observation batch takes tens of milliseconds) so that faults
+//! land mid-batch, observed on the CartPole rollouts.
+
+#[path = "../../dist/tests/support/redis_server.rs"]
+mod redis_server;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use redis_server::RedisServer;
+use serde_json::Value;
+
+/// Heartbeat settings of the tests: fast, so deaths are noticed quickly.
+const HEARTBEAT: [&str; 4] = ["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "500"];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn rollouts() -> String {
+    root()
+        .join("fixtures/policies/cartpole/rollouts.jsonl")
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qforge-cluster-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes a policy with two `width`-wide tanh layers and seeded weights.
+fn wide_policy(dir: &Path, width: usize) {
+    std::fs::create_dir_all(dir).unwrap();
+    let config = serde_json::json!({
+        "format": "qforge-mlp-policy", "version": 1, "observation_dim": 4,
+        "hidden": [width, width], "activation": "tanh",
+        "head": {"kind": "discrete", "actions": 2}
+    });
+    std::fs::write(dir.join("policy.json"), config.to_string()).unwrap();
+    let shapes = [
+        ("layers.0.weight", vec![width, 4]),
+        ("layers.0.bias", vec![width]),
+        ("layers.1.weight", vec![width, width]),
+        ("layers.1.bias", vec![width]),
+        ("layers.2.weight", vec![2, width]),
+        ("layers.2.bias", vec![2]),
+    ];
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, shape) in &shapes {
+        let fan_in = *shape.last().unwrap() as f32;
+        let start = data.len();
+        for _ in 0..shape.iter().product::<usize>() {
+            let v: f32 = rng.random_range(-1.0..1.0) / fan_in.sqrt();
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        header.insert(
+            (*name).into(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let header = Value::Object(header).to_string();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header.as_bytes());
+    file.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+}
+
+/// A child process that is killed when dropped (a failing test leaves no
+/// stray workers behind).
+struct Proc(Child);
+
+impl Proc {
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal}");
+    }
+
+    /// Waits for the exit; panics past `limit`.
+    fn wait(&mut self, limit: Duration, what: &str) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what} did not finish within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn finished(&mut self) -> bool {
+        self.0.try_wait().unwrap().is_some()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One calibration setup: the model, the output folder, the reference bytes.
+struct Setup {
+    dir: PathBuf,
+    model: String,
+    reference: Vec<u8>,
+    recipe: Vec<String>,
+}
+
+impl Setup {
+    fn new(name: &str, samples: usize) -> Self {
+        Self::with_width(name, samples, 2048)
+    }
+
+    fn with_width(name: &str, samples: usize, width: usize) -> Self {
+        let dir = temp(name);
+        wide_policy(&dir.join("policy"), width);
+        let model = dir.join("policy").to_string_lossy().into_owned();
+        let recipe = vec![
+            "--samples".to_owned(),
+            samples.to_string(),
+            "--batch-size".to_owned(),
+            "64".to_owned(),
+        ];
+        let mut setup = Self {
+            dir,
+            model,
+            reference: Vec::new(),
+            recipe,
+        };
+        let out = setup.dir.join("reference.qstats");
+        let status = setup.calibrate(&["--workers", "1"], &out).0.wait().unwrap();
+        assert!(status.success());
+        setup.reference = std::fs::read(out).unwrap();
+        setup
+    }
+
+    fn calibrate(&self, extra: &[&str], out: &Path) -> Proc {
+        Proc(
+            Command::new(env!("CARGO_BIN_EXE_qforge"))
+                .args(["calibrate", "--model", &self.model, "--data", &rollouts()])
+                .args(&self.recipe)
+                .args(extra)
+                .args(["--json", "-o", out.to_str().unwrap()])
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        )
+    }
+
+    fn worker(&self, url: &str, run: &str, name: &str) -> Proc {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
+        Proc(
+            Command::new(env!("CARGO_BIN_EXE_qforge"))
+                .args(["worker", "--cluster", url, "--run", run, "--name", name])
+                .args(["--wait", "60"])
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        )
+    }
+
+    /// Waits for the coordinator, checks success, returns its JSON summary
+    /// and whether its output equals the reference.
+    fn finish(&self, mut coordinator: Proc, out: &Path) -> Value {
+        let status = coordinator.wait(Duration::from_secs(240), "the coordinator");
+        let mut stdout = String::new();
+        let mut stderr = String::new();
+        use std::io::Read;
+        coordinator
+            .0
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut stdout)
+            .unwrap();
+        coordinator
+            .0
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert!(status.success(), "coordinator failed: {stderr}");
+        let bytes = std::fs::read(out).unwrap();
+        assert!(
+            bytes == self.reference,
+            "{} differs from the single-worker run",
+            out.display()
+        );
+        serde_json::from_str(&stdout).unwrap()
+    }
+}
+
+fn cluster_args<'a>(url: &'a str, run: &'a str) -> Vec<&'a str> {
+    let mut args = vec!["--cluster", url, "--run", run];
+    args.extend(HEARTBEAT);
+    args
+}
+
+fn redis_get(server: &RedisServer, key: &str) -> Option<String> {
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_connection().unwrap();
+    redis::cmd("GET").arg(key).query(&mut connection).unwrap()
+}
+
+#[test]
+fn one_and_four_workers_give_identical_bytes_behind_a_password() {
+    let Some(server) = RedisServer::start("auth", Some("s3cret pass")) else {
+        return;
+    };
+    let setup = Setup::new("auth", 1024);
+    let url = server.url();
+    for workers in [1, 4] {
+        let run = format!("auth-{workers}");
+        let out = setup.dir.join(format!("{run}.qstats"));
+        let coordinator = setup.calibrate(&cluster_args(&url, &run), &out);
+        let mut pool: Vec<Proc> = (0..workers)
+            .map(|w| setup.worker(&url, &run, &format!("w{w}")))
+            .collect();
+        let summary = setup.finish(coordinator, &out);
+        assert_eq!(summary["backend"], "redis");
+        assert_eq!(summary["merged_batches"], 16);
+        for worker in &mut pool {
+            assert!(worker.wait(Duration::from_secs(20), "a worker").success());
+        }
+    }
+
+    // Without the password, or with a wrong one: a clear error, exit 1.
+    for url in [
+        server.url_without_password(),
+        format!("redis://:wrong@127.0.0.1:{}", server.port),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_qforge"))
+            .args(["worker", "--cluster", &url, "--wait", "1"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("refused the credentials"), "{stderr}");
+        assert!(!stderr.contains("wrong"), "the password leaks: {stderr}");
+    }
+}
+
+#[test]
+fn twenty_seeded_runs_with_workers_sigkilled_give_identical_bytes() {
+    let Some(server) = RedisServer::start("chaos", None) else {
+        return;
+    };
+    let setup = Setup::new("chaos", 2048);
+    let url = server.url();
+    let mut reclaimed_somewhere = false;
+    for seed in 0..20u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let run = format!("chaos-{seed}");
+        let out = setup.dir.join(format!("{run}.qstats"));
+        let mut coordinator = setup.calibrate(&cluster_args(&url, &run), &out);
+        let mut pool: Vec<Proc> = (0..3)
+            .map(|w| setup.worker(&url, &run, &format!("s{seed}-w{w}")))
+            .collect();
+        let kills = rng.random_range(1..=3);
+        for k in 0..kills {
+            std::thread::sleep(Duration::from_millis(rng.random_range(50..500)));
+            if coordinator.finished() {
+                break;
+            }
+            let victim = rng.random_range(0..pool.len());
+            pool[victim].signal("KILL");
+            pool[victim] = setup.worker(&url, &run, &format!("s{seed}-r{k}"));
+        }
+        let summary = setup.finish(coordinator, &out);
+        assert_eq!(summary["coverage"], 1.0, "seed {seed}");
+        for worker in &mut pool {
+            assert!(worker.wait(Duration::from_secs(20), "a worker").success());
+        }
+        // Did some replacement redo a dead worker's batch?
+        reclaimed_somewhere |= std::fs::read_dir(&setup.dir).unwrap().any(|e| {
+            let text = std::fs::read_to_string(e.unwrap().path()).unwrap_or_default();
+            text.contains("reclaimed)") && !text.contains(" 0 reclaimed)")
+        });
+    }
+    assert!(
+        reclaimed_somewhere,
+        "no run exercised reclaiming a dead worker's task"
+    );
+}
+
+#[test]
+fn a_sigkilled_coordinator_resumes_to_identical_bytes() {
+    let Some(server) = RedisServer::start("coordinator", None) else {
+        return;
+    };
+    let setup = Setup::new("coordinator", 2048);
+    let url = server.url();
+    let checkpoints = setup.dir.join("checkpoints");
+    let out = setup.dir.join("resumed.qstats");
+    let mut args = cluster_args(&url, "crash");
+    let dir = checkpoints.to_str().unwrap();
+    args.extend(["--checkpoint-dir", dir, "--checkpoint-every", "4"]);
+    let coordinator = setup.calibrate(&args, &out);
+    let mut pool: Vec<Proc> = (0..2)
+        .map(|w| setup.worker(&url, "crash", &format!("w{w}")))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_dir(checkpoints.join("crash")).map_or(0, |d| d.count()) < 2 {
+        assert!(Instant::now() < deadline, "no checkpoint appeared");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    coordinator.signal("KILL");
+    drop(coordinator);
+
+    args.extend(["--resume", "crash"]);
+    let resumed = setup.calibrate(&args, &out);
+    let summary = setup.finish(resumed, &out);
+    assert!(
+        summary["resumed_batches"].as_u64().unwrap() >= 8,
+        "{summary}"
+    );
+    for worker in &mut pool {
+        assert!(worker.wait(Duration::from_secs(20), "a worker").success());
+    }
+}
+
+#[test]
+fn redis_stopped_mid_run_by_sigterm_or_sigkill_loses_and_doubles_nothing() {
+    for signal in ["TERM", "KILL"] {
+        let name = format!("outage-{signal}");
+        let Some(mut server) = RedisServer::start(&name, None) else {
+            return;
+        };
+        let setup = Setup::new(&name, 4000);
+        let url = server.url();
+        let out = setup.dir.join("out.qstats");
+        let checkpoints = setup.dir.join("checkpoints");
+        let mut args = cluster_args(&url, "outage");
+        args.extend(["--checkpoint-dir", checkpoints.to_str().unwrap()]);
+        args.extend(["--checkpoint-every", "4"]);
+        let coordinator = setup.calibrate(&args, &out);
+        let mut pool: Vec<Proc> = (0..2)
+            .map(|w| setup.worker(&url, "outage", &format!("w{w}")))
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::fs::read_dir(checkpoints.join("outage")).map_or(0, |d| d.count()) < 1 {
+            assert!(Instant::now() < deadline, "no progress before the outage");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        server.stop(signal);
+        std::thread::sleep(Duration::from_millis(1500));
+        server.restart();
+        let summary = setup.finish(coordinator, &out);
+        assert_eq!(summary["merged_batches"], 63, "{signal}: {summary}");
+        for worker in &mut pool {
+            assert!(worker.wait(Duration::from_secs(30), "a worker").success());
+        }
+    }
+}
+
+#[test]
+fn a_sigstopped_worker_loses_its_batch_and_its_late_result_is_dropped() {
+    let Some(server) = RedisServer::start("stop", None) else {
+        return;
+    };
+    // Four times the work per batch, so the run outlasts the stop by seconds
+    // and the stopped worker's late result arrives while it still runs.
+    let setup = Setup::with_width("stop", 4000, 4096);
+    let url = server.url();
+    let out = setup.dir.join("out.qstats");
+    let mut args = cluster_args(&url, "stop");
+    args.extend(["--speculation", "1"]);
+    let coordinator = setup.calibrate(&args, &out);
+    let mut sleeper = setup.worker(&url, "stop", "sleeper");
+    // Stop the first worker while it is observing a batch.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let beat = redis_get(&server, "qforge:{stop}:hb:sleeper");
+        if beat.is_some_and(|b| b != "-") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker never started a batch"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    sleeper.signal("STOP");
+    let mut other = setup.worker(&url, "stop", "other");
+    std::thread::sleep(Duration::from_millis(1200));
+    sleeper.signal("CONT");
+    let summary = setup.finish(coordinator, &out);
+    assert!(summary["duplicates"].as_u64().unwrap() >= 1, "{summary}");
+    assert!(
+        sleeper
+            .wait(Duration::from_secs(20), "the stopped worker")
+            .success()
+    );
+    assert!(
+        other
+            .wait(Duration::from_secs(20), "the other worker")
+            .success()
+    );
+    let log = std::fs::read_to_string(setup.dir.join("other.log")).unwrap();
+    assert!(!log.contains(" 0 reclaimed)"), "{log}");
+}
