@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what the tests need (a Python
-# venv with the peers qforge is checked against), then checks formatting, runs
+# venv with the peers qforge is checked against, redis-server), then checks formatting, runs
 # clippy with warnings denied, the Rust tests, and the Python cross-checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,17 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+
+step "redis-server for the cluster tests (Debian package redis-server)"
+# The tests start their own servers on free loopback ports; only the binary is
+# needed. The package's own service is not started.
+if ! command -v redis-server >/dev/null; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
+redis-server --version
 
 step "model fixtures (scripts/fetch-models.sh)"
 scripts/fetch-models.sh
