@@ -21,6 +21,8 @@ for workers in 1 2; do
         --workers "$workers" -o "target/bench-calibrate-$workers.qstats" --json \
         > "target/bench-calibrate-$workers.json"
 done
+# The same calibration through Redis, and the failover time.
+python3 scripts/bench_cluster.py
 .venv/bin/python tests/python/ort_crosscheck.py --markdown --qforge target/release/qforge \
     > target/ort_crosscheck.md
 .venv/bin/python scripts/bench_report.py > BENCHMARKS.md

@@ -416,3 +416,111 @@ fn a_checkpoint_of_another_recipe_is_refused() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A worker whose forward computes different activations (here: a policy
+/// whose weights differ in the last bits, standing in for another CPU) is
+/// refused, unless the run allows mixed hardware; then the statistics say so.
+#[test]
+fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed() {
+    let Some(server) = RedisServer::start("mixed", None) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let Target::Policy(policy) = &target else {
+        unreachable!()
+    };
+    let perturbed = {
+        let dir = fixture();
+        let config = std::fs::read(dir.join("policy.json")).unwrap();
+        let mut weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+        // Flip the lowest mantissa bit of the last weight (little-endian f32).
+        let last = weights.len() - 4;
+        weights[last] ^= 1;
+        Target::Policy(MlpPolicy::from_bytes(&config, &weights).unwrap())
+    };
+    assert_ne!(
+        perturbed.fingerprint().unwrap(),
+        Target::Policy(policy.clone()).fingerprint().unwrap()
+    );
+    for allow in [false, true] {
+        let run_name = format!("mixed-{allow}");
+        let mut spec = RunSpec::new(&run_name, "pendulum", "rollouts.jsonl", &job, &plan);
+        spec.allow_mixed_hardware = allow;
+        spec.heartbeat_ms = 100;
+        spec.heartbeat_timeout_ms = 600;
+        let backend = RedisBackend::open(
+            spec,
+            &ClusterOptions {
+                url: server.url(),
+                resume: false,
+                outage_limit: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+        let worker = |name: &str| WorkerOptions {
+            url: server.url(),
+            run: Some(run_name.clone()),
+            name: name.into(),
+            forever: false,
+            wait: Duration::from_secs(10),
+            outage_limit: Duration::from_secs(10),
+        };
+        let serve_with = |name: &str, target: &Target| {
+            let mut prepare = |_: &RunSpec| {
+                Ok(Prepared {
+                    target: target.clone(),
+                    job: job.clone(),
+                    plan: plan.clone(),
+                })
+            };
+            serve(&worker(name), &mut prepare, &mut |_| {})
+        };
+        let summary = std::thread::scope(|scope| {
+            let reference = scope.spawn(|| serve_with("reference", &target));
+            // The odd worker joins once the first has set the reference.
+            let client = redis::Client::open(server.url()).unwrap();
+            let mut connection = client.get_connection().unwrap();
+            let key = format!("qforge:{{{run_name}}}:reference");
+            while redis::cmd("EXISTS")
+                .arg(&key)
+                .query::<i64>(&mut connection)
+                .unwrap()
+                == 0
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let odd = scope.spawn(|| serve_with("odd", &perturbed));
+            // Tasks are enqueued by `run`, once both have registered.
+            let workers = format!("qforge:{{{run_name}}}:workers");
+            while redis::cmd("HLEN")
+                .arg(&workers)
+                .query::<i64>(&mut connection)
+                .unwrap()
+                < 2
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let summary = run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {});
+            backend.finish(summary.is_ok()).unwrap();
+            reference.join().unwrap().unwrap();
+            let odd = odd.join().unwrap();
+            if allow {
+                odd.unwrap();
+            } else {
+                let err = odd.unwrap_err();
+                assert!(matches!(err, Error::Refused(_)), "{err}");
+                assert!(err.to_string().contains("--allow-mixed-hardware"), "{err}");
+            }
+            summary.unwrap()
+        });
+        let odd_merged = summary.workers.get("odd").map_or(0, |w| w.merged);
+        if allow {
+            assert!(odd_merged > 0, "{:?}", summary.workers);
+            assert!(summary.stats.provenance.mixed_hardware);
+        } else {
+            assert_eq!(odd_merged, 0);
+            assert!(!summary.stats.provenance.mixed_hardware);
+            assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
+        }
+    }
+}

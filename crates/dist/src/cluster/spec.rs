@@ -89,6 +89,17 @@ impl RunSpec {
             && self.plan_sha256 == other.plan_sha256
     }
 
+    /// Whether a worker that loaded `self` holds exactly what `other` needs:
+    /// the same files at the same paths with the same hashes, and the same
+    /// recipe (so the same plan).
+    pub fn same_inputs(&self, other: &RunSpec) -> bool {
+        self.model == other.model
+            && self.data == other.data
+            && self.skip_invalid == other.skip_invalid
+            && self.recipe == other.recipe
+            && self.plan_sha256 == other.plan_sha256
+    }
+
     /// Most speculative executions the run allows.
     pub fn speculation_cap(&self) -> u64 {
         ((self.speculation - 1.0).max(0.0) * self.planned as f64).ceil() as u64

@@ -1,7 +1,6 @@
 //! The worker's side of the Redis backend: `qforge worker`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use qforge_calib::{Job, Plan, Target, observe_batch};
@@ -64,8 +63,9 @@ pub struct WorkerReport {
 }
 
 /// Serves runs until the one joined finishes (or, with `forever`, until an
-/// error). `prepare` loads the model and plans the data a spec names; `log`
-/// receives one line per notable event.
+/// error). `prepare` loads the model and plans the data a spec names (a
+/// `forever` worker keeps what it loaded for the next run of the same model,
+/// data files and recipe); `log` receives one line per notable event.
 pub fn serve(
     options: &WorkerOptions,
     prepare: &mut dyn FnMut(&RunSpec) -> std::result::Result<Prepared, String>,
@@ -74,20 +74,34 @@ pub fn serve(
     let mut link = Link::open(&options.url, options.outage_limit)?;
     let mut report = WorkerReport::default();
     let mut finished: Option<String> = None;
+    // What the previous run loaded, and its fingerprint.
+    let mut loaded: Option<(RunSpec, Prepared, String)> = None;
     loop {
         let Some(spec) = wait_for_run(&mut link, options, finished.as_deref(), log)? else {
             return Ok(report);
         };
         let run = spec.run.clone();
-        let prepared =
-            prepare(&spec).map_err(|e| Error::Cluster(format!("cannot load run {run}: {e}")))?;
-        let mut session = Session::join(options, spec, prepared, log)?;
-        session.serve(&mut link, &mut report, log)?;
-        report.runs += 1;
+        let (prepared, fingerprint) = match loaded.take() {
+            Some((previous, prepared, fingerprint)) if previous.same_inputs(&spec) => {
+                (prepared, Some(fingerprint))
+            }
+            _ => (
+                prepare(&spec)
+                    .map_err(|e| Error::Cluster(format!("cannot load run {run}: {e}")))?,
+                None,
+            ),
+        };
+        let mut session = Session::join(options, spec, prepared, fingerprint, log)?;
+        let ending = session.serve(&mut link, &mut report, log)?;
+        loaded = Some((session.spec, session.prepared, session.fingerprint));
+        finished = Some(run);
+        match ending {
+            Ending::Abandoned => continue,
+            Ending::Finished => report.runs += 1,
+        }
         if !options.forever {
             return Ok(report);
         }
-        finished = Some(run);
     }
 }
 
@@ -157,8 +171,18 @@ fn wait_for_run(
             log("waiting for a run");
             announced = true;
         }
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// How a worker left a run.
+enum Ending {
+    /// The run is over.
+    Finished,
+    /// Its coordinator is gone and another run is active: a worker that
+    /// follows the active run moves on (one bound to `--run` waits for a
+    /// resumed coordinator instead).
+    Abandoned,
 }
 
 /// One worker in one run.
@@ -170,16 +194,20 @@ struct Session {
     fingerprint: String,
     url: String,
     outage_limit: Duration,
+    follows_active: bool,
 }
 
 /// Shared with the heartbeat thread: the task being observed ("-" when idle).
 type Current = Arc<Mutex<String>>;
 
 impl Session {
+    /// Checks that `prepared` is what `spec` describes and computes the
+    /// fingerprint (unless `fingerprint` already holds it for this model).
     fn join(
         options: &WorkerOptions,
         spec: RunSpec,
         prepared: Prepared,
+        fingerprint: Option<String>,
         log: &mut dyn FnMut(&str),
     ) -> Result<Self> {
         let run = spec.run.clone();
@@ -204,7 +232,10 @@ impl Session {
                 "run {run}: this worker planned different batches than the coordinator; use the same qforge build"
             )));
         }
-        let fingerprint = prepared.target.fingerprint()?.to_hex();
+        let fingerprint = match fingerprint {
+            Some(known) => known,
+            None => prepared.target.fingerprint()?.to_hex(),
+        };
         log(&format!(
             "joining run {run} as {} (fingerprint {})",
             options.name,
@@ -218,6 +249,7 @@ impl Session {
             fingerprint,
             url: options.url.clone(),
             outage_limit: options.outage_limit,
+            follows_active: options.run.is_none(),
         })
     }
 
@@ -227,7 +259,7 @@ impl Session {
         link: &mut Link,
         report: &mut WorkerReport,
         log: &mut dyn FnMut(&str),
-    ) -> Result<()> {
+    ) -> Result<Ending> {
         let keys = &self.keys;
         let fingerprint = &self.fingerprint;
         let reference: String = link.call(|c| {
@@ -275,28 +307,35 @@ impl Session {
         }
 
         let current: Current = Arc::new(Mutex::new("-".into()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let heartbeat = self.start_heartbeat(current.clone(), stop.clone())?;
+        // Dropping `stop` wakes and ends the heartbeat thread at once.
+        let (stop, stopped) = mpsc::channel::<()>();
+        let heartbeat = self.start_heartbeat(current.clone(), stopped)?;
         let served = self.work(link, &current, report);
-        stop.store(true, Ordering::Relaxed);
+        drop(stop);
         let _ = heartbeat.join();
         let _ = link.call(|c| {
             redis::cmd("DEL")
                 .arg(self.keys.heartbeat(&self.name))
                 .query::<i64>(c)
         });
-        served?;
-        log(&format!(
-            "run {} finished; this worker observed {} batch(es) ({} speculative, {} reclaimed)",
-            self.spec.run, report.batches, report.speculative, report.reclaimed
-        ));
-        Ok(())
+        let ending = served?;
+        match ending {
+            Ending::Finished => log(&format!(
+                "run {} finished; this worker observed {} batch(es) ({} speculative, {} reclaimed)",
+                self.spec.run, report.batches, report.speculative, report.reclaimed
+            )),
+            Ending::Abandoned => log(&format!(
+                "run {} lost its coordinator and another run is active; moving on",
+                self.spec.run
+            )),
+        }
+        Ok(ending)
     }
 
     fn start_heartbeat(
         &self,
         current: Current,
-        stop: Arc<AtomicBool>,
+        stopped: mpsc::Receiver<()>,
     ) -> Result<std::thread::JoinHandle<()>> {
         let mut link = Link::open(&self.url, self.outage_limit)?;
         let key = self.keys.heartbeat(&self.name);
@@ -313,23 +352,28 @@ impl Session {
             })
         };
         beat(&mut link, "-")?;
+        // The thread wakes only to beat: on a machine whose cores all run
+        // the forward's matmul threads, frequent wake-ups (a 20 ms polling
+        // loop) stalled the barrier-synchronised matmul and cost 20 % of a
+        // SmolLM2 calibration's throughput on 2 cores.
         Ok(std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                 let value = current.lock().map(|v| v.clone()).unwrap_or_default();
                 if beat(&mut link, &value).is_err() {
                     // Redis is gone past the outage limit: the main loop will
                     // report it; stop beating so the worker reads as dead.
                     return;
                 }
-                let until = Instant::now() + interval;
-                while Instant::now() < until && !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(20).min(interval));
-                }
             }
         }))
     }
 
-    fn work(&self, link: &mut Link, current: &Current, report: &mut WorkerReport) -> Result<()> {
+    fn work(
+        &self,
+        link: &mut Link,
+        current: &Current,
+        report: &mut WorkerReport,
+    ) -> Result<Ending> {
         // Dead workers' tasks are looked for this often even while fresh work
         // is queued, so a death costs about one timeout, not the queue's
         // length.
@@ -339,10 +383,23 @@ impl Session {
         loop {
             if last_state_check.elapsed() >= Duration::from_millis(250) {
                 last_state_check = Instant::now();
-                let state: Option<String> =
-                    link.call(|c| redis::cmd("GET").arg(self.keys.state()).query(c))?;
+                let (state, coordinator, active): (Option<String>, bool, Option<String>) = link
+                    .call(|c| {
+                        redis::pipe()
+                            .cmd("GET")
+                            .arg(self.keys.state())
+                            .cmd("EXISTS")
+                            .arg(self.keys.coordinator())
+                            .cmd("GET")
+                            .arg(ACTIVE)
+                            .query(c)
+                    })?;
                 if state.as_deref() != Some("running") {
-                    return Ok(());
+                    return Ok(Ending::Finished);
+                }
+                if self.follows_active && !coordinator && active.as_deref() != Some(self.keys.run())
+                {
+                    return Ok(Ending::Abandoned);
                 }
             }
             if last_reclaim.elapsed() >= every {
