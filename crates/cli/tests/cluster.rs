@@ -19,6 +19,18 @@ use rand::{Rng, SeedableRng};
 use redis_server::RedisServer;
 use serde_json::Value;
 
+/// Complete checkpoints in `dir` (not the temporary files being written).
+fn checkpoints_in(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".qstats"))
+            })
+            .count()
+    })
+}
+
 /// Heartbeat settings of the tests: fast, so deaths are noticed quickly.
 const HEARTBEAT: [&str; 4] = ["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "500"];
 
@@ -326,7 +338,7 @@ fn a_sigkilled_coordinator_resumes_to_identical_bytes() {
         .map(|w| setup.worker(&url, "crash", &format!("w{w}")))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while std::fs::read_dir(checkpoints.join("crash")).map_or(0, |d| d.count()) < 2 {
+    while checkpoints_in(&checkpoints.join("crash")) < 2 {
         assert!(Instant::now() < deadline, "no checkpoint appeared");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -364,7 +376,7 @@ fn redis_stopped_mid_run_by_sigterm_or_sigkill_loses_and_doubles_nothing() {
             .map(|w| setup.worker(&url, "outage", &format!("w{w}")))
             .collect();
         let deadline = Instant::now() + Duration::from_secs(60);
-        while std::fs::read_dir(checkpoints.join("outage")).map_or(0, |d| d.count()) < 1 {
+        while checkpoints_in(&checkpoints.join("outage")) < 1 {
             assert!(Instant::now() < deadline, "no progress before the outage");
             std::thread::sleep(Duration::from_millis(10));
         }
