@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
 use qforge_model::lm::{compare, perplexity};
-use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy};
+use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy};
 use serde_json::json;
 
 use crate::{OutputFlags, UsageError};
@@ -16,6 +16,32 @@ use crate::{OutputFlags, UsageError};
 pub enum Precision {
     /// Full precision: every weight dequantized to f32 (the reference).
     F32,
+    /// qforge's INT8 engine with no calibration: every linear layer (lm_head
+    /// included) with int8 per-channel weights and activations quantized per
+    /// token at run time.
+    Int8Dynamic,
+}
+
+impl Precision {
+    /// The language model in this precision.
+    fn apply_lm(self, mut lm: LanguageModel) -> Result<LanguageModel> {
+        if self == Precision::Int8Dynamic {
+            lm.model = lm
+                .model
+                .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))?;
+        }
+        Ok(lm)
+    }
+
+    /// The policy in this precision.
+    fn apply_policy(self, policy: MlpPolicy) -> Result<MlpPolicy> {
+        Ok(match self {
+            Precision::F32 => policy,
+            Precision::Int8Dynamic => {
+                policy.with_linears(|_, layer| layer.to_int8(Activations::Dynamic))?
+            }
+        })
+    }
 }
 
 /// A model file or directory, recognised by its content.
@@ -86,8 +112,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     {
         return Err(UsageError(format!("--temperature must be ≥ 0, got {t}")).into());
     }
-    let Precision::F32 = args.precision;
-    let lm = load_language_model(&args.model)?;
+    let lm = args.precision.apply_lm(load_language_model(&args.model)?)?;
     let prompt = lm.tokenizer.encode(&args.prompt)?;
     let generation = lm.generate(
         &prompt,
@@ -172,6 +197,9 @@ pub struct CompareArgs {
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
+    /// Precision to run the model under test in (the reference runs in f32).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
     #[command(flatten)]
     flags: OutputFlags,
 }
@@ -188,6 +216,9 @@ pub struct AgreementArgs {
     /// Trajectories as JSONL: {"observations": [[…], …], …} per line.
     #[arg(long, value_name = "FILE")]
     observations: PathBuf,
+    /// Precision to run the policy under test in (the reference runs in f32).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
     #[command(flatten)]
     flags: OutputFlags,
 }
@@ -210,8 +241,7 @@ pub fn eval(command: EvalCommand) -> Result<()> {
     match command {
         EvalCommand::Perplexity(args) => {
             check_ctx(args.ctx)?;
-            let Precision::F32 = args.precision;
-            let lm = load_language_model(&args.model)?;
+            let lm = args.precision.apply_lm(load_language_model(&args.model)?)?;
             let tokens = read_text_tokens(&lm, &args.text)?;
             let result = perplexity(&lm.model, &tokens, args.ctx)?;
             if args.flags.json {
@@ -233,7 +263,7 @@ pub fn eval(command: EvalCommand) -> Result<()> {
         }
         EvalCommand::Compare(args) => {
             check_ctx(args.ctx)?;
-            let lm = load_language_model(&args.model)?;
+            let lm = args.precision.apply_lm(load_language_model(&args.model)?)?;
             let reference = load_language_model(&args.reference)?;
             if lm.tokenizer.vocab_size() != reference.tokenizer.vocab_size() {
                 bail!(
@@ -277,7 +307,8 @@ pub fn eval(command: EvalCommand) -> Result<()> {
                     .into()),
                 }
             };
-            let (model, reference) = (policy(&args.model)?, policy(&args.reference)?);
+            let model = args.precision.apply_policy(policy(&args.model)?)?;
+            let reference = policy(&args.reference)?;
             let dim = reference.config().observation_dim;
             if model.config().observation_dim != dim
                 || model.config().head != reference.config().head

@@ -28,6 +28,9 @@ pub enum Error {
         /// File or directory searched.
         file: PathBuf,
     },
+    /// An INT8 kernel failed.
+    #[error(transparent)]
+    Kernel(#[from] qforge_kernels::Error),
     /// Shapes disagree.
     #[error("shape mismatch: {0}")]
     Shape(String),

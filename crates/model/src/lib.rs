@@ -28,4 +28,5 @@ pub use lm::{GenerateOptions, Generation, LanguageModel};
 pub use mlp::{Action, MlpPolicy, PolicyConfig};
 pub use observe::{Observer, StatsObserver};
 pub use onnx::import_mlp;
+pub use qforge_kernels::Activations;
 pub use tokenizer::TextTokenizer;

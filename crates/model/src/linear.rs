@@ -1,9 +1,11 @@
 //! The linear layer, chosen per layer.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
+use qforge_kernels::{Activations, Int8Linear, Scratch};
 
 use crate::error::{Error, Result};
 
@@ -33,6 +35,15 @@ pub enum Linear {
         /// Bias, `[out]`.
         bias: Option<Tensor>,
     },
+    /// qforge's INT8 engine: int8 symmetric per-output-channel weights,
+    /// activations quantized to int8 per token at run time or by a calibrated
+    /// static scale, u8 × i8 → i32 GEMM, f32 out.
+    Int8(Arc<Int8Linear>),
+}
+
+thread_local! {
+    // Quantized activations and accumulators, reused across layers and calls.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
 impl Linear {
@@ -71,12 +82,30 @@ impl Linear {
         })
     }
 
+    /// The same layer on the INT8 engine (an INT8 layer is returned as is).
+    pub fn to_int8(&self, activations: Activations) -> Result<Linear> {
+        let (weight, bias) = match self {
+            Linear::Fp { weight, bias } => (weight.to_dtype(DType::F32)?, bias),
+            Linear::Dequantizing { weight, bias } => (weight.dequantize(&Device::Cpu)?, bias),
+            Linear::Int8(_) => return Ok(self.clone()),
+        };
+        let weight = weight.flatten_all()?.to_vec1::<f32>()?;
+        let bias = bias.as_ref().map(|b| b.to_vec1::<f32>()).transpose()?;
+        Ok(Linear::Int8(Arc::new(Int8Linear::new(
+            &weight,
+            self.shape(),
+            bias.as_deref(),
+            activations,
+        )?)))
+    }
+
     /// Applies the layer to `x` of shape `[..., in]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (weight, bias) = match self {
             Linear::Fp { weight, bias } if weight.dtype() == DType::F32 => (weight.clone(), bias),
             Linear::Fp { weight, bias } => (weight.to_dtype(DType::F32)?, bias),
             Linear::Dequantizing { weight, bias } => (weight.dequantize(&Device::Cpu)?, bias),
+            Linear::Int8(layer) => return int8_forward(layer, x),
         };
         let y = x.broadcast_matmul(&weight.t()?)?;
         Ok(match bias {
@@ -90,6 +119,7 @@ impl Linear {
         match self {
             Linear::Fp { weight, .. } => weight.elem_count() * weight.dtype().size_in_bytes(),
             Linear::Dequantizing { weight, .. } => weight.storage_size_in_bytes(),
+            Linear::Int8(layer) => layer.weight_bytes(),
         }
     }
 
@@ -104,6 +134,22 @@ impl Linear {
                 let d = weight.shape().dims();
                 (d[0], d[1])
             }
+            Linear::Int8(layer) => layer.shape(),
         }
     }
+}
+
+fn int8_forward(layer: &Int8Linear, x: &Tensor) -> Result<Tensor> {
+    let (out, inp) = layer.shape();
+    let mut dims = x.dims().to_vec();
+    if dims.last() != Some(&inp) {
+        return Err(Error::Shape(format!(
+            "input {dims:?} to a layer taking {inp} features"
+        )));
+    }
+    let rows = x.elem_count() / inp;
+    let input = x.flatten_all()?.to_vec1::<f32>()?;
+    let y = SCRATCH.with(|scratch| layer.forward(&input, rows, &mut scratch.borrow_mut()))?;
+    *dims.last_mut().expect("checked above") = out;
+    Ok(Tensor::from_vec(y, dims, &Device::Cpu)?)
 }

@@ -203,6 +203,21 @@ impl MlpPolicy {
         Ok(Self { config, layers })
     }
 
+    /// The same policy with every layer replaced by `convert(name, layer)`
+    /// (names `layers.{i}`, as observed).
+    pub fn with_linears(&self, convert: impl Fn(&str, &Linear) -> Result<Linear>) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, layer)| convert(&format!("layers.{i}"), layer))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            config: self.config.clone(),
+            layers,
+        })
+    }
+
     /// The policy's configuration.
     pub fn config(&self) -> &PolicyConfig {
         &self.config

@@ -117,3 +117,30 @@ fn bad_policy_files_are_clear_errors() {
     assert!(err.contains("policy.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The INT8 engine (dynamic per-token activations, per-channel weights) on
+/// the trained policies: the actions agree with full precision on the
+/// recorded rollouts.
+#[test]
+fn int8_dynamic_policies_agree_with_full_precision() {
+    for (name, required) in [("cartpole", 0.98), ("pendulum", 0.98)] {
+        let policy = MlpPolicy::from_dir(&fixture(name)).unwrap();
+        let int8 = policy
+            .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+            .unwrap();
+        let (observations, _) = rollouts(name);
+        let fp = policy.act(&observations).unwrap();
+        let q = int8.act(&observations).unwrap();
+        let agreeing = fp
+            .iter()
+            .zip(&q)
+            .filter(|(a, b)| policy.actions_agree(a, b))
+            .count();
+        let agreement = agreeing as f64 / fp.len() as f64;
+        eprintln!(
+            "{name}: INT8 dynamic action agreement {:.2} %",
+            100.0 * agreement
+        );
+        assert!(agreement >= required, "{name}: {agreement}");
+    }
+}

@@ -93,3 +93,36 @@ fn logits_match_candle_transformers_within_1e_3() {
         assert!(max_diff < 1e-3, "max |Δlogit| {max_diff} for {prompt:?}");
     }
 }
+
+/// SmolLM2 on the INT8 engine: linear weights (lm_head included) take at
+/// most 27 % of their f32 bytes, and the logits stay close to f32's.
+#[test]
+fn int8_linear_weights_take_a_quarter_of_f32_and_logits_stay_close() {
+    let fp = Llama::from_gguf_with(&smollm2_path(), Residency::Dequantized).unwrap();
+    let int8 = fp
+        .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+        .unwrap();
+    let ratio = int8.linear_weight_bytes() as f64 / fp.linear_weight_bytes() as f64;
+    eprintln!("INT8 linear weights: {:.1} % of f32", 100.0 * ratio);
+    assert!(ratio <= 0.27, "{ratio}");
+    let tokens: Vec<u32> = (0..48).map(|i| 100 + 37 * i).collect();
+    let logits = |model: &Llama| {
+        model
+            .forward(&[tokens.clone()], None, None, Logits::All)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let (a, b) = (logits(&fp), logits(&int8));
+    let signal: f64 = a.iter().map(|v| f64::from(*v).powi(2)).sum();
+    let noise: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| f64::from(x - y).powi(2))
+        .sum();
+    let sqnr = 10.0 * (signal / noise).log10();
+    eprintln!("INT8 logits SQNR vs f32: {sqnr:.1} dB");
+    assert!(sqnr > 15.0, "{sqnr}");
+}

@@ -383,6 +383,30 @@ impl Llama {
             + self.lm_head.weight_bytes()
     }
 
+    /// The same model with every linear layer (lm_head included) replaced
+    /// by `convert(name, layer)`; names are the observation points'
+    /// (`model.layers.3.self_attn.q_proj` stands for q, k and v, which share an
+    /// input, and `…mlp.gate_proj` for gate and up), so per-layer choices from
+    /// calibration apply by name.
+    pub fn with_linears(&self, convert: impl Fn(&str, &Linear) -> Result<Linear>) -> Result<Llama> {
+        let mut model = self.clone();
+        for (i, layer) in model.layers.iter_mut().enumerate() {
+            let attention = format!("model.layers.{i}.self_attn");
+            let mlp = format!("model.layers.{i}.mlp");
+            let qkv = format!("{attention}.q_proj");
+            let gate_up = format!("{mlp}.gate_proj");
+            layer.q_proj = convert(&qkv, &layer.q_proj)?;
+            layer.k_proj = convert(&qkv, &layer.k_proj)?;
+            layer.v_proj = convert(&qkv, &layer.v_proj)?;
+            layer.o_proj = convert(&format!("{attention}.o_proj"), &layer.o_proj)?;
+            layer.gate_proj = convert(&gate_up, &layer.gate_proj)?;
+            layer.up_proj = convert(&gate_up, &layer.up_proj)?;
+            layer.down_proj = convert(&format!("{mlp}.down_proj"), &layer.down_proj)?;
+        }
+        model.lm_head = convert("lm_head", &model.lm_head)?;
+        Ok(model)
+    }
+
     /// An empty KV cache for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache {

@@ -1,0 +1,60 @@
+//! INT8 GEMM (dynamic per-token quantization + u8×i8→i32 GEMM + epilogue, as
+//! the INT8 linear layer runs it) against candle's f32 matmul, on SmolLM2's
+//! layer shapes. Throughput is in multiply-accumulates (m·n·k) per second.
+
+use candle_core::{Device, Tensor};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use qforge_kernels::{Activations, Int8Linear, Scratch, gemm_kernel_name};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// (name, out, in): SmolLM2-135M's q/o projection, gate/up, down, lm_head.
+const SHAPES: [(&str, usize, usize); 4] = [
+    ("q_proj_576x576", 576, 576),
+    ("gate_proj_1536x576", 1536, 576),
+    ("down_proj_576x1536", 576, 1536),
+    ("lm_head_49152x576", 49152, 576),
+];
+
+fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn gemm(c: &mut Criterion) {
+    eprintln!("int8 GEMM kernel: {}", gemm_kernel_name());
+    let mut rng = StdRng::seed_from_u64(0);
+    let mut group = c.benchmark_group("gemm");
+    for (name, n, k) in SHAPES {
+        let w = values(&mut rng, n * k);
+        let layer = Int8Linear::new(&w, (n, k), None, Activations::Dynamic).unwrap();
+        let w_t = Tensor::from_vec(w, (n, k), &Device::Cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        let rows: &[usize] = if n > 10_000 { &[1] } else { &[1, 16, 128] };
+        for &m in rows {
+            let x = values(&mut rng, m * k);
+            let x_tensor = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+            let mut scratch = Scratch::default();
+            let mut y = vec![0f32; m * n];
+            group.throughput(Throughput::Elements((m * n * k) as u64));
+            group.bench_function(BenchmarkId::new(format!("int8_{name}"), m), |b| {
+                b.iter(|| layer.forward_into(&x, m, &mut scratch, &mut y).unwrap())
+            });
+            group.bench_function(BenchmarkId::new(format!("candle_f32_{name}"), m), |b| {
+                b.iter(|| x_tensor.matmul(&w_t).unwrap())
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(std::time::Duration::from_millis(500))
+        .measurement_time(std::time::Duration::from_secs(2))
+        .sample_size(20);
+    targets = gemm
+}
+criterion_main!(benches);

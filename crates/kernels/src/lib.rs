@@ -1,0 +1,21 @@
+//! `qforge-kernels`: the INT8 arithmetic of qforge's deployment engine.
+//!
+//! * [`quantize`]: f32 → int8 activation quantizers (dynamic per-token and
+//!   static per-tensor), with CPU tiers and a scalar twin.
+//! * [`Int8Linear`]: a linear layer with int8 symmetric per-output-channel
+//!   weights, prepacked once for the GEMM, and a fused epilogue that turns the
+//!   i32 accumulators into f32 (activation scale × channel scale, + bias).
+//!
+//! The GEMM itself is `rten-gemm`'s u8 × i8 → i32 kernel (AVX-512 VNNI, AVX2,
+//! Arm dot-product or generic, chosen at run time). Activations are symmetric
+//! int8 stored as u8 with zero point 128, the layout those kernels take.
+
+pub mod error;
+pub mod linear;
+pub mod quantize;
+
+pub use error::{Error, Result};
+pub use linear::{
+    Activations, Int8Linear, Scratch, gemm_kernel_name, quantize_rows_symmetric, weight_qmax,
+};
+pub use quantize::{QuantizeTier, ZERO_POINT};
