@@ -108,7 +108,7 @@ fn int8_linear_weights_take_a_quarter_of_f32_and_logits_stay_close() {
     let tokens: Vec<u32> = (0..48).map(|i| 100 + 37 * i).collect();
     let logits = |model: &Llama| {
         model
-            .forward(&[tokens.clone()], None, None, Logits::All)
+            .forward(std::slice::from_ref(&tokens), None, None, Logits::All)
             .unwrap()
             .flatten_all()
             .unwrap()
