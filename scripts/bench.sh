@@ -12,7 +12,16 @@ fi
 
 scripts/fetch-models.sh
 cargo bench -p qforge-core --bench observe -- --warm-up-time 2 --measurement-time 5
+cargo bench -p qforge-kernels --bench gemm
 cargo bench -p qforge-model --bench forward
+# llama.cpp beside it, when a build is at hand (benchmarks/llamacpp-reference.md says
+# how it was built): LLAMA_CPP_BIN=.../build/bin LLAMA_CPP_MODELS=dir-with-f32-and-q8_0-ggufs
+if [ -n "${LLAMA_CPP_BIN:-}" ]; then
+    LD_LIBRARY_PATH="$LLAMA_CPP_BIN" "$LLAMA_CPP_BIN/llama-bench" \
+        -m "$LLAMA_CPP_MODELS/smollm2-135m-instruct-f32.gguf" \
+        -m "$LLAMA_CPP_MODELS/smollm2-135m-instruct-q8_0.gguf" \
+        -p 128 -n 64 -t 2 -r 5 -o md 2>/dev/null | grep '^|' > target/llamacpp-bench.md
+fi
 cargo build --release -p qforge-cli
 # Calibration throughput on SmolLM2, embedded backend, 1 and 2 worker threads.
 for workers in 1 2; do

@@ -88,6 +88,47 @@ def main():
     with open("benchmarks/llamacpp-reference.md") as f:
         print(f.read())
 
+    print("## INT8 engine\n")
+    print("Command: `cargo bench -p qforge-kernels --bench gemm` (INT8 = dynamic per-token "
+          "quantization of the activations + rten-gemm's u8×i8→i32 GEMM on prepacked int8 "
+          "per-channel weights + the dequantizing epilogue, i.e. everything an INT8 linear layer "
+          "does; candle = f32 `matmul` of the same shapes; 2 threads; G MAC/s = m·n·k per second) "
+          "and `cargo bench -p qforge-model --bench forward` (SmolLM2 with every linear layer, "
+          "lm_head included, on the INT8 engine, dynamic activations).\n")
+    shapes = [("q_proj_576x576", (1, 16, 128)), ("gate_proj_1536x576", (1, 16, 128)),
+              ("down_proj_576x1536", (1, 16, 128)), ("lm_head_49152x576", (1,))]
+    gemm_rows = []
+    for shape, ms in shapes:
+        for m in ms:
+            ours = throughput("gemm", f"int8_{shape}", str(m))
+            theirs = throughput("gemm", f"candle_f32_{shape}", str(m))
+            if ours and theirs:
+                gemm_rows.append((shape, m, ours / 1e9, theirs / 1e9))
+    if gemm_rows:
+        print("| layer (out×in) | M | INT8 G MAC/s | candle f32 G MAC/s | INT8 / f32 |")
+        print("|---|---|---|---|---|")
+        for shape, m, ours, theirs in gemm_rows:
+            print(f"| {shape} | {m} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}× |")
+        print()
+    prefill8 = throughput("smollm2_int8_dynamic", "prefill_128", "")
+    decode8 = mean_ns("smollm2_int8_dynamic", "decode_step_at_128")
+    prefill = throughput("smollm2_fp32", "prefill_128", "")
+    decode = mean_ns("smollm2_fp32", "decode_step_at_128")
+    if prefill8 and decode8 and prefill and decode:
+        print("| SmolLM2-135M, 2 threads | INT8 dynamic tokens/s | FP32 tokens/s | INT8 / FP32 |")
+        print("|---|---|---|---|")
+        print(f"| prefill, 128 tokens | {prefill8:.0f} | {prefill:.0f} | {prefill8 / prefill:.2f}× |")
+        print(f"| decode, one token after 128 | {1e9 / decode8:.1f} | {1e9 / decode:.1f} | "
+              f"{decode / decode8:.2f}× |\n")
+    try:
+        with open("target/llamacpp-bench.md") as f:
+            print("llama.cpp measured right after the benchmarks above, on the same machine (`llama-bench -m f32.gguf "
+                  "-m q8_0.gguf -p 128 -n 64 -t 2 -r 5`, see the reference above for the build):\n")
+            print(f.read())
+    except OSError:
+        print("(llama.cpp was not measured in this run: set LLAMA_CPP_BIN and LLAMA_CPP_MODELS "
+              "for scripts/bench.sh.)\n")
+
     print("## Calibration throughput (embedded backend)\n")
     print("Command: `qforge calibrate --model models/smollm2-135m-instruct-q4_1.gguf --data "
           "fixtures/episodes/arithmetic.jsonl --samples 32 --seq-len 128 --batch-size 4 --workers N "

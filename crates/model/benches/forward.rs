@@ -1,5 +1,6 @@
-//! SmolLM2-135M full-precision forward: a 128-token prefill with and without
-//! observation (calibration's hook must cost ≤ 15 %), and one decode step.
+//! SmolLM2-135M forward: full precision (a 128-token prefill with and
+//! without observation, whose hook must cost ≤ 15 %, and one decode step) and
+//! the INT8 engine with dynamic per-token activations (prefill, decode step).
 //!
 //! Run: `cargo bench -p qforge-model --bench forward` (needs
 //! scripts/fetch-models.sh).
@@ -7,8 +8,9 @@
 use std::hint::black_box;
 use std::path::PathBuf;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use qforge_model::{Llama, Logits, StatsObserver};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
+use qforge_model::{Activations, Llama, Logits, StatsObserver};
 
 fn model() -> Llama {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -21,24 +23,41 @@ fn model() -> Llama {
     Llama::from_gguf(&path).expect("load SmolLM2")
 }
 
-fn bench(c: &mut Criterion) {
-    let model = model();
-    let prompt: Vec<u32> = (0..128u32).map(|i| (i * 997 + 13) % 49152).collect();
-    let mut group = c.benchmark_group("smollm2_fp32");
+/// `prefill_128` and `decode_step_at_128` of `model` in `group`.
+fn prefill_and_decode(group: &mut BenchmarkGroup<'_, WallTime>, model: &Llama, prompt: &[u32]) {
     group.sample_size(10);
     group.throughput(Throughput::Elements(prompt.len() as u64));
     group.bench_function("prefill_128", |b| {
         b.iter(|| {
             model
-                .forward(
-                    black_box(std::slice::from_ref(&prompt)),
-                    None,
-                    None,
-                    Logits::Last,
-                )
+                .forward(black_box(&[prompt.to_vec()]), None, None, Logits::Last)
                 .unwrap()
         })
     });
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("decode_step_at_128", |b| {
+        let mut cache = model.new_cache();
+        model
+            .forward(&[prompt.to_vec()], Some(&mut cache), None, Logits::Last)
+            .unwrap();
+        b.iter_batched(
+            || cache.clone(),
+            |mut cache| {
+                model
+                    .forward(black_box(&[vec![42]]), Some(&mut cache), None, Logits::Last)
+                    .unwrap()
+            },
+            criterion::BatchSize::LargeInput,
+        )
+    });
+}
+
+fn bench(c: &mut Criterion) {
+    let model = model();
+    let prompt: Vec<u32> = (0..128u32).map(|i| (i * 997 + 13) % 49152).collect();
+    let mut group = c.benchmark_group("smollm2_fp32");
+    prefill_and_decode(&mut group, &model, &prompt);
+    group.throughput(Throughput::Elements(prompt.len() as u64));
     group.bench_function("prefill_128_observed", |b| {
         b.iter(|| {
             let mut observer = StatsObserver::new(true);
@@ -52,27 +71,13 @@ fn bench(c: &mut Criterion) {
                 .unwrap()
         })
     });
-    group.throughput(Throughput::Elements(1));
-    group.bench_function("decode_step_at_128", |b| {
-        let mut cache = model.new_cache();
-        model
-            .forward(
-                std::slice::from_ref(&prompt),
-                Some(&mut cache),
-                None,
-                Logits::Last,
-            )
-            .unwrap();
-        b.iter_batched(
-            || cache.clone(),
-            |mut cache| {
-                model
-                    .forward(black_box(&[vec![42]]), Some(&mut cache), None, Logits::Last)
-                    .unwrap()
-            },
-            criterion::BatchSize::LargeInput,
-        )
-    });
+    group.finish();
+
+    let int8 = model
+        .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
+        .expect("INT8 conversion");
+    let mut group = c.benchmark_group("smollm2_int8_dynamic");
+    prefill_and_decode(&mut group, &int8, &prompt);
     group.finish();
 }
 
