@@ -125,7 +125,7 @@ struct ClusterSettings {
 }
 
 /// SHA-256 over the files that make up a model.
-fn model_digest(path: &Path) -> Result<Digest> {
+pub fn model_digest(path: &Path) -> Result<Digest> {
     let mut files: Vec<PathBuf> = if path.is_dir() {
         std::fs::read_dir(path)
             .with_context(|| format!("cannot list {}", path.display()))?

@@ -4,11 +4,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use qforge_core::codec::decode;
+use qforge_core::{Calibrator, QuantParams};
 use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
 use qforge_model::lm::{compare, perplexity};
 use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy};
 use serde_json::json;
 
+use crate::calibrate_cmd::model_digest;
 use crate::{OutputFlags, UsageError};
 
 /// Numeric precision to run a model in.
@@ -20,27 +23,110 @@ pub enum Precision {
     /// included) with int8 per-channel weights and activations quantized per
     /// token at run time.
     Int8Dynamic,
+    /// qforge's INT8 engine with one activation scale per layer input, from
+    /// calibration statistics (--stats) and a calibrator (--calibrator).
+    Int8Static,
 }
 
-impl Precision {
+/// How the input of each linear layer (named by its observation point) is
+/// quantized.
+type ActivationsByPoint = Box<dyn Fn(&str) -> Result<Activations>>;
+
+/// How to run the model under test.
+#[derive(Args)]
+pub struct PrecisionArgs {
+    /// Precision to run in.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
+    /// Calibration statistics of this model (`qforge calibrate`), for
+    /// --precision int8-static.
+    #[arg(long, value_name = "FILE.qstats")]
+    stats: Option<PathBuf>,
+    /// How int8-static picks each activation threshold: minmax, percentile(P),
+    /// entropy, mse or sigma(K).
+    #[arg(long, default_value = "minmax")]
+    calibrator: Calibrator,
+}
+
+impl PrecisionArgs {
+    /// How each linear layer's activations are quantized, by observation
+    /// point; `None` for full precision.
+    fn activations(&self, model: &Path) -> Result<Option<ActivationsByPoint>> {
+        match (self.precision, &self.stats) {
+            (Precision::F32, None) => Ok(None),
+            (Precision::Int8Dynamic, None) => Ok(Some(Box::new(|_| Ok(Activations::Dynamic)))),
+            (Precision::Int8Static, Some(path)) => {
+                let bytes = std::fs::read(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                let stats = decode(&bytes).with_context(|| format!("{}", path.display()))?;
+                let digest = model_digest(model)?;
+                if !stats.provenance.models.contains(&digest) {
+                    bail!(
+                        "{} was calibrated on another model than {}; run `qforge calibrate --model {}` first",
+                        path.display(),
+                        model.display(),
+                        model.display()
+                    );
+                }
+                let calibrator = self.calibrator;
+                let source = path.display().to_string();
+                Ok(Some(Box::new(move |point: &str| {
+                    let tensor = stats.tensors.get(point).with_context(|| {
+                        format!(
+                            "{source} has no statistics for {point}; calibrate this model again"
+                        )
+                    })?;
+                    let threshold =
+                        calibrator.threshold(tensor.histogram()).with_context(|| {
+                            format!("{source}: {point} saw no finite value; its scale is undefined")
+                        })?;
+                    Ok(Activations::Static(
+                        QuantParams::symmetric(threshold).params.scale,
+                    ))
+                })))
+            }
+            (Precision::Int8Static, None) => Err(UsageError(
+                "--precision int8-static needs --stats FILE.qstats (from `qforge calibrate`)"
+                    .into(),
+            )
+            .into()),
+            (_, Some(_)) => {
+                Err(UsageError("--stats is only used with --precision int8-static".into()).into())
+            }
+        }
+    }
+
     /// The language model in this precision.
-    fn apply_lm(self, mut lm: LanguageModel) -> Result<LanguageModel> {
-        if self == Precision::Int8Dynamic {
-            lm.model = lm
-                .model
-                .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))?;
+    fn apply_lm(&self, mut lm: LanguageModel, path: &Path) -> Result<LanguageModel> {
+        if let Some(activations) = self.activations(path)? {
+            lm.model = lm.model.with_linears(|point, layer| {
+                let activations = activations(point)
+                    .map_err(|e| qforge_model::Error::Format(format!("{e:#}")))?;
+                layer.to_int8(activations)
+            })?;
         }
         Ok(lm)
     }
 
     /// The policy in this precision.
-    fn apply_policy(self, policy: MlpPolicy) -> Result<MlpPolicy> {
-        Ok(match self {
-            Precision::F32 => policy,
-            Precision::Int8Dynamic => {
-                policy.with_linears(|_, layer| layer.to_int8(Activations::Dynamic))?
-            }
+    fn apply_policy(&self, policy: MlpPolicy, path: &Path) -> Result<MlpPolicy> {
+        Ok(match self.activations(path)? {
+            None => policy,
+            Some(activations) => policy.with_linears(|point, layer| {
+                let activations = activations(point)
+                    .map_err(|e| qforge_model::Error::Format(format!("{e:#}")))?;
+                layer.to_int8(activations)
+            })?,
         })
+    }
+
+    /// The name printed in JSON output.
+    fn name(&self) -> String {
+        match self.precision {
+            Precision::F32 => "f32".into(),
+            Precision::Int8Dynamic => "int8-dynamic".into(),
+            Precision::Int8Static => format!("int8-static ({})", self.calibrator),
+        }
     }
 }
 
@@ -98,9 +184,8 @@ pub struct GenerateArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Precision to run in.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    #[command(flatten)]
+    precision: PrecisionArgs,
     #[command(flatten)]
     flags: OutputFlags,
 }
@@ -112,7 +197,9 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     {
         return Err(UsageError(format!("--temperature must be ≥ 0, got {t}")).into());
     }
-    let lm = args.precision.apply_lm(load_language_model(&args.model)?)?;
+    let lm = args
+        .precision
+        .apply_lm(load_language_model(&args.model)?, &args.model)?;
     let prompt = lm.tokenizer.encode(&args.prompt)?;
     let generation = lm.generate(
         &prompt,
@@ -132,7 +219,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
                 "prompt_tokens": generation.prompt_tokens,
                 "prefill_tokens_per_s": generation.prefill_tokens_per_second(),
                 "decode_tokens_per_s": generation.decode_tokens_per_second(),
-                "precision": "f32",
+                "precision": args.precision.name(),
             }))?
         );
     } else {
@@ -175,9 +262,8 @@ pub struct PerplexityArgs {
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
-    /// Precision to run in.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    #[command(flatten)]
+    precision: PrecisionArgs,
     #[command(flatten)]
     flags: OutputFlags,
 }
@@ -197,9 +283,9 @@ pub struct CompareArgs {
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
-    /// Precision to run the model under test in (the reference runs in f32).
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    /// Precision of the model under test (the reference runs in f32).
+    #[command(flatten)]
+    precision: PrecisionArgs,
     #[command(flatten)]
     flags: OutputFlags,
 }
@@ -216,9 +302,9 @@ pub struct AgreementArgs {
     /// Trajectories as JSONL: {"observations": [[…], …], …} per line.
     #[arg(long, value_name = "FILE")]
     observations: PathBuf,
-    /// Precision to run the policy under test in (the reference runs in f32).
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    /// Precision of the policy under test (the reference runs in f32).
+    #[command(flatten)]
+    precision: PrecisionArgs,
     #[command(flatten)]
     flags: OutputFlags,
 }
@@ -241,7 +327,9 @@ pub fn eval(command: EvalCommand) -> Result<()> {
     match command {
         EvalCommand::Perplexity(args) => {
             check_ctx(args.ctx)?;
-            let lm = args.precision.apply_lm(load_language_model(&args.model)?)?;
+            let lm = args
+                .precision
+                .apply_lm(load_language_model(&args.model)?, &args.model)?;
             let tokens = read_text_tokens(&lm, &args.text)?;
             let result = perplexity(&lm.model, &tokens, args.ctx)?;
             if args.flags.json {
@@ -263,7 +351,9 @@ pub fn eval(command: EvalCommand) -> Result<()> {
         }
         EvalCommand::Compare(args) => {
             check_ctx(args.ctx)?;
-            let lm = args.precision.apply_lm(load_language_model(&args.model)?)?;
+            let lm = args
+                .precision
+                .apply_lm(load_language_model(&args.model)?, &args.model)?;
             let reference = load_language_model(&args.reference)?;
             if lm.tokenizer.vocab_size() != reference.tokenizer.vocab_size() {
                 bail!(
@@ -307,7 +397,9 @@ pub fn eval(command: EvalCommand) -> Result<()> {
                     .into()),
                 }
             };
-            let model = args.precision.apply_policy(policy(&args.model)?)?;
+            let model = args
+                .precision
+                .apply_policy(policy(&args.model)?, &args.model)?;
             let reference = policy(&args.reference)?;
             let dim = reference.config().observation_dim;
             if model.config().observation_dim != dim

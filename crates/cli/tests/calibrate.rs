@@ -229,3 +229,82 @@ fn a_finished_run_resumes_without_recomputing_and_gives_the_same_bytes() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Calibration feeds the INT8 engine: static per-tensor activation scales
+/// from the statistics keep the CartPole policy's actions; statistics of
+/// another model, or none, are refused clearly.
+#[test]
+fn static_int8_runs_on_calibrated_scales_and_refuses_foreign_statistics() {
+    let dir = temp("static-int8");
+    let stats = dir.join("cartpole.qstats");
+    let stats = stats.to_str().unwrap();
+    let cartpole = path("fixtures/policies/cartpole");
+    let rollouts = path("fixtures/policies/cartpole/rollouts.jsonl");
+    let out = qforge(&[
+        "calibrate",
+        "--model",
+        &cartpole,
+        "--data",
+        &rollouts,
+        "--samples",
+        "2000",
+        "-o",
+        stats,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let agreement = |extra: &[&str]| {
+        let mut args = vec![
+            "eval",
+            "agreement",
+            "--model",
+            &cartpole,
+            "--reference",
+            &cartpole,
+            "--observations",
+            &rollouts,
+            "--json",
+        ];
+        args.extend(extra);
+        qforge(&args)
+    };
+    for calibrator in ["minmax", "mse"] {
+        let result = json(&agreement(&[
+            "--precision",
+            "int8-static",
+            "--stats",
+            stats,
+            "--calibrator",
+            calibrator,
+        ]));
+        let share = result["agreement"].as_f64().unwrap();
+        assert!(share >= 0.95, "{calibrator}: {share}");
+    }
+    let missing = agreement(&["--precision", "int8-static"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("needs --stats"));
+    let pendulum = path("fixtures/policies/pendulum");
+    let foreign = qforge(&[
+        "eval",
+        "agreement",
+        "--model",
+        &pendulum,
+        "--reference",
+        &pendulum,
+        "--observations",
+        &path("fixtures/policies/pendulum/rollouts.jsonl"),
+        "--precision",
+        "int8-static",
+        "--stats",
+        stats,
+    ]);
+    assert_eq!(foreign.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&foreign.stderr).contains("calibrated on another model"),
+        "{}",
+        String::from_utf8_lossy(&foreign.stderr)
+    );
+}
