@@ -96,19 +96,33 @@ def main():
           "and `cargo bench -p qforge-model --bench forward` (SmolLM2 with every linear layer, "
           "lm_head included, on the INT8 engine, dynamic activations).\n")
     shapes = [("q_proj_576x576", (1, 16, 128)), ("gate_proj_1536x576", (1, 16, 128)),
-              ("down_proj_576x1536", (1, 16, 128)), ("lm_head_49152x576", (1,))]
+              ("down_proj_576x1536", (1, 16, 128)), ("lm_head_49152x576", (1,)),
+              ("square_2048x2048", (512,))]
+    try:
+        with open("target/ort-gemm.json") as f:
+            ort_gemm = json.load(f)
+    except OSError:
+        ort_gemm = {}
     gemm_rows = []
     for shape, ms in shapes:
         for m in ms:
             ours = throughput("gemm", f"int8_{shape}", str(m))
             theirs = throughput("gemm", f"candle_f32_{shape}", str(m))
             if ours and theirs:
-                gemm_rows.append((shape, m, ours / 1e9, theirs / 1e9))
+                gemm_rows.append((shape, m, ours / 1e9, theirs / 1e9,
+                                  ort_gemm.get(f"{shape}/{m}", 0) / 1e9))
     if gemm_rows:
-        print("| layer (out×in) | M | INT8 G MAC/s | candle f32 G MAC/s | INT8 / f32 |")
-        print("|---|---|---|---|---|")
-        for shape, m, ours, theirs in gemm_rows:
-            print(f"| {shape} | {m} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}× |")
+        print("ONNX Runtime: `MatMulInteger` alone (`scripts/bench_ort_gemm.py`, 2 intra-op "
+              "threads), i.e. without the activation quantization and the epilogue that the "
+              "qforge column includes.\n")
+        print("| layer (out×in) | M | qforge INT8 G MAC/s | candle f32 | ORT MatMulInteger | "
+              "INT8 / f32 | INT8 / ORT |")
+        print("|---|---|---|---|---|---|---|")
+        for shape, m, ours, theirs, ort_rate in gemm_rows:
+            versus_ort = f"{ours / ort_rate:.2f}×" if ort_rate else "—"
+            ort_cell = f"{ort_rate:.1f}" if ort_rate else "—"
+            print(f"| {shape} | {m} | {ours:.1f} | {theirs:.1f} | {ort_cell} | "
+                  f"{ours / theirs:.2f}× | {versus_ort} |")
         print()
     prefill8 = throughput("smollm2_int8_dynamic", "prefill_128", "")
     decode8 = mean_ns("smollm2_int8_dynamic", "decode_step_at_128")

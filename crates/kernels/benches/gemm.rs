@@ -8,12 +8,14 @@ use qforge_kernels::{Activations, Int8Linear, Scratch, gemm_kernel_name};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// (name, out, in): SmolLM2-135M's q/o projection, gate/up, down, lm_head.
-const SHAPES: [(&str, usize, usize); 4] = [
-    ("q_proj_576x576", 576, 576),
-    ("gate_proj_1536x576", 1536, 576),
-    ("down_proj_576x1536", 576, 1536),
-    ("lm_head_49152x576", 49152, 576),
+/// (name, out, in, batch rows): SmolLM2-135M's q/o projection, gate/up,
+/// down and lm_head, and a 2048² layer at M = 512 (a Llama-scale prefill tile).
+const SHAPES: [(&str, usize, usize, &[usize]); 5] = [
+    ("q_proj_576x576", 576, 576, &[1, 16, 128]),
+    ("gate_proj_1536x576", 1536, 576, &[1, 16, 128]),
+    ("down_proj_576x1536", 576, 1536, &[1, 16, 128]),
+    ("lm_head_49152x576", 49152, 576, &[1]),
+    ("square_2048x2048", 2048, 2048, &[512]),
 ];
 
 fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
@@ -24,14 +26,13 @@ fn gemm(c: &mut Criterion) {
     eprintln!("int8 GEMM kernel: {}", gemm_kernel_name());
     let mut rng = StdRng::seed_from_u64(0);
     let mut group = c.benchmark_group("gemm");
-    for (name, n, k) in SHAPES {
+    for (name, n, k, rows) in SHAPES {
         let w = values(&mut rng, n * k);
         let layer = Int8Linear::new(&w, (n, k), None, Activations::Dynamic).unwrap();
         let w_t = Tensor::from_vec(w, (n, k), &Device::Cpu)
             .unwrap()
             .t()
             .unwrap();
-        let rows: &[usize] = if n > 10_000 { &[1] } else { &[1, 16, 128] };
         for &m in rows {
             let x = values(&mut rng, m * k);
             let x_tensor = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
