@@ -3,17 +3,21 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::time::Duration;
 
-use qforge_calib::{EpisodeContent, Job, Pass, Plan, Recipe, Stratify, Target, load_jsonl, plan};
+use qforge_calib::{
+    Dataset, EpisodeContent, Job, Pass, Plan, Recipe, Stratify, Target, load_jsonl, plan,
+};
 use qforge_core::codec::encode;
 use qforge_core::{Digest, DigestBuilder};
 use qforge_dist::cluster::{ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, serve};
 use qforge_dist::{Backend, CheckpointStore, Embedded, RunOptions, run};
 use serde_json::json;
+
+use qforge_model::TextSide;
 
 use crate::model_cmd::{AnyModel, load_model};
 use crate::output::write_atomic;
@@ -159,40 +163,53 @@ pub fn model_digest(path: &Path) -> Result<Digest> {
 }
 
 /// A calibration loaded from its inputs: the same on the coordinator and on
-/// every worker.
+/// every worker. `target` is `None` where only the plan was needed (a cluster
+/// coordinator reads the tokenizer, never the weights).
 struct Loaded {
-    target: Target,
+    target: Option<Target>,
     job: Job,
     plan: Plan,
 }
 
-/// Loads the model and data, and plans the batches of `recipe`.
+/// Whether [`load`] reads the model's weights.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Weights {
+    /// Load them: this process observes batches.
+    Load,
+    /// Skip them: this process only plans.
+    Skip,
+}
+
+/// Loads the data (and the model, or only its tokenizer) and plans the
+/// batches of `recipe`.
 fn load(
     model_path: &Path,
     data_path: &Path,
     recipe: &Recipe,
     skip_invalid: bool,
+    weights: Weights,
 ) -> Result<Loaded> {
     let data = load_jsonl(data_path, skip_invalid)?;
     for (line, reason) in &data.skipped {
         eprintln!("warning: {}:{line}: skipped: {reason}", data_path.display());
     }
-    let model = load_model(model_path)?;
-    let plan = match &model {
-        AnyModel::Language(lm) => {
-            let tokenize = |content: &EpisodeContent| -> qforge_calib::Result<Vec<u32>> {
-                let text = match content {
-                    EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
-                    EpisodeContent::Text(text) => text.clone(),
-                    EpisodeContent::PromptCompletion { prompt, completion } => {
-                        lm.chat_text(prompt, completion)?
-                    }
-                };
-                Ok(lm.tokenizer.encode(&text)?)
-            };
-            plan(&data, recipe, Some(&tokenize))?
+    let is_policy = model_path.is_dir() && model_path.join("policy.json").exists();
+    let (target, plan) = match (weights, is_policy) {
+        (Weights::Load, _) => match load_model(model_path)? {
+            AnyModel::Language(lm) => {
+                let plan = plan_episodes(&data, recipe, &lm.text)?;
+                (Some(Target::Language(lm.model)), plan)
+            }
+            AnyModel::Policy(policy) => (Some(Target::Policy(policy)), plan(&data, recipe, None)?),
+        },
+        (Weights::Skip, true) => (None, plan(&data, recipe, None)?),
+        (Weights::Skip, false) => {
+            if !model_path.exists() {
+                bail!("model {} does not exist", model_path.display());
+            }
+            let text = TextSide::load(model_path)?;
+            (None, plan_episodes(&data, recipe, &text)?)
         }
-        AnyModel::Policy(_) => plan(&data, recipe, None)?,
     };
     let job = Job {
         model: model_digest(model_path)?,
@@ -200,11 +217,23 @@ fn load(
         recipe: recipe.clone(),
         planned: plan.batches.len() as u64,
     };
-    let target = match model {
-        AnyModel::Language(lm) => Target::Language(lm.model),
-        AnyModel::Policy(policy) => Target::Policy(policy),
-    };
     Ok(Loaded { target, job, plan })
+}
+
+/// The plan of LLM episodes: chat-formatted (when the model has a template)
+/// and tokenized.
+fn plan_episodes(data: &Dataset, recipe: &Recipe, text: &TextSide) -> Result<Plan> {
+    let tokenize = |content: &EpisodeContent| -> qforge_calib::Result<Vec<u32>> {
+        let rendered = match content {
+            EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
+            EpisodeContent::Text(t) => t.clone(),
+            EpisodeContent::PromptCompletion { prompt, completion } => {
+                text.chat_text(prompt, completion)?
+            }
+        };
+        Ok(text.tokenizer.encode(&rendered)?)
+    };
+    Ok(plan(data, recipe, Some(&tokenize))?)
 }
 
 /// The absolute form of `path`, as workers on other machines must find it.
@@ -260,7 +289,14 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         )
         .into());
     }
-    let Loaded { target, job, plan } = load(&args.model, &args.data, &recipe, args.skip_invalid)?;
+    // A cluster coordinator only plans: the workers load the weights.
+    let weights = if args.cluster.is_some() {
+        Weights::Skip
+    } else {
+        Weights::Load
+    };
+    let Loaded { target, job, plan } =
+        load(&args.model, &args.data, &recipe, args.skip_invalid, weights)?;
     if plan.samples < recipe.samples {
         eprintln!(
             "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
@@ -321,6 +357,7 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
     let backend: &dyn Backend = match &cluster {
         Some(cluster) => cluster,
         None => {
+            let target = target.context("the embedded backend loads the model")?;
             embedded = Embedded::new(target, job.clone(), workers);
             &embedded
         }
@@ -471,10 +508,11 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
             Path::new(&spec.data.path),
             &spec.recipe,
             spec.skip_invalid,
+            Weights::Load,
         )
         .map_err(|e| format!("{e:#}"))?;
         Ok(Prepared {
-            target: loaded.target,
+            target: loaded.target.ok_or("the model did not load")?,
             job: loaded.job,
             plan: loaded.plan,
         })

@@ -200,7 +200,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     let lm = args
         .precision
         .apply_lm(load_language_model(&args.model)?, &args.model)?;
-    let prompt = lm.tokenizer.encode(&args.prompt)?;
+    let prompt = lm.text.tokenizer.encode(&args.prompt)?;
     let generation = lm.generate(
         &prompt,
         &GenerateOptions {
@@ -209,7 +209,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
             seed: args.seed,
         },
     )?;
-    let text = lm.tokenizer.decode(&generation.tokens)?;
+    let text = lm.text.tokenizer.decode(&generation.tokens)?;
     if args.flags.json {
         println!(
             "{}",
@@ -312,7 +312,7 @@ pub struct AgreementArgs {
 fn read_text_tokens(lm: &LanguageModel, path: &Path) -> Result<Vec<u32>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read {} as UTF-8 text", path.display()))?;
-    Ok(lm.tokenizer.encode(&text)?)
+    Ok(lm.text.tokenizer.encode(&text)?)
 }
 
 fn check_ctx(ctx: usize) -> Result<()> {
@@ -355,11 +355,11 @@ pub fn eval(command: EvalCommand) -> Result<()> {
                 .precision
                 .apply_lm(load_language_model(&args.model)?, &args.model)?;
             let reference = load_language_model(&args.reference)?;
-            if lm.tokenizer.vocab_size() != reference.tokenizer.vocab_size() {
+            if lm.text.tokenizer.vocab_size() != reference.text.tokenizer.vocab_size() {
                 bail!(
                     "the models have different vocabularies ({} vs {} tokens); compare needs the same tokenizer",
-                    lm.tokenizer.vocab_size(),
-                    reference.tokenizer.vocab_size()
+                    lm.text.tokenizer.vocab_size(),
+                    reference.text.tokenizer.vocab_size()
                 );
             }
             let tokens = read_text_tokens(&reference, &args.text)?;

@@ -437,3 +437,59 @@ fn a_sigstopped_worker_loses_its_batch_and_its_late_result_is_dropped() {
     let log = std::fs::read_to_string(setup.dir.join("other.log")).unwrap();
     assert!(!log.contains(" 0 reclaimed)"), "{log}");
 }
+
+/// The one SmolLM2 run through Redis (a few thousand tokens): the coordinator
+/// plans with the tokenizer and chat template alone, the worker loads the
+/// weights, and the bytes equal the embedded backend's.
+#[test]
+fn smollm2_through_redis_equals_the_embedded_run() {
+    let Some(server) = RedisServer::start("smollm2", None) else {
+        return;
+    };
+    let model = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(
+        model.exists(),
+        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
+        model.display()
+    );
+    let dir = temp("smollm2");
+    let common = |out: &Path| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_qforge"));
+        command
+            .args(["calibrate", "--model", model.to_str().unwrap()])
+            .args([
+                "--data",
+                root()
+                    .join("fixtures/episodes/arithmetic.jsonl")
+                    .to_str()
+                    .unwrap(),
+            ])
+            .args(["--samples", "16", "--seq-len", "96", "--batch-size", "4"])
+            .args(["-o", out.to_str().unwrap(), "--json"]);
+        command
+    };
+    let embedded = dir.join("embedded.qstats");
+    let status = common(&embedded).args(["--workers", "1"]).status().unwrap();
+    assert!(status.success());
+    let clustered = dir.join("redis.qstats");
+    let url = server.url();
+    let mut worker = Proc(
+        Command::new(env!("CARGO_BIN_EXE_qforge"))
+            .args(["worker", "--cluster", &url, "--run", "smol", "--wait", "60"])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let status = common(&clustered)
+        .args(["--cluster", &url, "--run", "smol"])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(worker.wait(Duration::from_secs(60), "the worker").success());
+    assert_eq!(
+        std::fs::read(&clustered).unwrap(),
+        std::fs::read(&embedded).unwrap(),
+        "Redis and embedded statistics differ"
+    );
+}

@@ -9,49 +9,55 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::llama::{Llama, Logits, Residency, log_softmax};
+use crate::llama::{Llama, LlamaConfig, Logits, Residency, log_softmax};
 use crate::tokenizer::TextTokenizer;
 
-/// A decoder with its tokenizer.
+/// What turns text into token ids: the tokenizer and the chat template.
+/// Loading it reads no weights, so a coordinator can plan a calibration
+/// without holding the model in memory.
 #[derive(Debug, Clone)]
-pub struct LanguageModel {
-    /// The decoder.
-    pub model: Llama,
-    /// Its tokenizer.
+pub struct TextSide {
+    /// The tokenizer.
     pub tokenizer: TextTokenizer,
     /// The chat template (Jinja), when the model ships one.
     pub chat_template: Option<String>,
-    /// Where it was loaded from.
-    pub source: PathBuf,
 }
 
-impl LanguageModel {
-    /// Loads a GGUF file or a Hugging Face directory (`config.json`,
-    /// safetensors, `tokenizer.json`).
+impl TextSide {
+    /// The tokenizer and chat template of a GGUF file or a Hugging Face
+    /// directory (`config.json`, `tokenizer.json`, `tokenizer_config.json`).
     pub fn load(path: &Path) -> Result<Self> {
         if path.is_dir() {
-            let model = Llama::from_hf_dir(path)?;
-            let c = model.config();
-            let tokenizer_path = path.join("tokenizer.json");
-            let tokenizer = TextTokenizer::from_file(
-                &tokenizer_path,
-                c.bos_token_id,
-                hf_adds_bos(path),
-                c.eos_token_ids.clone(),
-            )?;
-            let chat_template = std::fs::read_to_string(path.join("tokenizer_config.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|j| j["chat_template"].as_str().map(str::to_owned));
-            return Ok(Self {
-                model,
-                tokenizer,
-                chat_template,
-                source: path.to_owned(),
-            });
+            let config_path = path.join("config.json");
+            let text =
+                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            let c = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
+            Self::from_hf_dir(path, &c)
+        } else {
+            Self::from_gguf(&GgufFile::open(path)?, path)
         }
-        // One parse of the header serves the tokenizer and the decoder.
-        let file = GgufFile::open(path)?;
+    }
+
+    fn from_hf_dir(dir: &Path, c: &LlamaConfig) -> Result<Self> {
+        let tokenizer = TextTokenizer::from_file(
+            &dir.join("tokenizer.json"),
+            c.bos_token_id,
+            hf_adds_bos(dir),
+            c.eos_token_ids.clone(),
+        )?;
+        let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|j| j["chat_template"].as_str().map(str::to_owned));
+        Ok(Self {
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    fn from_gguf(file: &GgufFile, path: &Path) -> Result<Self> {
         let tokenizer = TextTokenizer::from_gguf(&file.header).map_err(|e| e.in_file(path))?;
         let chat_template = file
             .header
@@ -60,10 +66,8 @@ impl LanguageModel {
             .and_then(|v| v.as_str())
             .map(str::to_owned);
         Ok(Self {
-            model: Llama::from_gguf_file(file, Residency::Auto)?,
             tokenizer,
             chat_template,
-            source: path.to_owned(),
         })
     }
 
@@ -94,6 +98,40 @@ impl LanguageModel {
             .and_then(|t| t.render(context))
             .map_err(|e| Error::Format(format!("chat template: {e}")))
     }
+}
+
+/// A decoder with the text side that feeds it.
+pub struct LanguageModel {
+    /// The decoder.
+    pub model: Llama,
+    /// Its tokenizer and chat template.
+    pub text: TextSide,
+    /// Where it was loaded from.
+    pub source: PathBuf,
+}
+
+impl LanguageModel {
+    /// Loads a GGUF file or a Hugging Face directory (`config.json`,
+    /// safetensors, `tokenizer.json`).
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let model = Llama::from_hf_dir(path)?;
+            let text = TextSide::from_hf_dir(path, model.config())?;
+            return Ok(Self {
+                model,
+                text,
+                source: path.to_owned(),
+            });
+        }
+        // One parse of the header serves the tokenizer and the decoder.
+        let file = GgufFile::open(path)?;
+        let text = TextSide::from_gguf(&file, path)?;
+        Ok(Self {
+            model: Llama::from_gguf_file(file, Residency::Auto)?,
+            text,
+            source: path.to_owned(),
+        })
+    }
 
     /// Generates up to `options.max_tokens` tokens after `prompt`, stopping at
     /// an end-of-sequence token.
@@ -111,7 +149,7 @@ impl LanguageModel {
         let mut next = sample(&logits, options.temperature, &mut rng)?;
         let mut tokens = Vec::new();
         let started = Instant::now();
-        while tokens.len() < options.max_tokens && !self.tokenizer.eos.contains(&next) {
+        while tokens.len() < options.max_tokens && !self.text.tokenizer.eos.contains(&next) {
             tokens.push(next);
             if tokens.len() == options.max_tokens {
                 break;
