@@ -23,7 +23,7 @@ pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use linear::Linear;
-pub use llama::{KvCache, Llama, LlamaConfig, Logits, Residency};
+pub use llama::{Decoder, KvCache, Llama, LlamaConfig, Logits, Residency};
 pub use lm::{GenerateOptions, Generation, LanguageModel, TextSide};
 pub use mlp::{Action, MlpPolicy, PolicyConfig};
 pub use observe::{Observer, StatsObserver};

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::llama::{Llama, LlamaConfig, Logits, Residency, log_softmax};
+use crate::llama::{Decoder, Llama, LlamaConfig, Logits, Residency, log_softmax};
 use crate::tokenizer::TextTokenizer;
 
 /// What turns text into token ids: the tokenizer and the chat template.
@@ -146,18 +146,36 @@ impl LanguageModel {
             self.model
                 .forward(&[prompt.to_vec()], Some(&mut cache), None, Logits::Last)?;
         let prefill = started.elapsed().as_secs_f64();
-        let mut next = sample(&logits, options.temperature, &mut rng)?;
+        let mut next = sample(
+            &logits.flatten_all()?.to_vec1::<f32>()?,
+            options.temperature,
+            &mut rng,
+        )?;
         let mut tokens = Vec::new();
         let started = Instant::now();
+        // An all-INT8 model decodes on the allocation-free decoder.
+        let mut decoder = Decoder::new(&self.model, prompt.len() + options.max_tokens)?;
+        if let Some(decoder) = decoder.as_mut() {
+            decoder.load_cache(&cache)?;
+        }
         while tokens.len() < options.max_tokens && !self.text.tokenizer.eos.contains(&next) {
             tokens.push(next);
             if tokens.len() == options.max_tokens {
                 break;
             }
-            let logits = self
-                .model
-                .forward(&[vec![next]], Some(&mut cache), None, Logits::Last)?;
-            next = sample(&logits, options.temperature, &mut rng)?;
+            next = match decoder.as_mut() {
+                Some(decoder) => sample(decoder.step(next)?, options.temperature, &mut rng)?,
+                None => {
+                    let logits =
+                        self.model
+                            .forward(&[vec![next]], Some(&mut cache), None, Logits::Last)?;
+                    sample(
+                        &logits.flatten_all()?.to_vec1::<f32>()?,
+                        options.temperature,
+                        &mut rng,
+                    )?
+                }
+            };
         }
         Ok(Generation {
             prompt_tokens: prompt.len(),
@@ -215,10 +233,9 @@ impl Generation {
 }
 
 /// Picks the next token from `[1, vocab]` logits.
-fn sample(logits: &Tensor, temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {
-    let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+fn sample(logits: &[f32], temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {
     match temperature {
-        None | Some(0.0) => Ok(argmax(&logits)),
+        None | Some(0.0) => Ok(argmax(logits)),
         Some(t) if t > 0.0 && t.is_finite() => {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let weights: Vec<f64> = logits
@@ -233,7 +250,7 @@ fn sample(logits: &Tensor, temperature: Option<f64>, rng: &mut StdRng) -> Result
                     return Ok(i as u32);
                 }
             }
-            Ok(argmax(&logits))
+            Ok(argmax(logits))
         }
         Some(t) => Err(Error::Shape(format!(
             "temperature must be ≥ 0 and finite, got {t}"

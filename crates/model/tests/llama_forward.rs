@@ -380,3 +380,56 @@ fn bad_inputs_are_clear_errors() {
     assert!(err.contains("model.layers.1.mlp.up_proj.weight"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The allocation-free INT8 decoder against the tensor forward of the same
+/// INT8 model, step by step, on a random GQA Llama (tied lm_head) and a
+/// Qwen2 (q/k/v biases): the integer parts are identical, only the f32
+/// summation order of norms and attention differs.
+#[test]
+fn int8_decoder_steps_match_the_tensor_forward() {
+    for qwen2 in [false, true] {
+        let dir = tiny_family(
+            if qwen2 {
+                "decode-qwen2"
+            } else {
+                "decode-llama"
+            },
+            qwen2,
+        );
+        let model = Llama::from_hf_dir(&dir)
+            .unwrap()
+            .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+            .unwrap();
+        let prompt = vec![1u32, 5, 9, 33, 70, 11];
+        let mut cache = model.new_cache();
+        model
+            .forward(
+                std::slice::from_ref(&prompt),
+                Some(&mut cache),
+                None,
+                Logits::Last,
+            )
+            .unwrap();
+        let mut decoder = qforge_model::Decoder::new(&model, 32)
+            .unwrap()
+            .expect("all INT8");
+        decoder.load_cache(&cache).unwrap();
+        for step in 0..12u32 {
+            let token = (step * 37 + 3) % VOCAB as u32;
+            let reference = model
+                .forward(&[vec![token]], Some(&mut cache), None, Logits::Last)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let diff = max_diff(decoder.step(token).unwrap(), &reference);
+            assert!(diff < 1e-4, "qwen2 {qwen2}, step {step}: max |Δ| {diff}");
+        }
+        assert!(
+            decoder.step(VOCAB as u32).is_err(),
+            "out-of-vocabulary token"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -8,8 +8,10 @@
 //! rotary embedding serves every source.
 
 mod config;
+mod decode;
 
 pub use config::{Family, LlamaConfig, RopeScaling};
+pub use decode::Decoder;
 
 use std::path::Path;
 

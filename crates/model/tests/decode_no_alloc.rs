@@ -1,0 +1,72 @@
+//! The INT8 decode step allocates nothing: a counting global allocator sees
+//! no allocation (on any thread) across decode steps once the decoder has
+//! warmed up (its scratch buffers grown to the largest layer).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use qforge_model::{Activations, Decoder, Llama, Logits, Residency};
+
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller upholds `alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller upholds `dealloc`'s contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller upholds `realloc`'s contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[test]
+fn int8_decode_steps_do_not_allocate() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
+        path.display()
+    );
+    let model = Llama::from_gguf_with(&path, Residency::Dequantized)
+        .unwrap()
+        .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
+        .unwrap();
+    let prompt: Vec<u32> = (0..16).map(|i| 300 + 41 * i).collect();
+    let mut cache = model.new_cache();
+    model
+        .forward(&[prompt], Some(&mut cache), None, Logits::Last)
+        .unwrap();
+    let mut decoder = Decoder::new(&model, 64).unwrap().expect("all INT8");
+    decoder.load_cache(&cache).unwrap();
+    for token in 7..15u32 {
+        decoder.step(token).unwrap();
+    }
+    let before = ALLOCATIONS.load(Ordering::SeqCst);
+    let mut checksum = 0f32;
+    for token in 100..116u32 {
+        checksum += decoder.step(token).unwrap()[0];
+    }
+    let allocations = ALLOCATIONS.load(Ordering::SeqCst) - before;
+    assert!(checksum.is_finite());
+    assert_eq!(
+        allocations, 0,
+        "{allocations} allocations in 16 decode steps"
+    );
+}
