@@ -33,6 +33,12 @@ for workers in 1 2; do
 done
 # The same calibration through Redis, and the failover time.
 python3 scripts/bench_cluster.py
+# Generation of 64 tokens (llama-bench's tg64) in f32 and on the INT8 decoder.
+for precision in f32 int8-dynamic; do
+    target/release/qforge generate --model models/smollm2-135m-instruct-q4_1.gguf \
+        --prompt "Once upon a time, in a small village by the sea," --max-tokens 64 \
+        --precision "$precision" --json > "target/bench-generate-$precision.json"
+done
 .venv/bin/python tests/python/ort_crosscheck.py --markdown --qforge target/release/qforge \
     > target/ort_crosscheck.md
 .venv/bin/python scripts/bench_report.py > BENCHMARKS.md

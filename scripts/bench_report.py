@@ -132,8 +132,25 @@ def main():
         print("| SmolLM2-135M, 2 threads | INT8 dynamic tokens/s | FP32 tokens/s | INT8 / FP32 |")
         print("|---|---|---|---|")
         print(f"| prefill, 128 tokens | {prefill8:.0f} | {prefill:.0f} | {prefill8 / prefill:.2f}× |")
-        print(f"| decode, one token after 128 | {1e9 / decode8:.1f} | {1e9 / decode:.1f} | "
+        print(f"| decode, one token after 128 (tensor forward) | {1e9 / decode8:.1f} | {1e9 / decode:.1f} | "
               f"{decode / decode8:.2f}× |\n")
+    generated = {}
+    for precision in ("f32", "int8-dynamic"):
+        try:
+            with open(f"target/bench-generate-{precision}.json") as f:
+                generated[precision] = json.load(f)
+        except OSError:
+            pass
+    if len(generated) == 2:
+        print("Generation (`qforge generate --max-tokens 64 --json`, a 13-token prompt, greedy; "
+              "the counterpart of llama-bench's tg64). An all-INT8 model decodes on the "
+              "allocation-free decoder, its GEMMs on one thread:\n")
+        print("| precision | decode tokens/s |")
+        print("|---|---|")
+        for precision, r in generated.items():
+            print(f"| {precision} | {r['decode_tokens_per_s']:.1f} |")
+        ratio = generated["int8-dynamic"]["decode_tokens_per_s"] / generated["f32"]["decode_tokens_per_s"]
+        print(f"\nINT8 / f32: {ratio:.2f}×.\n")
     try:
         with open("target/llamacpp-bench.md") as f:
             print("llama.cpp measured right after the benchmarks above, on the same machine (`llama-bench -m f32.gguf "
