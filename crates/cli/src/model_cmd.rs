@@ -8,6 +8,7 @@ use qforge_core::codec::decode;
 use qforge_core::{Calibrator, QuantParams};
 use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
 use qforge_model::lm::{compare, perplexity};
+use qforge_model::sensitivity::{llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy};
 use serde_json::json;
 
@@ -248,6 +249,32 @@ pub enum EvalCommand {
     /// (discrete: same action; continuous: every component within 5 % of the
     /// action range).
     Agreement(AgreementArgs),
+    /// Per-layer sensitivity: each linear layer's output SQNR on the INT8
+    /// engine against full precision, on the inputs a full-precision forward
+    /// of the text (LLMs) or observations (policies) produces; worst first.
+    Layers(LayersArgs),
+}
+
+/// Arguments of `qforge eval layers`.
+#[derive(Args)]
+pub struct LayersArgs {
+    /// Model: GGUF file, Hugging Face directory or policy directory.
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    /// UTF-8 text whose first --ctx tokens feed a language model.
+    #[arg(long, value_name = "FILE", required_unless_present = "observations")]
+    text: Option<PathBuf>,
+    /// Tokens of the text to run.
+    #[arg(long, default_value_t = 256)]
+    ctx: usize,
+    /// Trajectories (JSONL) whose observations feed a policy.
+    #[arg(long, value_name = "FILE", conflicts_with = "text")]
+    observations: Option<PathBuf>,
+    /// The INT8 configuration to measure (int8-dynamic or int8-static).
+    #[command(flatten)]
+    precision: PrecisionArgs,
+    #[command(flatten)]
+    flags: OutputFlags,
 }
 
 /// Arguments of `qforge eval perplexity`.
@@ -386,6 +413,7 @@ pub fn eval(command: EvalCommand) -> Result<()> {
                 );
             }
         }
+        EvalCommand::Layers(args) => layers(args)?,
         EvalCommand::Agreement(args) => {
             let policy = |p: &Path| -> Result<MlpPolicy> {
                 match load_model(p)? {
@@ -441,6 +469,65 @@ pub fn eval(command: EvalCommand) -> Result<()> {
 /// Every observation of a trajectories JSONL file (the calibration data
 /// format, read by the same parser), row-major, checked against the policy's
 /// observation width.
+/// `qforge eval layers`.
+fn layers(args: LayersArgs) -> Result<()> {
+    check_ctx(args.ctx)?;
+    let Some(activations) = args.precision.activations(&args.model)? else {
+        return Err(UsageError(
+            "eval layers measures an INT8 configuration: pass --precision int8-dynamic or int8-static"
+                .into(),
+        )
+        .into());
+    };
+    let by_point =
+        |point: &str| activations(point).map_err(|e| qforge_model::Error::Format(format!("{e:#}")));
+    let mut report = match (load_model(&args.model)?, &args.text, &args.observations) {
+        (AnyModel::Language(lm), Some(text), _) => {
+            let mut tokens = read_text_tokens(&lm, text)?;
+            tokens.truncate(args.ctx);
+            llm_layer_sqnr(&lm.model, &tokens, &by_point)?
+        }
+        (AnyModel::Policy(policy), _, Some(path)) => {
+            let observations = read_observations(path, policy.config().observation_dim)?;
+            policy_layer_sqnr(&policy, &observations, &by_point)?
+        }
+        (AnyModel::Language(_), None, _) => {
+            return Err(UsageError("a language model needs --text".into()).into());
+        }
+        (AnyModel::Policy(_), _, None) => {
+            return Err(UsageError("a policy needs --observations".into()).into());
+        }
+    };
+    // Worst first; identical outputs (no noise) last.
+    report.sort_by(|a, b| {
+        let key = |s: Option<f64>| s.unwrap_or(f64::INFINITY);
+        key(a.sqnr_db).total_cmp(&key(b.sqnr_db))
+    });
+    if args.flags.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "precision": args.precision.name(),
+                "layers": report,
+            }))?
+        );
+    } else {
+        println!(
+            "{:>9}  {:>6}  layer ({})",
+            "SQNR dB",
+            "rows",
+            args.precision.name()
+        );
+        for layer in &report {
+            let db = layer
+                .sqnr_db
+                .map_or("exact".to_owned(), |db| format!("{db:.2}"));
+            println!("{db:>9}  {:>6}  {}", layer.rows, layer.name);
+        }
+    }
+    Ok(())
+}
+
 fn read_observations(path: &Path, dim: usize) -> Result<Vec<f32>> {
     let data = qforge_calib::load_jsonl(path, false)?;
     let mut out = Vec::new();

@@ -308,3 +308,63 @@ fn static_int8_runs_on_calibrated_scales_and_refuses_foreign_statistics() {
         String::from_utf8_lossy(&foreign.stderr)
     );
 }
+
+/// `eval layers` ranks every layer by its output SQNR on the INT8 engine,
+/// worst first, for dynamic and for calibrated static activations.
+#[test]
+fn eval_layers_ranks_every_layer_by_int8_sqnr() {
+    let dir = temp("layers");
+    let stats = dir.join("cartpole.qstats");
+    let stats = stats.to_str().unwrap();
+    let cartpole = path("fixtures/policies/cartpole");
+    let rollouts = path("fixtures/policies/cartpole/rollouts.jsonl");
+    let out = qforge(&[
+        "calibrate",
+        "--model",
+        &cartpole,
+        "--data",
+        &rollouts,
+        "-o",
+        stats,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for extra in [
+        vec!["--precision", "int8-dynamic"],
+        vec!["--precision", "int8-static", "--stats", stats],
+    ] {
+        let mut args = vec![
+            "eval",
+            "layers",
+            "--model",
+            &cartpole,
+            "--observations",
+            &rollouts,
+            "--json",
+        ];
+        args.extend(extra);
+        let report = json(&qforge(&args));
+        let layers = report["layers"].as_array().unwrap();
+        assert_eq!(layers.len(), 3, "{report}");
+        let db: Vec<f64> = layers
+            .iter()
+            .map(|l| l["sqnr_db"].as_f64().unwrap())
+            .collect();
+        assert!(db.windows(2).all(|w| w[0] <= w[1]), "worst first: {db:?}");
+        // Int8 on a small tanh MLP: well above 25 dB, far below exact.
+        assert!(db.iter().all(|&d| d > 25.0 && d < 80.0), "{db:?}");
+        assert_eq!(layers[0]["rows"], 4000);
+    }
+    let f32_run = qforge(&[
+        "eval",
+        "layers",
+        "--model",
+        &cartpole,
+        "--observations",
+        &rollouts,
+    ]);
+    assert_eq!(f32_run.status.code(), Some(2));
+}

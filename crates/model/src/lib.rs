@@ -19,6 +19,7 @@ pub mod lm;
 pub mod mlp;
 pub mod observe;
 pub mod onnx;
+pub mod sensitivity;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

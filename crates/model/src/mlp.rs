@@ -218,6 +218,16 @@ impl MlpPolicy {
         })
     }
 
+    /// Every layer as (name, observation point, layer); for a policy the two
+    /// are the same, `layers.{i}`.
+    pub fn linears(&self) -> Vec<(String, String, &Linear)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(i, layer)| (format!("layers.{i}"), format!("layers.{i}"), layer))
+            .collect()
+    }
+
     /// The policy's configuration.
     pub fn config(&self) -> &PolicyConfig {
         &self.config

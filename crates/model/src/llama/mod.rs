@@ -409,6 +409,37 @@ impl Llama {
         Ok(model)
     }
 
+    /// Every linear layer as (name, observation point, layer), in forward
+    /// order, lm_head last.
+    pub fn linears(&self) -> Vec<(String, String, &Linear)> {
+        let mut out = Vec::with_capacity(7 * self.layers.len() + 1);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let attention = format!("model.layers.{i}.self_attn");
+            let mlp = format!("model.layers.{i}.mlp");
+            for (proj, point, linear) in [
+                ("q_proj", "q_proj", &layer.q_proj),
+                ("k_proj", "q_proj", &layer.k_proj),
+                ("v_proj", "q_proj", &layer.v_proj),
+                ("o_proj", "o_proj", &layer.o_proj),
+            ] {
+                out.push((
+                    format!("{attention}.{proj}"),
+                    format!("{attention}.{point}"),
+                    linear,
+                ));
+            }
+            for (proj, point, linear) in [
+                ("gate_proj", "gate_proj", &layer.gate_proj),
+                ("up_proj", "gate_proj", &layer.up_proj),
+                ("down_proj", "down_proj", &layer.down_proj),
+            ] {
+                out.push((format!("{mlp}.{proj}"), format!("{mlp}.{point}"), linear));
+            }
+        }
+        out.push(("lm_head".into(), "lm_head".into(), &self.lm_head));
+        out
+    }
+
     /// An empty KV cache for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache {

@@ -1,0 +1,103 @@
+//! Per-layer sensitivity: how much each linear layer's output changes on the
+//! INT8 engine, measured on the inputs a full-precision forward produces.
+
+use std::collections::BTreeMap;
+
+use candle_core::{Device, Tensor};
+use qforge_kernels::Activations;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::linear::Linear;
+use crate::llama::{Llama, Logits};
+use crate::mlp::MlpPolicy;
+use crate::observe::Observer;
+
+/// The output SQNR of one layer on the INT8 engine against full precision.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerSqnr {
+    /// The layer (`model.layers.3.mlp.down_proj`, `layers.0`, …).
+    pub name: String,
+    /// Its observation point (the input it shares with others).
+    pub point: String,
+    /// 10·log10(Σ y² / Σ (y − ŷ)²); `None` when the outputs are identical.
+    pub sqnr_db: Option<f64>,
+    /// Input rows measured.
+    pub rows: usize,
+}
+
+/// Every observation point's input rows, concatenated.
+#[derive(Default)]
+struct Capture(BTreeMap<String, (Vec<f32>, usize)>);
+
+impl Observer for Capture {
+    fn observe(&mut self, point: &str, rows: &[f32], width: usize) -> Result<()> {
+        let entry = self
+            .0
+            .entry(point.to_owned())
+            .or_insert_with(|| (Vec::new(), width));
+        entry.0.extend_from_slice(rows);
+        Ok(())
+    }
+}
+
+fn sqnr(reference: &[f32], test: &[f32]) -> Option<f64> {
+    let signal: f64 = reference.iter().map(|v| f64::from(*v).powi(2)).sum();
+    let noise: f64 = reference
+        .iter()
+        .zip(test)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    (noise > 0.0).then(|| 10.0 * (signal / noise).log10())
+}
+
+fn measure(
+    linears: Vec<(String, String, &Linear)>,
+    capture: &Capture,
+    activations: &dyn Fn(&str) -> Result<Activations>,
+) -> Result<Vec<LayerSqnr>> {
+    let mut out = Vec::with_capacity(linears.len());
+    for (name, point, linear) in linears {
+        let (rows, width) = capture
+            .0
+            .get(&point)
+            .ok_or_else(|| Error::Shape(format!("no input was observed at {point}")))?;
+        let x = Tensor::from_slice(rows, (rows.len() / width, *width), &Device::Cpu)?;
+        let reference = linear.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
+        let quantized = linear
+            .to_int8(activations(&point)?)?
+            .forward(&x)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        out.push(LayerSqnr {
+            name,
+            point,
+            sqnr_db: sqnr(&reference, &quantized),
+            rows: rows.len() / width,
+        });
+    }
+    Ok(out)
+}
+
+/// Per-layer SQNR of a full-precision decoder's linear layers on `tokens`
+/// (one sequence), each quantized with `activations(point)`.
+pub fn llm_layer_sqnr(
+    model: &Llama,
+    tokens: &[u32],
+    activations: &dyn Fn(&str) -> Result<Activations>,
+) -> Result<Vec<LayerSqnr>> {
+    let mut capture = Capture::default();
+    model.forward(&[tokens.to_vec()], None, Some(&mut capture), Logits::Last)?;
+    measure(model.linears(), &capture, activations)
+}
+
+/// Per-layer SQNR of a full-precision policy's layers on `observations`.
+pub fn policy_layer_sqnr(
+    policy: &MlpPolicy,
+    observations: &[f32],
+    activations: &dyn Fn(&str) -> Result<Activations>,
+) -> Result<Vec<LayerSqnr>> {
+    let mut capture = Capture::default();
+    policy.forward(observations, Some(&mut capture))?;
+    measure(policy.linears(), &capture, activations)
+}
