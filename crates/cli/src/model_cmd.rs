@@ -220,6 +220,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
                 "prompt_tokens": generation.prompt_tokens,
                 "prefill_tokens_per_s": generation.prefill_tokens_per_second(),
                 "decode_tokens_per_s": generation.decode_tokens_per_second(),
+                // Bytes every decode step reads from the linear layers' weights.
+                "linear_weight_bytes": lm.model.linear_weight_bytes(),
                 "precision": args.precision.name(),
             }))?
         );
