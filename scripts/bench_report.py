@@ -152,11 +152,25 @@ def main():
             rate = f"{weights * r['decode_tokens_per_s'] / 1e9:.1f} GB/s" if weights else "—"
             size = f"{weights / 1e6:.1f} MB" if weights else "—"
             print(f"| {precision} | {r['decode_tokens_per_s']:.1f} | {size} | {rate} |")
+        bandwidth = None
+        try:
+            base = os.path.join(CRITERION, "memory", "read_one_thread_256MiB", "new")
+            with open(os.path.join(base, "estimates.json")) as f:
+                ns = json.load(f)["mean"]["point_estimate"]
+            with open(os.path.join(base, "benchmark.json")) as f:
+                bandwidth = json.load(f)["throughput"]["Bytes"] / (ns * 1e-9)
+        except (OSError, KeyError, TypeError):
+            pass
+        int8 = generated["int8-dynamic"]
+        int8_rate = int8["linear_weight_bytes"] * int8["decode_tokens_per_s"]
+        ceiling = (f"One thread reads {bandwidth / 1e9:.1f} GB/s here (`cargo bench -p "
+                   f"qforge-kernels --bench gemm -- memory`, a 256 MiB stream), so the INT8 "
+                   f"decoder's weight reads run at {100 * int8_rate / bandwidth:.0f} % of one "
+                   "thread's bandwidth") if bandwidth else "One thread's read bandwidth was not measured in this run"
         print("\nThe read rate counts the linear layers' weights only (the KV cache and the "
               "embedding row add < 2 % at these lengths). The INT8 decoder runs its GEMMs on one "
-              "thread; the issue gives ≈ 25 GB/s as one thread's read bandwidth on this machine "
-              "(not measured here), so a single-threaded decode is close to its ceiling and "
-              "beating llama.cpp, which reads with both cores, needs a two-thread GEMV.")
+              f"thread. {ceiling}; beating llama.cpp, which reads with both cores, needs a "
+              "two-thread GEMV.")
         ratio = generated["int8-dynamic"]["decode_tokens_per_s"] / generated["f32"]["decode_tokens_per_s"]
         print(f"\nINT8 / f32: {ratio:.2f}×.\n")
     try:

@@ -50,12 +50,24 @@ fn gemm(c: &mut Criterion) {
     group.finish();
 }
 
+/// One thread streaming a 256 MiB buffer (far beyond the caches): the read
+/// bandwidth a single-threaded decode step is bounded by.
+fn read_bandwidth(c: &mut Criterion) {
+    let words = vec![1u64; 32 << 20];
+    let mut group = c.benchmark_group("memory");
+    group.throughput(Throughput::Bytes((words.len() * 8) as u64));
+    group.bench_function("read_one_thread_256MiB", |b| {
+        b.iter(|| words.iter().fold(0u64, |acc, &w| acc.wrapping_add(w)))
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(std::time::Duration::from_millis(500))
         .measurement_time(std::time::Duration::from_secs(2))
         .sample_size(20);
-    targets = gemm
+    targets = gemm, read_bandwidth
 }
 criterion_main!(benches);
