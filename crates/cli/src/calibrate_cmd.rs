@@ -13,7 +13,9 @@ use qforge_calib::{
 };
 use qforge_core::codec::encode;
 use qforge_core::{Digest, DigestBuilder};
-use qforge_dist::cluster::{ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, serve};
+use qforge_dist::cluster::{
+    ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, hostname, serve,
+};
 use qforge_dist::{Backend, CheckpointStore, Embedded, RunOptions, run};
 use serde_json::json;
 
@@ -489,9 +491,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     {
         return Err(UsageError("--wait must be ≥ 0 and --outage-limit positive".into()).into());
     }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "worker".into());
+    let host = hostname();
     let options = WorkerOptions {
         url: args.cluster,
         run: args.run,

@@ -31,7 +31,7 @@ pub enum Precision {
 
 /// How the input of each linear layer (named by its observation point) is
 /// quantized.
-type ActivationsByPoint = Box<dyn Fn(&str) -> Result<Activations>>;
+type ActivationsByPoint = Box<dyn Fn(&str) -> qforge_model::Result<Activations>>;
 
 /// How to run the model under test.
 #[derive(Args)]
@@ -72,15 +72,16 @@ impl PrecisionArgs {
                 let calibrator = self.calibrator;
                 let source = path.display().to_string();
                 Ok(Some(Box::new(move |point: &str| {
-                    let tensor = stats.tensors.get(point).with_context(|| {
-                        format!(
+                    let tensor = stats.tensors.get(point).ok_or_else(|| {
+                        qforge_model::Error::Format(format!(
                             "{source} has no statistics for {point}; calibrate this model again"
-                        )
+                        ))
                     })?;
-                    let threshold =
-                        calibrator.threshold(tensor.histogram()).with_context(|| {
-                            format!("{source}: {point} saw no finite value; its scale is undefined")
-                        })?;
+                    let threshold = calibrator.threshold(tensor.histogram()).ok_or_else(|| {
+                        qforge_model::Error::Format(format!(
+                            "{source}: {point} saw no finite value; its scale is undefined"
+                        ))
+                    })?;
                     Ok(Activations::Static(
                         QuantParams::symmetric(threshold).params.scale,
                     ))
@@ -100,11 +101,9 @@ impl PrecisionArgs {
     /// The language model in this precision.
     fn apply_lm(&self, mut lm: LanguageModel, path: &Path) -> Result<LanguageModel> {
         if let Some(activations) = self.activations(path)? {
-            lm.model = lm.model.with_linears(|point, layer| {
-                let activations = activations(point)
-                    .map_err(|e| qforge_model::Error::Format(format!("{e:#}")))?;
-                layer.to_int8(activations)
-            })?;
+            lm.model = lm
+                .model
+                .with_linears(|point, layer| layer.to_int8(activations(point)?))?;
         }
         Ok(lm)
     }
@@ -113,11 +112,9 @@ impl PrecisionArgs {
     fn apply_policy(&self, policy: MlpPolicy, path: &Path) -> Result<MlpPolicy> {
         Ok(match self.activations(path)? {
             None => policy,
-            Some(activations) => policy.with_linears(|point, layer| {
-                let activations = activations(point)
-                    .map_err(|e| qforge_model::Error::Format(format!("{e:#}")))?;
-                layer.to_int8(activations)
-            })?,
+            Some(activations) => {
+                policy.with_linears(|point, layer| layer.to_int8(activations(point)?))?
+            }
         })
     }
 
@@ -468,9 +465,6 @@ pub fn eval(command: EvalCommand) -> Result<()> {
     Ok(())
 }
 
-/// Every observation of a trajectories JSONL file (the calibration data
-/// format, read by the same parser), row-major, checked against the policy's
-/// observation width.
 /// `qforge eval layers`.
 fn layers(args: LayersArgs) -> Result<()> {
     check_ctx(args.ctx)?;
@@ -481,17 +475,15 @@ fn layers(args: LayersArgs) -> Result<()> {
         )
         .into());
     };
-    let by_point =
-        |point: &str| activations(point).map_err(|e| qforge_model::Error::Format(format!("{e:#}")));
     let mut report = match (load_model(&args.model)?, &args.text, &args.observations) {
         (AnyModel::Language(lm), Some(text), _) => {
             let mut tokens = read_text_tokens(&lm, text)?;
             tokens.truncate(args.ctx);
-            llm_layer_sqnr(&lm.model, &tokens, &by_point)?
+            llm_layer_sqnr(&lm.model, &tokens, &activations)?
         }
         (AnyModel::Policy(policy), _, Some(path)) => {
             let observations = read_observations(path, policy.config().observation_dim)?;
-            policy_layer_sqnr(&policy, &observations, &by_point)?
+            policy_layer_sqnr(&policy, &observations, &activations)?
         }
         (AnyModel::Language(_), None, _) => {
             return Err(UsageError("a language model needs --text".into()).into());
@@ -530,6 +522,9 @@ fn layers(args: LayersArgs) -> Result<()> {
     Ok(())
 }
 
+/// Every observation of a trajectories JSONL file (the calibration data
+/// format, read by the same parser), row-major, checked against the policy's
+/// observation width.
 fn read_observations(path: &Path, dim: usize) -> Result<Vec<f32>> {
     let data = qforge_calib::load_jsonl(path, false)?;
     let mut out = Vec::new();

@@ -230,32 +230,39 @@ fn a_finished_run_resumes_without_recomputing_and_gives_the_same_bytes() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// Calibration feeds the INT8 engine: static per-tensor activation scales
-/// from the statistics keep the CartPole policy's actions; statistics of
-/// another model, or none, are refused clearly.
-#[test]
-fn static_int8_runs_on_calibrated_scales_and_refuses_foreign_statistics() {
-    let dir = temp("static-int8");
-    let stats = dir.join("cartpole.qstats");
-    let stats = stats.to_str().unwrap();
-    let cartpole = path("fixtures/policies/cartpole");
-    let rollouts = path("fixtures/policies/cartpole/rollouts.jsonl");
+/// Calibrates the CartPole policy on `samples` of its rollouts into a fresh
+/// folder; returns the statistics' path.
+fn calibrated_cartpole(name: &str, samples: &str) -> String {
+    let stats = temp(name).join("cartpole.qstats");
+    let stats = stats.to_str().unwrap().to_owned();
     let out = qforge(&[
         "calibrate",
         "--model",
-        &cartpole,
+        &path("fixtures/policies/cartpole"),
         "--data",
-        &rollouts,
+        &path("fixtures/policies/cartpole/rollouts.jsonl"),
         "--samples",
-        "2000",
+        samples,
         "-o",
-        stats,
+        &stats,
     ]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stats
+}
+
+/// Calibration feeds the INT8 engine: static per-tensor activation scales
+/// from the statistics keep the CartPole policy's actions; statistics of
+/// another model, or none, are refused clearly.
+#[test]
+fn static_int8_runs_on_calibrated_scales_and_refuses_foreign_statistics() {
+    let stats = calibrated_cartpole("static-int8", "2000");
+    let stats = stats.as_str();
+    let cartpole = path("fixtures/policies/cartpole");
+    let rollouts = path("fixtures/policies/cartpole/rollouts.jsonl");
     let agreement = |extra: &[&str]| {
         let mut args = vec![
             "eval",
@@ -313,25 +320,10 @@ fn static_int8_runs_on_calibrated_scales_and_refuses_foreign_statistics() {
 /// worst first, for dynamic and for calibrated static activations.
 #[test]
 fn eval_layers_ranks_every_layer_by_int8_sqnr() {
-    let dir = temp("layers");
-    let stats = dir.join("cartpole.qstats");
-    let stats = stats.to_str().unwrap();
+    let stats = calibrated_cartpole("layers", "512");
+    let stats = stats.as_str();
     let cartpole = path("fixtures/policies/cartpole");
     let rollouts = path("fixtures/policies/cartpole/rollouts.jsonl");
-    let out = qforge(&[
-        "calibrate",
-        "--model",
-        &cartpole,
-        "--data",
-        &rollouts,
-        "-o",
-        stats,
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     for extra in [
         vec!["--precision", "int8-dynamic"],
         vec!["--precision", "int8-static", "--stats", stats],

@@ -666,7 +666,8 @@ impl Session {
     }
 }
 
-fn hostname() -> String {
+/// This machine's host name (for worker names and the worker record).
+pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .or_else(|_| std::env::var("HOSTNAME"))
