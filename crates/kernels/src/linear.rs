@@ -108,6 +108,39 @@ impl Int8Linear {
                 weight.len()
             )));
         }
+        let (values, scales) = quantize_rows_symmetric(weight, in_features, weight_qmax());
+        Self::from_quantized(
+            &values,
+            scales,
+            (out_features, in_features),
+            bias,
+            activations,
+        )
+    }
+
+    /// Prepacks weights quantized already (`values[o·in + i] × scales[o]`),
+    /// e.g. read back from an artifact. Values beyond what this CPU's GEMM
+    /// takes exactly ([`weight_qmax`]: an artifact written on a VNNI machine
+    /// and loaded on plain AVX2) are requantized to the narrower range from
+    /// their dequantized values.
+    pub fn from_quantized(
+        values: &[i8],
+        scales: Vec<f32>,
+        (out_features, in_features): (usize, usize),
+        bias: Option<&[f32]>,
+        activations: Activations,
+    ) -> Result<Self> {
+        if out_features == 0
+            || in_features == 0
+            || values.len() != out_features * in_features
+            || scales.len() != out_features
+        {
+            return Err(Error::Shape(format!(
+                "{} weights and {} scales for a [{out_features}, {in_features}] layer",
+                values.len(),
+                scales.len()
+            )));
+        }
         if let Some(b) = bias
             && b.len() != out_features
         {
@@ -116,9 +149,29 @@ impl Int8Linear {
                 b.len()
             )));
         }
-        let (values, scales) = quantize_rows_symmetric(weight, in_features, weight_qmax());
+        if let Some(bad) = scales.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            return Err(Error::Shape(format!(
+                "weight scale {bad} is not a positive finite number"
+            )));
+        }
+        let qmax = weight_qmax();
+        let narrowed;
+        let (values, scales) = if values
+            .iter()
+            .any(|v| v.unsigned_abs() > qmax.unsigned_abs())
+        {
+            let dequantized: Vec<f32> = values
+                .chunks_exact(in_features)
+                .zip(&scales)
+                .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
+                .collect();
+            narrowed = quantize_rows_symmetric(&dequantized, in_features, qmax);
+            (&narrowed.0[..], narrowed.1.clone())
+        } else {
+            (values, scales)
+        };
         // The GEMM multiplies A [m, k] by B [k, n]: B is Wᵀ.
-        let w = NdTensorView::from_data([out_features, in_features], &values[..]);
+        let w = NdTensorView::from_data([out_features, in_features], values);
         let packed = with_executor(|e| e.prepack_b(w.transposed()));
         Ok(Self {
             packed,

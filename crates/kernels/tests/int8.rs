@@ -209,3 +209,58 @@ fn bad_shapes_are_errors_not_panics() {
         Vec::<f32>::new()
     );
 }
+
+#[test]
+fn prequantized_weights_load_as_the_layer_that_made_them() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let (n, k, m) = (37, 53, 5);
+    let weight = gaussian(&mut rng, n * k, 0.05);
+    let bias = gaussian(&mut rng, n, 0.1);
+    let x = gaussian(&mut rng, m * k, 1.0);
+    let mut scratch = Scratch::default();
+    let made = Int8Linear::new(&weight, (n, k), Some(&bias), Activations::Dynamic).unwrap();
+    let want = made.forward(&x, m, &mut scratch).unwrap();
+
+    // What an artifact written on this CPU holds: the engine's own values.
+    let (values, scales) = quantize_rows_symmetric(&weight, k, weight_qmax());
+    let loaded =
+        Int8Linear::from_quantized(&values, scales, (n, k), Some(&bias), Activations::Dynamic)
+            .unwrap();
+    assert_eq!(loaded.forward(&x, m, &mut scratch).unwrap(), want);
+
+    // Full 8-bit values (a VNNI machine's artifact) load on any tier: where
+    // the GEMM takes only 7 bits they are narrowed, and the layer then equals
+    // one made from the dequantized weights.
+    let (wide, wide_scales) = quantize_rows_symmetric(&weight, k, 127);
+    let dequantized: Vec<f32> = wide
+        .chunks_exact(k)
+        .zip(&wide_scales)
+        .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
+        .collect();
+    let expected = Int8Linear::new(&dequantized, (n, k), Some(&bias), Activations::Dynamic)
+        .unwrap()
+        .forward(&x, m, &mut scratch)
+        .unwrap();
+    let wide_layer = Int8Linear::from_quantized(
+        &wide,
+        wide_scales,
+        (n, k),
+        Some(&bias),
+        Activations::Dynamic,
+    )
+    .unwrap();
+    let got = wide_layer.forward(&x, m, &mut scratch).unwrap();
+    if weight_qmax() == 127 {
+        // Nothing to narrow: these are the values checked above, loaded as stored.
+        assert_eq!(got, want);
+    } else {
+        assert_eq!(got, expected);
+    }
+
+    // Corrupt scales are refused, not multiplied through.
+    let (values, mut scales) = quantize_rows_symmetric(&weight, k, weight_qmax());
+    scales[3] = f32::NAN;
+    assert!(
+        Int8Linear::from_quantized(&values, scales, (n, k), None, Activations::Dynamic).is_err()
+    );
+}

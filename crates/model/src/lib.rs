@@ -10,12 +10,14 @@
 //! engine exists); it must not depend on calibration, distribution, serving
 //! or the CLI.
 
+pub mod artifact;
 pub mod error;
 pub mod fingerprint;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
 pub mod lm;
+pub mod manifest;
 pub mod mlp;
 pub mod observe;
 pub mod onnx;

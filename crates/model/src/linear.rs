@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
-use qforge_kernels::{Activations, Int8Linear, Scratch};
+use qforge_kernels::{Activations, Int8Linear, Scratch, quantize_rows_symmetric, weight_qmax};
 
 use crate::error::{Error, Result};
 
@@ -84,19 +84,46 @@ impl Linear {
 
     /// The same layer on the INT8 engine (an INT8 layer is returned as is).
     pub fn to_int8(&self, activations: Activations) -> Result<Linear> {
-        let (weight, bias) = match self {
-            Linear::Fp { weight, bias } => (weight.to_dtype(DType::F32)?, bias),
-            Linear::Dequantizing { weight, bias } => (weight.dequantize(&Device::Cpu)?, bias),
-            Linear::Int8(_) => return Ok(self.clone()),
-        };
-        let weight = weight.flatten_all()?.to_vec1::<f32>()?;
-        let bias = bias.as_ref().map(|b| b.to_vec1::<f32>()).transpose()?;
-        Ok(Linear::Int8(Arc::new(Int8Linear::new(
-            &weight,
+        if let Linear::Int8(_) = self {
+            return Ok(self.clone());
+        }
+        let (weight, bias) = self.full_precision()?;
+        let (values, scales) = Self::quantize_weight(&weight)?;
+        let bias = bias.map(|b| b.to_vec1::<f32>()).transpose()?;
+        Ok(Linear::Int8(Arc::new(Int8Linear::from_quantized(
+            &values,
+            scales,
             self.shape(),
             bias.as_deref(),
             activations,
         )?)))
+    }
+
+    /// The f32 weight `[out, in]` and bias of a full-precision layer (an
+    /// INT8 layer has no full-precision weights left: an error).
+    pub fn full_precision(&self) -> Result<(Tensor, Option<Tensor>)> {
+        match self {
+            Linear::Fp { weight, bias } => Ok((weight.to_dtype(DType::F32)?, bias.clone())),
+            Linear::Dequantizing { weight, bias } => {
+                Ok((weight.dequantize(&Device::Cpu)?, bias.clone()))
+            }
+            Linear::Int8(_) => Err(Error::Unsupported(
+                "this layer is INT8 already; quantize from the full-precision model".into(),
+            )),
+        }
+    }
+
+    /// The int8 values and per-row scales the INT8 engine uses for `weight`
+    /// (`[out, in]`, f32): symmetric, at this CPU's weight range.
+    pub fn quantize_weight(weight: &Tensor) -> Result<(Vec<i8>, Vec<f32>)> {
+        let &[_, cols] = weight.dims() else {
+            return Err(Error::Shape(format!(
+                "a weight of shape {:?} is not a matrix",
+                weight.dims()
+            )));
+        };
+        let values = weight.flatten_all()?.to_vec1::<f32>()?;
+        Ok(quantize_rows_symmetric(&values, cols, weight_qmax()))
     }
 
     /// Applies the layer to `x` of shape `[..., in]`.

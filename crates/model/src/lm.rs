@@ -111,9 +111,12 @@ pub struct LanguageModel {
 }
 
 impl LanguageModel {
-    /// Loads a GGUF file or a Hugging Face directory (`config.json`,
-    /// safetensors, `tokenizer.json`).
+    /// Loads a GGUF file, a Hugging Face directory (`config.json`,
+    /// safetensors, `tokenizer.json`) or a native artifact.
     pub fn load(path: &Path) -> Result<Self> {
+        if crate::artifact::is_artifact(path) {
+            return crate::artifact::load_language_model(path);
+        }
         if path.is_dir() {
             let model = Llama::from_hf_dir(path)?;
             let text = TextSide::from_hf_dir(path, model.config())?;

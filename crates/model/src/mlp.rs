@@ -108,7 +108,12 @@ enum Malformed {
 
 impl MlpPolicy {
     /// Loads `policy.json` and `model.safetensors` from `dir`.
+    /// A native artifact (`qforge.json` beside `policy.json`) loads with its
+    /// stored precisions.
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if crate::artifact::is_artifact(dir) {
+            return crate::artifact::load_policy(dir);
+        }
         let config_path = dir.join("policy.json");
         let config = std::fs::read(&config_path).map_err(|e| Error::io(&config_path, e))?;
         let weights_path = dir.join("model.safetensors");
@@ -158,8 +163,21 @@ impl MlpPolicy {
         .map_err(Malformed::Policy)
     }
 
-    /// Builds a policy from its config and a tensor lookup.
+    /// Builds a full-precision policy from its config and a tensor lookup.
     pub fn new(config: PolicyConfig, tensor: impl Fn(&str) -> Result<Tensor>) -> Result<Self> {
+        Self::from_linears(config, |name, shape| {
+            let weight = tensor(&format!("{name}.weight"))?;
+            let bias = tensor(&format!("{name}.bias"))?;
+            Linear::fp(name, weight, Some(bias), shape)
+        })
+    }
+
+    /// Builds a policy from its config and a builder of each layer
+    /// (`layers.{i}`, `(out, in)`), which must return a layer of that shape.
+    pub fn from_linears(
+        config: PolicyConfig,
+        linear: impl Fn(&str, (usize, usize)) -> Result<Linear>,
+    ) -> Result<Self> {
         if config.format != "qforge-mlp-policy" || config.version != 1 {
             return Err(Error::Unsupported(format!(
                 "policy format {:?} version {} (expected qforge-mlp-policy version 1)",
@@ -195,9 +213,16 @@ impl MlpPolicy {
             .enumerate()
             .map(|(i, w)| {
                 let name = format!("layers.{i}");
-                let weight = tensor(&format!("{name}.weight"))?;
-                let bias = tensor(&format!("{name}.bias"))?;
-                Linear::fp(&name, weight, Some(bias), (w[1], w[0]))
+                let layer = linear(&name, (w[1], w[0]))?;
+                if layer.shape() != (w[1], w[0]) {
+                    return Err(Error::Shape(format!(
+                        "{name} is {:?}, expected ({}, {})",
+                        layer.shape(),
+                        w[1],
+                        w[0]
+                    )));
+                }
+                Ok(layer)
             })
             .collect::<Result<_>>()?;
         Ok(Self { config, layers })

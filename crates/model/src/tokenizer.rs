@@ -160,6 +160,19 @@ impl TextTokenizer {
         })
     }
 
+    /// Writes `tokenizer.json` into `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let path = dir.join("tokenizer.json");
+        self.inner
+            .save(&path, false)
+            .map_err(|e| tk_error(&path.display().to_string(), e))
+    }
+
+    /// Whether [`TextTokenizer::encode`] prepends BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
     /// Token ids of `text`; special tokens written in the text (such as
     /// `<|im_start|>`) are recognised. Prepends BOS when the model wants it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

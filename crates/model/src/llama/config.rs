@@ -204,6 +204,52 @@ impl LlamaConfig {
         .validate()
     }
 
+    /// As a Hugging Face `config.json` ([`LlamaConfig::from_hf`] reads it
+    /// back to an equal config), so a model loaded from GGUF can be written
+    /// as a Hugging Face directory.
+    pub fn to_hf(&self) -> Json {
+        let (architecture, model_type) = match self.family {
+            Family::Llama => ("LlamaForCausalLM", "llama"),
+            Family::Mistral => ("MistralForCausalLM", "mistral"),
+            Family::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        };
+        let rope_scaling = match self.rope_scaling {
+            RopeScaling::None => Json::Null,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            }),
+        };
+        serde_json::json!({
+            "architectures": [architecture],
+            "model_type": model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "eos_token_id": self.eos_token_ids,
+            "bos_token_id": self.bos_token_id,
+            "torch_dtype": "float32",
+        })
+    }
+
     /// From GGUF metadata.
     pub fn from_gguf(header: &GgufHeader) -> Result<Self> {
         let arch = header.get_str("general.architecture")?;

@@ -78,7 +78,7 @@ impl KvCache {
 }
 
 /// Where a model's tensors come from, by Hugging Face name.
-trait WeightSource {
+pub(crate) trait WeightSource {
     fn tensor(&self, name: &str) -> Result<Tensor>;
     fn has(&self, name: &str) -> bool;
 
@@ -288,7 +288,8 @@ impl Llama {
         Self::load(config, &source).map_err(|e| e.in_file(dir))
     }
 
-    fn load(config: LlamaConfig, source: &dyn WeightSource) -> Result<Self> {
+    /// Builds the decoder from its config and a tensor source.
+    pub(crate) fn load(config: LlamaConfig, source: &dyn WeightSource) -> Result<Self> {
         let c = &config;
         let (d, kv) = (c.hidden_size, c.num_kv_heads * c.head_dim);
         let q_width = c.num_heads * c.head_dim;
@@ -409,35 +410,71 @@ impl Llama {
         Ok(model)
     }
 
-    /// Every linear layer as (name, observation point, layer), in forward
-    /// order, lm_head last.
-    pub fn linears(&self) -> Vec<(String, String, &Linear)> {
-        let mut out = Vec::with_capacity(7 * self.layers.len() + 1);
+    /// Every tensor besides the linear layers' (embedding and norms), by
+    /// Hugging Face name.
+    pub(crate) fn other_tensors(&self) -> Vec<(String, &Tensor)> {
+        let mut out = vec![("model.embed_tokens.weight".to_owned(), &self.embed_tokens)];
         for (i, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            out.push((format!("{p}.input_layernorm.weight"), &layer.input_norm));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                &layer.post_attention_norm,
+            ));
+        }
+        out.push(("model.norm.weight".to_owned(), &self.norm));
+        out
+    }
+
+    /// (name, observation point) of every linear layer of a model with
+    /// `config`, in the order of [`Llama::linears`].
+    pub fn linear_points(config: &LlamaConfig) -> Vec<(String, String)> {
+        let mut out = Vec::with_capacity(7 * config.num_layers + 1);
+        for i in 0..config.num_layers {
             let attention = format!("model.layers.{i}.self_attn");
             let mlp = format!("model.layers.{i}.mlp");
-            for (proj, point, linear) in [
-                ("q_proj", "q_proj", &layer.q_proj),
-                ("k_proj", "q_proj", &layer.k_proj),
-                ("v_proj", "q_proj", &layer.v_proj),
-                ("o_proj", "o_proj", &layer.o_proj),
+            for (proj, point) in [
+                ("q_proj", "q_proj"),
+                ("k_proj", "q_proj"),
+                ("v_proj", "q_proj"),
+                ("o_proj", "o_proj"),
             ] {
                 out.push((
                     format!("{attention}.{proj}"),
                     format!("{attention}.{point}"),
-                    linear,
                 ));
             }
-            for (proj, point, linear) in [
-                ("gate_proj", "gate_proj", &layer.gate_proj),
-                ("up_proj", "gate_proj", &layer.up_proj),
-                ("down_proj", "down_proj", &layer.down_proj),
+            for (proj, point) in [
+                ("gate_proj", "gate_proj"),
+                ("up_proj", "gate_proj"),
+                ("down_proj", "down_proj"),
             ] {
-                out.push((format!("{mlp}.{proj}"), format!("{mlp}.{point}"), linear));
+                out.push((format!("{mlp}.{proj}"), format!("{mlp}.{point}")));
             }
         }
-        out.push(("lm_head".into(), "lm_head".into(), &self.lm_head));
+        out.push(("lm_head".into(), "lm_head".into()));
         out
+    }
+
+    /// Every linear layer as (name, observation point, layer), in forward
+    /// order, lm_head last.
+    pub fn linears(&self) -> Vec<(String, String, &Linear)> {
+        let layers = self.layers.iter().flat_map(|l| {
+            [
+                &l.q_proj,
+                &l.k_proj,
+                &l.v_proj,
+                &l.o_proj,
+                &l.gate_proj,
+                &l.up_proj,
+                &l.down_proj,
+            ]
+        });
+        Self::linear_points(&self.config)
+            .into_iter()
+            .zip(layers.chain([&self.lm_head]))
+            .map(|((name, point), layer)| (name, point, layer))
+            .collect()
     }
 
     /// An empty KV cache for this model.

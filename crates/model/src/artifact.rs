@@ -1,0 +1,518 @@
+//! The native artifact: a quantized model exactly as qforge's INT8 engine
+//! runs it, written by `qforge quantize` and loaded by every consumer
+//! (`eval`, `generate`, `serve`, `export`).
+//!
+//! An artifact is a directory:
+//!
+//! * `qforge.json`: format and version, the model kind, the weight range the
+//!   int8 values use, and the precision of every observation point (the input
+//!   of a fused group of linear layers: q/k/v share one, gate/up share one);
+//! * `model.safetensors`: for an INT8 layer `NAME.weight` (I8, `[out, in]`)
+//!   and `NAME.weight_scale` (F32, `[out, 1]`); for a full-precision layer
+//!   `NAME.weight` (F32); biases, embeddings and norms in F32. Names are Hugging
+//!   Face's and the int8 layout is compressed-tensors' (symmetric
+//!   per-channel, no zero points), so an export rewrites metadata rather than
+//!   requantizing;
+//! * what describes the model besides its tensors: `policy.json` for a
+//!   policy; `config.json`, `tokenizer.json` and `tokenizer_config.json` for a
+//!   language model (a GGUF source is written out in Hugging Face form, q/k
+//!   rows already in Hugging Face order);
+//! * `manifest.json` ([`crate::manifest`]): provenance and the hash of every
+//!   file.
+//!
+//! Loading gives the same layers the quantizer evaluated: the stored int8
+//! values and scales are prepacked as they are (narrowed to 7 bits only on a
+//! CPU whose GEMM cannot take 8, see `Int8Linear::from_quantized`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use qforge_kernels::{Activations, Int8Linear, weight_qmax};
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::linear::Linear;
+use crate::llama::{Llama, LlamaConfig, WeightSource};
+use crate::lm::{LanguageModel, TextSide};
+use crate::mlp::{MlpPolicy, PolicyConfig};
+
+/// The file that marks a directory as a native artifact.
+pub const ARTIFACT_FILE: &str = "qforge.json";
+/// The tensors of an artifact.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// `format` of `qforge.json`.
+const FORMAT: &str = "qforge-int8";
+/// Version of the layout this code writes and reads.
+const VERSION: u32 = 1;
+
+/// How the layers of one observation point run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "precision", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum LayerPrecision {
+    /// Full precision (f32).
+    Fp,
+    /// INT8 weights, activations quantized per token at run time.
+    Int8Dynamic,
+    /// INT8 weights, activations quantized with one calibrated scale.
+    Int8Static {
+        /// The activation scale (threshold / 127).
+        input_scale: f32,
+    },
+}
+
+impl LayerPrecision {
+    /// How activations are quantized; `None` for full precision.
+    pub fn activations(self) -> Option<Activations> {
+        match self {
+            LayerPrecision::Fp => None,
+            LayerPrecision::Int8Dynamic => Some(Activations::Dynamic),
+            LayerPrecision::Int8Static { input_scale } => Some(Activations::Static(input_scale)),
+        }
+    }
+
+    /// The layer `layer` (full precision) in this precision.
+    pub fn apply(self, layer: &Linear) -> Result<Linear> {
+        match self.activations() {
+            None => Ok(layer.clone()),
+            Some(activations) => layer.to_int8(activations),
+        }
+    }
+
+    /// Short name: `fp`, `int8-dynamic` or `int8-static`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerPrecision::Fp => "fp",
+            LayerPrecision::Int8Dynamic => "int8-dynamic",
+            LayerPrecision::Int8Static { .. } => "int8-static",
+        }
+    }
+}
+
+/// What kind of model an artifact holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    /// An MLP control policy.
+    Policy,
+    /// A Llama-family language model.
+    LanguageModel,
+}
+
+/// `qforge.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArtifactConfig {
+    /// Always `qforge-int8`.
+    pub format: String,
+    /// Layout version.
+    pub version: u32,
+    /// The model kind.
+    pub kind: ModelKind,
+    /// Largest int8 weight magnitude (127, or 63 when written on a CPU whose
+    /// GEMM takes 7-bit weights).
+    pub weight_qmax: i8,
+    /// Precision of every observation point.
+    pub points: BTreeMap<String, LayerPrecision>,
+}
+
+/// Whether `dir` holds a native artifact.
+pub fn is_artifact(dir: &Path) -> bool {
+    dir.join(ARTIFACT_FILE).is_file()
+}
+
+/// Reads and checks `qforge.json`.
+pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
+    let path = dir.join(ARTIFACT_FILE);
+    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let config: ArtifactConfig = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+    if config.format != FORMAT || config.version != VERSION {
+        return Err(Error::Unsupported(format!(
+            "{}: artifact format {:?} version {} (this qforge reads {FORMAT} version {VERSION})",
+            path.display(),
+            config.format,
+            config.version
+        )));
+    }
+    if !(1..=127).contains(&config.weight_qmax) {
+        return Err(Error::Format(format!(
+            "{}: weight_qmax {} is not in 1..=127",
+            path.display(),
+            config.weight_qmax
+        )));
+    }
+    Ok(config)
+}
+
+/// The precision of `point`, which every artifact must list.
+fn precision_of(points: &BTreeMap<String, LayerPrecision>, point: &str) -> Result<LayerPrecision> {
+    points.get(point).copied().ok_or_else(|| {
+        Error::Format(format!(
+            "{ARTIFACT_FILE} gives no precision for {point}; the artifact is incomplete"
+        ))
+    })
+}
+
+/// Tensors to write, by name: dtype, shape and little-endian bytes.
+#[derive(Default)]
+struct TensorsOut(BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>);
+
+impl TensorsOut {
+    fn f32(&mut self, name: String, tensor: &Tensor) -> Result<()> {
+        let shape = tensor.dims().to_vec();
+        let values = tensor
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        self.0.insert(
+            name,
+            (
+                Dtype::F32,
+                shape,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        );
+        Ok(())
+    }
+
+    /// A linear layer of the full-precision model, written in `precision`.
+    fn linear(&mut self, name: &str, layer: &Linear, precision: LayerPrecision) -> Result<()> {
+        let (weight, bias) = layer.full_precision()?;
+        let (out, inp) = layer.shape();
+        match precision {
+            LayerPrecision::Fp => self.f32(format!("{name}.weight"), &weight)?,
+            LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. } => {
+                let (values, scales) = Linear::quantize_weight(&weight)?;
+                self.0.insert(
+                    format!("{name}.weight"),
+                    (
+                        Dtype::I8,
+                        vec![out, inp],
+                        values.iter().map(|v| v.to_le_bytes()[0]).collect(),
+                    ),
+                );
+                self.0.insert(
+                    format!("{name}.weight_scale"),
+                    (
+                        Dtype::F32,
+                        vec![out, 1],
+                        scales.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    ),
+                );
+            }
+        }
+        if let Some(bias) = bias {
+            self.f32(format!("{name}.bias"), &bias)?;
+        }
+        Ok(())
+    }
+
+    fn write(self, path: &Path) -> Result<()> {
+        let views = self
+            .0
+            .iter()
+            .map(|(name, (dtype, shape, bytes))| {
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
+                    .map(|view| (name.clone(), view))
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+        safetensors::serialize_to_file(views, None, path).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
+            other => Error::Format(format!("{}: {other}", path.display())),
+        })
+    }
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("plain data serializes");
+    std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+}
+
+fn write_config(
+    dir: &Path,
+    kind: ModelKind,
+    points: &BTreeMap<String, LayerPrecision>,
+) -> Result<()> {
+    write_json(
+        &dir.join(ARTIFACT_FILE),
+        &ArtifactConfig {
+            format: FORMAT.into(),
+            version: VERSION,
+            kind,
+            weight_qmax: weight_qmax(),
+            points: points.clone(),
+        },
+    )
+}
+
+/// Checks that `points` covers exactly the model's observation points.
+fn check_points<'a>(
+    points: &BTreeMap<String, LayerPrecision>,
+    model_points: impl Iterator<Item = &'a str>,
+) -> Result<()> {
+    let model: std::collections::BTreeSet<&str> = model_points.collect();
+    if let Some(unknown) = points.keys().find(|p| !model.contains(p.as_str())) {
+        return Err(Error::Format(format!(
+            "precision given for {unknown}, which is not a layer input of this model"
+        )));
+    }
+    if let Some(missing) = model.iter().find(|p| !points.contains_key(**p)) {
+        return Err(Error::Format(format!("no precision given for {missing}")));
+    }
+    Ok(())
+}
+
+/// Writes `policy` (full precision) into the empty directory `dir` with
+/// each layer in the precision of its point.
+pub fn write_policy(
+    dir: &Path,
+    policy: &MlpPolicy,
+    points: &BTreeMap<String, LayerPrecision>,
+) -> Result<()> {
+    let linears = policy.linears();
+    check_points(points, linears.iter().map(|(_, point, _)| point.as_str()))?;
+    let mut tensors = TensorsOut::default();
+    for (name, point, layer) in &linears {
+        tensors.linear(name, layer, precision_of(points, point)?)?;
+    }
+    tensors.write(&dir.join(WEIGHTS_FILE))?;
+    write_json(&dir.join("policy.json"), policy.config())?;
+    write_config(dir, ModelKind::Policy, points)
+}
+
+/// Writes `lm` (full precision) into the empty directory `dir` with each
+/// linear layer in the precision of its point, as a Hugging Face directory
+/// plus `qforge.json`.
+pub fn write_language_model(
+    dir: &Path,
+    lm: &LanguageModel,
+    points: &BTreeMap<String, LayerPrecision>,
+) -> Result<()> {
+    let linears = lm.model.linears();
+    check_points(points, linears.iter().map(|(_, point, _)| point.as_str()))?;
+    let mut tensors = TensorsOut::default();
+    for (name, tensor) in lm.model.other_tensors() {
+        tensors.f32(name, tensor)?;
+    }
+    for (name, point, layer) in &linears {
+        tensors.linear(name, layer, precision_of(points, point)?)?;
+    }
+    tensors.write(&dir.join(WEIGHTS_FILE))?;
+    write_json(&dir.join("config.json"), &lm.model.config().to_hf())?;
+    lm.text.tokenizer.save(dir)?;
+    let token = |id: Option<u32>| id.and_then(|i| lm.text.tokenizer.decode(&[i]).ok());
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &serde_json::json!({
+            "add_bos_token": lm.text.tokenizer.adds_bos(),
+            "bos_token": token(lm.text.tokenizer.bos),
+            "eos_token": token(lm.text.tokenizer.eos.first().copied()),
+            "chat_template": lm.text.chat_template,
+        }),
+    )?;
+    write_config(dir, ModelKind::LanguageModel, points)
+}
+
+/// The tensors of an artifact, memory-mapped.
+struct ArtifactTensors {
+    map: memmap2::Mmap,
+    path: std::path::PathBuf,
+    names: std::collections::HashSet<String>,
+    points: BTreeMap<String, LayerPrecision>,
+    /// Linear layer name → its observation point.
+    point_of: HashMap<String, String>,
+}
+
+impl ArtifactTensors {
+    fn open(
+        dir: &Path,
+        config: &ArtifactConfig,
+        point_of: HashMap<String, String>,
+    ) -> Result<Self> {
+        let path = dir.join(WEIGHTS_FILE);
+        let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+        // SAFETY: a read-only map of a file qforge does not modify while the
+        // model is loaded (artifacts are written once, then renamed into place).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+        let names = SafeTensors::deserialize(&map)
+            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?
+            .names()
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        Ok(Self {
+            map,
+            path,
+            names,
+            points: config.points.clone(),
+            point_of,
+        })
+    }
+
+    fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
+        SafeTensors::deserialize(&self.map)
+            .map_err(|e| Error::Format(format!("{}: {e}", self.path.display())))?
+            .tensor(name)
+            .map_err(|_| Error::MissingTensor {
+                name: name.to_owned(),
+                file: self.path.clone(),
+            })
+    }
+
+    fn f32_values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let view = self.view(name)?;
+        if view.dtype() != Dtype::F32 || view.shape() != shape {
+            return Err(Error::Format(format!(
+                "{}: {name} is {:?} {:?}, expected F32 {shape:?}",
+                self.path.display(),
+                view.dtype(),
+                view.shape()
+            )));
+        }
+        Ok(view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    fn linear_layer(&self, name: &str, bias: bool, (out, inp): (usize, usize)) -> Result<Linear> {
+        let point = self
+            .point_of
+            .get(name)
+            .ok_or_else(|| Error::Format(format!("{name} is not a linear layer of this model")))?;
+        let bias = if bias {
+            Some(self.f32_values(&format!("{name}.bias"), &[out])?)
+        } else {
+            None
+        };
+        let weight_name = format!("{name}.weight");
+        match precision_of(&self.points, point)?.activations() {
+            None => {
+                let weight = self.f32_values(&weight_name, &[out, inp])?;
+                Linear::fp(
+                    name,
+                    Tensor::from_vec(weight, (out, inp), &Device::Cpu)?,
+                    bias.map(|b| Tensor::from_vec(b, out, &Device::Cpu))
+                        .transpose()?,
+                    (out, inp),
+                )
+            }
+            Some(activations) => {
+                let view = self.view(&weight_name)?;
+                if view.dtype() != Dtype::I8 || view.shape() != [out, inp] {
+                    return Err(Error::Format(format!(
+                        "{}: {weight_name} is {:?} {:?}, expected I8 [{out}, {inp}]",
+                        self.path.display(),
+                        view.dtype(),
+                        view.shape()
+                    )));
+                }
+                let values: Vec<i8> = view.data().iter().map(|&b| b as i8).collect();
+                let scales = self.f32_values(&format!("{name}.weight_scale"), &[out, 1])?;
+                Ok(Linear::Int8(Arc::new(Int8Linear::from_quantized(
+                    &values,
+                    scales,
+                    (out, inp),
+                    bias.as_deref(),
+                    activations,
+                )?)))
+            }
+        }
+    }
+}
+
+impl WeightSource for ArtifactTensors {
+    fn tensor(&self, name: &str) -> Result<Tensor> {
+        let view = self.view(name)?;
+        let dtype = match view.dtype() {
+            Dtype::F32 => DType::F32,
+            other => {
+                return Err(Error::Format(format!(
+                    "{}: {name} is {other:?}; artifacts store these tensors in F32",
+                    self.path.display()
+                )));
+            }
+        };
+        Ok(Tensor::from_raw_buffer(
+            view.data(),
+            dtype,
+            view.shape(),
+            &Device::Cpu,
+        )?)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.names.contains(name)
+    }
+
+    fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
+        self.linear_layer(name, bias, shape)
+    }
+}
+
+/// Loads a policy artifact.
+pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
+    let config = read_config(dir)?;
+    if config.kind != ModelKind::Policy {
+        return Err(Error::Format(format!(
+            "{} holds a language model, not a policy",
+            dir.display()
+        )));
+    }
+    let policy_path = dir.join("policy.json");
+    let bytes = std::fs::read(&policy_path).map_err(|e| Error::io(&policy_path, e))?;
+    let policy: PolicyConfig = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::Format(format!("{}: {e}", policy_path.display())))?;
+    // A policy's layer names are its observation points.
+    let point_of = config
+        .points
+        .keys()
+        .map(|p| (p.clone(), p.clone()))
+        .collect();
+    let tensors = ArtifactTensors::open(dir, &config, point_of)?;
+    let model = MlpPolicy::from_linears(policy, |name, shape| {
+        tensors.linear_layer(name, true, shape)
+    })
+    .map_err(|e| e.in_file(dir))?;
+    check_points(
+        &config.points,
+        model.linears().iter().map(|(_, point, _)| point.as_str()),
+    )
+    .map_err(|e| e.in_file(&dir.join(ARTIFACT_FILE)))?;
+    Ok(model)
+}
+
+/// Loads a language-model artifact.
+pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
+    let config = read_config(dir)?;
+    if config.kind != ModelKind::LanguageModel {
+        return Err(Error::Format(format!(
+            "{} holds a policy, not a language model",
+            dir.display()
+        )));
+    }
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+    let llama_config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
+    let point_of = Llama::linear_points(&llama_config).into_iter().collect();
+    let tensors = ArtifactTensors::open(dir, &config, point_of)?;
+    let model = Llama::load(llama_config, &tensors).map_err(|e| e.in_file(dir))?;
+    check_points(
+        &config.points,
+        model.linears().iter().map(|(_, point, _)| point.as_str()),
+    )
+    .map_err(|e| e.in_file(&dir.join(ARTIFACT_FILE)))?;
+    let text = TextSide::load(dir)?;
+    Ok(LanguageModel {
+        model,
+        text,
+        source: dir.to_owned(),
+    })
+}
