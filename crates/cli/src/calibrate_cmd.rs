@@ -16,7 +16,7 @@ use qforge_core::{Digest, DigestBuilder};
 use qforge_dist::cluster::{
     ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, hostname, serve,
 };
-use qforge_dist::{Backend, CheckpointStore, Embedded, RunOptions, run};
+use qforge_dist::{Backend, CheckpointStore, Embedded, RunOptions, RunSummary, run};
 use serde_json::json;
 
 use qforge_model::TextSide;
@@ -108,7 +108,7 @@ pub struct CalibrateArgs {
 
 /// Settings of a cluster run (ignored by the embedded backend).
 #[derive(Args)]
-struct ClusterSettings {
+pub(crate) struct ClusterSettings {
     /// Admit workers whose determinism fingerprint differs from the first
     /// worker's; the statistics are then exact only up to forward-pass rounding
     /// (and say so).
@@ -165,12 +165,23 @@ pub fn model_digest(path: &Path) -> Result<Digest> {
 }
 
 /// A calibration loaded from its inputs: the same on the coordinator and on
-/// every worker. `target` is `None` where only the plan was needed (a cluster
+/// every worker. `model` is `None` where only the plan was needed (a cluster
 /// coordinator reads the tokenizer, never the weights).
-struct Loaded {
-    target: Option<Target>,
-    job: Job,
-    plan: Plan,
+pub(crate) struct Loaded {
+    pub model: Option<AnyModel>,
+    pub job: Job,
+    pub plan: Plan,
+    pub data: Dataset,
+}
+
+impl Loaded {
+    /// What the workers observe (weights are shared, not copied).
+    fn target(&self) -> Option<Target> {
+        self.model.as_ref().map(|model| match model {
+            AnyModel::Language(lm) => Target::Language(lm.model.clone()),
+            AnyModel::Policy(policy) => Target::Policy(policy.clone()),
+        })
+    }
 }
 
 /// Whether [`load`] reads the model's weights.
@@ -196,14 +207,15 @@ fn load(
         eprintln!("warning: {}:{line}: skipped: {reason}", data_path.display());
     }
     let is_policy = model_path.is_dir() && model_path.join("policy.json").exists();
-    let (target, plan) = match (weights, is_policy) {
-        (Weights::Load, _) => match load_model(model_path)? {
-            AnyModel::Language(lm) => {
-                let plan = plan_episodes(&data, recipe, &lm.text)?;
-                (Some(Target::Language(lm.model)), plan)
-            }
-            AnyModel::Policy(policy) => (Some(Target::Policy(policy)), plan(&data, recipe, None)?),
-        },
+    let (model, plan) = match (weights, is_policy) {
+        (Weights::Load, _) => {
+            let model = load_model(model_path)?;
+            let plan = match &model {
+                AnyModel::Language(lm) => plan_episodes(&data, recipe, &lm.text)?,
+                AnyModel::Policy(_) => plan(&data, recipe, None)?,
+            };
+            (Some(model), plan)
+        }
         (Weights::Skip, true) => (None, plan(&data, recipe, None)?),
         (Weights::Skip, false) => {
             if !model_path.exists() {
@@ -219,23 +231,37 @@ fn load(
         recipe: recipe.clone(),
         planned: plan.batches.len() as u64,
     };
-    Ok(Loaded { target, job, plan })
+    Ok(Loaded {
+        model,
+        job,
+        plan,
+        data,
+    })
 }
 
 /// The plan of LLM episodes: chat-formatted (when the model has a template)
 /// and tokenized.
 fn plan_episodes(data: &Dataset, recipe: &Recipe, text: &TextSide) -> Result<Plan> {
-    let tokenize = |content: &EpisodeContent| -> qforge_calib::Result<Vec<u32>> {
-        let rendered = match content {
-            EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
-            EpisodeContent::Text(t) => t.clone(),
-            EpisodeContent::PromptCompletion { prompt, completion } => {
-                text.chat_text(prompt, completion)?
-            }
-        };
-        Ok(text.tokenizer.encode(&rendered)?)
+    Ok(plan(
+        data,
+        recipe,
+        Some(&|content| episode_tokens(text, content)),
+    )?)
+}
+
+/// The token ids of an LLM episode, as calibration sees it.
+pub(crate) fn episode_tokens(
+    text: &TextSide,
+    content: &EpisodeContent,
+) -> qforge_calib::Result<Vec<u32>> {
+    let rendered = match content {
+        EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
+        EpisodeContent::Text(t) => t.clone(),
+        EpisodeContent::PromptCompletion { prompt, completion } => {
+            text.chat_text(prompt, completion)?
+        }
     };
-    Ok(plan(data, recipe, Some(&tokenize))?)
+    Ok(text.tokenizer.encode(&rendered)?)
 }
 
 /// The absolute form of `path`, as workers on other machines must find it.
@@ -247,68 +273,94 @@ fn absolute(path: &Path) -> Result<String> {
         .with_context(|| format!("{} is not valid UTF-8", path.display()))
 }
 
-/// `qforge calibrate`.
-pub fn calibrate(args: CalibrateArgs) -> Result<()> {
-    if !(0.0..=1.0).contains(&args.min_coverage) {
+/// Where and how a calibration pass runs.
+pub(crate) struct Calibration<'a> {
+    pub model: &'a Path,
+    pub data: &'a Path,
+    pub recipe: &'a Recipe,
+    pub skip_invalid: bool,
+    /// Worker threads of the embedded backend (default: available cores).
+    pub workers: Option<usize>,
+    /// Redis URL of a cluster run.
+    pub cluster: Option<&'a str>,
+    pub settings: &'a ClusterSettings,
+    pub checkpoint_dir: Option<&'a Path>,
+    pub checkpoint_every: usize,
+    pub run: Option<String>,
+    pub resume: Option<String>,
+    pub min_coverage: f64,
+    /// No progress output (JSON mode).
+    pub quiet: bool,
+}
+
+/// A finished calibration pass.
+pub(crate) struct Calibrated {
+    /// Inputs, plan and (unless a cluster coordinated it) the model.
+    pub loaded: Loaded,
+    pub summary: RunSummary,
+    pub run_name: String,
+    /// `embedded` or `redis`.
+    pub backend: &'static str,
+    /// Threads (embedded) or workers that delivered results (cluster).
+    pub workers: usize,
+}
+
+impl ClusterSettings {
+    fn validate(&self) -> Result<()> {
+        if self.heartbeat_ms == 0 || self.heartbeat_timeout_ms <= self.heartbeat_ms {
+            return Err(UsageError(
+                "--heartbeat-timeout-ms must exceed --heartbeat-ms, which must be at least 1"
+                    .into(),
+            )
+            .into());
+        }
+        if !(1.0..=2.0).contains(&self.speculation)
+            || !self.outage_limit.is_finite()
+            || self.outage_limit <= 0.0
+        {
+            return Err(UsageError(
+                "--speculation must be in [1, 2] and --outage-limit positive".into(),
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
+/// Runs a calibration pass on the embedded backend or a Redis cluster,
+/// with a progress bar.
+pub(crate) fn run_calibration(c: &Calibration<'_>) -> Result<Calibrated> {
+    if !(0.0..=1.0).contains(&c.min_coverage) {
         return Err(UsageError("--min-coverage must be in [0, 1]".into()).into());
     }
-    if args.resume.is_some() && args.checkpoint_dir.is_none() {
+    if c.resume.is_some() && c.checkpoint_dir.is_none() {
         return Err(UsageError("--resume needs --checkpoint-dir".into()).into());
     }
-    if args.checkpoint_every == 0 || args.workers == Some(0) {
+    if c.checkpoint_every == 0 || c.workers == Some(0) {
         return Err(
             UsageError("--checkpoint-every and --workers must be at least 1".into()).into(),
         );
     }
-    let recipe = Recipe {
-        samples: args.samples,
-        seq_len: args.seq_len,
-        batch_size: args.batch_size,
-        seed: args.seed,
-        stratify: match args.stratify {
-            StratifyArg::None => Stratify::None,
-            StratifyArg::Reward => Stratify::Reward,
-        },
-        pass: match args.pass {
-            PassArg::Activation => Pass::Activation,
-            PassArg::Smoothing => Pass::Smoothing,
-        },
-    };
-    recipe.validate().map_err(|e| UsageError(e.to_string()))?;
-    let settings = &args.cluster_settings;
-    if settings.heartbeat_ms == 0 || settings.heartbeat_timeout_ms <= settings.heartbeat_ms {
-        return Err(UsageError(
-            "--heartbeat-timeout-ms must exceed --heartbeat-ms, which must be at least 1".into(),
-        )
-        .into());
-    }
-    if !(1.0..=2.0).contains(&settings.speculation)
-        || !settings.outage_limit.is_finite()
-        || settings.outage_limit <= 0.0
-    {
-        return Err(UsageError(
-            "--speculation must be in [1, 2] and --outage-limit positive".into(),
-        )
-        .into());
-    }
+    c.recipe.validate().map_err(|e| UsageError(e.to_string()))?;
+    c.settings.validate()?;
     // A cluster coordinator only plans: the workers load the weights.
-    let weights = if args.cluster.is_some() {
+    let weights = if c.cluster.is_some() {
         Weights::Skip
     } else {
         Weights::Load
     };
-    let Loaded { target, job, plan } =
-        load(&args.model, &args.data, &recipe, args.skip_invalid, weights)?;
-    if plan.samples < recipe.samples {
+    let loaded = load(c.model, c.data, c.recipe, c.skip_invalid, weights)?;
+    let (job, plan) = (&loaded.job, &loaded.plan);
+    if plan.samples < c.recipe.samples {
         eprintln!(
             "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
-            plan.samples, recipe.samples
+            plan.samples, c.recipe.samples
         );
     }
-    let workers = args
+    let threads = c
         .workers
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let run_name = args.resume.clone().or(args.run.clone()).unwrap_or_else(|| {
+    let run_name = c.resume.clone().or(c.run.clone()).unwrap_or_else(|| {
         let mut d = DigestBuilder::default();
         d.update(&job.model.0);
         d.update(&job.data.0);
@@ -316,25 +368,25 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         d.finish().to_hex()[..12].to_owned()
     });
     let options = RunOptions {
-        checkpoints: args
+        checkpoints: c
             .checkpoint_dir
-            .as_ref()
             .map(|dir| CheckpointStore::new(dir.join(&run_name))),
-        checkpoint_every: args.checkpoint_every,
-        resume: args.resume.is_some(),
-        min_coverage: args.min_coverage,
+        checkpoint_every: c.checkpoint_every,
+        resume: c.resume.is_some(),
+        min_coverage: c.min_coverage,
     };
-    let cluster = match &args.cluster {
+    let cluster = match c.cluster {
         None => None,
         Some(url) => {
+            let settings = c.settings;
             let mut spec = RunSpec::new(
                 &run_name,
-                &absolute(&args.model)?,
-                &absolute(&args.data)?,
-                &job,
-                &plan,
+                &absolute(c.model)?,
+                &absolute(c.data)?,
+                job,
+                plan,
             );
-            spec.skip_invalid = args.skip_invalid;
+            spec.skip_invalid = c.skip_invalid;
             spec.heartbeat_ms = settings.heartbeat_ms;
             spec.heartbeat_timeout_ms = settings.heartbeat_timeout_ms;
             spec.allow_mixed_hardware = settings.allow_mixed_hardware;
@@ -342,12 +394,12 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
             let backend = RedisBackend::open(
                 spec,
                 &ClusterOptions {
-                    url: url.clone(),
-                    resume: args.resume.is_some(),
+                    url: url.to_owned(),
+                    resume: c.resume.is_some(),
                     outage_limit: Duration::from_secs_f64(settings.outage_limit),
                 },
             )?;
-            if !args.flags.json {
+            if !c.quiet {
                 eprintln!(
                     "run {run_name} is open: start workers with `qforge worker --cluster URL --run {run_name}`"
                 );
@@ -359,12 +411,14 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
     let backend: &dyn Backend = match &cluster {
         Some(cluster) => cluster,
         None => {
-            let target = target.context("the embedded backend loads the model")?;
-            embedded = Embedded::new(target, job.clone(), workers);
+            let target = loaded
+                .target()
+                .context("the embedded backend loads the model")?;
+            embedded = Embedded::new(target, job.clone(), threads);
             &embedded
         }
     };
-    let bar = if args.flags.json {
+    let bar = if c.quiet {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(plan.batches.len() as u64)
@@ -373,8 +427,8 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}")
             .expect("valid template"),
     );
-    let alive = if args.cluster.is_some() { " alive" } else { "" };
-    let summary = run(&job, &plan, backend, &options, &mut |p| {
+    let alive = if cluster.is_some() { " alive" } else { "" };
+    let summary = run(job, plan, backend, &options, &mut |p| {
         bar.set_position(p.merged as u64);
         bar.set_message(format!(
             "{} workers{alive}, {} retries",
@@ -389,13 +443,63 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
     for warning in &summary.warnings {
         eprintln!("warning: {warning}");
     }
-    write_atomic(&args.output.output, &encode(&summary.stats))?;
-    // For a cluster: the workers that delivered results.
     let workers = if cluster.is_some() {
         summary.workers.len()
     } else {
-        workers
+        threads
     };
+    Ok(Calibrated {
+        loaded,
+        summary,
+        run_name,
+        backend: if cluster.is_some() {
+            "redis"
+        } else {
+            "embedded"
+        },
+        workers,
+    })
+}
+
+/// `qforge calibrate`.
+pub fn calibrate(args: CalibrateArgs) -> Result<()> {
+    let recipe = Recipe {
+        samples: args.samples,
+        seq_len: args.seq_len,
+        batch_size: args.batch_size,
+        seed: args.seed,
+        stratify: match args.stratify {
+            StratifyArg::None => Stratify::None,
+            StratifyArg::Reward => Stratify::Reward,
+        },
+        pass: match args.pass {
+            PassArg::Activation => Pass::Activation,
+            PassArg::Smoothing => Pass::Smoothing,
+        },
+    };
+    let Calibrated {
+        loaded,
+        summary,
+        run_name,
+        backend,
+        workers,
+    } = run_calibration(&Calibration {
+        model: &args.model,
+        data: &args.data,
+        recipe: &recipe,
+        skip_invalid: args.skip_invalid,
+        workers: args.workers,
+        cluster: args.cluster.as_deref(),
+        settings: &args.cluster_settings,
+        checkpoint_dir: args.checkpoint_dir.as_deref(),
+        checkpoint_every: args.checkpoint_every,
+        run: args.run.clone(),
+        resume: args.resume.clone(),
+        min_coverage: args.min_coverage,
+        quiet: args.flags.json,
+    })?;
+    let (job, plan) = (&loaded.job, &loaded.plan);
+    write_atomic(&args.output.output, &encode(&summary.stats))?;
     if args.flags.json {
         let workers: serde_json::Map<String, serde_json::Value> = summary
             .workers
@@ -417,7 +521,7 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
             serde_json::to_string_pretty(&json!({
                 "output": args.output.output.display().to_string(),
                 "run": run_name,
-                "backend": if cluster.is_some() { "redis" } else { "embedded" },
+                "backend": backend,
                 "planned_batches": summary.planned,
                 "merged_batches": summary.merged,
                 "coverage": summary.coverage,
@@ -512,7 +616,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
         )
         .map_err(|e| format!("{e:#}"))?;
         Ok(Prepared {
-            target: loaded.target.ok_or("the model did not load")?,
+            target: loaded.target().ok_or("the model did not load")?,
             job: loaded.job,
             plan: loaded.plan,
         })

@@ -8,6 +8,7 @@ mod demo;
 mod input;
 mod model_cmd;
 mod output;
+mod quantize_cmd;
 mod stats_cmd;
 
 use std::path::PathBuf;
@@ -21,6 +22,8 @@ const EXIT_OK: u8 = 0;
 const EXIT_FAILURE: u8 = 1;
 /// Exit code of a usage error (bad flags or arguments).
 const EXIT_USAGE: u8 = 2;
+/// Exit code of a quantization the accuracy guard refused.
+const EXIT_GUARD: u8 = 3;
 
 /// An error in how qforge was invoked, as opposed to a failure while running.
 #[derive(Debug)]
@@ -34,6 +37,19 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
+/// The accuracy guard refused every configuration within the FP cap; no
+/// artifact was written.
+#[derive(Debug)]
+pub struct GuardRefusal(pub String);
+
+impl std::fmt::Display for GuardRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for GuardRefusal {}
+
 #[derive(Parser)]
 #[command(
     name = "qforge",
@@ -43,7 +59,8 @@ impl std::error::Error for UsageError {}
                   control policies) to INT8 after training, with calibration statistics that merge \
                   exactly across any number of workers.\n\n\
                   Exit codes: 0 success; 1 failure (bad input data, I/O error, refused merge); \
-                  2 usage error (bad flags or arguments)."
+                  2 usage error (bad flags or arguments); 3 the accuracy guard refused the \
+                  quantized model (no artifact written)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -64,6 +81,14 @@ enum Command {
     /// Serve a cluster calibration: join a run in Redis (the active one, or
     /// --run NAME), observe its batches, and exit when it is done.
     Worker(calibrate_cmd::WorkerArgs),
+    /// Quantize a model to INT8: calibrate, apply the recipe, check accuracy on
+    /// held-out data (falling back to higher precision where needed), and write
+    /// the native artifact with report.json, report.html and manifest.json.
+    /// With no --model/--data it quantizes the bundled CartPole policy.
+    Quantize(quantize_cmd::QuantizeArgs),
+    /// Check a directory qforge wrote against its manifest.json: every file's
+    /// SHA-256; names the file that changed, went missing or appeared.
+    Verify(quantize_cmd::VerifyArgs),
     /// Generate text with a language model (greedy unless --temperature).
     Generate(model_cmd::GenerateArgs),
     /// Evaluate models: perplexity, comparison with a reference, action agreement.
@@ -124,6 +149,8 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Calibrate(args) => calibrate_cmd::calibrate(args),
         Command::Worker(args) => calibrate_cmd::worker(args),
+        Command::Quantize(args) => quantize_cmd::quantize_command(args),
+        Command::Verify(args) => quantize_cmd::verify_command(args),
         Command::Generate(args) => model_cmd::generate(args),
         Command::Eval(command) => model_cmd::eval(command),
         Command::Fingerprint(args) => model_cmd::fingerprint(args),
@@ -134,6 +161,8 @@ fn main() -> ExitCode {
             eprintln!("error: {error:#}");
             if error.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(EXIT_USAGE)
+            } else if error.downcast_ref::<GuardRefusal>().is_some() {
+                ExitCode::from(EXIT_GUARD)
             } else {
                 ExitCode::from(EXIT_FAILURE)
             }

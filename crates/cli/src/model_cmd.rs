@@ -6,6 +6,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::codec::decode;
 use qforge_core::{Calibrator, QuantParams};
+use qforge_model::artifact::is_artifact;
 use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
 use qforge_model::lm::{compare, perplexity};
 use qforge_model::sensitivity::{llm_layer_sqnr, policy_layer_sqnr};
@@ -51,8 +52,16 @@ pub struct PrecisionArgs {
 
 impl PrecisionArgs {
     /// How each linear layer's activations are quantized, by observation
-    /// point; `None` for full precision.
+    /// point; `None` for full precision (or, for a native artifact, its
+    /// stored precisions).
     fn activations(&self, model: &Path) -> Result<Option<ActivationsByPoint>> {
+        if is_artifact(model) && (self.precision != Precision::F32 || self.stats.is_some()) {
+            return Err(UsageError(format!(
+                "{} is a quantized artifact and runs in the precisions stored in it; drop --precision/--stats (or point --model at its full-precision source)",
+                model.display()
+            ))
+            .into());
+        }
         match (self.precision, &self.stats) {
             (Precision::F32, None) => Ok(None),
             (Precision::Int8Dynamic, None) => Ok(Some(Box::new(|_| Ok(Activations::Dynamic)))),
@@ -119,7 +128,10 @@ impl PrecisionArgs {
     }
 
     /// The name printed in JSON output.
-    fn name(&self) -> String {
+    fn name(&self, model: &Path) -> String {
+        if is_artifact(model) {
+            return "artifact (stored precisions)".into();
+        }
         match self.precision {
             Precision::F32 => "f32".into(),
             Precision::Int8Dynamic => "int8-dynamic".into(),
@@ -219,7 +231,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
                 "decode_tokens_per_s": generation.decode_tokens_per_second(),
                 // Bytes every decode step reads from the linear layers' weights.
                 "linear_weight_bytes": lm.model.linear_weight_bytes(),
-                "precision": args.precision.name(),
+                "precision": args.precision.name(&args.model),
             }))?
         );
     } else {
@@ -501,7 +513,7 @@ fn layers(args: LayersArgs) -> Result<()> {
         println!(
             "{}",
             serde_json::to_string_pretty(&json!({
-                "precision": args.precision.name(),
+                "precision": args.precision.name(&args.model),
                 "layers": report,
             }))?
         );
@@ -510,7 +522,7 @@ fn layers(args: LayersArgs) -> Result<()> {
             "{:>9}  {:>6}  layer ({})",
             "SQNR dB",
             "rows",
-            args.precision.name()
+            args.precision.name(&args.model)
         );
         for layer in &report {
             let db = layer

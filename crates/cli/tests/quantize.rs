@@ -1,0 +1,252 @@
+//! `qforge quantize` end to end: the bundled default (README's first
+//! command) writes an artifact that `eval` runs and `verify` checks; the
+//! guard's refusal exits 3 without an artifact; SmolLM2 quantizes under a
+//! perplexity budget with fallback, and the artifact runs in `eval
+//! perplexity` and `generate`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn path(relative: &str) -> String {
+    root().join(relative).to_string_lossy().into_owned()
+}
+
+fn qforge_in(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qforge"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("run qforge")
+}
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "qforge failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qforge-quantize-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
+    // Run outside the checkout: the bundled policy is found all the same.
+    let dir = temp("default");
+    let result = json(&qforge_in(&dir, &["quantize", "--json"]));
+    assert_eq!(result["accepted"], true);
+    let agreement = result["after"]["agreement"].as_f64().unwrap();
+    assert!(agreement >= 0.99, "{result}");
+    let out = dir.join("qforge-out");
+    for file in [
+        "qforge.json",
+        "model.safetensors",
+        "policy.json",
+        "manifest.json",
+        "report.json",
+        "report.html",
+    ] {
+        assert!(out.join(file).is_file(), "{file} missing");
+    }
+
+    // The report holds the decisions and draws them.
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let points = report["decision"]["point_reports"].as_array().unwrap();
+    assert_eq!(points.len(), 3);
+    assert!(
+        points
+            .iter()
+            .all(|p| p["histogram"].as_array().unwrap().len() > 10)
+    );
+    assert!(
+        !report["decision"]["evaluations"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("accepted") && html.matches("<svg").count() >= 4);
+
+    // The artifact is what the guard measured: the same agreement through
+    // `eval agreement` on the held-out rows... and on all rows it stays high.
+    let eval = json(&qforge_in(
+        &dir,
+        &[
+            "eval",
+            "agreement",
+            "--model",
+            "qforge-out",
+            "--reference",
+            &path("fixtures/policies/cartpole"),
+            "--observations",
+            &path("fixtures/policies/cartpole/rollouts.jsonl"),
+            "--json",
+        ],
+    ));
+    assert!(eval["agreement"].as_f64().unwrap() >= 0.99, "{eval}");
+    // An artifact runs as stored: asking for another precision is a usage error.
+    let asked = qforge_in(
+        &dir,
+        &[
+            "eval",
+            "agreement",
+            "--model",
+            "qforge-out",
+            "--reference",
+            &path("fixtures/policies/cartpole"),
+            "--observations",
+            &path("fixtures/policies/cartpole/rollouts.jsonl"),
+            "--precision",
+            "int8-dynamic",
+        ],
+    );
+    assert_eq!(asked.status.code(), Some(2));
+
+    let verified = json(&qforge_in(&dir, &["verify", "qforge-out", "--json"]));
+    assert_eq!(verified["files"], 5);
+
+    // Quantizing again replaces the earlier output.
+    json(&qforge_in(&dir, &["quantize", "--json"]));
+    assert!(out.join("qforge.json").is_file());
+
+    // A changed file is named.
+    let policy = out.join("policy.json");
+    let text = std::fs::read_to_string(&policy).unwrap();
+    std::fs::write(&policy, text.replace("CartPole", "CartP0le")).unwrap();
+    let tampered = qforge_in(&dir, &["verify", "qforge-out"]);
+    assert_eq!(tampered.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&tampered.stderr);
+    assert!(stderr.contains("policy.json changed"), "{stderr}");
+}
+
+#[test]
+fn a_refused_guard_exits_3_and_writes_no_artifact() {
+    let dir = temp("refused");
+    // Every observation must agree and no layer may fall back to FP: INT8
+    // cannot promise that on this policy.
+    let out = qforge_in(
+        &dir,
+        &[
+            "quantize",
+            "--min-agreement",
+            "1.0",
+            "--max-fp-fraction",
+            "0",
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("No artifact written"), "{stderr}");
+    let written = dir.join("qforge-out");
+    assert!(written.join("report.json").is_file());
+    assert!(!written.join("qforge.json").exists() && !written.join("model.safetensors").exists());
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(written.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["decision"]["accepted"], false);
+
+    // A directory that is not a qforge output is never replaced.
+    let foreign = dir.join("mine");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("notes.txt"), "keep me").unwrap();
+    let out = qforge_in(&dir, &["quantize", "-o", "mine"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        std::fs::read_to_string(foreign.join("notes.txt")).unwrap(),
+        "keep me"
+    );
+
+    // Bad recipes are usage errors that name the field.
+    let recipe = dir.join("bad.toml");
+    std::fs::write(&recipe, "[guard]\nmin_agreemnt = 0.9\n").unwrap();
+    let out = qforge_in(&dir, &["quantize", "--recipe", recipe.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("min_agreemnt"));
+}
+
+#[test]
+fn smollm2_quantizes_within_its_perplexity_budget_and_the_artifact_runs() {
+    let dir = temp("smollm2");
+    let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
+    let text = path("fixtures/text/eval.txt");
+    let result = json(&qforge_in(
+        &dir,
+        &[
+            "quantize",
+            "--model",
+            &gguf,
+            "--data",
+            &path("fixtures/episodes/arithmetic.jsonl"),
+            "--samples",
+            "16",
+            "--activations",
+            "dynamic",
+            "--eval-data",
+            &text,
+            "--ctx",
+            "128",
+            "-o",
+            "out",
+            "--json",
+        ],
+    ));
+    assert_eq!(result["accepted"], true, "{result}");
+    let increase = result["after"]["perplexity_increase"].as_f64().unwrap();
+    assert!(increase <= 0.03, "{result}");
+    let fp_layers = result["fp_layers"].as_u64().unwrap();
+    assert!(fp_layers * 4 <= result["total_layers"].as_u64().unwrap());
+
+    // `eval perplexity` on the artifact reproduces the guard's figure.
+    let ppl = json(&qforge_in(
+        &dir,
+        &[
+            "eval",
+            "perplexity",
+            "--model",
+            "out",
+            "--text",
+            &text,
+            "--ctx",
+            "128",
+            "--json",
+        ],
+    ));
+    let guard_ppl = result["after"]["perplexity"].as_f64().unwrap();
+    assert_eq!(ppl["perplexity"].as_f64().unwrap(), guard_ppl);
+
+    let generated = json(&qforge_in(
+        &dir,
+        &[
+            "generate",
+            "--model",
+            "out",
+            "--prompt",
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+            "--max-tokens",
+            "8",
+            "--json",
+        ],
+    ));
+    assert!(
+        generated["text"].as_str().unwrap().contains("Paris"),
+        "{generated}"
+    );
+    json(&qforge_in(&dir, &["verify", "out", "--json"]));
+}

@@ -1,0 +1,24 @@
+//! The error type of `qforge-quant`.
+
+/// Errors of `qforge-quant`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The recipe is malformed or inconsistent.
+    #[error("recipe: {0}")]
+    Recipe(String),
+    /// The statistics do not fit the model or the recipe.
+    #[error("statistics: {0}")]
+    Stats(String),
+    /// The held-out data cannot drive the guard.
+    #[error("held-out data: {0}")]
+    HeldOut(String),
+    /// A model operation failed.
+    #[error(transparent)]
+    Model(#[from] qforge_model::Error),
+    /// Writing the report failed.
+    #[error("report: {0}")]
+    Report(String),
+}
+
+/// Result type of `qforge-quant`.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,318 @@
+//! The quantization recipe: a TOML file (every field also a `qforge
+//! quantize` flag) saying how to calibrate, how to quantize each layer
+//! input, and what accuracy the result must keep. `recipes/w8a8.toml` in the
+//! repository documents every field with its default.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use qforge_calib::Stratify;
+use qforge_core::Calibrator;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// How static activation scales are chosen: a calibrator, written as
+/// `qforge stats show` prints it (`minmax`, `percentile(99.99)`, `entropy`,
+/// `mse`, `sigma(3)`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct CalibratorChoice(pub Calibrator);
+
+impl TryFrom<String> for CalibratorChoice {
+    type Error = String;
+
+    fn try_from(text: String) -> std::result::Result<Self, String> {
+        Calibrator::from_str(&text)
+            .map(CalibratorChoice)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl From<CalibratorChoice> for String {
+    fn from(choice: CalibratorChoice) -> String {
+        choice.0.to_string()
+    }
+}
+
+impl fmt::Display for CalibratorChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// How activations are quantized by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationScheme {
+    /// One calibrated scale per layer input (cheapest at run time).
+    Static,
+    /// A scale per token (row), computed at run time (no calibration needed).
+    Dynamic,
+}
+
+/// What replaces static scales when calibration covered too little data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LowCoverage {
+    /// Dynamic per-token activations (still integer compute).
+    Dynamic,
+    /// Full precision for every layer that would have been static.
+    Fp,
+}
+
+/// The calibration pass.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CalibrationSection {
+    /// Samples to draw: sequences (LLMs) or observations (policies).
+    pub samples: usize,
+    /// Most tokens per sequence (LLMs).
+    pub seq_len: usize,
+    /// Samples per batch.
+    pub batch_size: usize,
+    /// Seed of the sampling.
+    pub seed: u64,
+    /// How samples are drawn.
+    pub stratify: Stratify,
+    /// Static scales are used only when the statistics cover at least this
+    /// fraction of the planned batches.
+    pub min_coverage: f64,
+    /// What to do below `min_coverage`.
+    pub low_coverage: LowCoverage,
+}
+
+impl Default for CalibrationSection {
+    fn default() -> Self {
+        let calib = qforge_calib::Recipe::default();
+        Self {
+            samples: calib.samples,
+            seq_len: calib.seq_len,
+            batch_size: calib.batch_size,
+            seed: calib.seed,
+            stratify: calib.stratify,
+            min_coverage: 1.0,
+            low_coverage: LowCoverage::Dynamic,
+        }
+    }
+}
+
+/// How layers are quantized.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuantizeSection {
+    /// Activation scheme of every layer input not overridden below.
+    pub activations: ActivationScheme,
+    /// Calibrator of static scales.
+    pub calibrator: CalibratorChoice,
+    /// Calibrator per layer input: a key matches an input whose name is the
+    /// key or ends with `.key` (`down_proj`, `layers.0`, `lm_head`).
+    pub calibrators: BTreeMap<String, CalibratorChoice>,
+    /// Layer inputs kept in full precision (matched like `calibrators`),
+    /// e.g. a policy's first or last layer.
+    pub ignore: Vec<String>,
+    /// The tied embedding / output projection of a language model: int8
+    /// weights with dynamic activations by default (its f32 copy alone reads
+    /// as many bytes per token as every other layer at int8).
+    pub lm_head: LmHead,
+}
+
+/// How a language model's `lm_head` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LmHead {
+    /// INT8 weights, dynamic activations.
+    Int8,
+    /// Full precision.
+    Fp,
+}
+
+impl Default for QuantizeSection {
+    fn default() -> Self {
+        Self {
+            activations: ActivationScheme::Static,
+            calibrator: CalibratorChoice(Calibrator::MinMax),
+            calibrators: BTreeMap::new(),
+            ignore: Vec::new(),
+            lm_head: LmHead::Int8,
+        }
+    }
+}
+
+/// The accuracy the quantized model must keep on held-out data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardSection {
+    /// Language models: largest relative perplexity increase (0.03 = +3 %).
+    pub max_perplexity_increase: f64,
+    /// Policies: smallest action agreement with the full-precision policy.
+    pub min_agreement: f64,
+    /// Largest share of linear layers the fallback may leave in full
+    /// precision; beyond it the run refuses (exit code 3).
+    pub max_fp_fraction: f64,
+    /// Tokens per perplexity chunk (language models).
+    pub ctx: usize,
+}
+
+impl Default for GuardSection {
+    fn default() -> Self {
+        Self {
+            max_perplexity_increase: 0.03,
+            min_agreement: 0.99,
+            max_fp_fraction: 0.25,
+            ctx: 256,
+        }
+    }
+}
+
+/// A quantization recipe.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuantRecipe {
+    /// The calibration pass.
+    pub calibration: CalibrationSection,
+    /// How layers are quantized.
+    pub quantize: QuantizeSection,
+    /// The accuracy guard.
+    pub guard: GuardSection,
+}
+
+/// Whether the layer input `point` is named by `key`: equal, or ending in
+/// `.key`.
+pub fn point_matches(point: &str, key: &str) -> bool {
+    point == key
+        || point
+            .strip_suffix(key)
+            .is_some_and(|head| head.ends_with('.'))
+}
+
+impl QuantRecipe {
+    /// Parses a TOML recipe.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let recipe: Self = toml::from_str(text).map_err(|e| Error::Recipe(e.to_string()))?;
+        recipe.validate()?;
+        Ok(recipe)
+    }
+
+    /// The recipe as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a recipe serializes")
+    }
+
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<()> {
+        self.calibration_recipe()
+            .validate()
+            .map_err(|e| Error::Recipe(e.to_string()))?;
+        let c = &self.calibration;
+        let g = &self.guard;
+        let checks = [
+            (
+                (0.0..=1.0).contains(&c.min_coverage),
+                "calibration.min_coverage must be in [0, 1]",
+            ),
+            (
+                g.max_perplexity_increase.is_finite() && g.max_perplexity_increase >= 0.0,
+                "guard.max_perplexity_increase must be ≥ 0",
+            ),
+            (
+                (0.0..=1.0).contains(&g.min_agreement),
+                "guard.min_agreement must be in [0, 1]",
+            ),
+            (
+                (0.0..=1.0).contains(&g.max_fp_fraction),
+                "guard.max_fp_fraction must be in [0, 1]",
+            ),
+            (g.ctx >= 4, "guard.ctx must be at least 4 tokens"),
+        ];
+        match checks.iter().find(|(ok, _)| !ok) {
+            Some((_, message)) => Err(Error::Recipe((*message).into())),
+            None => Ok(()),
+        }
+    }
+
+    /// The calibration pass this recipe runs (hashed into the statistics'
+    /// provenance).
+    pub fn calibration_recipe(&self) -> qforge_calib::Recipe {
+        let c = &self.calibration;
+        qforge_calib::Recipe {
+            samples: c.samples,
+            seq_len: c.seq_len,
+            batch_size: c.batch_size,
+            seed: c.seed,
+            stratify: c.stratify,
+            pass: qforge_calib::Pass::Activation,
+        }
+    }
+
+    /// The calibrator of `point`: the longest matching override, else the
+    /// default.
+    pub fn calibrator_for(&self, point: &str) -> Calibrator {
+        self.quantize
+            .calibrators
+            .iter()
+            .filter(|(key, _)| point_matches(point, key))
+            .max_by_key(|(key, _)| key.len())
+            .map_or(self.quantize.calibrator.0, |(_, c)| c.0)
+    }
+
+    /// Whether `point` is on the ignore list.
+    pub fn ignores(&self, point: &str) -> bool {
+        self.quantize
+            .ignore
+            .iter()
+            .any(|key| point_matches(point, key))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_round_trips_and_defaults_fill_gaps() {
+        let recipe = QuantRecipe::from_toml(
+            r#"
+            [quantize]
+            activations = "static"
+            calibrator = "percentile(99.9)"
+            ignore = ["layers.0"]
+            [quantize.calibrators]
+            down_proj = "mse"
+            [guard]
+            min_agreement = 0.97
+            "#,
+        )
+        .unwrap();
+        assert_eq!(recipe.guard.min_agreement, 0.97);
+        assert_eq!(recipe.guard.max_fp_fraction, 0.25);
+        assert_eq!(
+            recipe.calibrator_for("model.layers.3.mlp.down_proj"),
+            Calibrator::Mse
+        );
+        assert_eq!(
+            recipe.calibrator_for("model.layers.3.mlp.gate_proj"),
+            Calibrator::Percentile { percentile: 99.9 }
+        );
+        assert!(recipe.ignores("layers.0"));
+        assert!(!recipe.ignores("layers.10") && !recipe.ignores("model.layers.0.mlp.down_proj"));
+        assert_eq!(QuantRecipe::from_toml(&recipe.to_toml()).unwrap(), recipe);
+    }
+
+    #[test]
+    fn the_documented_example_is_the_defaults() {
+        let text = include_str!("../../../recipes/w8a8.toml");
+        assert_eq!(QuantRecipe::from_toml(text).unwrap(), QuantRecipe::default());
+    }
+
+    #[test]
+    fn bad_recipes_name_the_field() {
+        let unknown = QuantRecipe::from_toml("[guard]\nmin_agreemnt = 0.9").unwrap_err();
+        assert!(unknown.to_string().contains("min_agreemnt"), "{unknown}");
+        let calibrator = QuantRecipe::from_toml("[quantize]\ncalibrator = \"kl\"").unwrap_err();
+        assert!(calibrator.to_string().contains("kl"), "{calibrator}");
+        let range = QuantRecipe::from_toml("[guard]\nmax_fp_fraction = 1.5").unwrap_err();
+        assert!(range.to_string().contains("max_fp_fraction"), "{range}");
+    }
+}

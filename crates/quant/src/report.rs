@@ -1,0 +1,424 @@
+//! The quantization report: `report.json` (everything, machine-readable)
+//! and a self-contained `report.html` (inline SVG plots drawn with plotters,
+//! no scripts, no external files).
+
+use std::fmt::Write as _;
+
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::pipeline::{Decision, GuardMetrics, PointReport};
+use crate::recipe::QuantRecipe;
+
+/// One worker's share of the calibration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerSummary {
+    /// Worker name.
+    pub name: String,
+    /// Batches it delivered that were merged.
+    pub merged: usize,
+    /// Batches it delivered that were dropped as duplicates.
+    pub duplicates: usize,
+    /// Batches that failed on it.
+    pub failures: usize,
+    /// Seconds it spent observing.
+    pub busy_seconds: f64,
+}
+
+/// The calibration run behind the statistics.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CalibrationSummary {
+    /// `embedded` or `redis`.
+    pub backend: String,
+    /// Batches planned.
+    pub planned: usize,
+    /// Batches merged.
+    pub merged: usize,
+    /// Duplicate deliveries dropped.
+    pub duplicates: usize,
+    /// Retries.
+    pub retries: usize,
+    /// Wall seconds.
+    pub seconds: f64,
+    /// Per worker.
+    pub workers: Vec<WorkerSummary>,
+    /// SHA-256 of the model, data and calibration recipe.
+    pub model_sha256: String,
+    /// SHA-256 of the data.
+    pub data_sha256: String,
+    /// SHA-256 of the calibration recipe.
+    pub recipe_sha256: String,
+}
+
+/// `report.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// qforge version.
+    pub qforge_version: String,
+    /// The source model.
+    pub model: String,
+    /// `policy` or `language-model`.
+    pub kind: String,
+    /// The recipe, as run.
+    pub recipe: QuantRecipe,
+    /// The calibration run.
+    pub calibration: CalibrationSummary,
+    /// What the guard decided.
+    pub decision: Decision,
+}
+
+impl Report {
+    /// `report.json`'s text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plain data serializes") + "\n"
+    }
+
+    /// `report.html`'s text.
+    pub fn to_html(&self) -> Result<String> {
+        let d = &self.decision;
+        let mut html = String::new();
+        let outcome = if d.accepted {
+            "<span class=ok>accepted</span>"
+        } else {
+            "<span class=bad>refused</span>"
+        };
+        let _ = write!(
+            html,
+            "<!doctype html><html lang=en><head><meta charset=utf-8>\
+             <title>qforge quantization report</title><style>{STYLE}</style></head><body>\
+             <h1>qforge quantization report</h1>\
+             <p>Model <code>{model}</code> ({kind}), qforge {version}. Outcome: {outcome}.</p>",
+            model = escape(&self.model),
+            kind = escape(&self.kind),
+            version = escape(&self.qforge_version),
+        );
+        if let Some(reason) = &d.refusal {
+            let _ = write!(
+                html,
+                "<p class=bad>{} No artifact was written.</p>",
+                escape(reason)
+            );
+        }
+        for warning in &d.warnings {
+            let _ = write!(html, "<p class=warn>warning: {}</p>", escape(warning));
+        }
+
+        html.push_str("<h2>Accuracy</h2><table><tr><th></th><th>metric</th></tr>");
+        for (label, metrics) in [
+            ("full precision", &d.reference),
+            ("recipe, before fallback", &d.before),
+            ("chosen", &d.after),
+        ] {
+            let _ = write!(
+                html,
+                "<tr><td>{label}</td><td>{}</td></tr>",
+                escape(&metrics_text(metrics))
+            );
+        }
+        let _ = write!(
+            html,
+            "</table><p>{} of {} linear layers in full precision (cap {}); calibration coverage {:.1} %.</p>",
+            d.fp_layers,
+            d.total_layers,
+            d.max_fp_layers,
+            100.0 * d.coverage
+        );
+
+        html.push_str("<h2>Fallback</h2><p>Guard evaluations, in order:</p><table><tr><th>steps</th><th>FP layers</th><th>metric</th></tr>");
+        for e in &d.evaluations {
+            let _ = write!(
+                html,
+                "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+                e.steps,
+                e.fp_layers,
+                escape(&metrics_text(&e.metrics))
+            );
+        }
+        let _ = write!(
+            html,
+            "</table><p>Demotions (noisiest rung first); the first {} were applied:</p>\
+             <table><tr><th>#</th><th>layer input</th><th>from</th><th>to</th><th>SQNR dB</th></tr>",
+            d.applied_steps
+        );
+        for (i, step) in d.ladder.iter().enumerate() {
+            let class = if i < d.applied_steps {
+                " class=applied"
+            } else {
+                ""
+            };
+            let _ = write!(
+                html,
+                "<tr{class}><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                i + 1,
+                escape(&step.point),
+                step.from,
+                step.to,
+                db(step.sqnr_db)
+            );
+        }
+        html.push_str("</table>");
+
+        html.push_str("<h2>Per-layer SQNR</h2><p>Output SQNR of each layer input's worst layer on held-out inputs: static scale (blue) and dynamic per-token (orange). Lower is noisier.</p>");
+        html.push_str(&sqnr_chart(&d.point_reports)?);
+
+        html.push_str("<h2>Calibration</h2>");
+        let c = &self.calibration;
+        let _ = write!(
+            html,
+            "<p>{} backend: {}/{} batches merged, {} duplicates dropped, {} retries, {:.2} s. \
+             Model sha256 <code>{}</code>, data <code>{}</code>, calibration recipe <code>{}</code>.</p>",
+            escape(&c.backend),
+            c.merged,
+            c.planned,
+            c.duplicates,
+            c.retries,
+            c.seconds,
+            &c.model_sha256,
+            &c.data_sha256,
+            &c.recipe_sha256
+        );
+        html.push_str("<table><tr><th>worker</th><th>merged</th><th>duplicates</th><th>failures</th><th>busy s</th></tr>");
+        for w in &c.workers {
+            let _ = write!(
+                html,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.2}</td></tr>",
+                escape(&w.name),
+                w.merged,
+                w.duplicates,
+                w.failures,
+                w.busy_seconds
+            );
+        }
+        html.push_str("</table>");
+        html.push_str(&workers_chart(&c.workers)?);
+
+        html.push_str("<h2>Activation histograms</h2><p>|x| of every layer input (log–log), with each calibrator's threshold; the solid black line is the scale in use (static layers only).</p>");
+        for point in &d.point_reports {
+            let _ = write!(
+                html,
+                "<h3><code>{}</code> — {}{}</h3>",
+                escape(&point.point),
+                point.precision,
+                if point.ignored {
+                    " (ignored by the recipe)"
+                } else {
+                    ""
+                }
+            );
+            html.push_str(&histogram_chart(point)?);
+        }
+        let _ = writeln!(
+            html,
+            "<h2>Recipe</h2><pre>{}</pre></body></html>",
+            escape(&self.recipe.to_toml())
+        );
+        Ok(html)
+    }
+}
+
+const STYLE: &str = "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}\
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}\
+tr.applied{background:#fff3d6}.ok{color:#17702b;font-weight:bold}.bad{color:#b00020;font-weight:bold}\
+.warn{color:#8a5a00}h3{font-size:1em;margin-bottom:0}svg{display:block}";
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+fn db(value: Option<f64>) -> String {
+    value.map_or("exact".into(), |v| format!("{v:.2}"))
+}
+
+fn metrics_text(m: &GuardMetrics) -> String {
+    let mut parts = Vec::new();
+    if let Some(a) = m.agreement {
+        parts.push(format!("action agreement {:.3} %", 100.0 * a));
+    }
+    if let Some(p) = m.perplexity {
+        parts.push(format!("perplexity {p:.4}"));
+    }
+    if let Some(p) = m.perplexity_increase {
+        parts.push(format!("{:+.2} %", 100.0 * p));
+    }
+    if let Some(k) = m.kl_divergence {
+        parts.push(format!("KL {k:.5}"));
+    }
+    if let Some(t) = m.top1_agreement {
+        parts.push(format!("top-1 {:.2} %", 100.0 * t));
+    }
+    parts.push(if m.passes { "passes" } else { "fails" }.into());
+    parts.join(", ")
+}
+
+fn plot_error(e: impl std::fmt::Display) -> Error {
+    Error::Report(format!("plot: {e}"))
+}
+
+fn sqnr_chart(points: &[PointReport]) -> Result<String> {
+    let mut svg = String::new();
+    let n = points.len().max(1);
+    let values = points
+        .iter()
+        .flat_map(|p| [p.sqnr_static_db, p.sqnr_dynamic_db])
+        .flatten();
+    let top = values.fold(10.0f64, f64::max) + 5.0;
+    {
+        let root = SVGBackend::with_string(&mut svg, (1000, 320)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(45)
+            .build_cartesian_2d(0f64..n as f64, 0f64..top)
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_desc("layer input (forward order of names, see the tables)")
+            .y_desc("SQNR dB")
+            .draw()
+            .map_err(plot_error)?;
+        for (i, p) in points.iter().enumerate() {
+            let x = i as f64;
+            if let Some(s) = p.sqnr_static_db {
+                chart
+                    .draw_series([Rectangle::new(
+                        [(x + 0.1, 0.0), (x + 0.5, s.max(0.0))],
+                        BLUE.filled(),
+                    )])
+                    .map_err(plot_error)?;
+            }
+            if let Some(s) = p.sqnr_dynamic_db {
+                chart
+                    .draw_series([Rectangle::new(
+                        [(x + 0.5, 0.0), (x + 0.9, s.max(0.0))],
+                        RGBColor(230, 120, 20).filled(),
+                    )])
+                    .map_err(plot_error)?;
+            }
+        }
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+fn workers_chart(workers: &[WorkerSummary]) -> Result<String> {
+    if workers.is_empty() {
+        return Ok(String::new());
+    }
+    let mut svg = String::new();
+    let top = workers.iter().map(|w| w.merged).max().unwrap_or(1).max(1) as f64 * 1.1;
+    {
+        let height = 40 + 22 * workers.len() as u32;
+        let root = SVGBackend::with_string(&mut svg, (700, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(8)
+            .x_label_area_size(25)
+            .y_label_area_size(10)
+            .build_cartesian_2d(0f64..top, 0f64..workers.len() as f64)
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(0)
+            .x_desc("batches merged per worker (names in the table above, same order)")
+            .draw()
+            .map_err(plot_error)?;
+        for (i, w) in workers.iter().enumerate() {
+            let y = i as f64;
+            chart
+                .draw_series([Rectangle::new(
+                    [(0.0, y + 0.15), (w.merged as f64, y + 0.85)],
+                    BLUE.mix(0.7).filled(),
+                )])
+                .map_err(plot_error)?;
+        }
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+fn histogram_chart(point: &PointReport) -> Result<String> {
+    let bins: Vec<(f64, u64)> = point
+        .histogram
+        .iter()
+        .filter(|(lower, upper, _)| *lower > 0.0 && upper > lower)
+        .map(|&(lower, upper, count)| ((lower * upper).sqrt(), count))
+        .collect();
+    if bins.is_empty() {
+        return Ok("<p>(no finite non-zero values observed)</p>".into());
+    }
+    let lo = bins.first().map_or(1e-6, |b| b.0) / 2.0;
+    let hi = bins.last().map_or(1.0, |b| b.0) * 2.0;
+    let max_count = bins.iter().map(|b| b.1).max().unwrap_or(1) as f64 * 2.0;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, 230)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(8)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d((lo..hi).log_scale(), (0.5f64..max_count).log_scale())
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .x_desc("|x|")
+            .y_desc("count")
+            .draw()
+            .map_err(plot_error)?;
+        chart
+            .draw_series(LineSeries::new(
+                bins.iter().map(|&(x, c)| (x, c as f64)),
+                RGBColor(60, 60, 60).stroke_width(1),
+            ))
+            .map_err(plot_error)?;
+        let colours = [
+            RGBColor(200, 30, 30),
+            RGBColor(30, 120, 200),
+            RGBColor(20, 150, 60),
+            RGBColor(160, 60, 180),
+            RGBColor(230, 120, 20),
+        ];
+        for ((name, threshold), colour) in point.thresholds.iter().zip(colours) {
+            let Some(t) = threshold.map(f64::from).filter(|t| *t > lo && *t < hi) else {
+                continue;
+            };
+            chart
+                .draw_series(LineSeries::new(
+                    [(t, 0.5), (t, max_count)],
+                    colour.stroke_width(1),
+                ))
+                .map_err(plot_error)?
+                .label(name.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 15, y)], colour.stroke_width(2))
+                });
+        }
+        if let Some(scale) = point.input_scale {
+            let t = f64::from(scale) * 127.0;
+            chart
+                .draw_series(LineSeries::new(
+                    [(t, 0.5), (t, max_count)],
+                    BLACK.stroke_width(2),
+                ))
+                .map_err(plot_error)?
+                .label(format!("in use ({})", point.calibrator))
+                .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], BLACK.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(plot_error)?;
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
