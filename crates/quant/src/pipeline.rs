@@ -121,7 +121,9 @@ pub struct PointReport {
     pub sqnr_static_db: Option<f64>,
     /// Worst layer output SQNR with dynamic activations (dB).
     pub sqnr_dynamic_db: Option<f64>,
-    /// |x| histogram: (lower, upper, count) of every non-empty bin.
+    /// |x| histogram in eighth-octave bins: (lower, upper, count) of every
+    /// non-empty one. (The statistics' own bins are far finer, as exact
+    /// merging needs; the report needs the shape.)
     pub histogram: Vec<(f64, f64, u64)>,
     /// Values observed.
     pub count: u64,
@@ -429,11 +431,7 @@ pub fn quantize(
                     .collect(),
                 sqnr_static_db: None,
                 sqnr_dynamic_db: None,
-                histogram: histogram
-                    .magnitude_bins()
-                    .iter()
-                    .map(|b| (b.lower, b.upper, b.count))
-                    .collect(),
+                histogram: eighth_octaves(histogram),
                 count: histogram.count(),
                 ignored,
             },
@@ -606,6 +604,26 @@ pub fn quantize(
         coverage,
         warnings,
     })
+}
+
+/// |x| of `histogram` summed into bins [2^(k/8), 2^((k+1)/8)).
+fn eighth_octaves(histogram: &qforge_core::Histogram) -> Vec<(f64, f64, u64)> {
+    let mut bins: BTreeMap<i64, u64> = BTreeMap::new();
+    for bin in histogram.magnitude_bins() {
+        if bin.lower > 0.0 && bin.upper > bin.lower {
+            let key = ((bin.lower * bin.upper).sqrt().log2() * 8.0).floor() as i64;
+            *bins.entry(key).or_default() += bin.count;
+        }
+    }
+    bins.into_iter()
+        .map(|(k, count)| {
+            (
+                (k as f64 / 8.0).exp2(),
+                ((k + 1) as f64 / 8.0).exp2(),
+                count,
+            )
+        })
+        .collect()
 }
 
 /// One line for a progress message.

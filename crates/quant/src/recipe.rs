@@ -303,7 +303,10 @@ mod tests {
     #[test]
     fn the_documented_example_is_the_defaults() {
         let text = include_str!("../../../recipes/w8a8.toml");
-        assert_eq!(QuantRecipe::from_toml(text).unwrap(), QuantRecipe::default());
+        assert_eq!(
+            QuantRecipe::from_toml(text).unwrap(),
+            QuantRecipe::default()
+        );
     }
 
     #[test]

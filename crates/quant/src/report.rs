@@ -313,7 +313,7 @@ fn workers_chart(workers: &[WorkerSummary]) -> Result<String> {
     let mut svg = String::new();
     let top = workers.iter().map(|w| w.merged).max().unwrap_or(1).max(1) as f64 * 1.1;
     {
-        let height = 40 + 22 * workers.len() as u32;
+        let height = 80 + 22 * workers.len() as u32;
         let root = SVGBackend::with_string(&mut svg, (700, height)).into_drawing_area();
         root.fill(&WHITE).map_err(plot_error)?;
         let mut chart = ChartBuilder::on(&root)
@@ -347,7 +347,6 @@ fn histogram_chart(point: &PointReport) -> Result<String> {
     let bins: Vec<(f64, u64)> = point
         .histogram
         .iter()
-        .filter(|(lower, upper, _)| *lower > 0.0 && upper > lower)
         .map(|&(lower, upper, count)| ((lower * upper).sqrt(), count))
         .collect();
     if bins.is_empty() {
@@ -370,6 +369,8 @@ fn histogram_chart(point: &PointReport) -> Result<String> {
             .configure_mesh()
             .x_desc("|x|")
             .y_desc("count")
+            .x_label_formatter(&|v| format!("{v:.0e}"))
+            .y_label_formatter(&|v| format!("{v:.0}"))
             .draw()
             .map_err(plot_error)?;
         chart
@@ -413,7 +414,7 @@ fn histogram_chart(point: &PointReport) -> Result<String> {
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
+            .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
