@@ -2,40 +2,14 @@
 //! statistics whatever the worker count, bad data reported by line, resume
 //! from checkpoints.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use serde_json::Value;
+mod support;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use support::{json, path, qforge, root};
 
-fn path(relative: &str) -> String {
-    root().join(relative).to_string_lossy().into_owned()
-}
-
-fn qforge(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qforge"))
-        .args(args)
-        .output()
-        .expect("run qforge")
-}
-
-fn json(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "qforge failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
-}
-
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-calibrate-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn temp(name: &str) -> std::path::PathBuf {
+    support::temp("calibrate", name)
 }
 
 fn policy_calibrate(out: &str, extra: &[&str]) -> Output {

@@ -2,14 +2,12 @@
 //! SmolLM2-135M-Instruct (fetched by scripts/fetch-models.sh) and the trained
 //! policies. Each SmolLM2 run stays within a few hundred tokens.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use serde_json::Value;
+mod support;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use serde_json::Value;
+use support::{json, root};
 
 fn smollm2() -> String {
     let path = root().join("models/smollm2-135m-instruct-q4_1.gguf");
@@ -27,15 +25,6 @@ fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
         .envs(env.iter().copied())
         .output()
         .expect("run qforge")
-}
-
-fn json(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "qforge failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
 #[test]

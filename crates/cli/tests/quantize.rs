@@ -4,41 +4,13 @@
 //! perplexity budget with fallback, and the artifact runs in `eval
 //! perplexity` and `generate`.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod support;
 
 use serde_json::Value;
+use support::{json, path, qforge_in};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn path(relative: &str) -> String {
-    root().join(relative).to_string_lossy().into_owned()
-}
-
-fn qforge_in(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qforge"))
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("run qforge")
-}
-
-fn json(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "qforge failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
-}
-
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-quantize-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn temp(name: &str) -> std::path::PathBuf {
+    support::temp("quantize", name)
 }
 
 #[test]

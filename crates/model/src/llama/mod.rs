@@ -36,6 +36,21 @@ struct Layer {
     down_proj: Linear,
 }
 
+impl Layer {
+    /// The linear layers in forward order (that of [`Llama::linear_points`]).
+    fn linears(&self) -> [&Linear; 7] {
+        [
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+}
+
 /// A Llama-family decoder.
 #[derive(Debug, Clone)]
 pub struct Llama {
@@ -370,17 +385,7 @@ impl Llama {
     pub fn linear_weight_bytes(&self) -> usize {
         self.layers
             .iter()
-            .flat_map(|l| {
-                [
-                    &l.q_proj,
-                    &l.k_proj,
-                    &l.v_proj,
-                    &l.o_proj,
-                    &l.gate_proj,
-                    &l.up_proj,
-                    &l.down_proj,
-                ]
-            })
+            .flat_map(Layer::linears)
             .map(Linear::weight_bytes)
             .sum::<usize>()
             + self.lm_head.weight_bytes()
@@ -459,17 +464,7 @@ impl Llama {
     /// Every linear layer as (name, observation point, layer), in forward
     /// order, lm_head last.
     pub fn linears(&self) -> Vec<(String, String, &Linear)> {
-        let layers = self.layers.iter().flat_map(|l| {
-            [
-                &l.q_proj,
-                &l.k_proj,
-                &l.v_proj,
-                &l.o_proj,
-                &l.gate_proj,
-                &l.up_proj,
-                &l.down_proj,
-            ]
-        });
+        let layers = self.layers.iter().flat_map(Layer::linears);
         Self::linear_points(&self.config)
             .into_iter()
             .zip(layers.chain([&self.lm_head]))
