@@ -344,12 +344,51 @@ pub struct Comparison {
     pub tokens: usize,
 }
 
+/// A reference model's log-probabilities on a text, computed once so that
+/// many models can be compared with it ([`compare_to`]).
+pub struct ReferenceLogProbs {
+    chunks: Vec<(Tensor, Vec<u32>)>,
+    ctx: usize,
+    tokens: usize,
+}
+
+impl ReferenceLogProbs {
+    /// Runs `reference` over `tokens` in chunks of `ctx`.
+    pub fn new(reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Self> {
+        Ok(Self {
+            chunks: chunk_log_probs(reference, tokens, ctx)?,
+            ctx,
+            tokens: tokens.len(),
+        })
+    }
+}
+
 /// Compares `model` against `reference` on `tokens`.
 pub fn compare(model: &Llama, reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Comparison> {
-    let ours = chunk_log_probs(model, tokens, ctx)?;
-    let theirs = chunk_log_probs(reference, tokens, ctx)?;
+    compare_to(
+        model,
+        &ReferenceLogProbs::new(reference, tokens, ctx)?,
+        tokens,
+    )
+}
+
+/// Compares `model` against a reference's log-probabilities on the same
+/// `tokens`.
+pub fn compare_to(
+    model: &Llama,
+    reference: &ReferenceLogProbs,
+    tokens: &[u32],
+) -> Result<Comparison> {
+    if tokens.len() != reference.tokens {
+        return Err(Error::Shape(format!(
+            "the reference was run on {} tokens, the model on {}",
+            reference.tokens,
+            tokens.len()
+        )));
+    }
+    let ours = chunk_log_probs(model, tokens, reference.ctx)?;
     let (mut nll, mut ref_nll, mut kl, mut agree, mut count) = (0.0, 0.0, 0.0, 0usize, 0usize);
-    for ((lp, targets), (rp, _)) in ours.iter().zip(&theirs) {
+    for ((lp, targets), (rp, _)) in ours.iter().zip(&reference.chunks) {
         // KL(P_ref ‖ P_model) = Σ p_ref (log p_ref − log p_model), per row.
         let row_kl = (rp.exp()? * (rp - lp)?)?.sum(D::Minus1)?.to_vec1::<f32>()?;
         let our_top = lp.argmax(D::Minus1)?.to_vec1::<u32>()?;

@@ -6,7 +6,9 @@
 //!    or dynamic per-token — unless ignored; static scales are not used when
 //!    calibration coverage is below the recipe's minimum.
 //! 2. **Sensitivity**: each point's output SQNR on held-out inputs, at each
-//!    rung it could run at (one cheap forward, no perplexity runs).
+//!    rung it could run at (one forward); for language models also the
+//!    output KL with only that point quantized, on a short held-out text
+//!    (one forward per point and rung), which orders their ladder.
 //! 3. **Ladder**: the sequence of one-rung demotions (static → dynamic → FP),
 //!    always demoting the point whose current rung is noisiest; the guard
 //!    then finds the shortest prefix of that sequence that meets the budget,
@@ -19,7 +21,7 @@ use std::collections::BTreeMap;
 
 use qforge_core::{Calibrator, QuantParams, Stats};
 use qforge_model::artifact::LayerPrecision;
-use qforge_model::lm::{compare, perplexity};
+use qforge_model::lm::{ReferenceLogProbs, compare_to};
 use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{Action, Activations, Linear, Llama, MlpPolicy};
 use serde::Serialize;
@@ -67,11 +69,10 @@ pub struct GuardMetrics {
     /// Language models: relative perplexity increase over FP.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perplexity_increase: Option<f64>,
-    /// Language models: mean KL(FP ‖ quantized) of next-token distributions
-    /// (final configuration only).
+    /// Language models: mean KL(FP ‖ quantized) of next-token distributions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<f64>,
-    /// Language models: top-1 agreement with FP (final configuration only).
+    /// Language models: top-1 agreement with FP.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top1_agreement: Option<f64>,
     /// Whether the budget is met.
@@ -89,6 +90,9 @@ pub struct LadderStep {
     pub to: &'static str,
     /// Output SQNR of the group at the rung it left (dB; `None`: exact).
     pub sqnr_db: Option<f64>,
+    /// Language models: the output KL of the group at the rung it left (what
+    /// orders a language model's ladder).
+    pub kl: Option<f64>,
 }
 
 /// One configuration the guard measured.
@@ -121,6 +125,11 @@ pub struct PointReport {
     pub sqnr_static_db: Option<f64>,
     /// Worst layer output SQNR with dynamic activations (dB).
     pub sqnr_dynamic_db: Option<f64>,
+    /// Language models: mean KL(FP ‖ model with only this input's layers
+    /// quantized, static scale) of next-token distributions.
+    pub kl_static: Option<f64>,
+    /// The same with dynamic activations.
+    pub kl_dynamic: Option<f64>,
     /// |x| histogram in eighth-octave bins: (lower, upper, count) of every
     /// non-empty one. (The statistics' own bins are far finer, as exact
     /// merging needs; the report needs the shape.)
@@ -212,6 +221,7 @@ struct Guard<'a> {
     held_out: &'a HeldOut,
     recipe: &'a QuantRecipe,
     reference_actions: Vec<Action>,
+    reference_log_probs: Option<ReferenceLogProbs>,
     reference_perplexity: f64,
 }
 
@@ -222,6 +232,7 @@ impl<'a> Guard<'a> {
             held_out,
             recipe,
             reference_actions: Vec::new(),
+            reference_log_probs: None,
             reference_perplexity: f64::NAN,
         };
         match (model, held_out) {
@@ -229,7 +240,9 @@ impl<'a> Guard<'a> {
                 guard.reference_actions = p.act(obs)?;
             }
             (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
-                guard.reference_perplexity = perplexity(m, tokens, recipe.guard.ctx)?.perplexity;
+                let reference = ReferenceLogProbs::new(m, tokens, recipe.guard.ctx)?;
+                guard.reference_perplexity = compare_to(m, &reference, tokens)?.perplexity;
+                guard.reference_log_probs = Some(reference);
             }
             _ => {
                 return Err(Error::HeldOut(
@@ -261,12 +274,8 @@ impl<'a> Guard<'a> {
         }
     }
 
-    /// Measures `points`; `full` adds the costlier comparison metrics.
-    fn measure(
-        &self,
-        points: &BTreeMap<String, LayerPrecision>,
-        full: bool,
-    ) -> Result<GuardMetrics> {
+    /// Measures `points`.
+    fn measure(&self, points: &BTreeMap<String, LayerPrecision>) -> Result<GuardMetrics> {
         let convert = |point: &str, layer: &Linear| -> qforge_model::Result<Linear> {
             points
                 .get(point)
@@ -295,20 +304,15 @@ impl<'a> Guard<'a> {
             }
             (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
                 let quantized = m.with_linears(convert)?;
-                let ctx = self.recipe.guard.ctx;
-                let (ppl, kl, top1) = if full {
-                    let c = compare(&quantized, m, tokens, ctx)?;
-                    (c.perplexity, Some(c.kl_divergence), Some(c.top1_agreement))
-                } else {
-                    (perplexity(&quantized, tokens, ctx)?.perplexity, None, None)
-                };
-                let increase = ppl / self.reference_perplexity - 1.0;
+                let reference = self.reference_log_probs.as_ref().expect("set for LLMs");
+                let c = compare_to(&quantized, reference, tokens)?;
+                let increase = c.perplexity / self.reference_perplexity - 1.0;
                 Ok(GuardMetrics {
                     agreement: None,
-                    perplexity: Some(ppl),
+                    perplexity: Some(c.perplexity),
                     perplexity_increase: Some(increase),
-                    kl_divergence: kl,
-                    top1_agreement: top1,
+                    kl_divergence: Some(c.kl_divergence),
+                    top1_agreement: Some(c.top1_agreement),
                     passes: increase <= self.recipe.guard.max_perplexity_increase,
                 })
             }
@@ -346,6 +350,52 @@ fn sensitivity(
         };
     }
     Ok(worst)
+}
+
+/// Tokens the KL sensitivity runs on: a few chunks' worth ranks reliably
+/// (measured on SmolLM2: the ladder it orders is monotone in perplexity where
+/// the SQNR order was not), at one forward per layer input and rung.
+const SENSITIVITY_TOKENS: usize = 128;
+
+/// Language models: for every point, the mean KL(FP ‖ model with only that
+/// point's layers quantized with `activations`), on the first
+/// [`SENSITIVITY_TOKENS`] held-out tokens. The end-to-end effect of one group,
+/// which a layer's own SQNR does not see (a noisy `v_proj` can matter less
+/// than a cleaner `down_proj`).
+fn kl_sensitivity(
+    model: &Llama,
+    tokens: &[u32],
+    activations: &dyn Fn(&str) -> Option<Activations>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<BTreeMap<String, f64>> {
+    let tokens = &tokens[..tokens.len().min(SENSITIVITY_TOKENS)];
+    let reference = ReferenceLogProbs::new(model, tokens, tokens.len())?;
+    let points: Vec<String> = {
+        let mut p: Vec<String> = model.linears().into_iter().map(|(_, p, _)| p).collect();
+        p.dedup();
+        p
+    };
+    let mut out = BTreeMap::new();
+    for (i, point) in points.iter().enumerate() {
+        let Some(act) = activations(point) else {
+            continue;
+        };
+        let single = model.with_linears(|p, layer| {
+            if p == point {
+                layer.to_int8(act)
+            } else {
+                Ok(layer.clone())
+            }
+        })?;
+        out.insert(
+            point.clone(),
+            compare_to(&single, &reference, tokens)?.kl_divergence,
+        );
+        if (i + 1) % 20 == 0 {
+            progress(&format!("  {}/{} layer inputs ranked", i + 1, points.len()));
+        }
+    }
+    Ok(out)
 }
 
 /// Quantizes `model` with `stats` under `recipe`, checking each candidate
@@ -431,6 +481,8 @@ pub fn quantize(
                     .collect(),
                 sqnr_static_db: None,
                 sqnr_dynamic_db: None,
+                kl_static: None,
+                kl_dynamic: None,
                 histogram: eighth_octaves(histogram),
                 count: histogram.count(),
                 ignored,
@@ -450,9 +502,28 @@ pub fn quantize(
                 .map_or(Activations::Dynamic, |&s| Activations::Static(s)))
         })?
     };
+    let (mut static_kl, mut dynamic_kl) = (BTreeMap::new(), BTreeMap::new());
+    if let (FpModel::Language(m), HeldOut::Tokens(tokens)) = (model, held_out) {
+        progress("ranking layer inputs by output KL (dynamic activations)");
+        dynamic_kl = kl_sensitivity(m, tokens, &|_| Some(Activations::Dynamic), progress)?;
+        if initial.values().any(|r| matches!(r, Rung::Static(_))) {
+            progress("ranking layer inputs by output KL (static scales)");
+            static_kl = kl_sensitivity(
+                m,
+                tokens,
+                &|p| match initial.get(p) {
+                    Some(Rung::Static(scale)) => Some(Activations::Static(*scale)),
+                    _ => None,
+                },
+                progress,
+            )?;
+        }
+    }
     for (point, report) in &mut reports {
         report.sqnr_dynamic_db = dynamic_sqnr.get(point).copied().flatten();
         report.sqnr_static_db = static_sqnr.get(point).copied().flatten();
+        report.kl_dynamic = dynamic_kl.get(point).copied();
+        report.kl_static = static_kl.get(point).copied();
     }
 
     // 3. The ladder, worst rung first, within the FP cap: a point whose
@@ -473,6 +544,23 @@ pub fn quantize(
             Rung::Fp => None,
         }
     };
+    let kl_at = |point: &str, rung: Rung| -> Option<f64> {
+        match rung {
+            Rung::Static(_) => static_kl.get(point).copied(),
+            Rung::Dynamic => dynamic_kl.get(point).copied(),
+            Rung::Fp => None,
+        }
+    };
+    // How noisy a point is at a rung, higher worse: output KL for language
+    // models, −SQNR for policies (an exact layer is the least noisy).
+    let is_language = matches!(model, FpModel::Language(_));
+    let noise_at = |point: &str, rung: Rung| -> f64 {
+        if is_language {
+            kl_at(point, rung).unwrap_or(0.0)
+        } else {
+            sqnr_at(point, rung).map_or(f64::NEG_INFINITY, |db| -db)
+        }
+    };
     let initial_fp = fp_count(&initial);
     let mut rungs = initial.clone();
     let mut ladder = Vec::new();
@@ -488,11 +576,10 @@ pub fn quantize(
                 }
                 Some(_) => !reports[*point].ignored,
             })
-            .min_by(|(pa, ra), (pb, rb)| {
-                let key = |p: &str, r: Rung| sqnr_at(p, r).unwrap_or(f64::INFINITY);
-                key(pa, **ra)
-                    .total_cmp(&key(pb, **rb))
-                    .then_with(|| pa.cmp(pb))
+            .max_by(|(pa, ra), (pb, rb)| {
+                noise_at(pa, **ra)
+                    .total_cmp(&noise_at(pb, **rb))
+                    .then_with(|| pb.cmp(pa))
             })
             .map(|(p, r)| (p.clone(), *r));
         let Some((point, rung)) = next else { break };
@@ -502,6 +589,7 @@ pub fn quantize(
             from: rung.name(),
             to: to.name(),
             sqnr_db: sqnr_at(&point, rung),
+            kl: kl_at(&point, rung),
         });
         rungs.insert(point, to);
         fp_after.push(fp_count(&rungs));
@@ -527,7 +615,7 @@ pub fn quantize(
     let guard = Guard::new(model, held_out, recipe)?;
     let mut evaluations = Vec::new();
     let mut evaluate = |steps: usize, progress: &mut dyn FnMut(&str)| -> Result<GuardMetrics> {
-        let metrics = guard.measure(&config_at(steps), false)?;
+        let metrics = guard.measure(&config_at(steps))?;
         progress(&format!(
             "guard: {steps} fallback steps, {} FP layers: {}",
             fp_at(steps),
@@ -579,7 +667,7 @@ pub fn quantize(
         }
     };
     let points = config_at(applied_steps);
-    let after = guard.measure(&points, true)?;
+    let after = guard.measure(&points)?;
     for (point, precision) in &points {
         let report = reports.get_mut(point).expect("every point has a report");
         report.precision = precision.name();

@@ -137,8 +137,8 @@ impl Report {
         }
         let _ = write!(
             html,
-            "</table><p>Demotions (noisiest rung first); the first {} were applied:</p>\
-             <table><tr><th>#</th><th>layer input</th><th>from</th><th>to</th><th>SQNR dB</th></tr>",
+            "</table><p>Demotions, noisiest rung first (language models: by the output KL with only that input quantized; policies: by SQNR); the first {} were applied:</p>\
+             <table><tr><th>#</th><th>layer input</th><th>from</th><th>to</th><th>SQNR dB</th><th>output KL</th></tr>",
             d.applied_steps
         );
         for (i, step) in d.ladder.iter().enumerate() {
@@ -149,12 +149,13 @@ impl Report {
             };
             let _ = write!(
                 html,
-                "<tr{class}><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr{class}><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 i + 1,
                 escape(&step.point),
                 step.from,
                 step.to,
-                db(step.sqnr_db)
+                db(step.sqnr_db),
+                step.kl.map_or("–".into(), |kl| format!("{kl:.5}"))
             );
         }
         html.push_str("</table>");
