@@ -33,6 +33,8 @@ for workers in 1 2; do
 done
 # The same calibration through Redis, and the failover time.
 python3 scripts/bench_cluster.py
+# Perplexity of SmolLM2 under each W8A8 configuration and after the guard.
+python3 scripts/bench_quality.py
 # Generation of 64 tokens (llama-bench's tg64) in f32 and on the INT8 decoder.
 for precision in f32 int8-dynamic; do
     target/release/qforge generate --model models/smollm2-135m-instruct-q4_1.gguf \
