@@ -418,24 +418,7 @@ pub(crate) fn run_calibration(c: &Calibration<'_>) -> Result<Calibrated> {
             &embedded
         }
     };
-    let bar = if c.quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(plan.batches.len() as u64)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}")
-            .expect("valid template"),
-    );
-    let alive = if cluster.is_some() { " alive" } else { "" };
-    let summary = run(job, plan, backend, &options, &mut |p| {
-        bar.set_position(p.merged as u64);
-        bar.set_message(format!(
-            "{} workers{alive}, {} retries",
-            p.workers, p.retries
-        ));
-    });
-    bar.finish_and_clear();
+    let summary = run_with_progress(job, plan, backend, &options, c.quiet);
     if let Some(cluster) = &cluster {
         cluster.finish(summary.is_ok())?;
     }
@@ -459,6 +442,66 @@ pub(crate) fn run_calibration(c: &Calibration<'_>) -> Result<Calibrated> {
         },
         workers,
     })
+}
+
+/// Runs a pass on `backend` with a progress bar (hidden when `quiet`).
+fn run_with_progress(
+    job: &Job,
+    plan: &Plan,
+    backend: &dyn Backend,
+    options: &RunOptions,
+    quiet: bool,
+) -> qforge_dist::Result<RunSummary> {
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(plan.batches.len() as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}")
+            .expect("valid template"),
+    );
+    let summary = run(job, plan, backend, options, &mut |p| {
+        bar.set_position(p.merged as u64);
+        bar.set_message(format!("{} workers, {} retries", p.workers, p.retries));
+    });
+    bar.finish_and_clear();
+    summary
+}
+
+/// Observes `plan` again on `target`, a transform of the model `first`
+/// calibrated (SmoothQuant's second pass), on embedded threads. The
+/// statistics' provenance names the transformed model by `model`.
+pub(crate) fn transformed_pass(
+    first: &Loaded,
+    target: Target,
+    model: Digest,
+    recipe: &Recipe,
+    workers: Option<usize>,
+    quiet: bool,
+) -> Result<RunSummary> {
+    let job = Job {
+        model,
+        data: first.job.data,
+        recipe: recipe.clone(),
+        planned: first.plan.batches.len() as u64,
+    };
+    let threads =
+        workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let backend = Embedded::new(target, job.clone(), threads);
+    let options = RunOptions {
+        checkpoints: None,
+        checkpoint_every: 50,
+        resume: false,
+        min_coverage: 0.0,
+    };
+    Ok(run_with_progress(
+        &job,
+        &first.plan,
+        &backend,
+        &options,
+        quiet,
+    )?)
 }
 
 /// `qforge calibrate`.

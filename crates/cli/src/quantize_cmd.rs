@@ -6,11 +6,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use qforge_calib::{Record, Sample};
+use qforge_calib::{Pass, Record, Sample, Target};
+use qforge_core::DigestBuilder;
+use qforge_model::LanguageModel;
 use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
 use qforge_quant::pipeline::describe;
 use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
+use qforge_quant::smoothing::smoothing_factors;
 use qforge_quant::{
     CalibrationSummary, FpModel, HeldOut, QuantRecipe, Report, WorkerSummary, quantize,
 };
@@ -18,7 +21,7 @@ use serde_json::json;
 
 use crate::calibrate_cmd::{
     Calibrated, Calibration, ClusterSettings, StratifyArg, episode_tokens, model_digest,
-    run_calibration,
+    run_calibration, transformed_pass,
 };
 use crate::model_cmd::{AnyModel, load_model};
 use crate::{GuardRefusal, OutputFlags, UsageError};
@@ -28,6 +31,8 @@ use crate::{GuardRefusal, OutputFlags, UsageError};
 const BUNDLED_MODEL: &str = "fixtures/policies/cartpole";
 /// Its rollouts.
 const BUNDLED_DATA: &str = "fixtures/policies/cartpole/rollouts.jsonl";
+
+const SMOOTHING_NEEDS_NORMS: &str = "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies";
 
 /// `--activations`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -110,6 +115,12 @@ pub struct QuantizeArgs {
     /// [quantize] keep a language model's lm_head in full precision.
     #[arg(long, help_heading = "Recipe overrides")]
     fp_lm_head: bool,
+    /// [smoothing] run SmoothQuant (language models, embedded backend).
+    #[arg(long, help_heading = "Recipe overrides")]
+    smoothquant: bool,
+    /// [smoothing] migration strength α in [0, 1].
+    #[arg(long, help_heading = "Recipe overrides")]
+    alpha: Option<f64>,
     /// [guard] largest relative perplexity increase (0.03 = +3 %).
     #[arg(long, help_heading = "Recipe overrides")]
     max_perplexity_increase: Option<f64>,
@@ -165,6 +176,8 @@ impl QuantizeArgs {
         if self.fp_lm_head {
             q.lm_head = LmHead::Fp;
         }
+        recipe.smoothing.enabled |= self.smoothquant;
+        recipe.smoothing.alpha = self.alpha.unwrap_or(recipe.smoothing.alpha);
         let g = &mut recipe.guard;
         g.max_perplexity_increase = self
             .max_perplexity_increase
@@ -383,7 +396,21 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         model_path.display(),
         data_path.display()
     ));
-    let calibration_recipe = recipe.calibration_recipe();
+    let mut calibration_recipe = recipe.calibration_recipe();
+    if recipe.smoothing.enabled {
+        if args.cluster.is_some() {
+            return Err(UsageError(
+                "SmoothQuant's second pass runs on the embedded backend; drop --cluster or the smoothing"
+                    .into(),
+            )
+            .into());
+        }
+        if model_path.join("policy.json").exists() {
+            return Err(UsageError(SMOOTHING_NEEDS_NORMS.into()).into());
+        }
+        // The first pass also records each input channel's abs-max.
+        calibration_recipe.pass = Pass::Smoothing;
+    }
     let calibrated = run_calibration(&Calibration {
         model: &model_path,
         data: &data_path,
@@ -417,11 +444,51 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         .expect("loaded above");
     let (held, held_description) = held_out(&args, model, &calibrated, recipe.guard.ctx)?;
     say(&format!("guard data: {held_description}"));
-    let fp = match model {
+    let smoothed = match (recipe.smoothing.enabled, model) {
+        (false, _) => None,
+        (true, AnyModel::Policy(_)) => return Err(UsageError(SMOOTHING_NEEDS_NORMS.into()).into()),
+        (true, AnyModel::Language(lm)) => {
+            let alpha = recipe.smoothing.alpha;
+            let factors = smoothing_factors(&lm.model, &summary.stats, alpha)?;
+            let smoothed = lm.model.smoothed(&factors)?;
+            // The smoothed model is named by the original and its factors.
+            let mut digest = DigestBuilder::default();
+            digest.update(&calibrated.loaded.job.model.0);
+            digest.update(format!("qforge.smoothquant.v1 alpha={alpha}").as_bytes());
+            for (point, s) in &factors {
+                digest.update(point.as_bytes());
+                for v in s {
+                    digest.update(&v.to_le_bytes());
+                }
+            }
+            let digest = digest.finish();
+            say(&format!(
+                "smoothing {} layer inputs (alpha {alpha}); calibrating the smoothed model",
+                factors.len()
+            ));
+            let second = transformed_pass(
+                &calibrated.loaded,
+                Target::Language(smoothed.clone()),
+                digest,
+                &recipe.calibration_recipe(),
+                args.workers,
+                quiet,
+            )?;
+            Some((smoothed, digest, second))
+        }
+    };
+    let (fp, stats) = match (model, &smoothed) {
+        (AnyModel::Language(_), Some((smoothed, _, second))) => {
+            (FpModel::Language(smoothed), &second.stats)
+        }
+        (AnyModel::Language(lm), None) => (FpModel::Language(&lm.model), &summary.stats),
+        (AnyModel::Policy(p), _) => (FpModel::Policy(p), &summary.stats),
+    };
+    let reference = match model {
         AnyModel::Policy(p) => FpModel::Policy(p),
         AnyModel::Language(lm) => FpModel::Language(&lm.model),
     };
-    let decision = quantize(fp, &summary.stats, &held, &recipe, &mut |line| say(line))?;
+    let decision = quantize(fp, reference, stats, &held, &recipe, &mut |line| say(line))?;
 
     let job = &calibrated.loaded.job;
     let report = Report {
@@ -466,9 +533,18 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         if !d.accepted {
             return Ok(());
         }
-        match model {
-            AnyModel::Policy(p) => write_policy(dir, p, &d.points)?,
-            AnyModel::Language(lm) => write_language_model(dir, lm, &d.points)?,
+        match (model, &smoothed) {
+            (AnyModel::Policy(p), _) => write_policy(dir, p, &d.points)?,
+            (AnyModel::Language(lm), None) => write_language_model(dir, lm, &d.points)?,
+            (AnyModel::Language(lm), Some((smoothed, _, _))) => {
+                // The factors are folded into the written weights and norms.
+                let smoothed_lm = LanguageModel {
+                    model: smoothed.clone(),
+                    text: lm.text.clone(),
+                    source: lm.source.clone(),
+                };
+                write_language_model(dir, &smoothed_lm, &d.points)?
+            }
         }
         write_manifest(
             dir,
@@ -484,6 +560,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                 "data_sha256": job.data.to_hex(),
                 "calibration_recipe_sha256": job.recipe.digest().to_hex(),
                 "recipe": recipe,
+                "smoothed_model_sha256": smoothed.as_ref().map(|(_, digest, _)| digest.to_hex()),
                 "coverage": d.coverage,
                 "guard": {
                     "held_out": held_description,

@@ -1,8 +1,9 @@
 //! `qforge quantize` end to end: the bundled default (README's first
 //! command) writes an artifact that `eval` runs and `verify` checks; the
-//! guard's refusal exits 3 without an artifact; SmolLM2 quantizes under a
-//! perplexity budget with fallback, and the artifact runs in `eval
-//! perplexity` and `generate`.
+//! guard's refusal exits 3 without an artifact; SmolLM2 quantizes with
+//! SmoothQuant and static scales under a perplexity budget with fallback,
+//! and the artifact (factors folded in) runs in `eval perplexity` and
+//! `generate`.
 
 mod support;
 
@@ -154,7 +155,7 @@ fn a_refused_guard_exits_3_and_writes_no_artifact() {
 }
 
 #[test]
-fn smollm2_quantizes_within_its_perplexity_budget_and_the_artifact_runs() {
+fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs() {
     let dir = temp("smollm2");
     let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
     let text = path("fixtures/text/eval.txt");
@@ -168,8 +169,11 @@ fn smollm2_quantizes_within_its_perplexity_budget_and_the_artifact_runs() {
             &path("fixtures/episodes/arithmetic.jsonl"),
             "--samples",
             "16",
+            "--seq-len",
+            "128",
             "--activations",
-            "dynamic",
+            "static",
+            "--smoothquant",
             "--eval-data",
             &text,
             "--ctx",
@@ -182,6 +186,12 @@ fn smollm2_quantizes_within_its_perplexity_budget_and_the_artifact_runs() {
     assert_eq!(result["accepted"], true, "{result}");
     let increase = result["after"]["perplexity_increase"].as_f64().unwrap();
     assert!(increase <= 0.03, "{result}");
+    // Static scales everywhere cost far more than the budget: the ladder worked.
+    let before = result["before"]["perplexity_increase"].as_f64().unwrap();
+    assert!(
+        before > 0.1 && result["fallback_steps"].as_u64().unwrap() > 0,
+        "{result}"
+    );
     let fp_layers = result["fp_layers"].as_u64().unwrap();
     assert!(fp_layers * 4 <= result["total_layers"].as_u64().unwrap());
 

@@ -126,6 +126,42 @@ impl Linear {
         Ok(quantize_rows_symmetric(&values, cols, weight_qmax()))
     }
 
+    /// The layer with input column `j` multiplied by `factors[j]` (f32; a
+    /// full-precision layer only): `x W'ᵀ = (x · diag(factors)) Wᵀ`.
+    pub fn scale_inputs(&self, factors: &[f32]) -> Result<Linear> {
+        let (weight, bias) = self.full_precision()?;
+        let (out, inp) = self.shape();
+        if factors.len() != inp {
+            return Err(Error::Shape(format!(
+                "{} input factors for a layer taking {inp}",
+                factors.len()
+            )));
+        }
+        let s = Tensor::from_slice(factors, (1, inp), &Device::Cpu)?;
+        Linear::fp("scaled", weight.broadcast_mul(&s)?, bias, (out, inp))
+    }
+
+    /// The layer with output row `i` (and its bias) multiplied by
+    /// `factors[i]` (f32; a full-precision layer only).
+    pub fn scale_outputs(&self, factors: &[f32]) -> Result<Linear> {
+        let (weight, bias) = self.full_precision()?;
+        let (out, inp) = self.shape();
+        if factors.len() != out {
+            return Err(Error::Shape(format!(
+                "{} output factors for a layer giving {out}",
+                factors.len()
+            )));
+        }
+        let s = Tensor::from_slice(factors, out, &Device::Cpu)?;
+        let bias = bias.map(|b| b.mul(&s)).transpose()?;
+        Linear::fp(
+            "scaled",
+            weight.broadcast_mul(&s.reshape((out, 1))?)?,
+            bias,
+            (out, inp),
+        )
+    }
+
     /// Applies the layer to `x` of shape `[..., in]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (weight, bias) = match self {

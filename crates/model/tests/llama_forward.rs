@@ -433,3 +433,57 @@ fn int8_decoder_steps_match_the_tensor_forward() {
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
+
+#[test]
+fn smoothing_keeps_the_function_and_moves_the_activation_range() {
+    let dir = tiny_family("smooth", true);
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let points = model.smoothable_points();
+    assert_eq!(points.len(), 3 * LAYERS);
+    let factors: std::collections::BTreeMap<String, Vec<f32>> = points
+        .iter()
+        .enumerate()
+        .map(|(k, p)| {
+            let width = if p.ends_with("down_proj") {
+                FFN
+            } else {
+                HIDDEN
+            };
+            let f = values(width, 100 + k as u64, 0.75)
+                .into_iter()
+                .map(|v| 1.0 + v) // in [0.25, 1.75]
+                .collect();
+            (p.clone(), f)
+        })
+        .collect();
+    let smoothed = model.smoothed(&factors).unwrap();
+    let tokens = vec![(0..30).map(|i| (i * 5 % 96) as u32).collect::<Vec<_>>()];
+    let diff = max_diff(
+        &last_logits(&model, &tokens)[0],
+        &last_logits(&smoothed, &tokens)[0],
+    );
+    assert!(diff < 1e-4, "max |Δ| {diff}");
+
+    // The down_proj input channel j is divided by its factor.
+    let mut plain = StatsObserver::default();
+    model
+        .forward(&tokens, None, Some(&mut plain), Logits::Last)
+        .unwrap();
+    let mut moved = StatsObserver::default();
+    smoothed
+        .forward(&tokens, None, Some(&mut moved), Logits::Last)
+        .unwrap();
+    let point = "model.layers.1.mlp.down_proj";
+    let before = plain.tensors[point].histogram().abs_max().unwrap();
+    let after = moved.tensors[point].histogram().abs_max().unwrap();
+    assert!(
+        (before - after).abs() > 1e-3 * before,
+        "{before} vs {after}"
+    );
+
+    // A point whose scale cannot be folded is refused.
+    let mut bad = factors.clone();
+    bad.insert("model.layers.0.self_attn.o_proj".into(), vec![1.0; HIDDEN]);
+    assert!(model.smoothed(&bad).is_err());
+    std::fs::remove_dir_all(dir).unwrap();
+}

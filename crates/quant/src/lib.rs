@@ -7,6 +7,7 @@
 //!   fallback ladder (static → dynamic → FP, whole fused groups) and the
 //!   accuracy guard on held-out data.
 //! * [`report`]: `report.json` and a self-contained `report.html`.
+//! * [`smoothing`]: SmoothQuant's per-channel factors.
 //!
 //! It depends on `qforge-core`, `qforge-calib` and `qforge-model`; the
 //! calibration run itself (embedded or Redis backend) is the caller's, so
@@ -17,6 +18,7 @@ pub mod error;
 pub mod pipeline;
 pub mod recipe;
 pub mod report;
+pub mod smoothing;
 
 pub use error::{Error, Result};
 pub use pipeline::{Decision, FpModel, GuardMetrics, HeldOut, quantize};

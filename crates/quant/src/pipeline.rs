@@ -217,6 +217,7 @@ impl Rung {
 /// The guard: the FP reference measured once, configurations measured
 /// against it.
 struct Guard<'a> {
+    /// What gets quantized.
     model: FpModel<'a>,
     held_out: &'a HeldOut,
     recipe: &'a QuantRecipe,
@@ -226,7 +227,12 @@ struct Guard<'a> {
 }
 
 impl<'a> Guard<'a> {
-    fn new(model: FpModel<'a>, held_out: &'a HeldOut, recipe: &'a QuantRecipe) -> Result<Self> {
+    fn new(
+        model: FpModel<'a>,
+        reference: FpModel<'a>,
+        held_out: &'a HeldOut,
+        recipe: &'a QuantRecipe,
+    ) -> Result<Self> {
         let mut guard = Self {
             model,
             held_out,
@@ -235,11 +241,11 @@ impl<'a> Guard<'a> {
             reference_log_probs: None,
             reference_perplexity: f64::NAN,
         };
-        match (model, held_out) {
-            (FpModel::Policy(p), HeldOut::Observations(obs)) => {
+        match (model, reference, held_out) {
+            (FpModel::Policy(_), FpModel::Policy(p), HeldOut::Observations(obs)) => {
                 guard.reference_actions = p.act(obs)?;
             }
-            (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
+            (FpModel::Language(_), FpModel::Language(m), HeldOut::Tokens(tokens)) => {
                 let reference = ReferenceLogProbs::new(m, tokens, recipe.guard.ctx)?;
                 guard.reference_perplexity = compare_to(m, &reference, tokens)?.perplexity;
                 guard.reference_log_probs = Some(reference);
@@ -398,10 +404,13 @@ fn kl_sensitivity(
     Ok(out)
 }
 
-/// Quantizes `model` with `stats` under `recipe`, checking each candidate
-/// on `held_out`. `progress` hears about every evaluation.
+/// Quantizes `model` with `stats` (its own statistics) under `recipe`,
+/// checking each candidate on `held_out` against `reference`: the same
+/// model, or the original of a transformed (smoothed) `model`. `progress`
+/// hears about every evaluation.
 pub fn quantize(
     model: FpModel<'_>,
+    reference: FpModel<'_>,
     stats: &Stats,
     held_out: &HeldOut,
     recipe: &QuantRecipe,
@@ -612,7 +621,7 @@ pub fn quantize(
     };
 
     // 4. The guard.
-    let guard = Guard::new(model, held_out, recipe)?;
+    let guard = Guard::new(model, reference, held_out, recipe)?;
     let mut evaluations = Vec::new();
     let mut evaluate = |steps: usize, progress: &mut dyn FnMut(&str)| -> Result<GuardMetrics> {
         let metrics = guard.measure(&config_at(steps))?;

@@ -166,12 +166,35 @@ impl Default for GuardSection {
     }
 }
 
+/// SmoothQuant (language models).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SmoothingSection {
+    /// Run it: a first pass records each layer input's per-channel abs-max,
+    /// the smoothing factors fold into the preceding norms (and `up_proj`'s
+    /// rows for `down_proj`), and a second pass calibrates the smoothed model.
+    pub enabled: bool,
+    /// Migration strength α: factor `s_j = max|X_j|^α / max|W_j|^(1−α)`.
+    pub alpha: f64,
+}
+
+impl Default for SmoothingSection {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            alpha: 0.5,
+        }
+    }
+}
+
 /// A quantization recipe.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct QuantRecipe {
     /// The calibration pass.
     pub calibration: CalibrationSection,
+    /// SmoothQuant.
+    pub smoothing: SmoothingSection,
     /// How layers are quantized.
     pub quantize: QuantizeSection,
     /// The accuracy guard.
@@ -225,6 +248,10 @@ impl QuantRecipe {
                 "guard.max_fp_fraction must be in [0, 1]",
             ),
             (g.ctx >= 4, "guard.ctx must be at least 4 tokens"),
+            (
+                (0.0..=1.0).contains(&self.smoothing.alpha),
+                "smoothing.alpha must be in [0, 1]",
+            ),
         ];
         match checks.iter().find(|(ok, _)| !ok) {
             Some((_, message)) => Err(Error::Recipe((*message).into())),

@@ -431,6 +431,73 @@ impl Llama {
         out
     }
 
+    /// The layer inputs SmoothQuant can smooth: those whose scale folds
+    /// exactly into the layer before (an RMSNorm weight, or `up_proj`'s
+    /// output rows for the SwiGLU product `down_proj` takes).
+    pub fn smoothable_points(&self) -> Vec<String> {
+        (0..self.layers.len())
+            .flat_map(|i| {
+                [
+                    format!("model.layers.{i}.self_attn.q_proj"),
+                    format!("model.layers.{i}.mlp.gate_proj"),
+                    format!("model.layers.{i}.mlp.down_proj"),
+                ]
+            })
+            .collect()
+    }
+
+    /// SmoothQuant's transform (Xiao et al. 2023): for each point in
+    /// `factors`, the input's channel `j` is divided by `s[j]` where it is
+    /// made (the preceding RMSNorm weight; for `down_proj`, `up_proj`'s output
+    /// row `j`, which scales the SwiGLU product) and the consuming layers'
+    /// input column `j` is multiplied by it. The function is unchanged up to
+    /// f32 rounding; what changes is how the activation's outlier channels
+    /// and the weights share the quantization range. Needs full-precision
+    /// layers.
+    pub fn smoothed(
+        &self,
+        factors: &std::collections::BTreeMap<String, Vec<f32>>,
+    ) -> Result<Llama> {
+        let smoothable = self.smoothable_points();
+        if let Some(point) = factors.keys().find(|p| !smoothable.contains(p)) {
+            return Err(Error::Unsupported(format!(
+                "smoothing {point}: its scale does not fold into a preceding norm or layer"
+            )));
+        }
+        let mut model = self.clone();
+        let divide = |t: &Tensor, s: &[f32]| -> Result<Tensor> {
+            let s = Tensor::from_slice(s, s.len(), &Device::Cpu)?;
+            if t.dims() != s.dims() {
+                return Err(Error::Shape(format!(
+                    "{} smoothing factors for a norm of {:?}",
+                    s.elem_count(),
+                    t.dims()
+                )));
+            }
+            Ok(t.div(&s)?)
+        };
+        for (i, layer) in model.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            if let Some(s) = factors.get(&format!("{p}.self_attn.q_proj")) {
+                layer.input_norm = divide(&layer.input_norm, s)?;
+                layer.q_proj = layer.q_proj.scale_inputs(s)?;
+                layer.k_proj = layer.k_proj.scale_inputs(s)?;
+                layer.v_proj = layer.v_proj.scale_inputs(s)?;
+            }
+            if let Some(s) = factors.get(&format!("{p}.mlp.gate_proj")) {
+                layer.post_attention_norm = divide(&layer.post_attention_norm, s)?;
+                layer.gate_proj = layer.gate_proj.scale_inputs(s)?;
+                layer.up_proj = layer.up_proj.scale_inputs(s)?;
+            }
+            if let Some(s) = factors.get(&format!("{p}.mlp.down_proj")) {
+                let inverse: Vec<f32> = s.iter().map(|v| 1.0 / v).collect();
+                layer.up_proj = layer.up_proj.scale_outputs(&inverse)?;
+                layer.down_proj = layer.down_proj.scale_inputs(s)?;
+            }
+        }
+        Ok(model)
+    }
+
     /// (name, observation point) of every linear layer of a model with
     /// `config`, in the order of [`Llama::linears`].
     pub fn linear_points(config: &LlamaConfig) -> Vec<(String, String)> {
