@@ -493,3 +493,55 @@ fn smollm2_through_redis_equals_the_embedded_run() {
         "Redis and embedded statistics differ"
     );
 }
+
+#[test]
+fn quantize_through_redis_writes_the_embedded_artifact() {
+    let Some(server) = RedisServer::start("quantize", None) else {
+        return;
+    };
+    let dir = temp("quantize");
+    let quantize = |extra: &[&str], out: &str| -> Proc {
+        Proc(
+            Command::new(env!("CARGO_BIN_EXE_qforge"))
+                .current_dir(&dir)
+                .args(["quantize", "-o", out, "--json"])
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.join(format!("{out}.log"))).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let url = server.url();
+    let mut coordinator = quantize(&["--cluster", &url], "cluster");
+    // The worker joins whichever run is active (the quantize run's name is
+    // derived from its hashes).
+    let mut worker = Proc(
+        Command::new(env!("CARGO_BIN_EXE_qforge"))
+            .args(["worker", "--cluster", &url, "--wait", "60"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let status = coordinator.wait(Duration::from_secs(60), "quantize --cluster");
+    let log = std::fs::read_to_string(dir.join("cluster.log")).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(worker.wait(Duration::from_secs(20), "the worker").success());
+    assert!(
+        quantize(&[], "embedded")
+            .wait(Duration::from_secs(60), "quantize")
+            .success()
+    );
+    // Same statistics, same decisions, same bytes.
+    for file in ["qforge.json", "model.safetensors", "policy.json"] {
+        assert_eq!(
+            std::fs::read(dir.join("cluster").join(file)).unwrap(),
+            std::fs::read(dir.join("embedded").join(file)).unwrap(),
+            "{file}"
+        );
+    }
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("cluster/report.json")).unwrap()).unwrap();
+    assert_eq!(report["calibration"]["backend"], "redis");
+}
