@@ -15,7 +15,8 @@ use qforge_quant::pipeline::describe;
 use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
 use qforge_quant::smoothing::smoothing_factors;
 use qforge_quant::{
-    CalibrationSummary, FpModel, HeldOut, QuantRecipe, Report, WorkerSummary, quantize,
+    CalibrationSummary, DeliveryEntry, FpModel, HeldOut, QuantRecipe, Report, WorkerSummary,
+    quantize,
 };
 use serde_json::json;
 
@@ -202,6 +203,7 @@ fn bundled(relative: &str) -> Result<PathBuf> {
     candidates
         .into_iter()
         .find(|p| p.exists())
+        .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
         .with_context(|| {
             format!(
                 "the bundled default {relative} is not here (run from a qforge checkout), or pass --model and --data"
@@ -515,6 +517,17 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                     duplicates: w.duplicates,
                     failures: w.failures,
                     busy_seconds: w.busy_seconds,
+                })
+                .collect(),
+            timeline: summary
+                .timeline
+                .iter()
+                .map(|d| DeliveryEntry {
+                    worker: d.worker.clone(),
+                    batch: d.batch,
+                    at_seconds: d.at_seconds,
+                    busy_seconds: d.busy_seconds,
+                    merged: d.merged,
                 })
                 .collect(),
             model_sha256: job.model.to_hex(),

@@ -65,6 +65,21 @@ pub struct WorkerReport {
     pub busy_seconds: f64,
 }
 
+/// One result a worker delivered, in arrival order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delivery {
+    /// The worker.
+    pub worker: String,
+    /// The batch's index in the plan.
+    pub batch: usize,
+    /// Seconds from the start of the run to its arrival.
+    pub at_seconds: f64,
+    /// Seconds the worker spent observing it.
+    pub busy_seconds: f64,
+    /// Merged (false: a duplicate, dropped).
+    pub merged: bool,
+}
+
 /// What a run did.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
@@ -96,6 +111,9 @@ pub struct RunSummary {
     pub workers: BTreeMap<String, WorkerReport>,
     /// Wall-clock seconds.
     pub seconds: f64,
+    /// Every result delivered in this session, in arrival order (the
+    /// workers' timeline).
+    pub timeline: Vec<Delivery>,
 }
 
 /// Runs `plan` for `job` on `backend`.
@@ -148,6 +166,7 @@ pub fn run(
     let mut attempts: BTreeMap<usize, u32> = BTreeMap::new();
     let mut quarantined = BTreeMap::new();
     let mut workers: BTreeMap<String, WorkerReport> = BTreeMap::new();
+    let mut timeline = Vec::new();
     let (mut duplicates, mut retries, mut speculative) = (0, 0, 0);
     let (mut since_checkpoint, mut checkpoints_written) = (0, 0);
     let mut unresolved = pending.len();
@@ -182,7 +201,15 @@ pub fn run(
                                 .join(","),
                         });
                     }
-                    if !done.insert(claimed[0]) {
+                    let merged = done.insert(claimed[0]);
+                    timeline.push(Delivery {
+                        worker: worker.clone(),
+                        batch,
+                        at_seconds: started.elapsed().as_secs_f64(),
+                        busy_seconds: elapsed.as_secs_f64(),
+                        merged,
+                    });
+                    if !merged {
                         // A retry or speculative copy that lost the race.
                         report.duplicates += 1;
                         duplicates += 1;
@@ -292,6 +319,7 @@ pub fn run(
         warnings,
         workers,
         seconds: started.elapsed().as_secs_f64(),
+        timeline,
     })
 }
 

@@ -16,7 +16,7 @@ pub mod error;
 
 pub use backend::{Backend, Embedded, Next, Outcome};
 pub use checkpoint::CheckpointStore;
-pub use coordinator::{Progress, RunOptions, RunSummary, run};
+pub use coordinator::{Delivery, Progress, RunOptions, RunSummary, run};
 pub use error::{Error, Result};
 
 /// The build a worker reports when it joins a run.

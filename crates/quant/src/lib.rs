@@ -23,4 +23,4 @@ pub mod smoothing;
 pub use error::{Error, Result};
 pub use pipeline::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
 pub use recipe::QuantRecipe;
-pub use report::{CalibrationSummary, Report, WorkerSummary};
+pub use report::{CalibrationSummary, DeliveryEntry, Report, WorkerSummary};

@@ -26,6 +26,21 @@ pub struct WorkerSummary {
     pub busy_seconds: f64,
 }
 
+/// One delivered result of the calibration run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeliveryEntry {
+    /// The worker.
+    pub worker: String,
+    /// Batch index in the plan.
+    pub batch: usize,
+    /// Seconds from the start of the run to its arrival.
+    pub at_seconds: f64,
+    /// Seconds the worker spent observing it.
+    pub busy_seconds: f64,
+    /// Merged (false: a duplicate, dropped).
+    pub merged: bool,
+}
+
 /// The calibration run behind the statistics.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CalibrationSummary {
@@ -43,6 +58,8 @@ pub struct CalibrationSummary {
     pub seconds: f64,
     /// Per worker.
     pub workers: Vec<WorkerSummary>,
+    /// Every delivered result, in arrival order.
+    pub timeline: Vec<DeliveryEntry>,
     /// SHA-256 of the model, data and calibration recipe.
     pub model_sha256: String,
     /// SHA-256 of the data.
@@ -192,7 +209,7 @@ impl Report {
             );
         }
         html.push_str("</table>");
-        html.push_str(&workers_chart(&c.workers)?);
+        html.push_str(&timeline_chart(&c.workers, &c.timeline)?);
 
         html.push_str("<h2>Activation histograms</h2><p>|x| of every layer input (log–log), with each calibrator's threshold; the solid black line is the scale in use (static layers only).</p>");
         for point in &d.point_reports {
@@ -307,35 +324,55 @@ fn sqnr_chart(points: &[PointReport]) -> Result<String> {
     Ok(svg)
 }
 
-fn workers_chart(workers: &[WorkerSummary]) -> Result<String> {
-    if workers.is_empty() {
-        return Ok(String::new());
+/// Each delivered batch as a bar from (arrival − observation time) to its
+/// arrival, one row per worker: blue merged, red dropped as a duplicate.
+fn timeline_chart(workers: &[WorkerSummary], timeline: &[DeliveryEntry]) -> Result<String> {
+    if timeline.is_empty() {
+        return Ok("<p>(no batches were observed in this session: all resumed)</p>".into());
     }
+    let row: std::collections::BTreeMap<&str, usize> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.name.as_str(), i))
+        .collect();
+    let end = timeline
+        .iter()
+        .map(|d| d.at_seconds)
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.05;
     let mut svg = String::new();
-    let top = workers.iter().map(|w| w.merged).max().unwrap_or(1).max(1) as f64 * 1.1;
     {
-        let height = 80 + 22 * workers.len() as u32;
-        let root = SVGBackend::with_string(&mut svg, (700, height)).into_drawing_area();
+        let height = 90 + 26 * workers.len() as u32;
+        let root = SVGBackend::with_string(&mut svg, (900, height)).into_drawing_area();
         root.fill(&WHITE).map_err(plot_error)?;
         let mut chart = ChartBuilder::on(&root)
             .margin(8)
-            .x_label_area_size(25)
+            .x_label_area_size(35)
             .y_label_area_size(10)
-            .build_cartesian_2d(0f64..top, 0f64..workers.len() as f64)
+            .build_cartesian_2d(0f64..end, 0f64..workers.len().max(1) as f64)
             .map_err(plot_error)?;
         chart
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(0)
-            .x_desc("batches merged per worker (names in the table above, same order)")
+            .x_desc("seconds since the run started (rows: workers in the table's order)")
             .draw()
             .map_err(plot_error)?;
-        for (i, w) in workers.iter().enumerate() {
-            let y = i as f64;
+        for d in timeline {
+            let y = row.get(d.worker.as_str()).copied().unwrap_or(0) as f64;
+            let colour = if d.merged {
+                BLUE.mix(0.6)
+            } else {
+                RED.mix(0.8)
+            };
             chart
                 .draw_series([Rectangle::new(
-                    [(0.0, y + 0.15), (w.merged as f64, y + 0.85)],
-                    BLUE.mix(0.7).filled(),
+                    [
+                        ((d.at_seconds - d.busy_seconds).max(0.0), y + 0.2),
+                        (d.at_seconds, y + 0.8),
+                    ],
+                    colour.filled(),
                 )])
                 .map_err(plot_error)?;
         }
