@@ -511,8 +511,18 @@ pub fn quantize(
                 .map_or(Activations::Dynamic, |&s| Activations::Static(s)))
         })?
     };
+    // The recipe's plan first: when the guard accepts it, no ladder (and no
+    // costly KL ranking) is needed.
+    let guard = Guard::new(model, reference, held_out, recipe)?;
+    let before = guard.measure(
+        &initial
+            .iter()
+            .map(|(p, r)| (p.clone(), r.precision()))
+            .collect(),
+    )?;
     let (mut static_kl, mut dynamic_kl) = (BTreeMap::new(), BTreeMap::new());
-    if let (FpModel::Language(m), HeldOut::Tokens(tokens)) = (model, held_out) {
+    if let (FpModel::Language(m), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
+    {
         progress("ranking layer inputs by output KL (dynamic activations)");
         dynamic_kl = kl_sensitivity(m, tokens, &|_| Some(Activations::Dynamic), progress)?;
         if initial.values().any(|r| matches!(r, Rung::Static(_))) {
@@ -621,8 +631,16 @@ pub fn quantize(
     };
 
     // 4. The guard.
-    let guard = Guard::new(model, reference, held_out, recipe)?;
-    let mut evaluations = Vec::new();
+    progress(&format!(
+        "guard: 0 fallback steps, {} FP layers: {}",
+        fp_at(0),
+        describe(&before)
+    ));
+    let mut evaluations = vec![Evaluation {
+        steps: 0,
+        fp_layers: fp_at(0),
+        metrics: before.clone(),
+    }];
     let mut evaluate = |steps: usize, progress: &mut dyn FnMut(&str)| -> Result<GuardMetrics> {
         let metrics = guard.measure(&config_at(steps))?;
         progress(&format!(
@@ -637,7 +655,6 @@ pub fn quantize(
         });
         Ok(metrics)
     };
-    let before = evaluate(0, progress)?;
     let (accepted, applied_steps, refusal) = if initial_fp > max_fp_layers {
         (
             false,
