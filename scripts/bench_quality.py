@@ -48,17 +48,27 @@ def main():
         rows.append({"config": f"W8A8 static per-tensor, {calibrator}, every layer (lm_head too)",
                      "perplexity": ppl, "fp_layers": 0,
                      "command": command})
-    for activations, calibrator, budget, cap in [("dynamic", "minmax", "0.03", "0.25"),
-                                                 ("static", "minmax", "0.03", "0.25"),
-                                                 ("static", "mse", "0.03", "0.25"),
-                                                 ("static", "minmax", "0.01", "0.10")]:
+    # A budget of 1000 (= +100000 %) accepts the recipe's plan as it is: no fallback.
+    for smooth, activations, calibrator, budget, cap in [
+            (False, "dynamic", "minmax", "0.03", "0.25"),
+            (False, "static", "minmax", "0.03", "0.25"),
+            (False, "static", "mse", "0.03", "0.25"),
+            (False, "static", "minmax", "0.01", "0.10"),
+            (True, "dynamic", "minmax", "1000", "0.25"),
+            (True, "static", "minmax", "1000", "0.25"),
+            (True, "static", "minmax", "0.03", "0.25"),
+            (True, "static", "minmax", "0.01", "0.10")]:
         args = ["quantize", "--model", MODEL, "--data", DATA, "--samples", "32", "--seq-len", "128",
                 "--activations", activations, "--calibrator", calibrator, "--eval-data", TEXT,
                 "--ctx", CTX, "--max-perplexity-increase", budget, "--max-fp-fraction", cap,
-                "-o", "target/bench-quality-out"]
+                "-o", "target/bench-quality-out"] + (["--smoothquant"] if smooth else [])
         result = run(args)
-        label = (f"`qforge quantize`, {activations}" + (f" {calibrator}" if activations == "static" else "")
-                 + f", guard +{float(budget):.0%}, FP cap {float(cap):.0%}")
+        scheme = activations + (f" {calibrator}" if activations == "static" else "")
+        if budget == "1000":
+            label = f"SmoothQuant α 0.5 + {scheme}, every layer (no fallback)"
+        else:
+            label = (f"`qforge quantize`, {'SmoothQuant α 0.5 + ' if smooth else ''}{scheme}"
+                     f", guard +{float(budget):.0%}, FP cap {float(cap):.0%}")
         if "refused" in result:
             rows.append({"config": label, "refused": result["refused"].splitlines()[-1],
                          "command": "qforge " + " ".join(args)})

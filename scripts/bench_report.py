@@ -194,7 +194,7 @@ def main():
               "share one statistics file (`qforge calibrate` on 32 arithmetic episodes, ≤ 128 tokens "
               "each). The `qforge quantize` rows are what the guard accepted after its fallback ladder; "
               "the guard ran on this same text, so they show the guard at work, not a held-out score. "
-              "SmoothQuant is not built yet. The recipes issue quotes +0.38 % for llama.cpp Q8_0 on "
+              "SmoothQuant rows fold α = 0.5 factors into the norms (and `up_proj` rows) and recalibrate the smoothed model. The recipes issue quotes +0.38 % for llama.cpp Q8_0 on "
               "this model (not re-measured here).\n")
         print("| configuration | perplexity | vs f32 | linear layers in FP | KL | top-1 |")
         print("|---|---|---|---|---|---|")

@@ -5,6 +5,7 @@
 
 mod calibrate_cmd;
 mod demo;
+mod export_cmd;
 mod input;
 mod model_cmd;
 mod output;
@@ -86,6 +87,9 @@ enum Command {
     /// the native artifact with report.json, report.html and manifest.json.
     /// With no --model/--data it quantizes the bundled CartPole policy.
     Quantize(quantize_cmd::QuantizeArgs),
+    /// Convert a native artifact to a serving format: compressed-tensors
+    /// (vLLM, language models).
+    Export(export_cmd::ExportArgs),
     /// Check a directory qforge wrote against its manifest.json: every file's
     /// SHA-256; names the file that changed, went missing or appeared.
     Verify(quantize_cmd::VerifyArgs),
@@ -151,6 +155,7 @@ fn main() -> ExitCode {
         Command::Worker(args) => calibrate_cmd::worker(args),
         Command::Quantize(args) => quantize_cmd::quantize_command(args),
         Command::Verify(args) => quantize_cmd::verify_command(args),
+        Command::Export(args) => export_cmd::export(args),
         Command::Generate(args) => model_cmd::generate(args),
         Command::Eval(command) => model_cmd::eval(command),
         Command::Fingerprint(args) => model_cmd::fingerprint(args),

@@ -25,6 +25,7 @@ use crate::calibrate_cmd::{
     run_calibration, transformed_pass,
 };
 use crate::model_cmd::{AnyModel, load_model};
+use crate::output::write_dir_atomic;
 use crate::{GuardRefusal, OutputFlags, UsageError};
 
 /// The policy `qforge quantize` uses when given no model, relative to the
@@ -334,52 +335,6 @@ fn held_out(
     }
 }
 
-/// Writes into a fresh sibling of `output`, then swaps it into place, so a
-/// reader never sees a half-written directory.
-fn write_output(output: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    if output.exists() {
-        let ours = output.is_dir()
-            && (output.join("report.json").exists()
-                || std::fs::read_dir(output)
-                    .map(|mut d| d.next().is_none())
-                    .unwrap_or(false));
-        if !ours {
-            bail!(
-                "{} exists and is not an earlier qforge output; choose another -o",
-                output.display()
-            );
-        }
-    }
-    let parent = output
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent)
-        .with_context(|| format!("cannot create {}", parent.display()))?;
-    let name = output
-        .file_name()
-        .context("-o needs a directory name")?
-        .to_string_lossy()
-        .into_owned();
-    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir(&staging)
-        .with_context(|| format!("cannot create {}", staging.display()))?;
-    if let Err(e) = fill(&staging) {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(e);
-    }
-    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
-    if output.exists() {
-        std::fs::rename(output, &old)
-            .with_context(|| format!("cannot move the earlier {} aside", output.display()))?;
-    }
-    std::fs::rename(&staging, output)
-        .with_context(|| format!("cannot move the new output to {}", output.display()))?;
-    let _ = std::fs::remove_dir_all(&old);
-    Ok(())
-}
-
 /// `qforge quantize`.
 pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     let recipe = args.recipe()?;
@@ -539,7 +494,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     let html = report.to_html()?;
     let d = &report.decision;
     let model_sha256 = model_digest(&model_path)?.to_hex();
-    write_output(&args.output, |dir| {
+    write_dir_atomic(&args.output, |dir| {
         std::fs::write(dir.join("report.json"), report.to_json())
             .context("cannot write report.json")?;
         std::fs::write(dir.join("report.html"), &html).context("cannot write report.html")?;

@@ -95,6 +95,36 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     json(&qforge_in(&dir, &["quantize", "--json"]));
     assert!(out.join("qforge.json").is_file());
 
+    // compressed-tensors is for language models; a policy is refused.
+    let ct = qforge_in(
+        &dir,
+        &[
+            "export",
+            "--model",
+            "qforge-out",
+            "--format",
+            "compressed-tensors",
+            "-o",
+            "ct",
+        ],
+    );
+    assert_eq!(ct.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&ct.stderr).contains("language models"));
+    // A directory that is not an artifact is a usage error.
+    let not_artifact = qforge_in(
+        &dir,
+        &[
+            "export",
+            "--model",
+            ".",
+            "--format",
+            "compressed-tensors",
+            "-o",
+            "ct",
+        ],
+    );
+    assert_eq!(not_artifact.status.code(), Some(2));
+
     // A changed file is named.
     let policy = out.join("policy.json");
     let text = std::fs::read_to_string(&policy).unwrap();
@@ -103,6 +133,22 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     assert_eq!(tampered.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&tampered.stderr);
     assert!(stderr.contains("policy.json changed"), "{stderr}");
+    // … and nothing is exported from a tampered artifact.
+    let export = qforge_in(
+        &dir,
+        &[
+            "export",
+            "--model",
+            "qforge-out",
+            "--format",
+            "onnx",
+            "-o",
+            "onnx",
+        ],
+    );
+    assert_eq!(export.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&export.stderr);
+    assert!(stderr.contains("does not match its manifest"), "{stderr}");
 }
 
 #[test]

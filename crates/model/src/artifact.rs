@@ -302,7 +302,12 @@ pub fn write_language_model(
         tensors.linear(name, layer, precision_of(points, point)?)?;
     }
     tensors.write(&dir.join(WEIGHTS_FILE))?;
-    write_json(&dir.join("config.json"), &lm.model.config().to_hf())?;
+    let mut config = lm.model.config().to_hf();
+    // The artifact stores lm_head whatever the source did (an INT8 lm_head
+    // differs from the f32 embedding); exports need to know the source tied
+    // them.
+    config["tie_word_embeddings"] = lm.model.tied_embeddings().into();
+    write_json(&dir.join("config.json"), &config)?;
     lm.text.tokenizer.save(dir)?;
     let token = |id: Option<u32>| id.and_then(|i| lm.text.tokenizer.decode(&[i]).ok());
     write_json(

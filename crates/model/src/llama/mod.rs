@@ -59,6 +59,8 @@ pub struct Llama {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
+    /// Whether the source stored no separate `lm_head` (it is the embedding).
+    tied_embeddings: bool,
     /// Cosine and sine tables, `[max_positions, head_dim / 2]`.
     cos: Tensor,
     sin: Tensor,
@@ -353,7 +355,8 @@ impl Llama {
         }
         let norm = vector("model.norm.weight", d)?;
         // Tied embeddings: the output projection is the embedding matrix.
-        let lm_head = if source.has("lm_head.weight") {
+        let tied_embeddings = !source.has("lm_head.weight");
+        let lm_head = if !tied_embeddings {
             linear("lm_head", c.vocab_size, d, false)?
         } else {
             Linear::fp("lm_head", embed_tokens.clone(), None, (c.vocab_size, d))?
@@ -372,12 +375,19 @@ impl Llama {
             layers,
             norm,
             lm_head,
+            tied_embeddings,
         })
     }
 
     /// The model's hyper-parameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
+    }
+
+    /// Whether the source had no separate `lm_head`: the output projection
+    /// is the token embedding.
+    pub fn tied_embeddings(&self) -> bool {
+        self.tied_embeddings
     }
 
     /// Bytes of every linear layer's weight as stored (lm_head included; a tied

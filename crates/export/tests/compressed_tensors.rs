@@ -1,0 +1,189 @@
+//! The compressed-tensors export of SmolLM2 (from GGUF, so q/k rows went
+//! through the un-permutation), loaded by a peer: candle-transformers'
+//! Hugging Face Llama, its int8 weights dequantized with their scales, gives
+//! the logits of qforge's forward over the same dequantized weights. A wrong
+//! q/k permutation, name, transpose or scale layout fails this.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_transformers::models::llama as peer;
+use qforge_export::export_compressed_tensors;
+use qforge_model::artifact::{LayerPrecision, write_language_model};
+use qforge_model::{LanguageModel, Linear, Logits};
+use safetensors::{Dtype, SafeTensors};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fresh(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qforge-export-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The export's tensors as the peer takes them: int8 weights times their
+/// per-row scales, f32 as stored; scales themselves left out.
+fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        if name.ends_with(".weight_scale") || name.ends_with(".input_scale") {
+            continue;
+        }
+        let shape = view.shape().to_vec();
+        let values = match view.dtype() {
+            Dtype::F32 => floats(view.data()),
+            Dtype::I8 => {
+                let scale_name = name.replace(".weight", ".weight_scale");
+                let scales = floats(st.tensor(&scale_name).unwrap().data());
+                assert_eq!(st.tensor(&scale_name).unwrap().shape(), [shape[0], 1]);
+                view.data()
+                    .chunks_exact(shape[1])
+                    .zip(&scales)
+                    .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v as i8) * s))
+                    .collect()
+            }
+            other => panic!("{name} is {other:?}"),
+        };
+        out.insert(name, Tensor::from_vec(values, shape, &Device::Cpu).unwrap());
+    }
+    out
+}
+
+#[test]
+fn candle_transformers_runs_the_export_with_qforges_logits() {
+    let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(gguf.exists(), "run scripts/fetch-models.sh");
+    let lm = LanguageModel::load(&gguf).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = lm
+        .model
+        .linears()
+        .iter()
+        .map(|(_, point, _)| {
+            let precision = if point == "model.layers.2.mlp.down_proj" {
+                LayerPrecision::Fp
+            } else if point.ends_with("self_attn.q_proj") {
+                LayerPrecision::Int8Static { input_scale: 0.05 }
+            } else {
+                LayerPrecision::Int8Dynamic
+            };
+            (point.clone(), precision)
+        })
+        .collect();
+    let artifact = fresh("artifact");
+    write_language_model(&artifact, &lm, &points).unwrap();
+    let dest = fresh("ct");
+    let summary = export_compressed_tensors(&artifact, &dest).unwrap();
+    assert_eq!(summary.lm_head, "tied");
+    assert_eq!(
+        summary.ignored,
+        [
+            "model.layers.2.mlp.down_proj".to_owned(),
+            "lm_head".to_owned()
+        ]
+    );
+
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dest.join("config.json")).unwrap()).unwrap();
+    let q = &config["quantization_config"];
+    assert_eq!(q["quant_method"], "compressed-tensors");
+    assert_eq!(q["format"], "int-quantized");
+    assert_eq!(
+        q["config_groups"]["group_0"]["input_activations"]["strategy"],
+        "tensor"
+    );
+    assert_eq!(
+        q["config_groups"]["group_1"]["input_activations"]["dynamic"],
+        true
+    );
+
+    // The peer on the export.
+    let peer_config: peer::LlamaConfig = serde_json::from_value(config.clone()).unwrap();
+    let peer_config = peer_config.into_config(false);
+    let vb =
+        candle_nn::VarBuilder::from_tensors(dequantized_tensors(&dest), DType::F32, &Device::Cpu);
+    let model = peer::Llama::load(vb, &peer_config).unwrap();
+    let tokens = lm
+        .text
+        .tokenizer
+        .encode("The quick brown fox jumps over the lazy dog because")
+        .unwrap();
+    let mut cache = peer::Cache::new(false, DType::F32, &peer_config, &Device::Cpu).unwrap();
+    let input = Tensor::new(&tokens[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let theirs: Vec<f32> = model
+        .forward(&input, 0, &mut cache)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+
+    // qforge over the same dequantized weights, activations in f32.
+    let ours_model = lm
+        .model
+        .with_linears(|point, layer| {
+            if point == "lm_head" || points[point] == LayerPrecision::Fp {
+                return Ok(layer.clone());
+            }
+            let (weight, bias) = layer.full_precision()?;
+            let (values, scales) = Linear::quantize_weight(&weight)?;
+            let (out, inp) = layer.shape();
+            let dequantized: Vec<f32> = values
+                .chunks_exact(inp)
+                .zip(&scales)
+                .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
+                .collect();
+            Linear::fp(
+                point,
+                Tensor::from_vec(dequantized, (out, inp), &Device::Cpu)?,
+                bias,
+                (out, inp),
+            )
+        })
+        .unwrap();
+    let ours: Vec<f32> = ours_model
+        .forward(&[tokens.clone()], None, None, Logits::Last)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let diff = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("max |Δ logit| vs candle-transformers: {diff}");
+    assert!(diff < 2e-3, "max |Δ logit| {diff}");
+    // And the int8 rounding mattered: the f32 model's logits differ more.
+    let fp: Vec<f32> = lm
+        .model
+        .forward(&[tokens], None, None, Logits::Last)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let fp_diff = fp
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("max |Δ logit| of the f32 model: {fp_diff}");
+    assert!(fp_diff > 10.0 * diff.max(1e-4), "{fp_diff} vs {diff}");
+}
