@@ -157,7 +157,7 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
         })
         .unwrap();
     let ours: Vec<f32> = ours_model
-        .forward(&[tokens.clone()], None, None, Logits::Last)
+        .forward(std::slice::from_ref(&tokens), None, None, Logits::Last)
         .unwrap()
         .flatten_all()
         .unwrap()
