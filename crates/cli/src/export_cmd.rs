@@ -5,11 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use qforge_export::export_compressed_tensors;
-use qforge_model::artifact::is_artifact;
-use qforge_model::manifest::{read_manifest, verify, write_manifest};
+use qforge_export::{export_compressed_tensors, export_onnx};
+use qforge_model::PolicyConfig;
+use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, is_artifact, read_config};
+use qforge_model::manifest::{Manifest, read_manifest, verify, write_manifest};
 use serde_json::json;
 
+use crate::calibrate_cmd::model_digest;
 use crate::output::write_dir_atomic;
 use crate::{OutputFlags, UsageError};
 
@@ -22,6 +24,15 @@ pub enum Format {
     Onnx,
 }
 
+/// `--precision` of an ONNX export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnnxPrecision {
+    /// The artifact's precisions (QDQ where INT8).
+    Int8,
+    /// The full-precision source policy.
+    F32,
+}
+
 /// Arguments of `qforge export`.
 #[derive(Args)]
 pub struct ExportArgs {
@@ -31,6 +42,11 @@ pub struct ExportArgs {
     /// Target format.
     #[arg(long, value_enum)]
     format: Format,
+    /// ONNX only: `int8` exports the artifact as quantized; `f32` exports its
+    /// full-precision source policy (found through the manifest, checked
+    /// against its hash) for side-by-side comparison.
+    #[arg(long, value_enum, default_value_t = OnnxPrecision::Int8)]
+    precision: OnnxPrecision,
     /// Destination directory (written atomically; an existing one must be an
     /// earlier qforge output).
     #[arg(short = 'o', long = "output", value_name = "DEST")]
@@ -51,11 +67,14 @@ pub fn export(args: ExportArgs) -> Result<()> {
     // Export only what the guard checked: the source must be intact.
     verify(&args.model)
         .context("the artifact does not match its manifest; re-run `qforge quantize`")?;
-    if args.format == Format::Onnx {
-        anyhow::bail!("ONNX QDQ export is not built yet; compressed-tensors is");
-    }
     let source = read_manifest(&args.model)?;
     let source_manifest = std::fs::read(args.model.join("manifest.json"))?;
+    if args.format == Format::Onnx {
+        return export_onnx_command(&args, &source, &source_manifest);
+    }
+    if args.precision != OnnxPrecision::Int8 {
+        return Err(UsageError("--precision applies to --format onnx".into()).into());
+    }
     let mut summary = None;
     write_dir_atomic(&args.output, |dest| {
         let result = export_compressed_tensors(&args.model, dest)?;
@@ -96,6 +115,91 @@ pub fn export(args: ExportArgs) -> Result<()> {
             summary.quantized_layers,
             summary.ignored.len(),
             summary.lm_head
+        );
+    }
+    Ok(())
+}
+
+/// `qforge export --format onnx`.
+fn export_onnx_command(args: &ExportArgs, source: &Manifest, source_manifest: &[u8]) -> Result<()> {
+    let config = read_config(&args.model)?;
+    if config.kind != ModelKind::Policy {
+        return Err(UsageError(
+            "ONNX QDQ export is for MLP policies; export a language model with --format compressed-tensors"
+                .into(),
+        )
+        .into());
+    }
+    let policy_path = args.model.join("policy.json");
+    let policy: PolicyConfig = serde_json::from_slice(&std::fs::read(&policy_path)?)
+        .with_context(|| format!("{}", policy_path.display()))?;
+    let (weights, points) = match args.precision {
+        OnnxPrecision::Int8 => (args.model.join(WEIGHTS_FILE), config.points.clone()),
+        OnnxPrecision::F32 => {
+            let recorded = &source.info["source_model"];
+            let path = PathBuf::from(recorded["path"].as_str().unwrap_or_default());
+            let digest = model_digest(&path).with_context(|| {
+                format!(
+                    "the artifact's full-precision source {} is not readable",
+                    path.display()
+                )
+            })?;
+            if Some(digest.to_hex().as_str()) != recorded["sha256"].as_str() {
+                anyhow::bail!(
+                    "{} changed since it was quantized (its SHA-256 differs from the manifest's)",
+                    path.display()
+                );
+            }
+            let points = config
+                .points
+                .keys()
+                .map(|p| (p.clone(), LayerPrecision::Fp))
+                .collect();
+            (path.join(WEIGHTS_FILE), points)
+        }
+    };
+    let mut summary = None;
+    write_dir_atomic(&args.output, |dest| {
+        let result = export_onnx(&weights, &points, &policy, dest)?;
+        write_manifest(
+            dest,
+            json!({
+                "kind": "onnx",
+                "precision": match args.precision {
+                    OnnxPrecision::Int8 => "int8",
+                    OnnxPrecision::F32 => "f32",
+                },
+                "opset": 13,
+                "source_artifact": std::fs::canonicalize(&args.model)
+                    .unwrap_or(args.model.clone())
+                    .display()
+                    .to_string(),
+                "source_manifest_sha256": qforge_core::Digest::of(source_manifest).to_hex(),
+                "int8_layers": result.int8_layers,
+                "fp_layers": result.fp_layers,
+                "artifact": source.info,
+            }),
+        )?;
+        summary = Some(result);
+        Ok(())
+    })?;
+    let summary = summary.expect("filled by the export");
+    if args.flags.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "output": args.output.display().to_string(),
+                "format": "onnx",
+                "int8_layers": summary.int8_layers,
+                "fp_layers": summary.fp_layers,
+            }))?
+        );
+    } else {
+        println!(
+            "wrote {}/model.onnx (opset 13): {} QDQ layers, {} f32 layers",
+            args.output.display(),
+            summary.int8_layers,
+            summary.fp_layers
         );
     }
     Ok(())

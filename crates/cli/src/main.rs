@@ -95,6 +95,9 @@ enum Command {
     Verify(quantize_cmd::VerifyArgs),
     /// Generate text with a language model (greedy unless --temperature).
     Generate(model_cmd::GenerateArgs),
+    /// Run a policy on the observations of a JSONL file: its raw head outputs
+    /// and actions.
+    Act(model_cmd::ActArgs),
     /// Evaluate models: perplexity, comparison with a reference, action agreement.
     #[command(subcommand)]
     Eval(model_cmd::EvalCommand),
@@ -158,6 +161,7 @@ fn main() -> ExitCode {
         Command::Export(args) => export_cmd::export(args),
         Command::Generate(args) => model_cmd::generate(args),
         Command::Eval(command) => model_cmd::eval(command),
+        Command::Act(args) => model_cmd::act(args),
         Command::Fingerprint(args) => model_cmd::fingerprint(args),
     };
     match result {

@@ -584,3 +584,53 @@ pub fn fingerprint(args: FingerprintArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// Arguments of `qforge act`.
+#[derive(Args)]
+pub struct ActArgs {
+    /// Policy: a policy directory or a native artifact.
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// Trajectories as JSONL: {"observations": [[…], …], …} per line.
+    #[arg(long, value_name = "FILE")]
+    observations: PathBuf,
+    #[command(flatten)]
+    precision: PrecisionArgs,
+    #[command(flatten)]
+    flags: OutputFlags,
+}
+
+/// `qforge act`: a policy's raw head outputs and actions for every
+/// observation of a file.
+pub fn act(args: ActArgs) -> Result<()> {
+    let policy = match load_model(&args.model)? {
+        AnyModel::Policy(policy) => args.precision.apply_policy(policy, &args.model)?,
+        AnyModel::Language(_) => {
+            return Err(UsageError(format!(
+                "{} is a language model; `act` runs policies",
+                args.model.display()
+            ))
+            .into());
+        }
+    };
+    let observations = read_observations(&args.observations, policy.config().observation_dim)?;
+    let outputs = policy.forward(&observations, None)?;
+    let actions = policy.actions_from_outputs(&outputs);
+    let width = policy.config().head.outputs();
+    if args.flags.json {
+        let rows: Vec<&[f32]> = outputs.chunks_exact(width).collect();
+        println!(
+            "{}",
+            serde_json::to_string(&json!({
+                "precision": args.precision.name(&args.model),
+                "outputs": rows,
+                "actions": actions,
+            }))?
+        );
+    } else {
+        for action in &actions {
+            println!("{}", serde_json::to_string(action)?);
+        }
+    }
+    Ok(())
+}

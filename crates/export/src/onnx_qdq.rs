@@ -1,0 +1,321 @@
+//! ONNX QDQ for MLP policies (opset 13): each INT8 layer's weights are an
+//! int8 initializer behind `DequantizeLinear` (per output channel, axis 0,
+//! zero point 0) feeding `Gemm` (transB = 1, bias); a static input goes
+//! through `QuantizeLinear` → `DequantizeLinear` with its calibrated scale.
+//! QDQ has no per-token scale, so a dynamic input is quantized by the
+//! explicit ops that define it — `s = max|x_row| / 127`, `q = clip(round(x ·
+//! 1/s), ±127)`, `x' = q · s` — the same arithmetic as qforge's engine. FP
+//! layers are plain `Gemm`s over f32 weights. The graph's input is
+//! `observations` `[N, observation_dim]`, its output `outputs` `[N, head]`
+//! (logits, Gaussian means before clipping, or values).
+
+use std::path::Path;
+
+use prost::Message;
+use std::collections::BTreeMap;
+
+use qforge_model::PolicyConfig;
+use qforge_model::artifact::LayerPrecision;
+use qforge_model::mlp::Activation;
+use qforge_model::onnx::proto::{
+    AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
+    TensorShapeProto, TypeProto, ValueInfoProto, attribute_proto, tensor_proto, tensor_shape_proto,
+    type_proto,
+};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{Error, Result};
+
+/// The opset written: the first with per-axis QuantizeLinear/DequantizeLinear.
+const OPSET: i64 = 13;
+/// ONNX IR version of opset 13 (ONNX 1.8).
+const IR_VERSION: i64 = 7;
+
+/// What an ONNX export did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OnnxExport {
+    /// Layers with int8 weights (QDQ).
+    pub int8_layers: usize,
+    /// Layers left in f32.
+    pub fp_layers: usize,
+}
+
+/// Builds the graph node by node.
+#[derive(Default)]
+struct Graph {
+    nodes: Vec<NodeProto>,
+    initializers: Vec<TensorProto>,
+}
+
+fn int_attribute(name: &str, value: i64) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        i: value,
+        r#type: attribute_proto::AttributeType::Int as i32,
+        ..Default::default()
+    }
+}
+
+fn ints_attribute(name: &str, values: &[i64]) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        ints: values.to_vec(),
+        r#type: attribute_proto::AttributeType::Ints as i32,
+        ..Default::default()
+    }
+}
+
+impl Graph {
+    fn node(&mut self, op: &str, inputs: &[&str], output: &str, attributes: Vec<AttributeProto>) {
+        self.nodes.push(NodeProto {
+            input: inputs.iter().map(|s| (*s).to_owned()).collect(),
+            output: vec![output.to_owned()],
+            name: output.to_owned(),
+            op_type: op.into(),
+            attribute: attributes,
+            ..Default::default()
+        });
+    }
+
+    fn floats(&mut self, name: &str, dims: &[usize], values: &[f32]) {
+        self.initializers.push(TensorProto {
+            name: name.into(),
+            dims: dims.iter().map(|&d| d as i64).collect(),
+            data_type: tensor_proto::DataType::Float as i32,
+            raw_data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ..Default::default()
+        });
+    }
+
+    fn int8s(&mut self, name: &str, dims: &[usize], values: &[i8]) {
+        self.initializers.push(TensorProto {
+            name: name.into(),
+            dims: dims.iter().map(|&d| d as i64).collect(),
+            data_type: tensor_proto::DataType::Int8 as i32,
+            raw_data: values.iter().map(|v| v.to_le_bytes()[0]).collect(),
+            ..Default::default()
+        });
+    }
+}
+
+fn value_info(name: &str, dims: [Option<usize>; 2]) -> ValueInfoProto {
+    let dim = dims
+        .iter()
+        .map(|d| tensor_shape_proto::Dimension {
+            value: Some(match d {
+                Some(n) => tensor_shape_proto::dimension::Value::DimValue(*n as i64),
+                None => tensor_shape_proto::dimension::Value::DimParam("N".into()),
+            }),
+            ..Default::default()
+        })
+        .collect();
+    ValueInfoProto {
+        name: name.into(),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: tensor_proto::DataType::Float as i32,
+                shape: Some(TensorShapeProto { dim }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn floats_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// Writes `dest/model.onnx` for the policy `policy` whose tensors are in
+/// `weights_path` (a native artifact's, or a full-precision policy's
+/// `model.safetensors`), each layer in the precision `points` gives it.
+pub fn export_onnx(
+    weights_path: &Path,
+    points: &BTreeMap<String, LayerPrecision>,
+    policy: &PolicyConfig,
+    dest: &Path,
+) -> Result<OnnxExport> {
+    let bytes =
+        std::fs::read(weights_path).map_err(|e| qforge_model::Error::io(weights_path, e))?;
+    let tensors = SafeTensors::deserialize(&bytes)
+        .map_err(|e| Error::Inconsistent(format!("{}: {e}", weights_path.display())))?;
+    let tensor = |name: &str| {
+        tensors
+            .tensor(name)
+            .map_err(|e| Error::Inconsistent(format!("{}: {name}: {e}", weights_path.display())))
+    };
+    let mut widths = vec![policy.observation_dim];
+    widths.extend(&policy.hidden);
+    widths.push(policy.head.outputs());
+
+    let mut g = Graph::default();
+    // Constants shared by the layers that need them.
+    if points
+        .values()
+        .any(|p| matches!(p, LayerPrecision::Int8Static { .. }))
+    {
+        g.int8s("qdq.zero", &[], &[0]);
+    }
+    if points.values().any(|p| *p == LayerPrecision::Int8Dynamic) {
+        g.floats("qdq.limit_low", &[], &[-127.0]);
+        g.floats("qdq.limit_high", &[], &[127.0]);
+        g.floats("qdq.levels", &[], &[127.0]);
+        g.floats("qdq.tiny", &[], &[f32::MIN_POSITIVE]);
+    }
+    let (mut int8_layers, mut fp_layers) = (0, 0);
+    let mut x = "observations".to_owned();
+    let last = widths.len() - 2;
+    for i in 0..=last {
+        let name = format!("layers.{i}");
+        let (inp, out) = (widths[i], widths[i + 1]);
+        let precision = points.get(&name).copied().ok_or_else(|| {
+            Error::Inconsistent(format!("qforge.json gives no precision for {name}"))
+        })?;
+        let bias = tensor(&format!("{name}.bias"))?;
+        g.floats(&format!("{name}.bias"), &[out], &floats_of(bias.data()));
+        // The weight, f32 [out, in] as the Gemm reads it.
+        let weight = format!("{name}.weight");
+        let view = tensor(&weight)?;
+        match (precision, view.dtype()) {
+            (LayerPrecision::Fp, Dtype::F32) => {
+                g.floats(&weight, &[out, inp], &floats_of(view.data()));
+                fp_layers += 1;
+            }
+            (LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. }, Dtype::I8) => {
+                let values: Vec<i8> = view.data().iter().map(|&b| b as i8).collect();
+                let scales = floats_of(tensor(&format!("{name}.weight_scale"))?.data());
+                g.int8s(&format!("{weight}_quantized"), &[out, inp], &values);
+                g.floats(&format!("{weight}_scale"), &[out], &scales);
+                g.int8s(&format!("{weight}_zero_point"), &[out], &vec![0; out]);
+                g.node(
+                    "DequantizeLinear",
+                    &[
+                        &format!("{weight}_quantized"),
+                        &format!("{weight}_scale"),
+                        &format!("{weight}_zero_point"),
+                    ],
+                    &weight,
+                    vec![int_attribute("axis", 0)],
+                );
+                int8_layers += 1;
+            }
+            (p, dtype) => {
+                return Err(Error::Inconsistent(format!(
+                    "{name} is {} in qforge.json but its weight is {dtype:?}",
+                    p.name()
+                )));
+            }
+        }
+        // The input, as the engine quantizes it.
+        let input = match precision {
+            LayerPrecision::Fp => x.clone(),
+            LayerPrecision::Int8Static { input_scale } => {
+                g.floats(&format!("{name}.input_scale"), &[], &[input_scale]);
+                let scale = format!("{name}.input_scale");
+                g.node(
+                    "QuantizeLinear",
+                    &[&x, &scale, "qdq.zero"],
+                    &format!("{name}.input_quantized"),
+                    vec![],
+                );
+                g.node(
+                    "DequantizeLinear",
+                    &[&format!("{name}.input_quantized"), &scale, "qdq.zero"],
+                    &format!("{name}.input_dq"),
+                    vec![],
+                );
+                format!("{name}.input_dq")
+            }
+            LayerPrecision::Int8Dynamic => {
+                let p = |s: &str| format!("{name}.{s}");
+                g.node("Abs", &[&x], &p("abs"), vec![]);
+                g.node(
+                    "ReduceMax",
+                    &[&p("abs")],
+                    &p("row_max"),
+                    vec![ints_attribute("axes", &[1]), int_attribute("keepdims", 1)],
+                );
+                g.node(
+                    "Max",
+                    &[&p("row_max"), "qdq.tiny"],
+                    &p("row_max_pos"),
+                    vec![],
+                );
+                g.node(
+                    "Div",
+                    &[&p("row_max_pos"), "qdq.levels"],
+                    &p("row_scale"),
+                    vec![],
+                );
+                g.node("Reciprocal", &[&p("row_scale")], &p("row_inverse"), vec![]);
+                g.node("Mul", &[&x, &p("row_inverse")], &p("scaled"), vec![]);
+                g.node(
+                    "Clip",
+                    &[&p("scaled"), "qdq.limit_low", "qdq.limit_high"],
+                    &p("clipped"),
+                    vec![],
+                );
+                g.node("Round", &[&p("clipped")], &p("rounded"), vec![]);
+                g.node(
+                    "Mul",
+                    &[&p("rounded"), &p("row_scale")],
+                    &p("input_dq"),
+                    vec![],
+                );
+                p("input_dq")
+            }
+        };
+        let y = if i == last {
+            "outputs".to_owned()
+        } else {
+            format!("{name}.output")
+        };
+        g.node(
+            "Gemm",
+            &[&input, &weight, &format!("{name}.bias")],
+            &y,
+            vec![int_attribute("transB", 1)],
+        );
+        x = if i == last {
+            y
+        } else {
+            let activated = format!("{name}.activated");
+            let op = match policy.activation {
+                Activation::Tanh => "Tanh",
+                Activation::Relu => "Relu",
+            };
+            g.node(op, &[&y], &activated, vec![]);
+            activated
+        };
+    }
+    let model = ModelProto {
+        ir_version: IR_VERSION,
+        producer_name: "qforge".into(),
+        producer_version: env!("CARGO_PKG_VERSION").into(),
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: OPSET,
+        }],
+        graph: Some(GraphProto {
+            name: "qforge_policy".into(),
+            node: g.nodes,
+            initializer: g.initializers,
+            input: vec![value_info(
+                "observations",
+                [None, Some(policy.observation_dim)],
+            )],
+            output: vec![value_info("outputs", [None, Some(policy.head.outputs())])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let path = dest.join("model.onnx");
+    std::fs::write(&path, model.encode_to_vec()).map_err(|e| qforge_model::Error::io(&path, e))?;
+    Ok(OnnxExport {
+        int8_layers,
+        fp_layers,
+    })
+}
