@@ -10,6 +10,7 @@ mod input;
 mod model_cmd;
 mod output;
 mod quantize_cmd;
+mod serve_cmd;
 mod stats_cmd;
 
 use std::path::PathBuf;
@@ -90,6 +91,10 @@ enum Command {
     /// Convert a native artifact to a serving format: compressed-tensors
     /// (vLLM, language models).
     Export(export_cmd::ExportArgs),
+    /// Serve a policy over HTTP: POST /v1/act with dynamic batching, /health,
+    /// /ready, /metrics (Prometheus). Set QFORGE_SERVE_TOKEN to require a
+    /// bearer token.
+    Serve(serve_cmd::ServeArgs),
     /// Check a directory qforge wrote against its manifest.json: every file's
     /// SHA-256; names the file that changed, went missing or appeared.
     Verify(quantize_cmd::VerifyArgs),
@@ -159,6 +164,7 @@ fn main() -> ExitCode {
         Command::Quantize(args) => quantize_cmd::quantize_command(args),
         Command::Verify(args) => quantize_cmd::verify_command(args),
         Command::Export(args) => export_cmd::export(args),
+        Command::Serve(args) => serve_cmd::serve_command(args),
         Command::Generate(args) => model_cmd::generate(args),
         Command::Eval(command) => model_cmd::eval(command),
         Command::Act(args) => model_cmd::act(args),

@@ -1,0 +1,20 @@
+//! The error type of `qforge-serve`.
+
+use std::net::SocketAddr;
+
+/// Errors of `qforge-serve`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The options are inconsistent.
+    #[error("{0}")]
+    Options(String),
+    /// The address could not be bound.
+    #[error("cannot listen on {0}: {1} (is another server using the port?)")]
+    Bind(SocketAddr, std::io::Error),
+    /// The server failed while running.
+    #[error("server: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Result type of `qforge-serve`.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,16 @@
+//! `qforge-serve`: qforge's INT8 engine behind HTTP, for real-time control
+//! policies: `POST /v1/act` with dynamic batching ([`batcher`]), health and
+//! readiness probes, Prometheus metrics ([`metrics`]), request limits and
+//! graceful shutdown ([`server`]).
+//!
+//! It depends on `qforge-model` only (a native artifact or a policy
+//! directory loads there); it must not depend on calibration, quantization
+//! or the CLI.
+
+pub mod batcher;
+pub mod error;
+pub mod metrics;
+pub mod server;
+
+pub use error::{Error, Result};
+pub use server::{ServeOptions, serve};

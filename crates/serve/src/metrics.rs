@@ -1,0 +1,116 @@
+//! The server's Prometheus metrics, exposed at `/metrics` in the text
+//! format.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels: endpoint and status.
+type Labels = Vec<(String, String)>;
+
+fn latency_histogram() -> Histogram {
+    // 50 µs … ~1.6 s in factors of 2.
+    Histogram::new(exponential_buckets(5e-5, 2.0, 16))
+}
+
+/// Every metric the server keeps.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by endpoint and HTTP status.
+    pub requests: Family<Labels, Counter>,
+    /// Request latency by endpoint, seconds.
+    pub latency: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Observations per forward the batcher ran.
+    pub batch_rows: Histogram,
+    /// Requests waiting for the batcher.
+    pub queue_depth: Gauge,
+    /// Observations answered.
+    pub observations: Counter,
+    /// Resident memory of the process, bytes (read at scrape time).
+    pub resident_memory: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("qforge");
+        let requests = Family::<Labels, Counter>::default();
+        let latency =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        let batch_rows = Histogram::new(exponential_buckets(1.0, 2.0, 10));
+        let queue_depth = Gauge::default();
+        let observations = Counter::default();
+        let resident_memory = Gauge::default();
+        registry.register(
+            "requests",
+            "HTTP requests by endpoint and status",
+            requests.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "Request latency by endpoint",
+            latency.clone(),
+        );
+        registry.register(
+            "batch_rows",
+            "Observations per batched forward",
+            batch_rows.clone(),
+        );
+        registry.register(
+            "queue_depth",
+            "Requests waiting for the batcher",
+            queue_depth.clone(),
+        );
+        registry.register(
+            "observations",
+            "Observations answered",
+            observations.clone(),
+        );
+        registry.register(
+            "resident_memory_bytes",
+            "Resident memory of the server process",
+            resident_memory.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            latency,
+            batch_rows,
+            queue_depth,
+            observations,
+            resident_memory,
+        }
+    }
+}
+
+impl Metrics {
+    /// Counts one finished request.
+    pub fn record(&self, endpoint: &str, status: u16, seconds: f64) {
+        let endpoint = ("endpoint".to_owned(), endpoint.to_owned());
+        self.requests
+            .get_or_create(&vec![
+                endpoint.clone(),
+                ("status".into(), status.to_string()),
+            ])
+            .inc();
+        self.latency.get_or_create(&vec![endpoint]).observe(seconds);
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        self.resident_memory.set(resident_bytes());
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// Resident set size from `/proc/self/statm` (0 where there is none).
+fn resident_bytes() -> i64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<i64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}

@@ -1,0 +1,240 @@
+//! The HTTP server: `POST /v1/act`, `GET /health`, `GET /ready`,
+//! `GET /metrics`, with a body limit, an optional bearer token, a
+//! concurrency limit (429 + Retry-After), a request timeout (503 +
+//! Retry-After) and graceful shutdown (in-flight requests finish).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use qforge_model::MlpPolicy;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::{Semaphore, oneshot};
+
+use crate::batcher::{Batcher, Job};
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Address to bind (127.0.0.1 unless told otherwise; port 0 picks one).
+    pub addr: SocketAddr,
+    /// Most observations per batched forward.
+    pub max_batch: usize,
+    /// Longest a request waits for others to share its forward.
+    pub max_wait: Duration,
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
+    /// Most observations in one request.
+    pub max_rows: usize,
+    /// Requests in flight beyond which new ones get 429.
+    pub max_concurrency: usize,
+    /// A request not answered within this gets 503.
+    pub timeout: Duration,
+    /// Required `Authorization: Bearer …` token, if any.
+    pub token: Option<String>,
+}
+
+struct AppState {
+    batcher: Batcher,
+    metrics: Arc<Metrics>,
+    in_flight: Arc<Semaphore>,
+    options: ServeOptions,
+    observation_dim: usize,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ActRequest {
+    observations: Vec<Vec<f32>>,
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, axum::Json(json!({ "error": message.into() }))).into_response()
+}
+
+fn retry_later(status: StatusCode, message: &str) -> Response {
+    let mut response = error(status, message);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    let Some(token) = &state.options.token else {
+        return true;
+    };
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| {
+            // Length-independent comparison: no early exit on the first
+            // differing byte.
+            given.len() == token.len()
+                && given
+                    .bytes()
+                    .zip(token.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+        })
+}
+
+async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = act_inner(&state, &headers, &body).await;
+    state.metrics.record(
+        "/v1/act",
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Response {
+    if !authorized(state, headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+    }
+    let Ok(_permit) = Arc::clone(&state.in_flight).try_acquire_owned() else {
+        return retry_later(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many requests in flight; retry shortly",
+        );
+    };
+    let request: ActRequest = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("expected {{\"observations\": [[numbers], …]}}: {e}"),
+            );
+        }
+    };
+    let rows = request.observations.len();
+    let dim = state.observation_dim;
+    if rows == 0 {
+        return error(StatusCode::BAD_REQUEST, "observations is empty");
+    }
+    if rows > state.options.max_rows {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "{rows} observations in one request; the limit is {}",
+                state.options.max_rows
+            ),
+        );
+    }
+    let mut observations = Vec::with_capacity(rows * dim);
+    for (i, row) in request.observations.iter().enumerate() {
+        if row.len() != dim {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "observation {i} has {} values; the policy takes {dim}",
+                    row.len()
+                ),
+            );
+        }
+        if let Some(v) = row.iter().find(|v| !v.is_finite()) {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("observation {i} holds {v}, which is not a finite number"),
+            );
+        }
+        observations.extend_from_slice(row);
+    }
+    let (reply, answer) = oneshot::channel();
+    if !state.batcher.submit(Job {
+        observations,
+        rows,
+        reply,
+    }) {
+        return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
+    }
+    match tokio::time::timeout(state.options.timeout, answer).await {
+        Ok(Ok(Ok(actions))) => {
+            state.metrics.observations.inc_by(rows as u64);
+            axum::Json(json!({ "actions": actions })).into_response()
+        }
+        Ok(Ok(Err(message))) => error(StatusCode::INTERNAL_SERVER_ERROR, message),
+        Ok(Err(_)) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped"),
+        Err(_) => retry_later(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the request timed out waiting for the model",
+        ),
+    }
+}
+
+async fn health() -> Response {
+    axum::Json(json!({ "status": "ok" })).into_response()
+}
+
+async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Serves `policy` until `shutdown` completes, then lets in-flight requests
+/// finish. `on_bound` hears the bound address (port 0 resolved) once the
+/// socket listens.
+pub async fn serve(
+    policy: MlpPolicy,
+    options: ServeOptions,
+    on_bound: impl FnOnce(SocketAddr),
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    if options.max_batch == 0 || options.max_rows == 0 || options.max_concurrency == 0 {
+        return Err(Error::Options(
+            "max batch, max rows and max concurrency must be at least 1".into(),
+        ));
+    }
+    let metrics = Arc::new(Metrics::default());
+    let observation_dim = policy.config().observation_dim;
+    let batcher = Batcher::start(
+        policy,
+        options.max_batch,
+        options.max_wait,
+        Arc::clone(&metrics),
+    );
+    let state = Arc::new(AppState {
+        batcher,
+        metrics,
+        in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
+        observation_dim,
+        options: options.clone(),
+    });
+    let app = Router::new()
+        .route("/v1/act", post(act))
+        .route("/health", get(health))
+        .route("/ready", get(health))
+        .route("/metrics", get(render_metrics))
+        .layer(DefaultBodyLimit::max(options.max_body_bytes))
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind(options.addr)
+        .await
+        .map_err(|e| Error::Bind(options.addr, e))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::Bind(options.addr, e))?;
+    on_bound(bound);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(Error::Serve)
+}
