@@ -75,47 +75,56 @@ pub fn export(args: ExportArgs) -> Result<()> {
     if args.precision != OnnxPrecision::Int8 {
         return Err(UsageError("--precision applies to --format onnx".into()).into());
     }
-    let mut summary = None;
-    write_dir_atomic(&args.output, |dest| {
+    write_export(&args, &source, &source_manifest, |dest| {
         let result = export_compressed_tensors(&args.model, dest)?;
-        write_manifest(
-            dest,
-            json!({
-                "kind": "compressed-tensors",
-                "source_artifact": std::fs::canonicalize(&args.model)
-                    .unwrap_or(args.model.clone())
-                    .display()
-                    .to_string(),
-                "source_manifest_sha256": qforge_core::Digest::of(&source_manifest).to_hex(),
-                "lm_head": result.lm_head,
-                "ignore": result.ignored,
-                "quantized_layers": result.quantized_layers,
-                "artifact": source.info,
-            }),
-        )?;
-        summary = Some(result);
-        Ok(())
-    })?;
-    let summary = summary.expect("filled by the export");
-    if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "output": args.output.display().to_string(),
-                "format": "compressed-tensors",
-                "quantized_layers": summary.quantized_layers,
-                "ignore": summary.ignored,
-                "lm_head": summary.lm_head,
-            }))?
-        );
-    } else {
-        println!(
+        let line = format!(
             "wrote {} (compressed-tensors): {} int8 layers, {} left unquantized (lm_head {})",
             args.output.display(),
-            summary.quantized_layers,
-            summary.ignored.len(),
-            summary.lm_head
+            result.quantized_layers,
+            result.ignored.len(),
+            result.lm_head
         );
+        let summary = json!({
+            "format": "compressed-tensors",
+            "quantized_layers": result.quantized_layers,
+            "ignore": result.ignored,
+            "lm_head": result.lm_head,
+        });
+        Ok((summary, line))
+    })
+}
+
+/// Writes an export atomically through `fill` (which returns its JSON
+/// summary and a human line), adds the manifest — the summary, the source
+/// artifact and its manifest's hash, and the artifact's own provenance and
+/// guard results — and prints the outcome.
+fn write_export(
+    args: &ExportArgs,
+    source: &Manifest,
+    source_manifest: &[u8],
+    fill: impl FnOnce(&std::path::Path) -> Result<(serde_json::Value, String)>,
+) -> Result<()> {
+    let mut outcome = None;
+    write_dir_atomic(&args.output, |dest| {
+        let (summary, line) = fill(dest)?;
+        let mut info = summary.clone();
+        info["source_artifact"] = std::fs::canonicalize(&args.model)
+            .unwrap_or(args.model.clone())
+            .display()
+            .to_string()
+            .into();
+        info["source_manifest_sha256"] = qforge_core::Digest::of(source_manifest).to_hex().into();
+        info["artifact"] = source.info.clone();
+        write_manifest(dest, info)?;
+        outcome = Some((summary, line));
+        Ok(())
+    })?;
+    let (mut summary, line) = outcome.expect("filled by the export");
+    if args.flags.json {
+        summary["output"] = args.output.display().to_string().into();
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        println!("{line}");
     }
     Ok(())
 }
@@ -158,49 +167,24 @@ fn export_onnx_command(args: &ExportArgs, source: &Manifest, source_manifest: &[
             (path.join(WEIGHTS_FILE), points)
         }
     };
-    let mut summary = None;
-    write_dir_atomic(&args.output, |dest| {
+    write_export(args, source, source_manifest, |dest| {
         let result = export_onnx(&weights, &points, &policy, dest)?;
-        write_manifest(
-            dest,
-            json!({
-                "kind": "onnx",
-                "precision": match args.precision {
-                    OnnxPrecision::Int8 => "int8",
-                    OnnxPrecision::F32 => "f32",
-                },
-                "opset": 13,
-                "source_artifact": std::fs::canonicalize(&args.model)
-                    .unwrap_or(args.model.clone())
-                    .display()
-                    .to_string(),
-                "source_manifest_sha256": qforge_core::Digest::of(source_manifest).to_hex(),
-                "int8_layers": result.int8_layers,
-                "fp_layers": result.fp_layers,
-                "artifact": source.info,
-            }),
-        )?;
-        summary = Some(result);
-        Ok(())
-    })?;
-    let summary = summary.expect("filled by the export");
-    if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "output": args.output.display().to_string(),
-                "format": "onnx",
-                "int8_layers": summary.int8_layers,
-                "fp_layers": summary.fp_layers,
-            }))?
-        );
-    } else {
-        println!(
+        let line = format!(
             "wrote {}/model.onnx (opset 13): {} QDQ layers, {} f32 layers",
             args.output.display(),
-            summary.int8_layers,
-            summary.fp_layers
+            result.int8_layers,
+            result.fp_layers
         );
-    }
-    Ok(())
+        let summary = json!({
+            "format": "onnx",
+            "precision": match args.precision {
+                OnnxPrecision::Int8 => "int8",
+                OnnxPrecision::F32 => "f32",
+            },
+            "opset": 13,
+            "int8_layers": result.int8_layers,
+            "fp_layers": result.fp_layers,
+        });
+        Ok((summary, line))
+    })
 }
