@@ -124,6 +124,10 @@ fn act_answers_like_qforge_act_batches_and_counts() {
     let server = Server::start(&artifact, &["--max-wait-ms", "50"], None);
     assert_eq!(server.request("GET", "/health", &[], "").0, 200);
     assert_eq!(server.request("GET", "/ready", &[], "").0, 200);
+    let (status, _, api) = server.request("GET", "/openapi.json", &[], "");
+    assert_eq!(status, 200);
+    let api: Value = serde_json::from_str(&api).unwrap();
+    assert!(api["paths"]["/v1/act"]["post"].is_object(), "{api}");
 
     // What `qforge act` says for the first 40 observations of episode 0.
     let rows = observations(40);
@@ -260,4 +264,57 @@ fn a_language_model_is_not_served_yet() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("runs policies"));
+}
+
+#[test]
+fn random_bodies_never_break_the_server() {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole");
+    let server = Server::start(&model, &["--max-body-bytes", "65536"], None);
+    let mut rng = StdRng::seed_from_u64(7);
+    let number = |rng: &mut StdRng| -> String {
+        match rng.random_range(0..6) {
+            0 => "1e999".into(),
+            1 => "-0".into(),
+            2 => "null".into(),
+            3 => "\"x\"".into(),
+            _ => format!("{}", rng.random_range(-1e6..1e6f64)),
+        }
+    };
+    for case in 0..300 {
+        let body = match case % 4 {
+            // Raw bytes, valid UTF-8 only so the request line stays intact.
+            0 => (0..rng.random_range(0..200))
+                .map(|_| char::from(rng.random_range(32u8..127)))
+                .collect::<String>(),
+            // Observations of random widths and contents.
+            1 | 2 => {
+                let rows: Vec<String> = (0..rng.random_range(0..6))
+                    .map(|_| {
+                        let width = rng.random_range(0..7);
+                        let values: Vec<String> = (0..width).map(|_| number(&mut rng)).collect();
+                        format!("[{}]", values.join(","))
+                    })
+                    .collect();
+                format!(r#"{{"observations": [{}]}}"#, rows.join(","))
+            }
+            // Other shapes of JSON.
+            _ => [
+                "[]",
+                "{}",
+                "null",
+                r#"{"observations": 3}"#,
+                r#"{"observations": [3]}"#,
+                "\"\"",
+            ][rng.random_range(0..6)]
+            .to_owned(),
+        };
+        let (status, _, text) = server.request("POST", "/v1/act", &[], &body);
+        assert!(
+            [200, 400, 413].contains(&status),
+            "{body:?} → {status} {text}"
+        );
+    }
+    assert_eq!(server.request("GET", "/health", &[], "").0, 200);
 }

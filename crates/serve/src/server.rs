@@ -1,5 +1,5 @@
 //! The HTTP server: `POST /v1/act`, `GET /health`, `GET /ready`,
-//! `GET /metrics`, with a body limit, an optional bearer token, a
+//! `GET /metrics`, `GET /openapi.json`, with a body limit, an optional bearer token, a
 //! concurrency limit (429 + Retry-After), a request timeout (503 +
 //! Retry-After) and graceful shutdown (in-flight requests finish).
 
@@ -175,6 +175,13 @@ async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respon
     }
 }
 
+/// The API, published at `/openapi.json`.
+const OPENAPI: &str = include_str!("../api/openapi.json");
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
 async fn health() -> Response {
     axum::Json(json!({ "status": "ok" })).into_response()
 }
@@ -224,6 +231,7 @@ pub async fn serve(
         .route("/health", get(health))
         .route("/ready", get(health))
         .route("/metrics", get(render_metrics))
+        .route("/openapi.json", get(openapi))
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind(options.addr)
