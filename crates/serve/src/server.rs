@@ -111,6 +111,9 @@ async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respon
             "too many requests in flight; retry shortly",
         );
     };
+    // From here until it is queued (or refused), a batch being collected
+    // waits for this request.
+    let arrival = state.batcher.announce();
     let request: ActRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => {
@@ -154,11 +157,14 @@ async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respon
         observations.extend_from_slice(row);
     }
     let (reply, answer) = oneshot::channel();
-    if !state.batcher.submit(Job {
-        observations,
-        rows,
-        reply,
-    }) {
+    if !state.batcher.submit(
+        arrival,
+        Job {
+            observations,
+            rows,
+            reply,
+        },
+    ) {
         return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
     }
     match tokio::time::timeout(state.options.timeout, answer).await {
