@@ -44,3 +44,21 @@ def test_a_wrong_environment_is_refused(tmp_path):
                          env=dict(os.environ, QFORGE=QFORGE))
     assert out.returncode != 0
     assert "CartPole-v1" in out.stderr
+
+
+def test_quantize_env_enforces_the_return_budget(tmp_path):
+    def quantize(*extra):
+        return subprocess.run([QFORGE, "quantize", "--env", "CartPole-v1", "--env-episodes", "5",
+                               *extra], cwd=tmp_path, capture_output=True, text=True)
+
+    accepted = quantize("-o", "ok", "--json")
+    assert accepted.returncode == 0, accepted.stderr
+    manifest = json.loads((tmp_path / "ok/manifest.json").read_text())
+    assert manifest["info"]["guard"]["return"]["consistency"] >= 0.95
+    assert subprocess.run([QFORGE, "verify", "ok"], cwd=tmp_path).returncode == 0
+
+    # A consistency above 1 cannot be met: refused, nothing written.
+    refused = quantize("-o", "refused", "--min-return-consistency", "1.01")
+    assert refused.returncode == 3, refused.stderr
+    assert "return consistency" in refused.stderr
+    assert not (tmp_path / "refused").exists()

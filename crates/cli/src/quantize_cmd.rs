@@ -84,6 +84,18 @@ pub struct QuantizeArgs {
     /// Count and skip invalid data lines instead of failing.
     #[arg(long)]
     skip_invalid: bool,
+    /// Also check the return in this gymnasium environment (policies): the
+    /// artifact and its FP source are served and driven over /v1/act by
+    /// scripts/eval-return; below --min-return-consistency nothing is written
+    /// and qforge exits with 3.
+    #[arg(long, value_name = "ENV")]
+    env: Option<String>,
+    /// Episodes of the return check.
+    #[arg(long, default_value_t = 20, requires = "env")]
+    env_episodes: usize,
+    /// Least return consistency, 1 − |int8 − fp| / |fp − random|.
+    #[arg(long, default_value_t = 0.95, requires = "env")]
+    min_return_consistency: f64,
 
     /// [calibration] samples to draw.
     #[arg(long, help_heading = "Recipe overrides")]
@@ -335,6 +347,29 @@ fn held_out(
     }
 }
 
+/// Runs scripts/eval-return on the artifact in `dir` and returns its JSON.
+fn return_check(dir: &Path, env: &str, episodes: usize) -> Result<serde_json::Value> {
+    let script = bundled("scripts/eval-return")?;
+    let output = std::process::Command::new(&script)
+        .arg(env)
+        .arg(dir)
+        .arg("--episodes")
+        .arg(episodes.to_string())
+        .env(
+            "QFORGE",
+            std::env::current_exe().context("cannot locate this qforge")?,
+        )
+        .output()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    if !output.status.success() {
+        bail!(
+            "the return check failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    serde_json::from_slice(&output.stdout).context("the return check printed no JSON")
+}
+
 /// `qforge quantize`.
 pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     let recipe = args.recipe()?;
@@ -353,6 +388,12 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         model_path.display(),
         data_path.display()
     ));
+    if args.env.is_some() && !model_path.join("policy.json").exists() {
+        return Err(UsageError(
+            "--env checks the return of a policy; language models are guarded by perplexity".into(),
+        )
+        .into());
+    }
     let mut calibration_recipe = recipe.calibration_recipe();
     if recipe.smoothing.enabled {
         if args.cluster.is_some() {
@@ -514,9 +555,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                 write_language_model(dir, &smoothed_lm, &d.points)?
             }
         }
-        write_manifest(
-            dir,
-            json!({
+        let mut info = json!({
                 "kind": "native",
                 "source_model": {
                     "path": std::fs::canonicalize(&model_path)
@@ -538,8 +577,25 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                     "fp_layers": d.fp_layers,
                     "total_layers": d.total_layers,
                 },
-            }),
-        )?;
+        });
+        write_manifest(dir, info.clone())?;
+        if let Some(env) = &args.env {
+            // The return check needs the written artifact (and its manifest,
+            // which names the FP source); the manifest is then rewritten
+            // with the result.
+            let result = return_check(dir, env, args.env_episodes)?;
+            let consistency = result["consistency"].as_f64().unwrap_or(f64::NAN);
+            say(&format!("guard: return in {env}: {result}"));
+            info["guard"]["return"] = result;
+            if !(consistency >= args.min_return_consistency) {
+                return Err(GuardRefusal(format!(
+                    "return consistency {consistency:.4} in {env} is below {}; no artifact written",
+                    args.min_return_consistency
+                ))
+                .into());
+            }
+            write_manifest(dir, info)?;
+        }
         Ok(())
     })?;
 
