@@ -587,7 +587,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
             let consistency = result["consistency"].as_f64().unwrap_or(f64::NAN);
             say(&format!("guard: return in {env}: {result}"));
             info["guard"]["return"] = result;
-            if !(consistency >= args.min_return_consistency) {
+            if consistency.is_nan() || consistency < args.min_return_consistency {
                 return Err(GuardRefusal(format!(
                     "return consistency {consistency:.4} in {env} is below {}; no artifact written",
                     args.min_return_consistency
