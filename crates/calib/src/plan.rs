@@ -120,6 +120,11 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Every planned sample, in batch order.
+    pub fn samples(&self) -> impl Iterator<Item = &Sample> {
+        self.batches.iter().flat_map(|b| &b.samples)
+    }
+
     /// SHA-256 over the batch ids in order: two machines that planned the
     /// same batches from the same data agree on it, so a worker can prove it
     /// holds the coordinator's plan before observing anything.

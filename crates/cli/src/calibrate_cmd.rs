@@ -71,15 +71,8 @@ pub struct CalibrateArgs {
     /// What the pass records.
     #[arg(long, value_enum, default_value_t = PassArg::Activation)]
     pass: PassArg,
-    /// Worker threads (default: available cores).
-    #[arg(long, conflicts_with = "cluster")]
-    workers: Option<usize>,
-    /// Coordinate the run through Redis (redis://[:PASSWORD@]HOST:PORT):
-    /// batches are observed by `qforge worker` processes on any machines.
-    #[arg(long, value_name = "URL")]
-    cluster: Option<String>,
     #[command(flatten)]
-    cluster_settings: ClusterSettings,
+    backend: BackendArgs,
     /// Write checkpoints under DIR/RUN/.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
@@ -104,6 +97,20 @@ pub struct CalibrateArgs {
     output: OutputPath,
     #[command(flatten)]
     flags: OutputFlags,
+}
+
+/// Where a calibration pass runs: worker threads here, or a Redis cluster.
+#[derive(Args)]
+pub(crate) struct BackendArgs {
+    /// Worker threads (default: available cores).
+    #[arg(long, conflicts_with = "cluster")]
+    pub workers: Option<usize>,
+    /// Coordinate the run through Redis (redis://[:PASSWORD@]HOST:PORT):
+    /// batches are observed by `qforge worker` processes on any machines.
+    #[arg(long, value_name = "URL")]
+    pub cluster: Option<String>,
+    #[command(flatten)]
+    pub settings: ClusterSettings,
 }
 
 /// Settings of a cluster run (ignored by the embedded backend).
@@ -531,9 +538,9 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         data: &args.data,
         recipe: &recipe,
         skip_invalid: args.skip_invalid,
-        workers: args.workers,
-        cluster: args.cluster.as_deref(),
-        settings: &args.cluster_settings,
+        workers: args.backend.workers,
+        cluster: args.backend.cluster.as_deref(),
+        settings: &args.backend.settings,
         checkpoint_dir: args.checkpoint_dir.as_deref(),
         checkpoint_every: args.checkpoint_every,
         run: args.run.clone(),

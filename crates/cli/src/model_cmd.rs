@@ -176,6 +176,19 @@ fn load_language_model(path: &Path) -> Result<LanguageModel> {
     }
 }
 
+/// Loads a policy directory or policy artifact; a language model is a usage
+/// error.
+fn load_policy(path: &Path) -> Result<MlpPolicy> {
+    match load_model(path)? {
+        AnyModel::Policy(policy) => Ok(policy),
+        AnyModel::Language(_) => Err(UsageError(format!(
+            "{} is a language model; this command runs policies (a policy directory or a policy artifact)",
+            path.display()
+        ))
+        .into()),
+    }
+}
+
 /// Arguments of `qforge generate`.
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -426,20 +439,10 @@ pub fn eval(command: EvalCommand) -> Result<()> {
         }
         EvalCommand::Layers(args) => layers(args)?,
         EvalCommand::Agreement(args) => {
-            let policy = |p: &Path| -> Result<MlpPolicy> {
-                match load_model(p)? {
-                    AnyModel::Policy(policy) => Ok(policy),
-                    AnyModel::Language(_) => Err(UsageError(format!(
-                        "{} is a language model; `eval agreement` compares policies",
-                        p.display()
-                    ))
-                    .into()),
-                }
-            };
             let model = args
                 .precision
-                .apply_policy(policy(&args.model)?, &args.model)?;
-            let reference = policy(&args.reference)?;
+                .apply_policy(load_policy(&args.model)?, &args.model)?;
+            let reference = load_policy(&args.reference)?;
             let dim = reference.config().observation_dim;
             if model.config().observation_dim != dim
                 || model.config().head != reference.config().head
@@ -603,16 +606,9 @@ pub struct ActArgs {
 /// `qforge act`: a policy's raw head outputs and actions for every
 /// observation of a file.
 pub fn act(args: ActArgs) -> Result<()> {
-    let policy = match load_model(&args.model)? {
-        AnyModel::Policy(policy) => args.precision.apply_policy(policy, &args.model)?,
-        AnyModel::Language(_) => {
-            return Err(UsageError(format!(
-                "{} is a language model; `act` runs policies",
-                args.model.display()
-            ))
-            .into());
-        }
-    };
+    let policy = args
+        .precision
+        .apply_policy(load_policy(&args.model)?, &args.model)?;
     let observations = read_observations(&args.observations, policy.config().observation_dim)?;
     let outputs = policy.forward(&observations, None)?;
     let actions = policy.actions_from_outputs(&outputs);

@@ -21,8 +21,8 @@ use qforge_quant::{
 use serde_json::json;
 
 use crate::calibrate_cmd::{
-    Calibrated, Calibration, ClusterSettings, StratifyArg, episode_tokens, model_digest,
-    run_calibration, transformed_pass,
+    BackendArgs, Calibrated, Calibration, StratifyArg, episode_tokens, run_calibration,
+    transformed_pass,
 };
 use crate::model_cmd::{AnyModel, load_model};
 use crate::output::write_dir_atomic;
@@ -72,15 +72,8 @@ pub struct QuantizeArgs {
         default_value = "qforge-out"
     )]
     output: PathBuf,
-    /// Worker threads of the embedded backend (default: available cores).
-    #[arg(long, conflicts_with = "cluster")]
-    workers: Option<usize>,
-    /// Calibrate through Redis (redis://[:PASSWORD@]HOST:PORT) with `qforge
-    /// worker` processes.
-    #[arg(long, value_name = "URL")]
-    cluster: Option<String>,
     #[command(flatten)]
-    cluster_settings: ClusterSettings,
+    backend: BackendArgs,
     /// Count and skip invalid data lines instead of failing.
     #[arg(long)]
     skip_invalid: bool,
@@ -244,9 +237,7 @@ fn held_out(
                     let drawn: HashSet<Vec<u32>> = calibrated
                         .loaded
                         .plan
-                        .batches
-                        .iter()
-                        .flat_map(|b| &b.samples)
+                        .samples()
                         .filter_map(|s| match s {
                             Sample::Observation(o) => Some(o.iter().map(|v| v.to_bits()).collect()),
                             Sample::Tokens(_) => None,
@@ -312,9 +303,7 @@ fn held_out(
             let drawn: HashSet<&[u32]> = calibrated
                 .loaded
                 .plan
-                .batches
-                .iter()
-                .flat_map(|b| &b.samples)
+                .samples()
                 .filter_map(|s| match s {
                     Sample::Tokens(t) => Some(&t[..]),
                     Sample::Observation(_) => None,
@@ -396,7 +385,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     }
     let mut calibration_recipe = recipe.calibration_recipe();
     if recipe.smoothing.enabled {
-        if args.cluster.is_some() {
+        if args.backend.cluster.is_some() {
             return Err(UsageError(
                 "SmoothQuant's second pass runs on the embedded backend; drop --cluster or the smoothing"
                     .into(),
@@ -414,9 +403,9 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         data: &data_path,
         recipe: &calibration_recipe,
         skip_invalid: args.skip_invalid,
-        workers: args.workers,
-        cluster: args.cluster.as_deref(),
-        settings: &args.cluster_settings,
+        workers: args.backend.workers,
+        cluster: args.backend.cluster.as_deref(),
+        settings: &args.backend.settings,
         checkpoint_dir: None,
         checkpoint_every: 50,
         run: None,
@@ -469,7 +458,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                 Target::Language(smoothed.clone()),
                 digest,
                 &recipe.calibration_recipe(),
-                args.workers,
+                args.backend.workers,
                 quiet,
             )?;
             Some((smoothed, digest, second))
@@ -534,7 +523,6 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     };
     let html = report.to_html()?;
     let d = &report.decision;
-    let model_sha256 = model_digest(&model_path)?.to_hex();
     write_dir_atomic(&args.output, |dir| {
         std::fs::write(dir.join("report.json"), report.to_json())
             .context("cannot write report.json")?;
@@ -562,7 +550,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                         .unwrap_or(model_path.clone())
                         .display()
                         .to_string(),
-                    "sha256": model_sha256,
+                    "sha256": job.model.to_hex(),
                 },
                 "data_sha256": job.data.to_hex(),
                 "calibration_recipe_sha256": job.recipe.digest().to_hex(),

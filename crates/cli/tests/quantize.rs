@@ -53,39 +53,28 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("accepted") && html.matches("<svg").count() >= 4);
 
-    // The artifact is what the guard measured: the same agreement through
-    // `eval agreement` on the held-out rows... and on all rows it stays high.
-    let eval = json(&qforge_in(
-        &dir,
-        &[
+    // The artifact runs through `eval agreement` and keeps its agreement with
+    // the FP policy on all recorded observations.
+    let reference = path("fixtures/policies/cartpole");
+    let observations = path("fixtures/policies/cartpole/rollouts.jsonl");
+    let agreement = |extra: &[&str]| {
+        let mut args = vec![
             "eval",
             "agreement",
             "--model",
             "qforge-out",
             "--reference",
-            &path("fixtures/policies/cartpole"),
+            &reference,
             "--observations",
-            &path("fixtures/policies/cartpole/rollouts.jsonl"),
-            "--json",
-        ],
-    ));
+            &observations,
+        ];
+        args.extend_from_slice(extra);
+        qforge_in(&dir, &args)
+    };
+    let eval = json(&agreement(&["--json"]));
     assert!(eval["agreement"].as_f64().unwrap() >= 0.99, "{eval}");
     // An artifact runs as stored: asking for another precision is a usage error.
-    let asked = qforge_in(
-        &dir,
-        &[
-            "eval",
-            "agreement",
-            "--model",
-            "qforge-out",
-            "--reference",
-            &path("fixtures/policies/cartpole"),
-            "--observations",
-            &path("fixtures/policies/cartpole/rollouts.jsonl"),
-            "--precision",
-            "int8-dynamic",
-        ],
-    );
+    let asked = agreement(&["--precision", "int8-dynamic"]);
     assert_eq!(asked.status.code(), Some(2));
 
     let verified = json(&qforge_in(&dir, &["verify", "qforge-out", "--json"]));

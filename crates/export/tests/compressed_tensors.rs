@@ -62,6 +62,23 @@ fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
     out
 }
 
+fn last_logits(model: &qforge_model::Llama, tokens: &[u32]) -> Vec<f32> {
+    model
+        .forward(&[tokens.to_vec()], None, None, Logits::Last)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 #[test]
 fn candle_transformers_runs_the_export_with_qforges_logits() {
     let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
@@ -156,34 +173,13 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
             )
         })
         .unwrap();
-    let ours: Vec<f32> = ours_model
-        .forward(std::slice::from_ref(&tokens), None, None, Logits::Last)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let diff = ours
-        .iter()
-        .zip(&theirs)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let ours = last_logits(&ours_model, &tokens);
+    let diff = max_abs_diff(&ours, &theirs);
     eprintln!("max |Δ logit| vs candle-transformers: {diff}");
     assert!(diff < 2e-3, "max |Δ logit| {diff}");
     // And the int8 rounding mattered: the f32 model's logits differ more.
-    let fp: Vec<f32> = lm
-        .model
-        .forward(&[tokens], None, None, Logits::Last)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let fp_diff = fp
-        .iter()
-        .zip(&theirs)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let fp = last_logits(&lm.model, &tokens);
+    let fp_diff = max_abs_diff(&fp, &theirs);
     eprintln!("max |Δ logit| of the f32 model: {fp_diff}");
     assert!(fp_diff > 10.0 * diff.max(1e-4), "{fp_diff} vs {diff}");
 }

@@ -147,6 +147,19 @@ pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
     Ok(config)
 }
 
+/// `qforge.json` of an artifact that must hold a model of `kind`.
+fn read_config_of(dir: &Path, kind: ModelKind) -> Result<ArtifactConfig> {
+    let config = read_config(dir)?;
+    if config.kind != kind {
+        return Err(Error::Format(format!(
+            "{} holds a {:?} artifact, not a {kind:?} one",
+            dir.display(),
+            config.kind
+        )));
+    }
+    Ok(config)
+}
+
 /// The precision of `point`, which every artifact must list.
 fn precision_of(points: &BTreeMap<String, LayerPrecision>, point: &str) -> Result<LayerPrecision> {
     points.get(point).copied().ok_or_else(|| {
@@ -326,7 +339,10 @@ pub fn write_language_model(
 struct ArtifactTensors {
     map: memmap2::Mmap,
     path: std::path::PathBuf,
-    names: std::collections::HashSet<String>,
+    /// The header, parsed and checked once: where each tensor's bytes start
+    /// (after `data_start`) and end.
+    metadata: safetensors::tensor::Metadata,
+    data_start: usize,
     points: BTreeMap<String, LayerPrecision>,
     /// Linear layer name → its observation point.
     point_of: HashMap<String, String>,
@@ -343,29 +359,33 @@ impl ArtifactTensors {
         // SAFETY: a read-only map of a file qforge does not modify while the
         // model is loaded (artifacts are written once, then renamed into place).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        let names = SafeTensors::deserialize(&map)
-            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?
-            .names()
-            .into_iter()
-            .map(str::to_owned)
-            .collect();
+        let malformed =
+            |e: safetensors::SafeTensorError| Error::Format(format!("{}: {e}", path.display()));
+        // Full validation (offsets within the file) once, then only lookups.
+        SafeTensors::deserialize(&map).map_err(malformed)?;
+        let (header, metadata) = SafeTensors::read_metadata(&map).map_err(malformed)?;
         Ok(Self {
             map,
+            data_start: 8 + header,
+            metadata,
             path,
-            names,
             points: config.points.clone(),
             point_of,
         })
     }
 
     fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
-        SafeTensors::deserialize(&self.map)
-            .map_err(|e| Error::Format(format!("{}: {e}", self.path.display())))?
-            .tensor(name)
-            .map_err(|_| Error::MissingTensor {
+        let info = self
+            .metadata
+            .info(name)
+            .ok_or_else(|| Error::MissingTensor {
                 name: name.to_owned(),
                 file: self.path.clone(),
-            })
+            })?;
+        let (start, end) = info.data_offsets;
+        let bytes = &self.map[self.data_start + start..self.data_start + end];
+        safetensors::tensor::TensorView::new(info.dtype, info.shape.clone(), bytes)
+            .map_err(|e| Error::Format(format!("{}: {name}: {e}", self.path.display())))
     }
 
     fn f32_values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
@@ -452,7 +472,7 @@ impl WeightSource for ArtifactTensors {
     }
 
     fn has(&self, name: &str) -> bool {
-        self.names.contains(name)
+        self.metadata.info(name).is_some()
     }
 
     fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
@@ -462,13 +482,7 @@ impl WeightSource for ArtifactTensors {
 
 /// Loads a policy artifact.
 pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
-    let config = read_config(dir)?;
-    if config.kind != ModelKind::Policy {
-        return Err(Error::Format(format!(
-            "{} holds a language model, not a policy",
-            dir.display()
-        )));
-    }
+    let config = read_config_of(dir, ModelKind::Policy)?;
     let policy_path = dir.join("policy.json");
     let bytes = std::fs::read(&policy_path).map_err(|e| Error::io(&policy_path, e))?;
     let policy: PolicyConfig = serde_json::from_slice(&bytes)
@@ -494,13 +508,7 @@ pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
 
 /// Loads a language-model artifact.
 pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
-    let config = read_config(dir)?;
-    if config.kind != ModelKind::LanguageModel {
-        return Err(Error::Format(format!(
-            "{} holds a policy, not a language model",
-            dir.display()
-        )));
-    }
+    let config = read_config_of(dir, ModelKind::LanguageModel)?;
     let config_path = dir.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let json: serde_json::Value = serde_json::from_str(&text)
