@@ -11,7 +11,7 @@ use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, is_artifac
 use qforge_model::manifest::{Manifest, read_manifest, verify, write_manifest};
 use serde_json::json;
 
-use crate::calibrate_cmd::model_digest;
+use crate::model_cmd::recorded_source;
 use crate::output::write_dir_atomic;
 use crate::{OutputFlags, UsageError};
 
@@ -145,20 +145,7 @@ fn export_onnx_command(args: &ExportArgs, source: &Manifest, source_manifest: &[
     let (weights, points) = match args.precision {
         OnnxPrecision::Int8 => (args.model.join(WEIGHTS_FILE), config.points.clone()),
         OnnxPrecision::F32 => {
-            let recorded = &source.info["source_model"];
-            let path = PathBuf::from(recorded["path"].as_str().unwrap_or_default());
-            let digest = model_digest(&path).with_context(|| {
-                format!(
-                    "the artifact's full-precision source {} is not readable",
-                    path.display()
-                )
-            })?;
-            if Some(digest.to_hex().as_str()) != recorded["sha256"].as_str() {
-                anyhow::bail!(
-                    "{} changed since it was quantized (its SHA-256 differs from the manifest's)",
-                    path.display()
-                );
-            }
+            let path = recorded_source(source)?;
             let points = config
                 .points
                 .keys()

@@ -9,6 +9,7 @@ use qforge_core::{Calibrator, QuantParams};
 use qforge_model::artifact::is_artifact;
 use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
 use qforge_model::lm::{compare, perplexity};
+use qforge_model::manifest::Manifest;
 use qforge_model::sensitivity::{llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy};
 use serde_json::json;
@@ -165,7 +166,8 @@ pub fn load_model(path: &Path) -> Result<AnyModel> {
     Ok(AnyModel::Language(Box::new(LanguageModel::load(path)?)))
 }
 
-fn load_language_model(path: &Path) -> Result<LanguageModel> {
+/// Loads a language model; a policy is a usage error.
+pub fn load_language_model(path: &Path) -> Result<LanguageModel> {
     match load_model(path)? {
         AnyModel::Language(lm) => Ok(*lm),
         AnyModel::Policy(_) => Err(UsageError(format!(
@@ -176,9 +178,29 @@ fn load_language_model(path: &Path) -> Result<LanguageModel> {
     }
 }
 
+/// The full-precision model an artifact was quantized from, as its
+/// manifest records it, checked to be unchanged since (its SHA-256).
+pub fn recorded_source(manifest: &Manifest) -> Result<PathBuf> {
+    let recorded = &manifest.info["source_model"];
+    let path = PathBuf::from(recorded["path"].as_str().unwrap_or_default());
+    let digest = model_digest(&path).with_context(|| {
+        format!(
+            "the artifact's full-precision source {} is not readable",
+            path.display()
+        )
+    })?;
+    if Some(digest.to_hex().as_str()) != recorded["sha256"].as_str() {
+        bail!(
+            "{} changed since it was quantized (its SHA-256 differs from the manifest's)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
 /// Loads a policy directory or policy artifact; a language model is a usage
 /// error.
-fn load_policy(path: &Path) -> Result<MlpPolicy> {
+pub fn load_policy(path: &Path) -> Result<MlpPolicy> {
     match load_model(path)? {
         AnyModel::Policy(policy) => Ok(policy),
         AnyModel::Language(_) => Err(UsageError(format!(

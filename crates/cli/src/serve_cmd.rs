@@ -1,5 +1,5 @@
 //! `qforge serve`: a policy (native artifact or policy directory) behind
-//! HTTP.
+//! HTTP, optionally A/B-tested or shadowed against its FP reference.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,10 +7,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use qforge_serve::{ServeOptions, serve};
+use qforge_model::artifact::is_artifact;
+use qforge_model::manifest::read_manifest;
+use qforge_serve::{RolloutMode, RolloutOptions, ServeOptions, serve};
 
 use crate::UsageError;
-use crate::model_cmd::{AnyModel, load_model};
+use crate::model_cmd::{AnyModel, load_model, load_policy, recorded_source};
 
 /// The environment variable holding the bearer token clients must send
 /// (kept out of the command line, which other users can read).
@@ -43,6 +45,66 @@ pub struct ServeArgs {
     /// Requests unanswered after this get 503 with Retry-After (milliseconds).
     #[arg(long, default_value_t = 10_000, value_name = "MS")]
     timeout_ms: u64,
+    /// The full-precision reference for --ab and --shadow (default: the
+    /// source recorded in the artifact's manifest).
+    #[arg(long, value_name = "DIR")]
+    reference: Option<PathBuf>,
+    /// Split sessions (the X-Session-Id header) between INT8 and the
+    /// reference, e.g. `int8=0.9,fp=0.1`.
+    #[arg(long, value_name = "SHARES", value_parser = parse_ab, conflicts_with = "shadow")]
+    ab: Option<f64>,
+    /// INT8 answers; the reference runs a sample of requests alongside and
+    /// their action agreement is measured.
+    #[arg(long)]
+    shadow: bool,
+    /// Share of requests the reference shadows.
+    #[arg(long, default_value_t = 0.1, value_name = "SHARE", requires = "shadow")]
+    shadow_sample: f64,
+    /// Roll traffic back to the reference when shadow agreement or reward
+    /// consistency falls below this.
+    #[arg(long, default_value_t = 0.95)]
+    rollback_below: f64,
+    /// Shadowed observations agreement is judged over.
+    #[arg(long, default_value_t = 1000, value_name = "OBSERVATIONS")]
+    agreement_window: usize,
+    /// Episodes per arm (from /v1/feedback) reward consistency is judged over.
+    #[arg(long, default_value_t = 20, value_name = "EPISODES")]
+    reward_window: usize,
+    /// A random policy's episode return: reward consistency is
+    /// 1 − |int8 − fp| / |fp − random| (0: relative to FP).
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        value_name = "RETURN",
+        allow_negative_numbers = true
+    )]
+    random_return: f64,
+}
+
+/// `int8=A,fp=B` → the INT8 share A / (A + B).
+fn parse_ab(text: &str) -> std::result::Result<f64, String> {
+    let (mut int8, mut fp) = (None, None);
+    for part in text.split(',') {
+        let (arm, share) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not ARM=SHARE (e.g. int8=0.9,fp=0.1)"))?;
+        let share: f64 = share
+            .trim()
+            .parse()
+            .ok()
+            .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+            .ok_or_else(|| format!("the share of {arm} must be a number ≥ 0"))?;
+        match arm.trim() {
+            "int8" => int8 = Some(share),
+            "fp" => fp = Some(share),
+            other => return Err(format!("unknown arm {other:?}: the arms are int8 and fp")),
+        }
+    }
+    let (int8, fp) = (int8.unwrap_or(0.0), fp.unwrap_or(0.0));
+    if int8 + fp <= 0.0 {
+        return Err("the shares must not all be 0".into());
+    }
+    Ok(int8 / (int8 + fp))
 }
 
 async fn shutdown_signal() {
@@ -72,6 +134,22 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     if !(args.max_wait_ms.is_finite() && args.max_wait_ms >= 0.0) {
         return Err(UsageError("--max-wait-ms must be ≥ 0".into()).into());
     }
+    if !(args.shadow_sample > 0.0 && args.shadow_sample <= 1.0) {
+        return Err(UsageError("--shadow-sample must be in (0, 1]".into()).into());
+    }
+    if !(0.0..=1.0).contains(&args.rollback_below) {
+        return Err(UsageError("--rollback-below must be in [0, 1]".into()).into());
+    }
+    if args.agreement_window == 0 || args.reward_window == 0 {
+        return Err(UsageError("--agreement-window and --reward-window must be ≥ 1".into()).into());
+    }
+    let mode = match (args.ab, args.shadow) {
+        (Some(int8_share), _) => RolloutMode::Split { int8_share },
+        (None, true) => RolloutMode::Shadow {
+            sample: args.shadow_sample,
+        },
+        (None, false) => RolloutMode::Int8Only,
+    };
     let policy = match load_model(&args.model)? {
         AnyModel::Policy(policy) => policy,
         AnyModel::Language(_) => {
@@ -81,6 +159,27 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
             ))
             .into());
         }
+    };
+    let reference = match (&args.reference, mode.needs_reference()) {
+        (Some(path), _) => Some(path.clone()),
+        (None, true) if is_artifact(&args.model) => {
+            Some(recorded_source(&read_manifest(&args.model)?)?)
+        }
+        (None, true) => {
+            return Err(UsageError(format!(
+                "--ab and --shadow need --reference: {} is not an artifact whose manifest records its source",
+                args.model.display()
+            ))
+            .into());
+        }
+        (None, false) => None,
+    };
+    let reference = match &reference {
+        Some(path) => {
+            eprintln!("qforge serve: FP reference {}", path.display());
+            Some(load_policy(path)?)
+        }
+        None => None,
     };
     let token = std::env::var(TOKEN_VARIABLE).ok().filter(|t| !t.is_empty());
     let options = ServeOptions {
@@ -92,6 +191,13 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_concurrency: args.max_concurrency,
         timeout: Duration::from_millis(args.timeout_ms),
         token,
+        rollout: RolloutOptions {
+            mode,
+            threshold: args.rollback_below,
+            agreement_window: args.agreement_window,
+            reward_window: args.reward_window,
+            random_return: args.random_return,
+        },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -101,6 +207,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     let model = args.model.display().to_string();
     runtime.block_on(serve(
         policy,
+        reference,
         options,
         |addr| eprintln!("qforge serve: {model} listening on http://{addr}"),
         shutdown_signal(),

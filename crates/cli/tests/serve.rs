@@ -38,14 +38,17 @@ impl Server {
         }
         let mut child = command.spawn().unwrap();
         let mut stderr = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        stderr.read_line(&mut line).unwrap();
-        let addr = line
-            .split("http://")
-            .nth(1)
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .trim()
-            .to_owned();
+        let mut seen = String::new();
+        let addr = loop {
+            let mut line = String::new();
+            if stderr.read_line(&mut line).unwrap() == 0 {
+                panic!("the server stopped before listening: {seen}");
+            }
+            if let Some(addr) = line.split("http://").nth(1) {
+                break addr.trim().to_owned();
+            }
+            seen.push_str(&line);
+        };
         // Keep draining stderr so the server never blocks on a full pipe.
         std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
         Server { child, addr }
@@ -88,8 +91,20 @@ impl Server {
     }
 
     fn act(&self, body: &str) -> (u16, Value) {
-        let (status, _, body) = self.request("POST", "/v1/act", &[], body);
+        self.post("/v1/act", &[], body)
+    }
+
+    fn post(&self, target: &str, headers: &[&str], body: &str) -> (u16, Value) {
+        let (status, _, body) = self.request("POST", target, headers, body);
         (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+    }
+
+    /// The value of the metric line starting with `name ` (labels included).
+    fn metric(&self, name: &str) -> Option<f64> {
+        let (_, _, text) = self.request("GET", "/metrics", &[], "");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .map(|v| v.trim().parse().unwrap())
     }
 }
 
@@ -317,4 +332,204 @@ fn random_bodies_never_break_the_server() {
         );
     }
     assert_eq!(server.request("GET", "/health", &[], "").0, 200);
+}
+
+/// What `qforge act` answers for `rows` on `model`.
+fn qforge_act(dir: &Path, model: &str, rows: &[Vec<f64>]) -> Value {
+    let file = dir.join("act-input.json");
+    std::fs::write(&file, serde_json::json!({"observations": rows}).to_string()).unwrap();
+    json(&qforge_in(
+        dir,
+        &[
+            "act",
+            "--model",
+            model,
+            "--observations",
+            file.to_str().unwrap(),
+            "--json",
+        ],
+    ))["actions"]
+        .clone()
+}
+
+#[test]
+fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
+    let dir = support::temp("serve", "shadow");
+    json(&qforge_in(&dir, &["quantize", "--json"]));
+    // A genuinely bad INT8 model: every static scale clips at the 20th
+    // percentile, and the guard is told to accept it (≈ 50 % agreement).
+    let bad = json(&qforge_in(
+        &dir,
+        &[
+            "quantize",
+            "-o",
+            "bad",
+            "--calibrator",
+            "percentile(20)",
+            "--min-agreement",
+            "0",
+            "--json",
+        ],
+    ));
+    assert!(bad["after"]["agreement"].as_f64().unwrap() < 0.9, "{bad}");
+    let rows = observations(40);
+    let body = serde_json::json!({"observations": rows}).to_string();
+    let shadow = [
+        "--shadow",
+        "--shadow-sample",
+        "1",
+        "--agreement-window",
+        "200",
+    ];
+    let wait_for = |server: &Server, name: &str, at_least: f64| {
+        for _ in 0..200 {
+            if server.metric(name).is_some_and(|v| v >= at_least) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{name} never reached {at_least}");
+    };
+
+    // The good artifact: the reference (found through the manifest) shadows
+    // every request; agreement stays high; INT8 keeps answering.
+    let good = Server::start(&dir.join("qforge-out"), &shadow, None);
+    let int8 = qforge_act(&dir, "qforge-out", &rows);
+    for _ in 0..10 {
+        let (status, v) = good.act(&body);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["arm"], "int8");
+        assert_eq!(v["actions"], int8);
+    }
+    wait_for(&good, "qforge_shadow_observations_total", 400.0);
+    assert!(good.metric("qforge_shadow_agreement").unwrap() >= 0.95);
+    assert_eq!(good.metric("qforge_rolled_back"), Some(0.0));
+    drop(good);
+
+    // The bad one: once 200 shadowed observations agree < 95 %, traffic
+    // rolls back and the FP reference answers.
+    let fp_dir = path("fixtures/policies/cartpole");
+    let fp = qforge_act(&dir, &fp_dir, &rows);
+    let server = Server::start(&dir.join("bad"), &shadow, None);
+    for _ in 0..5 {
+        assert_eq!(server.act(&body).1["arm"], "int8");
+    }
+    wait_for(&server, "qforge_rolled_back", 1.0);
+    assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
+    let (status, v) = server.act(&body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["arm"], "fp");
+    assert_eq!(v["actions"], fp);
+    assert_eq!(
+        server.metric("qforge_arm_requests_total{arm=\"fp\"}"),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn ab_split_is_sticky_by_session_and_reward_feedback_rolls_back() {
+    let dir = support::temp("serve", "ab");
+    json(&qforge_in(&dir, &["quantize", "--json"]));
+    let server = Server::start(
+        &dir.join("qforge-out"),
+        &["--ab", "int8=0.5,fp=0.5", "--reward-window", "3"],
+        None,
+    );
+    let body = serde_json::json!({"observations": observations(2)}).to_string();
+    let arm_of = |session: &str| -> String {
+        let header = format!("X-Session-Id: {session}");
+        let (status, _, text) = server.request("POST", "/v1/act", &[&header], &body);
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["arm"].as_str().unwrap().to_owned()
+    };
+    let sessions: Vec<String> = (0..20).map(|i| format!("episode-{i}")).collect();
+    let arms: Vec<String> = sessions.iter().map(|s| arm_of(s)).collect();
+    assert_eq!(
+        arms,
+        sessions.iter().map(|s| arm_of(s)).collect::<Vec<_>>(),
+        "sessions keep their arm"
+    );
+    let int8_sessions: Vec<&String> = sessions
+        .iter()
+        .zip(&arms)
+        .filter_map(|(s, a)| (a == "int8").then_some(s))
+        .collect();
+    let fp_sessions: Vec<&String> = sessions
+        .iter()
+        .zip(&arms)
+        .filter_map(|(s, a)| (a == "fp").then_some(s))
+        .collect();
+    assert!(
+        int8_sessions.len() >= 3 && fp_sessions.len() >= 3,
+        "{arms:?}"
+    );
+
+    // Bad feedback is refused with a reason.
+    for (headers, body, needle) in [
+        (vec![], r#"{"reward": 1}"#, "X-Session-Id"),
+        (vec!["X-Session-Id: a"], r#"{"reward": "high"}"#, "reward"),
+        (
+            vec!["X-Session-Id: a"],
+            r#"{"reward": 1, "arm": "bf16"}"#,
+            "arm",
+        ),
+    ] {
+        let (status, v) = server.post("/v1/feedback", &headers, body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(needle), "{v}");
+    }
+
+    // Three FP episodes return 500; INT8 episodes return 480 (96 %: kept),
+    // then 300 (rolled back once the window's mean drops below 95 %).
+    let feedback = |session: &str, reward: f64| -> Value {
+        let header = format!("X-Session-Id: {session}");
+        let (status, v) = server.post(
+            "/v1/feedback",
+            &[&header],
+            &serde_json::json!({ "reward": reward }).to_string(),
+        );
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    for s in &fp_sessions[..3] {
+        assert_eq!(feedback(s, 500.0)["arm"], "fp");
+    }
+    for s in &int8_sessions[..3] {
+        assert_eq!(feedback(s, 480.0)["arm"], "int8");
+    }
+    let v = feedback(int8_sessions[0], 480.0);
+    assert!(
+        (v["reward_consistency"].as_f64().unwrap() - 0.96).abs() < 1e-9,
+        "{v}"
+    );
+    assert_eq!(v["rolled_back"], false);
+    assert_eq!(arm_of(int8_sessions[0]), "int8");
+    let v = feedback(int8_sessions[1], 300.0);
+    assert_eq!(v["rolled_back"], true, "{v}");
+    assert_eq!(server.metric("qforge_rolled_back"), Some(1.0));
+    // Every session now goes to FP.
+    for s in &int8_sessions {
+        assert_eq!(arm_of(s), "fp");
+    }
+}
+
+#[test]
+fn rollout_flags_are_checked() {
+    let cartpole = path("fixtures/policies/cartpole");
+    for (args, needle) in [
+        (vec!["--ab", "int8=0.5,bf16=0.5"], "unknown arm"),
+        (vec!["--ab", "int8=0,fp=0"], "must not all be 0"),
+        (vec!["--ab", "int8=1"], "need --reference"),
+        (vec!["--shadow", "--shadow-sample", "0"], "(0, 1]"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_qforge"))
+            .args(["serve", "--model", &cartpole])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
 }

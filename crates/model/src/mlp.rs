@@ -57,6 +57,25 @@ impl Head {
             Head::Value => 1,
         }
     }
+
+    /// Whether two actions agree: the same discrete action, or every component
+    /// within 5 % of its action range (continuous) or of the reference value's
+    /// magnitude (value heads).
+    pub fn actions_agree(&self, a: &Action, b: &Action) -> bool {
+        match (a, b, self) {
+            (Action::Discrete(x), Action::Discrete(y), _) => x == y,
+            (Action::Continuous(x), Action::Continuous(y), Head::Gaussian { low, high, .. }) => x
+                .iter()
+                .zip(y)
+                .zip(low.iter().zip(high))
+                .all(|((p, q), (lo, hi))| (p - q).abs() <= 0.05 * (hi - lo)),
+            (Action::Continuous(x), Action::Continuous(y), _) => x
+                .iter()
+                .zip(y)
+                .all(|(p, q)| (p - q).abs() <= 0.05 * q.abs().max(1e-6)),
+            _ => false,
+        }
+    }
 }
 
 /// `policy.json`.
@@ -326,22 +345,8 @@ impl MlpPolicy {
             .collect()
     }
 
-    /// Whether two actions agree: the same discrete action, or every component
-    /// within 5 % of its action range (continuous) or of the reference value's
-    /// magnitude (value heads).
+    /// Whether two actions agree (see [`Head::actions_agree`]).
     pub fn actions_agree(&self, a: &Action, b: &Action) -> bool {
-        match (a, b, &self.config.head) {
-            (Action::Discrete(x), Action::Discrete(y), _) => x == y,
-            (Action::Continuous(x), Action::Continuous(y), Head::Gaussian { low, high, .. }) => x
-                .iter()
-                .zip(y)
-                .zip(low.iter().zip(high))
-                .all(|((p, q), (lo, hi))| (p - q).abs() <= 0.05 * (hi - lo)),
-            (Action::Continuous(x), Action::Continuous(y), _) => x
-                .iter()
-                .zip(y)
-                .all(|(p, q)| (p - q).abs() <= 0.05 * q.abs().max(1e-6)),
-            _ => false,
-        }
+        self.config.head.actions_agree(a, b)
     }
 }

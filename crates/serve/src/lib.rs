@@ -1,7 +1,8 @@
 //! `qforge-serve`: qforge's INT8 engine behind HTTP, for real-time control
 //! policies: `POST /v1/act` with dynamic batching ([`batcher`]), health and
 //! readiness probes, Prometheus metrics ([`metrics`]), request limits and
-//! graceful shutdown ([`server`]).
+//! graceful shutdown ([`server`]), and A/B or shadow rollout against the FP
+//! reference with automatic rollback ([`rollout`]).
 //!
 //! It depends on `qforge-model` only (a native artifact or a policy
 //! directory loads there); it must not depend on calibration, quantization
@@ -10,7 +11,9 @@
 pub mod batcher;
 pub mod error;
 pub mod metrics;
+pub mod rollout;
 pub mod server;
 
 pub use error::{Error, Result};
+pub use rollout::{Arm, RolloutMode, RolloutOptions};
 pub use server::{ServeOptions, serve};

@@ -7,9 +7,13 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
-/// Labels: endpoint and status.
-type Labels = Vec<(String, String)>;
+/// Labels: endpoint and status, or arm.
+pub type Labels = Vec<(String, String)>;
+
+/// A gauge holding a ratio or a mean.
+type FloatGauge = Gauge<f64, AtomicU64>;
 
 fn latency_histogram() -> Histogram {
     // 50 µs … ~1.6 s in factors of 2.
@@ -31,6 +35,20 @@ pub struct Metrics {
     pub observations: Counter,
     /// Resident memory of the process, bytes (read at scrape time).
     pub resident_memory: Gauge,
+    /// Requests answered, by arm (`int8`, `fp`).
+    pub arm_requests: Family<Labels, Counter>,
+    /// 1 once traffic has rolled back to the FP reference.
+    pub rolled_back: Gauge,
+    /// Observations the FP reference shadowed.
+    pub shadow_observations: Counter,
+    /// Shadow action agreement over the rollout window.
+    pub shadow_agreement: FloatGauge,
+    /// Episode rewards received, by arm.
+    pub feedback_episodes: Family<Labels, Counter>,
+    /// Mean episode reward over the rollout window, by arm.
+    pub mean_episode_reward: Family<Labels, FloatGauge>,
+    /// Reward consistency of INT8 against FP over full windows.
+    pub reward_consistency: FloatGauge,
 }
 
 impl Default for Metrics {
@@ -73,6 +91,48 @@ impl Default for Metrics {
             "Resident memory of the server process",
             resident_memory.clone(),
         );
+        let arm_requests = Family::<Labels, Counter>::default();
+        let rolled_back = Gauge::default();
+        let shadow_observations = Counter::default();
+        let shadow_agreement = FloatGauge::default();
+        let feedback_episodes = Family::<Labels, Counter>::default();
+        let mean_episode_reward = Family::<Labels, FloatGauge>::default();
+        let reward_consistency = FloatGauge::default();
+        registry.register(
+            "arm_requests",
+            "Requests answered, by arm",
+            arm_requests.clone(),
+        );
+        registry.register(
+            "rolled_back",
+            "1 once traffic has rolled back to the FP reference",
+            rolled_back.clone(),
+        );
+        registry.register(
+            "shadow_observations",
+            "Observations the FP reference shadowed",
+            shadow_observations.clone(),
+        );
+        registry.register(
+            "shadow_agreement",
+            "Action agreement of INT8 with the FP shadow over the rollout window",
+            shadow_agreement.clone(),
+        );
+        registry.register(
+            "feedback_episodes",
+            "Episode rewards received on /v1/feedback, by arm",
+            feedback_episodes.clone(),
+        );
+        registry.register(
+            "mean_episode_reward",
+            "Mean episode reward over the rollout window, by arm",
+            mean_episode_reward.clone(),
+        );
+        registry.register(
+            "reward_consistency",
+            "1 - |int8 - fp| / |fp - random| of mean episode rewards over full windows",
+            reward_consistency.clone(),
+        );
         Self {
             registry,
             requests,
@@ -81,6 +141,13 @@ impl Default for Metrics {
             queue_depth,
             observations,
             resident_memory,
+            arm_requests,
+            rolled_back,
+            shadow_observations,
+            shadow_agreement,
+            feedback_episodes,
+            mean_episode_reward,
+            reward_consistency,
         }
     }
 }

@@ -1,7 +1,8 @@
-//! The HTTP server: `POST /v1/act`, `GET /health`, `GET /ready`,
-//! `GET /metrics`, `GET /openapi.json`, with a body limit, an optional bearer token, a
-//! concurrency limit (429 + Retry-After), a request timeout (503 +
-//! Retry-After) and graceful shutdown (in-flight requests finish).
+//! The HTTP server: `POST /v1/act`, `POST /v1/feedback`, `GET /health`,
+//! `GET /ready`, `GET /metrics`, `GET /openapi.json`, with a body limit, an
+//! optional bearer token, a concurrency limit (429 + Retry-After), a request
+//! timeout (503 + Retry-After), graceful shutdown (in-flight requests
+//! finish), and the A/B rollout of [`crate::rollout`].
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -14,7 +15,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use qforge_model::MlpPolicy;
+use qforge_model::{Head, MlpPolicy};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{Semaphore, oneshot};
@@ -22,6 +23,13 @@ use tokio::sync::{Semaphore, oneshot};
 use crate::batcher::{Batcher, Job};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+use crate::rollout::{Arm, Rollout, RolloutOptions};
+
+/// The request header a client names its session (episode) with: A/B
+/// splits are sticky by it, and `/v1/feedback` finds the session's arm by it.
+pub const SESSION_HEADER: &str = "x-session-id";
+/// The response header naming the arm that answered.
+pub const ARM_HEADER: &str = "x-qforge-arm";
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -42,20 +50,50 @@ pub struct ServeOptions {
     pub timeout: Duration,
     /// Required `Authorization: Bearer …` token, if any.
     pub token: Option<String>,
+    /// How traffic is shared with the FP reference, and when it rolls back.
+    pub rollout: RolloutOptions,
 }
 
 struct AppState {
-    batcher: Batcher,
+    int8: Batcher,
+    /// The FP reference, when the rollout needs one.
+    fp: Option<Batcher>,
+    head: Head,
+    rollout: Rollout,
     metrics: Arc<Metrics>,
     in_flight: Arc<Semaphore>,
     options: ServeOptions,
     observation_dim: usize,
 }
 
+impl AppState {
+    fn batcher(&self, arm: Arm) -> &Batcher {
+        match arm {
+            Arm::Int8 => &self.int8,
+            // `serve` refuses a mode that can pick FP without a reference.
+            Arm::Fp => self.fp.as_ref().unwrap_or(&self.int8),
+        }
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ActRequest {
     observations: Vec<Vec<f32>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FeedbackRequest {
+    /// The episode's return.
+    reward: f64,
+    /// The arm that played it; by default the session's.
+    #[serde(default)]
+    arm: Option<Arm>,
+}
+
+fn session(headers: &HeaderMap) -> Option<&str> {
+    headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok())
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -101,7 +139,7 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
     response
 }
 
-async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Response {
+async fn act_inner(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8]) -> Response {
     if !authorized(state, headers) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
@@ -111,9 +149,11 @@ async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respon
             "too many requests in flight; retry shortly",
         );
     };
+    let arm = state.rollout.arm_for(session(headers));
+    let batcher = state.batcher(arm);
     // From here until it is queued (or refused), a batch being collected
     // waits for this request.
-    let arrival = state.batcher.announce();
+    let arrival = batcher.announce();
     let request: ActRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => {
@@ -156,8 +196,9 @@ async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respon
         }
         observations.extend_from_slice(row);
     }
+    let shadowed = (arm == Arm::Int8 && state.rollout.shadow_this()).then(|| observations.clone());
     let (reply, answer) = oneshot::channel();
-    if !state.batcher.submit(
+    if !batcher.submit(
         arrival,
         Job {
             observations,
@@ -170,7 +211,20 @@ async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respon
     match tokio::time::timeout(state.options.timeout, answer).await {
         Ok(Ok(Ok(actions))) => {
             state.metrics.observations.inc_by(rows as u64);
-            axum::Json(json!({ "actions": actions })).into_response()
+            state
+                .metrics
+                .arm_requests
+                .get_or_create(&vec![("arm".to_owned(), arm.name().to_owned())])
+                .inc();
+            let body = json!({ "actions": actions, "arm": arm });
+            if let Some(observations) = shadowed {
+                tokio::spawn(shadow(Arc::clone(state), observations, rows, actions));
+            }
+            let mut response = axum::Json(body).into_response();
+            response
+                .headers_mut()
+                .insert(ARM_HEADER, HeaderValue::from_static(arm.name()));
+            response
         }
         Ok(Ok(Err(message))) => error(StatusCode::INTERNAL_SERVER_ERROR, message),
         Ok(Err(_)) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped"),
@@ -179,6 +233,79 @@ async fn act_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respon
             "the request timed out waiting for the model",
         ),
     }
+}
+
+/// Runs the FP reference on observations INT8 already answered and counts
+/// how many actions agree. The client has its answer already; a reference
+/// that fails or times out only costs the comparison.
+async fn shadow(
+    state: Arc<AppState>,
+    observations: Vec<f32>,
+    rows: usize,
+    int8_actions: Vec<qforge_model::Action>,
+) {
+    let Some(fp) = &state.fp else { return };
+    let (reply, answer) = oneshot::channel();
+    let arrival = fp.announce();
+    if !fp.submit(
+        arrival,
+        Job {
+            observations,
+            rows,
+            reply,
+        },
+    ) {
+        return;
+    }
+    if let Ok(Ok(Ok(fp_actions))) = tokio::time::timeout(state.options.timeout, answer).await {
+        let agreements: Vec<bool> = int8_actions
+            .iter()
+            .zip(&fp_actions)
+            .map(|(a, b)| state.head.actions_agree(a, b))
+            .collect();
+        state.rollout.record_agreement(&agreements);
+    }
+}
+
+async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = feedback_inner(&state, &headers, &body);
+    state.metrics.record(
+        "/v1/feedback",
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+fn feedback_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Response {
+    if !authorized(state, headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+    }
+    let request: FeedbackRequest = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("expected {{\"reward\": number, \"arm\"?: \"int8\"|\"fp\"}}: {e}"),
+            );
+        }
+    };
+    if !request.reward.is_finite() {
+        return error(StatusCode::BAD_REQUEST, "reward must be a finite number");
+    }
+    let session = session(headers);
+    let arm = match (request.arm, session) {
+        (Some(arm), _) => arm,
+        (None, Some(_)) => state.rollout.assigned_arm(session),
+        (None, None) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "name the episode's arm (\"arm\") or its session (X-Session-Id header)",
+            );
+        }
+    };
+    axum::Json(state.rollout.record_reward(arm, request.reward)).into_response()
 }
 
 /// The API, published at `/openapi.json`.
@@ -203,11 +330,13 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// Serves `policy` until `shutdown` completes, then lets in-flight requests
-/// finish. `on_bound` hears the bound address (port 0 resolved) once the
-/// socket listens.
+/// Serves `policy` (with its FP `reference` when the rollout needs one)
+/// until `shutdown` completes, then lets in-flight requests finish.
+/// `on_bound` hears the bound address (port 0 resolved) once the socket
+/// listens.
 pub async fn serve(
     policy: MlpPolicy,
+    reference: Option<MlpPolicy>,
     options: ServeOptions,
     on_bound: impl FnOnce(SocketAddr),
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -217,16 +346,53 @@ pub async fn serve(
             "max batch, max rows and max concurrency must be at least 1".into(),
         ));
     }
+    let rollout = options.rollout;
+    if !(rollout.threshold.is_finite() && (0.0..=1.0).contains(&rollout.threshold))
+        || rollout.agreement_window == 0
+        || rollout.reward_window == 0
+    {
+        return Err(Error::Options(
+            "the rollback threshold must be in [0, 1] and its windows at least 1".into(),
+        ));
+    }
+    match (&reference, rollout.mode.needs_reference()) {
+        (None, true) => {
+            return Err(Error::Options(
+                "A/B and shadow rollouts need the FP reference model".into(),
+            ));
+        }
+        (Some(fp), _)
+            if fp.config().observation_dim != policy.config().observation_dim
+                || fp.config().head != policy.config().head =>
+        {
+            return Err(Error::Options(format!(
+                "the reference does not act like the model: it takes {} observation values and has head {:?}; the model takes {} and has {:?}",
+                fp.config().observation_dim,
+                fp.config().head,
+                policy.config().observation_dim,
+                policy.config().head
+            )));
+        }
+        _ => {}
+    }
     let metrics = Arc::new(Metrics::default());
     let observation_dim = policy.config().observation_dim;
-    let batcher = Batcher::start(
-        policy,
-        options.max_batch,
-        options.max_wait,
-        Arc::clone(&metrics),
-    );
+    let head = policy.config().head.clone();
+    let start = |policy| {
+        Batcher::start(
+            policy,
+            options.max_batch,
+            options.max_wait,
+            Arc::clone(&metrics),
+        )
+    };
+    let int8 = start(policy);
+    let fp = reference.map(start);
     let state = Arc::new(AppState {
-        batcher,
+        int8,
+        fp,
+        head,
+        rollout: Rollout::new(rollout, Arc::clone(&metrics)),
         metrics,
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
         observation_dim,
@@ -234,6 +400,7 @@ pub async fn serve(
     });
     let app = Router::new()
         .route("/v1/act", post(act))
+        .route("/v1/feedback", post(feedback))
         .route("/health", get(health))
         .route("/ready", get(health))
         .route("/metrics", get(render_metrics))

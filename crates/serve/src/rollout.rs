@@ -1,0 +1,381 @@
+//! A/B rollout of the INT8 model against its full-precision reference, with
+//! automatic rollback.
+//!
+//! Three modes: everything on INT8; a split where each session (the
+//! `X-Session-Id` header) sticks to one arm; and shadow, where INT8 answers
+//! and the reference runs the same observations on a sample of requests so
+//! their action agreement is measured. Two signals are watched over sliding
+//! windows: shadow agreement (observations) and reward consistency from
+//! `/v1/feedback` (episodes per arm). When either falls below the threshold
+//! every later request goes to the reference: the rollback is logged,
+//! counted in the metrics, and lasts until the server restarts (an operator
+//! decides when INT8 gets another chance).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::Metrics;
+
+/// Which model answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arm {
+    /// The served (quantized) model.
+    Int8,
+    /// Its full-precision reference.
+    Fp,
+}
+
+impl Arm {
+    /// `int8` or `fp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arm::Int8 => "int8",
+            Arm::Fp => "fp",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Arm::Int8 => 0,
+            Arm::Fp => 1,
+        }
+    }
+}
+
+/// How requests are shared between the arms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RolloutMode {
+    /// Every request goes to the INT8 model (no reference needed).
+    Int8Only,
+    /// This share of sessions goes to INT8, the rest to the reference.
+    Split {
+        /// In [0, 1].
+        int8_share: f64,
+    },
+    /// INT8 answers every request; the reference also runs this share of
+    /// them and the actions are compared.
+    Shadow {
+        /// In (0, 1].
+        sample: f64,
+    },
+}
+
+impl RolloutMode {
+    /// Whether the mode needs the reference model.
+    pub fn needs_reference(self) -> bool {
+        !matches!(self, RolloutMode::Int8Only)
+    }
+}
+
+/// When to roll back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RolloutOptions {
+    /// How requests are shared.
+    pub mode: RolloutMode,
+    /// Agreement or reward consistency below this rolls back (0.95).
+    pub threshold: f64,
+    /// Shadow-compared observations the agreement is judged over.
+    pub agreement_window: usize,
+    /// Episodes per arm the reward consistency is judged over.
+    pub reward_window: usize,
+    /// The return of a random policy: consistency is
+    /// `1 − |int8 − fp| / |fp − random|`, the definition `scripts/eval-return`
+    /// uses (0 makes it the relative difference to FP).
+    pub random_return: f64,
+}
+
+/// The sliding windows both signals are judged over.
+#[derive(Debug, Default)]
+struct Windows {
+    agreement: VecDeque<bool>,
+    agreeing: usize,
+    rewards: [VecDeque<f64>; 2],
+}
+
+/// What `/v1/feedback` answers.
+#[derive(Debug, Clone, Serialize)]
+pub struct FeedbackSummary {
+    /// The arm the reward was counted for.
+    pub arm: Arm,
+    /// Episodes in each arm's window.
+    pub window_episodes: WindowEpisodes,
+    /// Reward consistency over full windows, once both are full.
+    pub reward_consistency: Option<f64>,
+    /// Whether traffic has been rolled back to the reference.
+    pub rolled_back: bool,
+}
+
+/// Episodes in each arm's window.
+#[derive(Debug, Clone, Serialize)]
+pub struct WindowEpisodes {
+    /// INT8 arm.
+    pub int8: usize,
+    /// Reference arm.
+    pub fp: usize,
+}
+
+/// The rollout state shared by every request.
+pub struct Rollout {
+    options: RolloutOptions,
+    rolled_back: AtomicBool,
+    windows: Mutex<Windows>,
+    /// Draws for requests without a session and for shadow sampling.
+    draws: AtomicU64,
+    metrics: Arc<Metrics>,
+}
+
+/// A well-mixed 64-bit hash (FNV-1a, then SplitMix64's finalizer), stable
+/// across builds and restarts so a session keeps its arm.
+fn stable_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    mix(h)
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A hash as a fraction in [0, 1).
+fn unit(h: u64) -> f64 {
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+impl Rollout {
+    /// The rollout for `options`, reporting into `metrics`.
+    pub fn new(options: RolloutOptions, metrics: Arc<Metrics>) -> Self {
+        Self {
+            options,
+            rolled_back: AtomicBool::new(false),
+            windows: Mutex::new(Windows::default()),
+            draws: AtomicU64::new(0),
+            metrics,
+        }
+    }
+
+    /// The options it runs with.
+    pub fn options(&self) -> &RolloutOptions {
+        &self.options
+    }
+
+    /// Whether traffic has been rolled back to the reference.
+    pub fn rolled_back(&self) -> bool {
+        self.rolled_back.load(Ordering::SeqCst)
+    }
+
+    fn draw(&self) -> f64 {
+        unit(mix(self.draws.fetch_add(1, Ordering::Relaxed)))
+    }
+
+    /// The arm of a request from `session` (none: drawn per request).
+    pub fn arm_for(&self, session: Option<&str>) -> Arm {
+        if self.rolled_back() {
+            return Arm::Fp;
+        }
+        self.assigned_arm(session)
+    }
+
+    /// The arm `session` was assigned before any rollback: where its
+    /// episode's reward belongs.
+    pub fn assigned_arm(&self, session: Option<&str>) -> Arm {
+        match self.options.mode {
+            RolloutMode::Int8Only | RolloutMode::Shadow { .. } => Arm::Int8,
+            RolloutMode::Split { int8_share } => {
+                let fraction =
+                    session.map_or_else(|| self.draw(), |s| unit(stable_hash(s.as_bytes())));
+                if fraction < int8_share {
+                    Arm::Int8
+                } else {
+                    Arm::Fp
+                }
+            }
+        }
+    }
+
+    /// Whether the reference should shadow this (INT8-answered) request.
+    pub fn shadow_this(&self) -> bool {
+        match self.options.mode {
+            RolloutMode::Shadow { sample } => !self.rolled_back() && self.draw() < sample,
+            _ => false,
+        }
+    }
+
+    /// Counts shadow comparisons, one per observation; rolls back when the
+    /// agreement over a full window is below the threshold.
+    pub fn record_agreement(&self, agreements: &[bool]) {
+        let mut w = self.windows.lock().expect("rollout lock");
+        for &agree in agreements {
+            w.agreement.push_back(agree);
+            w.agreeing += usize::from(agree);
+            if w.agreement.len() > self.options.agreement_window
+                && w.agreement.pop_front() == Some(true)
+            {
+                w.agreeing -= 1;
+            }
+        }
+        let agreement = w.agreeing as f64 / w.agreement.len().max(1) as f64;
+        let full = w.agreement.len() >= self.options.agreement_window;
+        drop(w);
+        self.metrics
+            .shadow_observations
+            .inc_by(agreements.len() as u64);
+        self.metrics.shadow_agreement.set(agreement);
+        if full && agreement < self.options.threshold {
+            self.roll_back(&format!(
+                "shadow agreement {:.2} % < {:.2} % over the last {} observations",
+                agreement * 100.0,
+                self.options.threshold * 100.0,
+                self.options.agreement_window
+            ));
+        }
+    }
+
+    /// Counts one episode's reward for `arm`; rolls back when the reward
+    /// consistency over full windows of both arms is below the threshold.
+    pub fn record_reward(&self, arm: Arm, reward: f64) -> FeedbackSummary {
+        let window = self.options.reward_window;
+        let mut w = self.windows.lock().expect("rollout lock");
+        let rewards = &mut w.rewards[arm.index()];
+        rewards.push_back(reward);
+        if rewards.len() > window {
+            rewards.pop_front();
+        }
+        let mean = |r: &VecDeque<f64>| r.iter().sum::<f64>() / r.len().max(1) as f64;
+        let (int8, fp) = (&w.rewards[0], &w.rewards[1]);
+        let means = (mean(int8), mean(fp));
+        let counts = WindowEpisodes {
+            int8: int8.len(),
+            fp: fp.len(),
+        };
+        let consistency = (int8.len() >= window && fp.len() >= window).then(|| {
+            let spread = (means.1 - self.options.random_return).abs().max(1e-12);
+            1.0 - (means.0 - means.1).abs() / spread
+        });
+        drop(w);
+        let arm_label = vec![("arm".to_owned(), arm.name().to_owned())];
+        self.metrics
+            .feedback_episodes
+            .get_or_create(&arm_label)
+            .inc();
+        self.metrics
+            .mean_episode_reward
+            .get_or_create(&arm_label)
+            .set(if arm == Arm::Int8 { means.0 } else { means.1 });
+        if let Some(c) = consistency {
+            self.metrics.reward_consistency.set(c);
+            if c < self.options.threshold {
+                self.roll_back(&format!(
+                    "reward consistency {:.2} % < {:.2} % over the last {window} episodes per arm (mean reward int8 {:.4}, fp {:.4})",
+                    c * 100.0,
+                    self.options.threshold * 100.0,
+                    means.0,
+                    means.1
+                ));
+            }
+        }
+        FeedbackSummary {
+            arm,
+            window_episodes: counts,
+            reward_consistency: consistency,
+            rolled_back: self.rolled_back(),
+        }
+    }
+
+    fn roll_back(&self, reason: &str) {
+        if !self.rolled_back.swap(true, Ordering::SeqCst) {
+            self.metrics.rolled_back.set(1);
+            eprintln!("qforge serve: rolled back to the FP reference: {reason}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rollout(mode: RolloutMode) -> Rollout {
+        Rollout::new(
+            RolloutOptions {
+                mode,
+                threshold: 0.95,
+                agreement_window: 100,
+                reward_window: 4,
+                random_return: 0.0,
+            },
+            Arc::new(Metrics::default()),
+        )
+    }
+
+    #[test]
+    fn sessions_stick_to_an_arm_and_the_split_follows_the_share() {
+        let r = rollout(RolloutMode::Split { int8_share: 0.3 });
+        let sessions: Vec<String> = (0..10_000).map(|i| format!("episode-{i}")).collect();
+        let first: Vec<Arm> = sessions.iter().map(|s| r.arm_for(Some(s))).collect();
+        let again: Vec<Arm> = sessions.iter().map(|s| r.arm_for(Some(s))).collect();
+        assert_eq!(first, again);
+        let int8 = first.iter().filter(|&&a| a == Arm::Int8).count() as f64 / 1e4;
+        assert!((int8 - 0.3).abs() < 0.02, "{int8}");
+        // Without a session every request is drawn afresh, at the same share.
+        let drawn = (0..10_000).filter(|_| r.arm_for(None) == Arm::Int8).count() as f64 / 1e4;
+        assert!((drawn - 0.3).abs() < 0.02, "{drawn}");
+    }
+
+    #[test]
+    fn low_agreement_over_a_full_window_rolls_back_and_it_sticks() {
+        let r = rollout(RolloutMode::Shadow { sample: 1.0 });
+        assert!(r.shadow_this());
+        // 90 % agreement, but the window is not full yet: no verdict.
+        let mut batch = vec![true; 45];
+        batch.extend([false; 5]);
+        r.record_agreement(&batch);
+        assert!(!r.rolled_back());
+        assert_eq!(r.arm_for(None), Arm::Int8);
+        r.record_agreement(&batch);
+        assert!(r.rolled_back());
+        assert_eq!(r.arm_for(Some("x")), Arm::Fp);
+        assert!(!r.shadow_this());
+        assert!(r.metrics.render().contains("qforge_rolled_back 1"));
+    }
+
+    #[test]
+    fn good_agreement_keeps_int8_as_the_window_slides() {
+        let r = rollout(RolloutMode::Shadow { sample: 1.0 });
+        for _ in 0..50 {
+            let mut batch = vec![true; 19];
+            batch.push(false);
+            r.record_agreement(&batch);
+        }
+        assert!(!r.rolled_back());
+        assert!(r.metrics.render().contains("qforge_shadow_agreement 0.95"));
+    }
+
+    #[test]
+    fn reward_consistency_is_judged_on_full_windows_of_both_arms() {
+        let r = rollout(RolloutMode::Split { int8_share: 0.5 });
+        for _ in 0..4 {
+            let s = r.record_reward(Arm::Fp, 500.0);
+            assert_eq!(s.reward_consistency, None);
+        }
+        for _ in 0..3 {
+            assert_eq!(r.record_reward(Arm::Int8, 490.0).reward_consistency, None);
+        }
+        let s = r.record_reward(Arm::Int8, 490.0);
+        assert_eq!(s.reward_consistency, Some(0.98));
+        assert!(!s.rolled_back);
+        // Worse INT8 episodes slide in: 1 − (500 − 450) / 500 = 0.90.
+        for _ in 0..4 {
+            r.record_reward(Arm::Int8, 450.0);
+        }
+        assert!(r.rolled_back());
+        assert_eq!(r.arm_for(Some("any")), Arm::Fp);
+    }
+}
