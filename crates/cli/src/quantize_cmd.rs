@@ -11,6 +11,7 @@ use qforge_core::DigestBuilder;
 use qforge_model::LanguageModel;
 use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
+use qforge_model::profile::CalibrationProfile;
 use qforge_quant::pipeline::describe;
 use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
 use qforge_quant::smoothing::smoothing_factors;
@@ -543,6 +544,9 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                 write_language_model(dir, &smoothed_lm, &d.points)?
             }
         }
+        // What the served model's inputs looked like in calibration, for
+        // `qforge serve`'s drift monitor.
+        CalibrationProfile::from_stats(&stats.tensors).write(dir)?;
         let mut info = json!({
                 "kind": "native",
                 "source_model": {

@@ -27,6 +27,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
         "qforge.json",
         "model.safetensors",
         "policy.json",
+        "calibration.json",
         "manifest.json",
         "report.json",
         "report.html",
@@ -78,7 +79,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     assert_eq!(asked.status.code(), Some(2));
 
     let verified = json(&qforge_in(&dir, &["verify", "qforge-out", "--json"]));
-    assert_eq!(verified["files"], 5);
+    assert_eq!(verified["files"], 6);
 
     // Quantizing again replaces the earlier output.
     json(&qforge_in(&dir, &["quantize", "--json"]));

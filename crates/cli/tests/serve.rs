@@ -533,3 +533,72 @@ fn rollout_flags_are_checked() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn the_drift_monitor_stays_quiet_on_rollouts_and_alerts_on_shifted_observations() {
+    let dir = support::temp("serve", "drift");
+    json(&qforge_in(&dir, &["quantize", "--json"]));
+    let profile: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("qforge-out/calibration.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(profile["points"]["layers.0"]["abs_max"].as_f64().unwrap() > 0.0);
+    let server = Server::start(
+        &dir.join("qforge-out"),
+        &["--drift-sample", "1", "--drift-window", "4000"],
+        None,
+    );
+    // All 4 000 recorded observations (calibration drew 512 of them): one
+    // full window, within what calibration's sample size explains.
+    let text = std::fs::read_to_string(path("fixtures/policies/cartpole/rollouts.jsonl")).unwrap();
+    let rows: Vec<Value> = text
+        .lines()
+        .flat_map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["observations"]
+                .as_array()
+                .unwrap()
+                .clone()
+        })
+        .collect();
+    assert_eq!(rows.len(), 4000);
+    let send = |rows: &[Value]| {
+        for chunk in rows.chunks(500) {
+            let (status, v) = server.act(&serde_json::json!({ "observations": chunk }).to_string());
+            assert_eq!(status, 200, "{v}");
+        }
+    };
+    let windows = "qforge_drift_windows_total{point=\"layers.0\"}";
+    send(&rows);
+    assert_eq!(server.metric(windows), Some(1.0));
+    assert_eq!(server.metric("qforge_drift_alert"), Some(0.0));
+    let calm = server
+        .metric("qforge_activation_drift{point=\"layers.1\"}")
+        .unwrap();
+    // The same states seen by a sensor with three times the gain.
+    let shifted: Vec<Value> = rows
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() * 3.0)
+                .collect()
+        })
+        .collect();
+    send(&shifted);
+    assert_eq!(server.metric(windows), Some(2.0));
+    assert_eq!(server.metric("qforge_drift_alert"), Some(1.0));
+    assert!(
+        server
+            .metric("qforge_activation_out_of_range_ratio{point=\"layers.0\"}")
+            .unwrap()
+            > 0.01
+    );
+    let drifted = server
+        .metric("qforge_activation_drift{point=\"layers.1\"}")
+        .unwrap();
+    assert!(drifted > 3.0 * calm, "octave distance {calm} → {drifted}");
+    // Back to normal: the alert clears on the next window.
+    send(&rows);
+    assert_eq!(server.metric("qforge_drift_alert"), Some(0.0));
+}

@@ -17,6 +17,8 @@
 //!   policy; `config.json`, `tokenizer.json` and `tokenizer_config.json` for a
 //!   language model (a GGUF source is written out in Hugging Face form, q/k
 //!   rows already in Hugging Face order);
+//! * `calibration.json` ([`crate::profile`]): each point's calibrated range
+//!   and octave histogram, which `qforge serve` watches for drift;
 //! * `manifest.json` ([`crate::manifest`]): provenance and the hash of every
 //!   file.
 //!

@@ -21,6 +21,7 @@ pub mod manifest;
 pub mod mlp;
 pub mod observe;
 pub mod onnx;
+pub mod profile;
 pub mod sensitivity;
 pub mod tokenizer;
 

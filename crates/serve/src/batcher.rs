@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use qforge_model::{Action, MlpPolicy};
+use qforge_model::{Action, MlpPolicy, Observer};
 use tokio::sync::oneshot;
 
+use crate::drift::DriftMonitor;
 use crate::metrics::Metrics;
 
 /// One request's observations and where its actions go.
@@ -52,9 +53,11 @@ impl Drop for Arrival {
 }
 
 impl Batcher {
-    /// Starts the batching thread, which owns `policy`.
+    /// Starts the batching thread, which owns `policy` and its drift
+    /// `monitor`.
     pub fn start(
         policy: MlpPolicy,
+        mut monitor: Option<DriftMonitor>,
         max_batch: usize,
         max_wait: Duration,
         metrics: Arc<Metrics>,
@@ -68,6 +71,7 @@ impl Batcher {
             .spawn(move || {
                 run(
                     &policy,
+                    monitor.as_mut(),
                     &jobs,
                     max_batch.max(1),
                     max_wait,
@@ -109,6 +113,7 @@ impl Batcher {
 
 fn run(
     policy: &MlpPolicy,
+    mut monitor: Option<&mut DriftMonitor>,
     jobs: &mpsc::Receiver<Job>,
     max_batch: usize,
     max_wait: Duration,
@@ -144,7 +149,17 @@ fn run(
         for job in &batch {
             observations.extend_from_slice(&job.observations);
         }
-        match policy.act(&observations) {
+        let sampled = monitor
+            .as_deref_mut()
+            .is_some_and(DriftMonitor::sample_next);
+        let observer = match monitor.as_deref_mut() {
+            Some(m) if sampled => Some(m as &mut dyn Observer),
+            _ => None,
+        };
+        let actions = policy
+            .forward(&observations, observer)
+            .map(|outputs| policy.actions_from_outputs(&outputs));
+        match actions {
             Ok(actions) => {
                 let mut actions = actions.into_iter();
                 for job in batch {

@@ -2,18 +2,21 @@
 //! policies: `POST /v1/act` with dynamic batching ([`batcher`]), health and
 //! readiness probes, Prometheus metrics ([`metrics`]), request limits and
 //! graceful shutdown ([`server`]), and A/B or shadow rollout against the FP
-//! reference with automatic rollback ([`rollout`]).
+//! reference with automatic rollback ([`rollout`]), and a drift monitor
+//! comparing layer inputs with calibration ([`drift`]).
 //!
 //! It depends on `qforge-model` only (a native artifact or a policy
 //! directory loads there); it must not depend on calibration, quantization
 //! or the CLI.
 
 pub mod batcher;
+pub mod drift;
 pub mod error;
 pub mod metrics;
 pub mod rollout;
 pub mod server;
 
+pub use drift::DriftOptions;
 pub use error::{Error, Result};
 pub use rollout::{Arm, RolloutMode, RolloutOptions};
-pub use server::{ServeOptions, serve};
+pub use server::{Calibration, ServeOptions, Served, serve};

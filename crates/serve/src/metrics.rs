@@ -49,6 +49,18 @@ pub struct Metrics {
     pub mean_episode_reward: Family<Labels, FloatGauge>,
     /// Reward consistency of INT8 against FP over full windows.
     pub reward_consistency: FloatGauge,
+    /// Share of sampled layer-input values beyond the calibrated range, by
+    /// point, over the last drift window.
+    pub drift_out_of_range: Family<Labels, FloatGauge>,
+    /// Share a static INT8 layer clipped, by point, last drift window.
+    pub drift_clipping: Family<Labels, FloatGauge>,
+    /// Total-variation distance of |x| octaves from calibration's, by point,
+    /// last drift window.
+    pub drift_distance: Family<Labels, FloatGauge>,
+    /// Drift windows judged, by point.
+    pub drift_windows: Family<Labels, Counter>,
+    /// 1 while some point's out-of-range share exceeds the threshold.
+    pub drift_alert: Gauge,
 }
 
 impl Default for Metrics {
@@ -133,6 +145,36 @@ impl Default for Metrics {
             "1 - |int8 - fp| / |fp - random| of mean episode rewards over full windows",
             reward_consistency.clone(),
         );
+        let drift_out_of_range = Family::<Labels, FloatGauge>::default();
+        let drift_clipping = Family::<Labels, FloatGauge>::default();
+        let drift_distance = Family::<Labels, FloatGauge>::default();
+        let drift_windows = Family::<Labels, Counter>::default();
+        let drift_alert = Gauge::default();
+        registry.register(
+            "activation_out_of_range_ratio",
+            "Share of sampled layer-input values beyond the calibrated range, last drift window",
+            drift_out_of_range.clone(),
+        );
+        registry.register(
+            "activation_clipping_ratio",
+            "Share of sampled layer-input values a static INT8 layer clips, last drift window",
+            drift_clipping.clone(),
+        );
+        registry.register(
+            "activation_drift",
+            "Total-variation distance of the |x| octave histogram from calibration's, last drift window",
+            drift_distance.clone(),
+        );
+        registry.register(
+            "drift_windows",
+            "Drift windows judged, by point",
+            drift_windows.clone(),
+        );
+        registry.register(
+            "drift_alert",
+            "1 while some point's out-of-range share exceeds the drift threshold",
+            drift_alert.clone(),
+        );
         Self {
             registry,
             requests,
@@ -148,6 +190,11 @@ impl Default for Metrics {
             feedback_episodes,
             mean_episode_reward,
             reward_consistency,
+            drift_out_of_range,
+            drift_clipping,
+            drift_distance,
+            drift_windows,
+            drift_alert,
         }
     }
 }

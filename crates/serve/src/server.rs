@@ -4,6 +4,7 @@
 //! timeout (503 + Retry-After), graceful shutdown (in-flight requests
 //! finish), and the A/B rollout of [`crate::rollout`].
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,12 +16,14 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use qforge_model::profile::CalibrationProfile;
 use qforge_model::{Head, MlpPolicy};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batcher::{Batcher, Job};
+use crate::drift::{DriftMonitor, DriftOptions};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::rollout::{Arm, Rollout, RolloutOptions};
@@ -52,6 +55,27 @@ pub struct ServeOptions {
     pub token: Option<String>,
     /// How traffic is shared with the FP reference, and when it rolls back.
     pub rollout: RolloutOptions,
+    /// How the served model's layer inputs are watched for drift.
+    pub drift: DriftOptions,
+}
+
+/// What a server runs.
+pub struct Served {
+    /// The model that answers (normally an INT8 artifact).
+    pub model: MlpPolicy,
+    /// Its full-precision reference, for A/B and shadow rollouts.
+    pub reference: Option<MlpPolicy>,
+    /// What the model's inputs looked like in calibration; without it there
+    /// is no drift monitor.
+    pub calibration: Option<Calibration>,
+}
+
+/// The calibration facts the drift monitor compares against.
+pub struct Calibration {
+    /// Calibrated range and octave histogram per point.
+    pub profile: CalibrationProfile,
+    /// Activation scale of every static INT8 point.
+    pub input_scales: BTreeMap<String, f32>,
 }
 
 struct AppState {
@@ -330,13 +354,11 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// Serves `policy` (with its FP `reference` when the rollout needs one)
-/// until `shutdown` completes, then lets in-flight requests finish.
-/// `on_bound` hears the bound address (port 0 resolved) once the socket
-/// listens.
+/// Serves `served` until `shutdown` completes, then lets in-flight requests
+/// finish. `on_bound` hears the bound address (port 0 resolved) once the
+/// socket listens.
 pub async fn serve(
-    policy: MlpPolicy,
-    reference: Option<MlpPolicy>,
+    served: Served,
     options: ServeOptions,
     on_bound: impl FnOnce(SocketAddr),
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -344,6 +366,21 @@ pub async fn serve(
     if options.max_batch == 0 || options.max_rows == 0 || options.max_concurrency == 0 {
         return Err(Error::Options(
             "max batch, max rows and max concurrency must be at least 1".into(),
+        ));
+    }
+    let Served {
+        model: policy,
+        reference,
+        calibration,
+    } = served;
+    let drift = options.drift;
+    if !(drift.sample > 0.0 && drift.sample <= 1.0)
+        || drift.window_rows == 0
+        || !(drift.threshold.is_finite() && drift.threshold >= 0.0)
+    {
+        return Err(Error::Options(
+            "the drift sample must be in (0, 1], its window at least 1 row and its threshold ≥ 0"
+                .into(),
         ));
     }
     let rollout = options.rollout;
@@ -378,16 +415,20 @@ pub async fn serve(
     let metrics = Arc::new(Metrics::default());
     let observation_dim = policy.config().observation_dim;
     let head = policy.config().head.clone();
-    let start = |policy| {
+    let start = |policy, monitor| {
         Batcher::start(
             policy,
+            monitor,
             options.max_batch,
             options.max_wait,
             Arc::clone(&metrics),
         )
     };
-    let int8 = start(policy);
-    let fp = reference.map(start);
+    let monitor = calibration
+        .map(|c| DriftMonitor::new(c.profile, &c.input_scales, drift, Arc::clone(&metrics)));
+    let int8 = start(policy, monitor);
+    // The reference was not calibrated: nothing to watch.
+    let fp = reference.map(|r| start(r, None));
     let state = Arc::new(AppState {
         int8,
         fp,
