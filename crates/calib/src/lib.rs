@@ -16,4 +16,4 @@ pub mod plan;
 pub use data::{Dataset, EpisodeContent, Record, load_jsonl};
 pub use error::{Error, Result};
 pub use observe::{Job, Target, observe_batch};
-pub use plan::{Batch, Pass, Plan, Recipe, Sample, Stratify, plan};
+pub use plan::{Batch, Pass, Plan, Recipe, Sample, Stratify, Stratum, plan};

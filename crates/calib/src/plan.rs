@@ -117,6 +117,24 @@ pub struct Plan {
     pub samples: usize,
     /// Tokens or observation rows planned.
     pub rows: usize,
+    /// The reward strata of a `Stratify::Reward` plan, lowest rewards first
+    /// (empty otherwise): what a run reports to show which rewards it drew.
+    pub strata: Vec<Stratum>,
+}
+
+/// One reward stratum of a plan: the rewards it spans and the samples it
+/// gave, so a run can show that both low- and high-reward behaviour were
+/// drawn rather than asserting it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Stratum {
+    /// Lowest reward in the stratum.
+    pub min_reward: f64,
+    /// Highest reward in the stratum.
+    pub max_reward: f64,
+    /// Samples the data holds in it.
+    pub available: usize,
+    /// Samples the plan drew from it.
+    pub drawn: usize,
 }
 
 impl Plan {
@@ -183,12 +201,12 @@ pub fn plan(dataset: &Dataset, recipe: &Recipe, tokenize: Option<Tokenize<'_>>) 
     if candidates.is_empty() {
         return Err(Error::Data("the data yields no samples".into()));
     }
-    let order: Vec<usize> = match recipe.stratify {
+    let (order, strata) = match recipe.stratify {
         Stratify::None => {
             let mut order: Vec<usize> = (0..candidates.len()).collect();
             order.sort_by_key(|&i| (mix(recipe.seed ^ mix(i as u64)), i));
             order.truncate(recipe.samples);
-            order
+            (order, Vec::new())
         }
         Stratify::Reward => stratified(&candidates, recipe)?,
     };
@@ -215,12 +233,17 @@ pub fn plan(dataset: &Dataset, recipe: &Recipe, tokenize: Option<Tokenize<'_>>) 
         batches,
         samples: selected.len(),
         rows,
+        strata,
     })
 }
 
 /// Draws evenly from reward quantiles: candidates are sorted by reward, cut
 /// into strata of equal size, each shuffled by the seed, and taken round-robin.
-fn stratified(candidates: &[(Sample, Option<f64>)], recipe: &Recipe) -> Result<Vec<usize>> {
+/// Returns the order and each stratum's range and counts.
+fn stratified(
+    candidates: &[(Sample, Option<f64>)],
+    recipe: &Recipe,
+) -> Result<(Vec<usize>, Vec<Stratum>)> {
     let mut by_reward: Vec<(f64, usize)> = candidates
         .iter()
         .enumerate()
@@ -231,11 +254,18 @@ fn stratified(candidates: &[(Sample, Option<f64>)], recipe: &Recipe) -> Result<V
         })
         .collect::<Result<_>>()?;
     by_reward.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    let strata = recipe.samples.clamp(1, 10).min(by_reward.len());
-    let mut groups: Vec<Vec<usize>> = (0..strata)
+    let count = recipe.samples.clamp(1, 10).min(by_reward.len());
+    let mut strata = Vec::with_capacity(count);
+    let mut groups: Vec<Vec<usize>> = (0..count)
         .map(|s| {
-            let lo = s * by_reward.len() / strata;
-            let hi = (s + 1) * by_reward.len() / strata;
+            let lo = s * by_reward.len() / count;
+            let hi = (s + 1) * by_reward.len() / count;
+            strata.push(Stratum {
+                min_reward: by_reward[lo].0,
+                max_reward: by_reward[hi - 1].0,
+                available: hi - lo,
+                drawn: 0,
+            });
             let mut group: Vec<usize> = by_reward[lo..hi].iter().map(|&(_, i)| i).collect();
             group.sort_by_key(|&i| (mix(recipe.seed ^ mix(i as u64)), i));
             group.reverse(); // pop() takes from the front of the shuffle
@@ -244,16 +274,17 @@ fn stratified(candidates: &[(Sample, Option<f64>)], recipe: &Recipe) -> Result<V
         .collect();
     let mut order = Vec::with_capacity(recipe.samples);
     while order.len() < recipe.samples && groups.iter().any(|g| !g.is_empty()) {
-        for group in &mut groups {
+        for (group, stratum) in groups.iter_mut().zip(&mut strata) {
             if order.len() == recipe.samples {
                 break;
             }
             if let Some(i) = group.pop() {
                 order.push(i);
+                stratum.drawn += 1;
             }
         }
     }
-    Ok(order)
+    Ok((order, strata))
 }
 
 /// SHA-256 of a batch's canonical bytes.
@@ -353,6 +384,32 @@ mod tests {
                 "decile {decile}"
             );
         }
+        // Ten strata of ten trajectories (two observations each), two drawn
+        // from each, lowest rewards first.
+        assert_eq!(p.strata.len(), 10);
+        for (s, stratum) in p.strata.iter().enumerate() {
+            let lo = (s * 10) as f64;
+            assert_eq!(
+                (
+                    stratum.min_reward,
+                    stratum.max_reward,
+                    stratum.available,
+                    stratum.drawn
+                ),
+                (lo, lo + 9.0, 20, 2),
+                "stratum {s}"
+            );
+        }
+        let unstratified = plan(
+            &data,
+            &Recipe {
+                stratify: Stratify::None,
+                ..recipe.clone()
+            },
+            None,
+        )
+        .unwrap();
+        assert!(unstratified.strata.is_empty());
         let unrewarded = parse_jsonl(b"{\"observations\": [[1]]}\n", "u", false).unwrap();
         assert!(plan(&unrewarded, &recipe, None).is_err());
     }

@@ -586,6 +586,9 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
                 "rows": plan.rows,
                 "seconds": summary.seconds,
                 "rows_per_s": plan.rows as f64 / summary.seconds.max(1e-9),
+                // Which rewards the samples came from (`--stratify reward`;
+                // empty otherwise), lowest first.
+                "reward_strata": plan.strata,
                 "workers": workers,
                 "model_sha256": job.model.to_hex(),
                 "data_sha256": job.data.to_hex(),
@@ -609,6 +612,22 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
                 String::new()
             }
         );
+        if !plan.strata.is_empty() {
+            let strata: Vec<String> = plan
+                .strata
+                .iter()
+                .map(|s| {
+                    format!(
+                        "[{}, {}] {}/{}",
+                        s.min_reward, s.max_reward, s.drawn, s.available
+                    )
+                })
+                .collect();
+            println!(
+                "reward strata (rewards, drawn/available): {}",
+                strata.join(", ")
+            );
+        }
     }
     Ok(())
 }

@@ -10,6 +10,7 @@ mod input;
 mod model_cmd;
 mod output;
 mod quantize_cmd;
+mod rollouts_cmd;
 mod serve_cmd;
 mod stats_cmd;
 
@@ -100,6 +101,10 @@ enum Command {
     Verify(quantize_cmd::VerifyArgs),
     /// Generate text with a language model (greedy unless --temperature).
     Generate(model_cmd::GenerateArgs),
+    /// Generate LLM episodes with a verifiable reward (arithmetic answers
+    /// checked exactly) on the full-precision runtime, as calibration data:
+    /// JSONL {"prompt", "completion", "reward", "episode_id", "finish"}.
+    Rollouts(rollouts_cmd::RolloutsArgs),
     /// Run a policy on the observations of a JSONL file: its raw head outputs
     /// and actions.
     Act(model_cmd::ActArgs),
@@ -166,6 +171,7 @@ fn main() -> ExitCode {
         Command::Export(args) => export_cmd::export(args),
         Command::Serve(args) => serve_cmd::serve_command(args),
         Command::Generate(args) => model_cmd::generate(args),
+        Command::Rollouts(args) => rollouts_cmd::rollouts(args),
         Command::Eval(command) => model_cmd::eval(command),
         Command::Act(args) => model_cmd::act(args),
         Command::Fingerprint(args) => model_cmd::fingerprint(args),
