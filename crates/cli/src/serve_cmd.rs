@@ -1,5 +1,6 @@
 //! `qforge serve`: a policy (native artifact or policy directory) behind
-//! HTTP, optionally A/B-tested or shadowed against its FP reference.
+//! `/v1/act`, optionally A/B-tested or shadowed against its FP reference; or
+//! a language model behind OpenAI's completions APIs.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,11 +8,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use qforge_model::MlpPolicy;
 use qforge_model::artifact::{LayerPrecision, is_artifact, read_config};
 use qforge_model::manifest::read_manifest;
 use qforge_model::profile::CalibrationProfile;
 use qforge_serve::{
-    Calibration, DriftOptions, RolloutMode, RolloutOptions, ServeOptions, Served, serve,
+    Calibration, DriftOptions, EngineLimits, RolloutMode, RolloutOptions, ServeOptions, Served,
+    serve,
 };
 
 use crate::UsageError;
@@ -30,9 +33,19 @@ pub struct ServeArgs {
     /// Address to listen on (loopback by default; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: SocketAddr,
-    /// Most observations per batched forward.
+    /// Most observations per batched forward (policies), or sequences per
+    /// decode step (language models).
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
+    /// Language models: KV-cache positions reserved at once over all
+    /// sequences; a request reserves prompt + max_tokens and waits while
+    /// the budget is spent.
+    #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
+    kv_budget_tokens: usize,
+    /// Language models: the name clients give as `model` (default: the
+    /// model's file or directory name).
+    #[arg(long, value_name = "NAME")]
+    served_model_name: Option<String>,
     /// Longest a request waits for others to batch with (milliseconds).
     #[arg(long, default_value_t = 2.0, value_name = "MS")]
     max_wait_ms: f64,
@@ -175,38 +188,46 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         },
         (None, false) => RolloutMode::Int8Only,
     };
-    let policy = match load_model(&args.model)? {
-        AnyModel::Policy(policy) => policy,
-        AnyModel::Language(_) => {
-            return Err(UsageError(format!(
-                "{} is a language model; serving completions is not built yet, `qforge serve` runs policies",
-                args.model.display()
-            ))
-            .into());
-        }
-    };
-    let reference = match (&args.reference, mode.needs_reference()) {
-        (Some(path), _) => Some(path.clone()),
-        (None, true) if is_artifact(&args.model) => {
-            Some(recorded_source(&read_manifest(&args.model)?)?)
-        }
-        (None, true) => {
-            return Err(UsageError(format!(
-                "--ab and --shadow need --reference: {} is not an artifact whose manifest records its source",
-                args.model.display()
-            ))
-            .into());
-        }
-        (None, false) => None,
-    };
-    let reference = match &reference {
-        Some(path) => {
-            eprintln!("qforge serve: FP reference {}", path.display());
-            Some(load_policy(path)?)
-        }
-        None => None,
-    };
     let calibration = calibration(&args.model)?;
+    let served = match load_model(&args.model)? {
+        AnyModel::Policy(model) => Served::Policy {
+            model,
+            reference: policy_reference(&args, mode)?,
+            calibration,
+        },
+        AnyModel::Language(model) => {
+            if mode.needs_reference() {
+                return Err(UsageError(
+                    "--ab and --shadow are built for policies; a language model is served alone"
+                        .into(),
+                )
+                .into());
+            }
+            let name = args.served_model_name.clone().unwrap_or_else(|| {
+                args.model
+                    .file_stem()
+                    .map_or("model".into(), |s| s.to_string_lossy().into_owned())
+            });
+            let c = model.model.config();
+            // K and V, f32, per layer and KV head.
+            let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4;
+            eprintln!(
+                "qforge serve: {name}: up to {} sequences per step, KV budget {} tokens ({:.0} MiB)",
+                args.max_batch,
+                args.kv_budget_tokens,
+                (args.kv_budget_tokens * bytes_per_token) as f64 / (1 << 20) as f64
+            );
+            Served::Language {
+                model: *model,
+                name,
+                calibration,
+                limits: EngineLimits {
+                    max_sequences: args.max_batch,
+                    kv_budget_tokens: args.kv_budget_tokens,
+                },
+            }
+        }
+    };
     let token = std::env::var(TOKEN_VARIABLE).ok().filter(|t| !t.is_empty());
     let options = ServeOptions {
         addr: args.addr,
@@ -236,11 +257,6 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     let model = args.model.display().to_string();
-    let served = Served {
-        model: policy,
-        reference,
-        calibration,
-    };
     runtime.block_on(serve(
         served,
         options,
@@ -249,6 +265,25 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     ))?;
     eprintln!("qforge serve: stopped");
     Ok(())
+}
+
+/// The FP reference of a policy rollout: `--reference`, or the source the
+/// artifact's manifest records.
+fn policy_reference(args: &ServeArgs, mode: RolloutMode) -> Result<Option<MlpPolicy>> {
+    let path = match (&args.reference, mode.needs_reference()) {
+        (Some(path), _) => path.clone(),
+        (None, true) if is_artifact(&args.model) => recorded_source(&read_manifest(&args.model)?)?,
+        (None, true) => {
+            return Err(UsageError(format!(
+                "--ab and --shadow need --reference: {} is not an artifact whose manifest records its source",
+                args.model.display()
+            ))
+            .into());
+        }
+        (None, false) => return Ok(None),
+    };
+    eprintln!("qforge serve: FP reference {}", path.display());
+    Ok(Some(load_policy(&path)?))
 }
 
 /// The drift monitor's reference: an artifact's calibration profile and

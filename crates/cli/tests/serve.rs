@@ -268,20 +268,6 @@ fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
 }
 
 #[test]
-fn a_language_model_is_not_served_yet() {
-    let out = Command::new(env!("CARGO_BIN_EXE_qforge"))
-        .args([
-            "serve",
-            "--model",
-            &path("models/smollm2-135m-instruct-q4_1.gguf"),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("runs policies"));
-}
-
-#[test]
 fn random_bodies_never_break_the_server() {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -601,4 +587,279 @@ fn the_drift_monitor_stays_quiet_on_rollouts_and_alerts_on_shifted_observations(
     // Back to normal: the alert clears on the next window.
     send(&rows);
     assert_eq!(server.metric("qforge_drift_alert"), Some(0.0));
+}
+
+const SMOLLM2: &str = "models/smollm2-135m-instruct-q4_1.gguf";
+
+/// What `qforge generate` prints for `prompt` (greedy).
+fn generate(prompt: &str, max_tokens: usize) -> String {
+    let out = json(&support::qforge(&[
+        "generate",
+        "--model",
+        &path(SMOLLM2),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &max_tokens.to_string(),
+        "--json",
+    ]));
+    out["text"].as_str().unwrap().to_owned()
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_payloads(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn completions_match_qforge_generate_batch_continuously_and_stream() {
+    let server = Server::start(Path::new(&path(SMOLLM2)), &[], None);
+    let prompts = [
+        "The capital of France is",
+        "1, 2, 3, 4,",
+        "Water boils at",
+        "The opposite of hot is",
+    ];
+    let expected: Vec<String> = prompts.iter().map(|p| generate(p, 12)).collect();
+    let complete = |prompt: &str| -> Value {
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": 12, "temperature": 0});
+        let (status, v) = server.post("/v1/completions", &[], &body.to_string());
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    // Alone, each answer is what `qforge generate` says.
+    let v = complete(prompts[0]);
+    assert_eq!(v["choices"][0]["text"], expected[0].as_str(), "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // Concurrently, still the same answers, from shared decode steps.
+    let texts: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| scope.spawn(|| complete(p)["choices"][0]["text"].clone()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        texts,
+        expected
+            .iter()
+            .map(|t| Value::from(t.as_str()))
+            .collect::<Vec<_>>()
+    );
+    let steps = server.metric("qforge_batch_rows_count").unwrap();
+    let rows = server.metric("qforge_batch_rows_sum").unwrap();
+    assert!(
+        rows > steps,
+        "{rows} sequence-steps in {steps} steps: nothing shared a step"
+    );
+    assert_eq!(
+        server.metric("qforge_generated_tokens_total"),
+        Some(5.0 * 12.0)
+    );
+    assert_eq!(server.metric("qforge_running_sequences"), Some(0.0));
+    assert_eq!(server.metric("qforge_kv_reserved_tokens"), Some(0.0));
+
+    // Streaming sends the same text in pieces, then [DONE].
+    let body = serde_json::json!({"prompt": prompts[1], "max_tokens": 12, "temperature": 0, "stream": true});
+    let (status, head, text) = server.request("POST", "/v1/completions", &[], &body.to_string());
+    assert_eq!(status, 200);
+    assert!(head.to_lowercase().contains("text/event-stream"), "{head}");
+    let payloads = sse_payloads(&text);
+    assert_eq!(payloads.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1]
+        .iter()
+        .map(|p| serde_json::from_str(p).unwrap())
+        .collect();
+    assert!(chunks.len() > 3, "{text}");
+    let streamed: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, expected[1]);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // Chat: the template's prompt, an answer, streamed as deltas with usage.
+    let chat = serde_json::json!({
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 24, "temperature": 0,
+    });
+    let (status, v) = server.post("/v1/chat/completions", &[], &chat.to_string());
+    assert_eq!(status, 200, "{v}");
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(answer.contains("Paris"), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut streaming = chat.clone();
+    streaming["stream"] = true.into();
+    streaming["stream_options"] = serde_json::json!({"include_usage": true});
+    let (_, _, text) = server.request("POST", "/v1/chat/completions", &[], &streaming.to_string());
+    let payloads = sse_payloads(&text);
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1]
+        .iter()
+        .map(|p| serde_json::from_str(p).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, answer);
+    assert_eq!(chunks.last().unwrap()["usage"], v["usage"]);
+
+    // A stop string ends the text before it.
+    let body = serde_json::json!({"prompt": prompts[1], "max_tokens": 12, "temperature": 0, "stop": [" 6"]});
+    let (_, v) = server.post("/v1/completions", &[], &body.to_string());
+    let cut = &expected[1][..expected[1].find(" 6").expect("the model counts on")];
+    assert_eq!(v["choices"][0]["text"], cut, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // Seeded sampling repeats itself.
+    let body =
+        serde_json::json!({"prompt": prompts[0], "max_tokens": 8, "temperature": 1.0, "seed": 7});
+    let a = server.post("/v1/completions", &[], &body.to_string()).1;
+    let b = server.post("/v1/completions", &[], &body.to_string()).1;
+    assert_eq!(a["choices"], b["choices"]);
+}
+
+#[test]
+fn completion_requests_are_checked_and_the_kv_budget_queues_them() {
+    let server = Server::start(
+        Path::new(&path(SMOLLM2)),
+        &[
+            "--kv-budget-tokens",
+            "64",
+            "--served-model-name",
+            "smol",
+            "--timeout-ms",
+            "120000",
+        ],
+        None,
+    );
+    for (target, body, param) in [
+        ("/v1/completions", r#"{"prompt": "hi", "n": 2}"#, "n"),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "top_p": 0.5}"#,
+            "top_p",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "temperature": 3}"#,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 0}"#,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 100}"#,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "stop": ["", "x"]}"#,
+            "stop",
+        ),
+        ("/v1/completions", r#"{"messages": []}"#, "prompt"),
+        ("/v1/chat/completions", r#"{"messages": []}"#, "messages"),
+        ("/v1/chat/completions", r#"{"prompt": "hi"}"#, "messages"),
+    ] {
+        let (status, v) = server.post(target, &[], body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        assert!(!v["error"]["message"].as_str().unwrap().is_empty());
+    }
+    let (status, v) = server.post("/v1/completions", &[], r#"{"prompt": "hi", "best_of": 2}"#);
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("best_of"),
+        "{v}"
+    );
+    let long = "word ".repeat(80);
+    let (status, v) = server.post(
+        "/v1/completions",
+        &[],
+        &serde_json::json!({ "prompt": long }).to_string(),
+    );
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV budget 64"),
+        "{v}"
+    );
+    let (status, v) = server.post(
+        "/v1/completions",
+        &[],
+        r#"{"prompt": "hi", "model": "gpt-4"}"#,
+    );
+    assert_eq!(status, 404, "{v}");
+    let (_, v) = server.post(
+        "/v1/completions",
+        &[],
+        r#"{"prompt": "hi", "model": "smol", "max_tokens": 2}"#,
+    );
+    assert_eq!(v["model"], "smol");
+    let (status, _, models) = server.request("GET", "/v1/models", &[], "");
+    assert_eq!(status, 200);
+    assert!(models.contains("\"smol\""), "{models}");
+    assert_eq!(server.act(r#"{"observations": [[0]]}"#).0, 404);
+
+    // Each request reserves its prompt + 30 of 64 positions: they run one
+    // at a time (queued, not refused), and every one completes.
+    let body = serde_json::json!({"prompt": "Count: 1, 2, 3,", "max_tokens": 30, "temperature": 0});
+    let done: Vec<u16> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| scope.spawn(|| server.post("/v1/completions", &[], &body.to_string()).0))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(done, [200, 200, 200]);
+    // Never two sequences in one step.
+    assert_eq!(
+        server.metric("qforge_batch_rows_bucket{le=\"1.0\"}"),
+        server.metric("qforge_batch_rows_count")
+    );
+}
+
+#[test]
+fn a_client_that_hangs_up_frees_its_sequence() {
+    let server = Server::start(Path::new(&path(SMOLLM2)), &[], None);
+    let body = serde_json::json!({"prompt": "Tell me a long story.", "max_tokens": 400, "temperature": 0, "stream": true}).to_string();
+    let mut stream = TcpStream::connect(&server.addr).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let n = stream.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    drop(stream);
+    for _ in 0..200 {
+        if server.metric("qforge_running_sequences") == Some(0.0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(server.metric("qforge_running_sequences"), Some(0.0));
+    let generated = server.metric("qforge_generated_tokens_total").unwrap();
+    assert!(
+        generated < 400.0,
+        "{generated} tokens for a client that left"
+    );
 }

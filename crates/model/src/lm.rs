@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use candle_core::{D, Tensor};
 use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -78,6 +79,36 @@ impl TextSide {
         let Some(template) = &self.chat_template else {
             return Ok(format!("{prompt}{completion}"));
         };
+        let messages = [
+            ChatMessage {
+                role: "user".into(),
+                content: prompt.into(),
+            },
+            ChatMessage {
+                role: "assistant".into(),
+                content: completion.into(),
+            },
+        ];
+        self.render_chat(template, &messages, false)
+    }
+
+    /// The prompt that asks the model for the next assistant turn after
+    /// `messages`, rendered with its chat template.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
+        let Some(template) = &self.chat_template else {
+            return Err(Error::Unsupported(
+                "the model has no chat template; send plain text to /v1/completions".into(),
+            ));
+        };
+        self.render_chat(template, messages, true)
+    }
+
+    fn render_chat(
+        &self,
+        template: &str,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let mut env = minijinja::Environment::new();
         env.add_template("chat", template)
             .map_err(|e| Error::Format(format!("chat template: {e}")))?;
@@ -85,12 +116,13 @@ impl TextSide {
             id.and_then(|i| self.tokenizer.decode(&[i]).ok())
                 .unwrap_or_default()
         };
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|m| minijinja::context! { role => m.role, content => m.content })
+            .collect();
         let context = minijinja::context! {
-            messages => vec![
-                minijinja::context! { role => "user", content => prompt },
-                minijinja::context! { role => "assistant", content => completion },
-            ],
-            add_generation_prompt => false,
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
             bos_token => token(self.tokenizer.bos),
             eos_token => token(self.tokenizer.eos.first().copied()),
         };
@@ -98,6 +130,16 @@ impl TextSide {
             .and_then(|t| t.render(context))
             .map_err(|e| Error::Format(format!("chat template: {e}")))
     }
+}
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text of the turn.
+    pub content: String,
 }
 
 /// A decoder with the text side that feeds it.
@@ -235,8 +277,9 @@ impl Generation {
     }
 }
 
-/// Picks the next token from `[1, vocab]` logits.
-fn sample(logits: &[f32], temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {
+/// Picks the next token from one position's logits: the argmax when
+/// `temperature` is `None` or 0, else a draw from softmax(logits / t).
+pub fn sample(logits: &[f32], temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {
     match temperature {
         None | Some(0.0) => Ok(argmax(logits)),
         Some(t) if t > 0.0 && t.is_finite() => {

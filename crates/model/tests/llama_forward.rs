@@ -487,3 +487,70 @@ fn smoothing_keeps_the_function_and_moves_the_activation_range() {
     assert!(model.smoothed(&bad).is_err());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn batched_steps_match_each_sequence_decoded_alone() {
+    let dir = tiny_family("step", true);
+    let fp = Llama::from_hf_dir(&dir).unwrap();
+    let int8 = fp
+        .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+        .unwrap();
+    for (name, model) in [("f32", &fp), ("int8-dynamic", &int8)] {
+        // Three sequences at different positions: their prompts differ in length.
+        let prompts = [vec![1u32, 5, 9], vec![7u32, 2, 40, 41, 90, 3], vec![12u32]];
+        let mut alone: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+        let mut together: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+        for (p, (a, t)) in prompts.iter().zip(alone.iter_mut().zip(&mut together)) {
+            model
+                .forward(std::slice::from_ref(p), Some(a), None, Logits::Last)
+                .unwrap();
+            model
+                .forward(std::slice::from_ref(p), Some(t), None, Logits::Last)
+                .unwrap();
+        }
+        let mut observer = StatsObserver::new(false);
+        for step in 0..8u32 {
+            let tokens: Vec<u32> = (0..3)
+                .map(|s| (step * 31 + s * 17 + 2) % VOCAB as u32)
+                .collect();
+            let mut caches: Vec<&mut qforge_model::KvCache> = together.iter_mut().collect();
+            let batched = model
+                .step(&mut caches, &tokens, Some(&mut observer))
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            for (s, cache) in alone.iter_mut().enumerate() {
+                let reference = model
+                    .forward(&[vec![tokens[s]]], Some(cache), None, Logits::Last)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let diff = max_diff(&batched[s], &reference);
+                assert!(
+                    diff < 1e-4,
+                    "{name}, step {step}, sequence {s}: max |Δ| {diff}"
+                );
+            }
+        }
+        for (a, t) in alone.iter().zip(&together) {
+            assert_eq!(a.len(), t.len());
+        }
+        // Every linear input of every step was observed, one row per sequence.
+        let q = &observer.tensors["model.layers.0.self_attn.q_proj"];
+        assert_eq!(q.histogram().count(), 8 * 3 * HIDDEN as u64);
+        let mut caches: Vec<&mut qforge_model::KvCache> = together.iter_mut().collect();
+        assert!(
+            model.step(&mut caches, &[1, 2], None).is_err(),
+            "token count"
+        );
+        assert!(
+            model
+                .step(&mut caches, &[1, 2, VOCAB as u32], None)
+                .is_err(),
+            "vocabulary"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use qforge_model::{Action, MlpPolicy, Observer};
+use qforge_model::{Action, MlpPolicy};
 use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
@@ -149,13 +149,7 @@ fn run(
         for job in &batch {
             observations.extend_from_slice(&job.observations);
         }
-        let sampled = monitor
-            .as_deref_mut()
-            .is_some_and(DriftMonitor::sample_next);
-        let observer = match monitor.as_deref_mut() {
-            Some(m) if sampled => Some(m as &mut dyn Observer),
-            _ => None,
-        };
+        let observer = DriftMonitor::observer_for_next(monitor.as_deref_mut());
         let actions = policy
             .forward(&observations, observer)
             .map(|outputs| policy.actions_from_outputs(&outputs));

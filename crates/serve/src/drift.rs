@@ -126,8 +126,19 @@ impl DriftMonitor {
         }
     }
 
+    /// `monitor` as the observer of the next forward when that forward is
+    /// in the sample.
+    pub fn observer_for_next(monitor: Option<&mut DriftMonitor>) -> Option<&mut dyn Observer> {
+        let monitor = monitor?;
+        if monitor.sample_next() {
+            Some(monitor)
+        } else {
+            None
+        }
+    }
+
     /// Whether to observe the next forward.
-    pub fn sample_next(&mut self) -> bool {
+    fn sample_next(&mut self) -> bool {
         self.credit += self.options.sample;
         if self.credit >= 1.0 {
             self.credit -= 1.0;

@@ -11,12 +11,15 @@
 
 pub mod batcher;
 pub mod drift;
+pub mod engine;
 pub mod error;
 pub mod metrics;
+mod openai;
 pub mod rollout;
 pub mod server;
 
 pub use drift::DriftOptions;
+pub use engine::EngineLimits;
 pub use error::{Error, Result};
 pub use rollout::{Arm, RolloutMode, RolloutOptions};
 pub use server::{Calibration, ServeOptions, Served, serve};

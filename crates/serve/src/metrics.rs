@@ -27,7 +27,7 @@ pub struct Metrics {
     pub requests: Family<Labels, Counter>,
     /// Request latency by endpoint, seconds.
     pub latency: Family<Labels, Histogram, fn() -> Histogram>,
-    /// Observations per forward the batcher ran.
+    /// Rows per batched forward: observations, or sequences per decode step.
     pub batch_rows: Histogram,
     /// Requests waiting for the batcher.
     pub queue_depth: Gauge,
@@ -61,6 +61,18 @@ pub struct Metrics {
     pub drift_windows: Family<Labels, Counter>,
     /// 1 while some point's out-of-range share exceeds the threshold.
     pub drift_alert: Gauge,
+    /// Prompt tokens run through the model.
+    pub prompt_tokens: Counter,
+    /// Tokens generated.
+    pub generated_tokens: Counter,
+    /// Sequences in the decode batch.
+    pub running_sequences: Gauge,
+    /// KV-cache positions reserved by running sequences.
+    pub kv_reserved_tokens: Gauge,
+    /// Seconds from admission to the first token (the prompt's forward).
+    pub time_to_first_token: Histogram,
+    /// Seconds from admission to the last token.
+    pub completion_duration: Histogram,
 }
 
 impl Default for Metrics {
@@ -85,7 +97,7 @@ impl Default for Metrics {
         );
         registry.register(
             "batch_rows",
-            "Observations per batched forward",
+            "Rows per batched forward: observations, or sequences in a decode step",
             batch_rows.clone(),
         );
         registry.register(
@@ -175,6 +187,42 @@ impl Default for Metrics {
             "1 while some point's out-of-range share exceeds the drift threshold",
             drift_alert.clone(),
         );
+        let prompt_tokens = Counter::default();
+        let generated_tokens = Counter::default();
+        let running_sequences = Gauge::default();
+        let kv_reserved_tokens = Gauge::default();
+        let time_to_first_token = latency_histogram();
+        let completion_duration = latency_histogram();
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens run through the model",
+            prompt_tokens.clone(),
+        );
+        registry.register(
+            "generated_tokens",
+            "Tokens generated",
+            generated_tokens.clone(),
+        );
+        registry.register(
+            "running_sequences",
+            "Sequences in the decode batch",
+            running_sequences.clone(),
+        );
+        registry.register(
+            "kv_reserved_tokens",
+            "KV-cache positions reserved by running sequences",
+            kv_reserved_tokens.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "Seconds from admission to the first token",
+            time_to_first_token.clone(),
+        );
+        registry.register(
+            "completion_duration_seconds",
+            "Seconds from admission to the last token",
+            completion_duration.clone(),
+        );
         Self {
             registry,
             requests,
@@ -195,6 +243,12 @@ impl Default for Metrics {
             drift_distance,
             drift_windows,
             drift_alert,
+            prompt_tokens,
+            generated_tokens,
+            running_sequences,
+            kv_reserved_tokens,
+            time_to_first_token,
+            completion_duration,
         }
     }
 }

@@ -17,15 +17,17 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use qforge_model::profile::CalibrationProfile;
-use qforge_model::{Head, MlpPolicy};
+use qforge_model::{Head, LanguageModel, MlpPolicy};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batcher::{Batcher, Job};
 use crate::drift::{DriftMonitor, DriftOptions};
+use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+use crate::openai::{self, LanguageBackend};
 use crate::rollout::{Arm, Rollout, RolloutOptions};
 
 /// The request header a client names its session (episode) with: A/B
@@ -60,14 +62,30 @@ pub struct ServeOptions {
 }
 
 /// What a server runs.
-pub struct Served {
-    /// The model that answers (normally an INT8 artifact).
-    pub model: MlpPolicy,
-    /// Its full-precision reference, for A/B and shadow rollouts.
-    pub reference: Option<MlpPolicy>,
-    /// What the model's inputs looked like in calibration; without it there
-    /// is no drift monitor.
-    pub calibration: Option<Calibration>,
+// One value per process, moved once into `serve`: variant sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum Served {
+    /// A control policy behind `/v1/act`.
+    Policy {
+        /// The model that answers (normally an INT8 artifact).
+        model: MlpPolicy,
+        /// Its full-precision reference, for A/B and shadow rollouts.
+        reference: Option<MlpPolicy>,
+        /// What the model's inputs looked like in calibration; without it
+        /// there is no drift monitor.
+        calibration: Option<Calibration>,
+    },
+    /// A language model behind `/v1/completions` and `/v1/chat/completions`.
+    Language {
+        /// The model.
+        model: LanguageModel,
+        /// The name clients may give as `model` (and `/v1/models` lists).
+        name: String,
+        /// As for a policy.
+        calibration: Option<Calibration>,
+        /// The continuous-batching engine's limits.
+        limits: EngineLimits,
+    },
 }
 
 /// The calibration facts the drift monitor compares against.
@@ -78,19 +96,32 @@ pub struct Calibration {
     pub input_scales: BTreeMap<String, f32>,
 }
 
-struct AppState {
+pub(crate) struct AppState {
+    pub(crate) backend: Backend,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) in_flight: Arc<Semaphore>,
+    pub(crate) options: ServeOptions,
+}
+
+/// The model side of a server.
+// One value per process, behind the shared state's `Arc`.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Backend {
+    Policy(PolicyBackend),
+    Language(LanguageBackend),
+}
+
+/// A policy, its optional reference, and the rollout between them.
+pub(crate) struct PolicyBackend {
     int8: Batcher,
     /// The FP reference, when the rollout needs one.
     fp: Option<Batcher>,
     head: Head,
     rollout: Rollout,
-    metrics: Arc<Metrics>,
-    in_flight: Arc<Semaphore>,
-    options: ServeOptions,
     observation_dim: usize,
 }
 
-impl AppState {
+impl PolicyBackend {
     fn batcher(&self, arm: Arm) -> &Batcher {
         match arm {
             Arm::Int8 => &self.int8,
@@ -120,11 +151,11 @@ fn session(headers: &HeaderMap) -> Option<&str> {
     headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok())
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, axum::Json(json!({ "error": message.into() }))).into_response()
 }
 
-fn retry_later(status: StatusCode, message: &str) -> Response {
+pub(crate) fn retry_later(status: StatusCode, message: &str) -> Response {
     let mut response = error(status, message);
     response
         .headers_mut()
@@ -132,7 +163,7 @@ fn retry_later(status: StatusCode, message: &str) -> Response {
     response
 }
 
-fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     let Some(token) = &state.options.token else {
         return true;
     };
@@ -173,8 +204,14 @@ async fn act_inner(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8]) -> R
             "too many requests in flight; retry shortly",
         );
     };
-    let arm = state.rollout.arm_for(session(headers));
-    let batcher = state.batcher(arm);
+    let Backend::Policy(policy) = &state.backend else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this server runs a language model: use /v1/completions or /v1/chat/completions",
+        );
+    };
+    let arm = policy.rollout.arm_for(session(headers));
+    let batcher = policy.batcher(arm);
     // From here until it is queued (or refused), a batch being collected
     // waits for this request.
     let arrival = batcher.announce();
@@ -188,7 +225,7 @@ async fn act_inner(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8]) -> R
         }
     };
     let rows = request.observations.len();
-    let dim = state.observation_dim;
+    let dim = policy.observation_dim;
     if rows == 0 {
         return error(StatusCode::BAD_REQUEST, "observations is empty");
     }
@@ -220,7 +257,7 @@ async fn act_inner(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8]) -> R
         }
         observations.extend_from_slice(row);
     }
-    let shadowed = (arm == Arm::Int8 && state.rollout.shadow_this()).then(|| observations.clone());
+    let shadowed = (arm == Arm::Int8 && policy.rollout.shadow_this()).then(|| observations.clone());
     let (reply, answer) = oneshot::channel();
     if !batcher.submit(
         arrival,
@@ -268,7 +305,10 @@ async fn shadow(
     rows: usize,
     int8_actions: Vec<qforge_model::Action>,
 ) {
-    let Some(fp) = &state.fp else { return };
+    let Backend::Policy(policy) = &state.backend else {
+        return;
+    };
+    let Some(fp) = &policy.fp else { return };
     let (reply, answer) = oneshot::channel();
     let arrival = fp.announce();
     if !fp.submit(
@@ -285,9 +325,9 @@ async fn shadow(
         let agreements: Vec<bool> = int8_actions
             .iter()
             .zip(&fp_actions)
-            .map(|(a, b)| state.head.actions_agree(a, b))
+            .map(|(a, b)| policy.head.actions_agree(a, b))
             .collect();
-        state.rollout.record_agreement(&agreements);
+        policy.rollout.record_agreement(&agreements);
     }
 }
 
@@ -306,6 +346,12 @@ fn feedback_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respons
     if !authorized(state, headers) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
+    let Backend::Policy(policy) = &state.backend else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "feedback drives the A/B rollout of policies; this server runs a language model",
+        );
+    };
     let request: FeedbackRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => {
@@ -321,7 +367,7 @@ fn feedback_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respons
     let session = session(headers);
     let arm = match (request.arm, session) {
         (Some(arm), _) => arm,
-        (None, Some(_)) => state.rollout.assigned_arm(session),
+        (None, Some(_)) => policy.rollout.assigned_arm(session),
         (None, None) => {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -329,7 +375,7 @@ fn feedback_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respons
             );
         }
     };
-    axum::Json(state.rollout.record_reward(arm, request.reward)).into_response()
+    axum::Json(policy.rollout.record_reward(arm, request.reward)).into_response()
 }
 
 /// The API, published at `/openapi.json`.
@@ -368,11 +414,6 @@ pub async fn serve(
             "max batch, max rows and max concurrency must be at least 1".into(),
         ));
     }
-    let Served {
-        model: policy,
-        reference,
-        calibration,
-    } = served;
     let drift = options.drift;
     if !(drift.sample > 0.0 && drift.sample <= 1.0)
         || drift.window_rows == 0
@@ -383,6 +424,83 @@ pub async fn serve(
                 .into(),
         ));
     }
+    let metrics = Arc::new(Metrics::default());
+    let monitor = |calibration: Option<Calibration>| {
+        calibration
+            .map(|c| DriftMonitor::new(c.profile, &c.input_scales, drift, Arc::clone(&metrics)))
+    };
+    let backend = match served {
+        Served::Policy {
+            model,
+            reference,
+            calibration,
+        } => Backend::Policy(policy_backend(
+            model,
+            reference,
+            monitor(calibration),
+            &options,
+            &metrics,
+        )?),
+        Served::Language {
+            model,
+            name,
+            calibration,
+            limits,
+        } => {
+            if options.rollout.mode.needs_reference() {
+                return Err(Error::Options(
+                    "A/B and shadow rollouts are built for policies; a language model is served alone"
+                        .into(),
+                ));
+            }
+            Backend::Language(LanguageBackend::start(
+                model,
+                name,
+                monitor(calibration),
+                limits,
+                Arc::clone(&metrics),
+            )?)
+        }
+    };
+    let state = Arc::new(AppState {
+        backend,
+        metrics,
+        in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
+        options: options.clone(),
+    });
+    let app = Router::new()
+        .route("/v1/act", post(act))
+        .route("/v1/feedback", post(feedback))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(openai::models))
+        .route("/health", get(health))
+        .route("/ready", get(health))
+        .route("/metrics", get(render_metrics))
+        .route("/openapi.json", get(openapi))
+        .layer(DefaultBodyLimit::max(options.max_body_bytes))
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind(options.addr)
+        .await
+        .map_err(|e| Error::Bind(options.addr, e))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::Bind(options.addr, e))?;
+    on_bound(bound);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(Error::Serve)
+}
+
+/// Checks the rollout against the models and starts their batchers.
+fn policy_backend(
+    policy: MlpPolicy,
+    reference: Option<MlpPolicy>,
+    monitor: Option<DriftMonitor>,
+    options: &ServeOptions,
+    metrics: &Arc<Metrics>,
+) -> Result<PolicyBackend> {
     let rollout = options.rollout;
     if !(rollout.threshold.is_finite() && (0.0..=1.0).contains(&rollout.threshold))
         || rollout.agreement_window == 0
@@ -412,7 +530,6 @@ pub async fn serve(
         }
         _ => {}
     }
-    let metrics = Arc::new(Metrics::default());
     let observation_dim = policy.config().observation_dim;
     let head = policy.config().head.clone();
     let start = |policy, monitor| {
@@ -421,42 +538,17 @@ pub async fn serve(
             monitor,
             options.max_batch,
             options.max_wait,
-            Arc::clone(&metrics),
+            Arc::clone(metrics),
         )
     };
-    let monitor = calibration
-        .map(|c| DriftMonitor::new(c.profile, &c.input_scales, drift, Arc::clone(&metrics)));
     let int8 = start(policy, monitor);
     // The reference was not calibrated: nothing to watch.
     let fp = reference.map(|r| start(r, None));
-    let state = Arc::new(AppState {
+    Ok(PolicyBackend {
         int8,
         fp,
         head,
-        rollout: Rollout::new(rollout, Arc::clone(&metrics)),
-        metrics,
-        in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
+        rollout: Rollout::new(rollout, Arc::clone(metrics)),
         observation_dim,
-        options: options.clone(),
-    });
-    let app = Router::new()
-        .route("/v1/act", post(act))
-        .route("/v1/feedback", post(feedback))
-        .route("/health", get(health))
-        .route("/ready", get(health))
-        .route("/metrics", get(render_metrics))
-        .route("/openapi.json", get(openapi))
-        .layer(DefaultBodyLimit::max(options.max_body_bytes))
-        .with_state(state);
-    let listener = tokio::net::TcpListener::bind(options.addr)
-        .await
-        .map_err(|e| Error::Bind(options.addr, e))?;
-    let bound = listener
-        .local_addr()
-        .map_err(|e| Error::Bind(options.addr, e))?;
-    on_bound(bound);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(Error::Serve)
+    })
 }

@@ -644,7 +644,7 @@ impl Llama {
                 }
                 None => (k, v),
             };
-            let attended = self.attention(&q, &k, &v, &mask)?;
+            let attended = self.attention(&q, &k, &v, Some(&mask))?;
             observe(
                 &mut observer,
                 &format!("model.layers.{i}.self_attn.o_proj"),
@@ -690,6 +690,121 @@ impl Llama {
         self.lm_head.forward(&x)
     }
 
+    /// One decoding step for several independent sequences: `tokens[i]`
+    /// continues the sequence cached in `caches[i]`, each at its own
+    /// position. The linear layers run once over all `n` rows (what
+    /// continuous batching buys: one weight read serves every sequence);
+    /// attention runs per sequence over its own cache. Returns logits
+    /// `[n, vocab]`; every linear input is handed to `observer`.
+    pub fn step(
+        &self,
+        caches: &mut [&mut KvCache],
+        tokens: &[u32],
+        mut observer: Option<&mut dyn Observer>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let n = tokens.len();
+        if n == 0 || caches.len() != n {
+            return Err(Error::Shape(format!(
+                "a step needs one token per sequence: {n} tokens for {} caches",
+                caches.len()
+            )));
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::Shape(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let context = c.max_position_embeddings.min(MAX_POSITIONS);
+        if let Some(full) = caches.iter().find(|k| k.len + 1 > context) {
+            return Err(Error::Shape(format!(
+                "{} positions exceed the context of {context} (the model's, capped at {MAX_POSITIONS})",
+                full.len + 1
+            )));
+        }
+        if let Some(foreign) = caches.iter().find(|k| k.layers.len() != self.layers.len()) {
+            return Err(Error::Shape(format!(
+                "a KV cache of {} layers for a model of {}",
+                foreign.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let ids = Tensor::from_vec(tokens.to_vec(), n, &Device::Cpu)?;
+        let mut x = self
+            .embed_tokens
+            .index_select(&ids, 0)?
+            .reshape((n, 1, c.hidden_size))?;
+        let positions: Vec<u32> = caches.iter().map(|k| k.len as u32).collect();
+        let positions = Tensor::from_vec(positions, n, &Device::Cpu)?;
+        let half = c.head_dim / 2;
+        let cos = self
+            .cos
+            .index_select(&positions, 0)?
+            .reshape((n, 1, half))?;
+        let sin = self
+            .sin
+            .index_select(&positions, 0)?
+            .reshape((n, 1, half))?;
+        let lengths = vec![1; n];
+        let eps = c.rms_norm_eps as f32;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.self_attn.q_proj"),
+                &h,
+                &lengths,
+            )?;
+            let q = self.heads(&layer.q_proj.forward(&h)?, c.num_heads)?;
+            let k = self.heads(&layer.k_proj.forward(&h)?, c.num_kv_heads)?;
+            let v = self.heads(&layer.v_proj.forward(&h)?, c.num_kv_heads)?;
+            let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
+            let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+            let mut attended = Vec::with_capacity(n);
+            for (s, cache) in caches.iter_mut().enumerate() {
+                let (k, v) = (k.narrow(0, s, 1)?, v.narrow(0, s, 1)?);
+                let (k, v) = match &cache.layers[i] {
+                    Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+                    None => (k.contiguous()?, v.contiguous()?),
+                };
+                // One query at the newest position sees every cached key.
+                attended.push(self.attention(&q.narrow(0, s, 1)?, &k, &v, None)?);
+                cache.layers[i] = Some((k, v));
+            }
+            let attended = Tensor::cat(&attended, 0)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.self_attn.o_proj"),
+                &attended,
+                &lengths,
+            )?;
+            x = (x + layer.o_proj.forward(&attended)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.post_attention_norm, eps)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.mlp.gate_proj"),
+                &h,
+                &lengths,
+            )?;
+            let gated = (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
+                * layer.up_proj.forward(&h)?)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.mlp.down_proj"),
+                &gated,
+                &lengths,
+            )?;
+            x = (x + layer.down_proj.forward(&gated)?)?;
+        }
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+        }
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        observe(&mut observer, "lm_head", &x, &lengths)?;
+        self.lm_head.forward(&x.reshape((n, c.hidden_size))?)
+    }
+
     /// `[b, seq, heads·head_dim]` → `[b, heads, seq, head_dim]`.
     fn heads(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
         let (b, seq, _) = x.dims3()?;
@@ -698,7 +813,15 @@ impl Llama {
             .contiguous()?)
     }
 
-    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// Scaled dot-product attention; `mask` is additive, `None` lets every
+    /// query see every key.
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let c = &self.config;
         let (b, _, seq, hd) = q.dims4()?;
         let group = c.num_heads / c.num_kv_heads;
@@ -713,7 +836,10 @@ impl Llama {
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-        let scores = scores.broadcast_add(mask)?;
+        let scores = match mask {
+            Some(mask) => scores.broadcast_add(mask)?,
+            None => scores,
+        };
         let weights = candle_nn::ops::softmax_last_dim(&scores)?;
         Ok(weights
             .matmul(&v.contiguous()?)?

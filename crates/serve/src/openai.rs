@@ -1,0 +1,605 @@
+//! OpenAI-compatible text generation: `POST /v1/completions`,
+//! `POST /v1/chat/completions` (both with SSE streaming) and `GET
+//! /v1/models`, over the continuous-batching [`Engine`].
+//!
+//! Requests are checked before they reach the engine: fields this server
+//! does not implement (`n` > 1, `top_p` ≠ 1, anything unknown) are refused
+//! rather than ignored, a prompt that cannot fit the context or the KV
+//! budget is refused with the numbers, and errors use OpenAI's shape
+//! (`{"error": {"message", "type", "param", "code"}}`) so its clients show
+//! them.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream, StreamExt};
+use qforge_model::{ChatMessage, LanguageModel, TextSide};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::drift::DriftMonitor;
+use crate::engine::{Engine, EngineLimits, Event, FinishReason, Request};
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::server::{AppState, Backend, authorized, retry_later};
+
+/// `max_tokens` of `/v1/completions` when the request gives none (OpenAI's).
+const DEFAULT_COMPLETION_TOKENS: usize = 16;
+/// Most stop strings per request (OpenAI's limit).
+const MAX_STOP_STRINGS: usize = 4;
+
+/// A language model being served.
+pub(crate) struct LanguageBackend {
+    engine: Engine,
+    name: String,
+    text: TextSide,
+    /// Positions the model attends over.
+    context: usize,
+    limits: EngineLimits,
+    /// Numbers request ids and default seeds.
+    requests: AtomicU64,
+}
+
+impl LanguageBackend {
+    /// Starts the engine for `lm`.
+    pub(crate) fn start(
+        lm: LanguageModel,
+        name: String,
+        monitor: Option<DriftMonitor>,
+        limits: EngineLimits,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self> {
+        if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 {
+            return Err(Error::Options(
+                "the engine needs at least 1 sequence and a KV budget of at least 2 tokens".into(),
+            ));
+        }
+        let text = lm.text.clone();
+        let context = lm.model.config().max_position_embeddings;
+        Ok(Self {
+            engine: Engine::start(lm, monitor, limits, metrics),
+            name,
+            text,
+            context,
+            limits,
+            requests: AtomicU64::new(0),
+        })
+    }
+}
+
+/// An OpenAI-shaped error.
+fn api_error(status: StatusCode, kind: &str, param: Option<&str>, message: String) -> Response {
+    (
+        status,
+        axum::Json(json!({
+            "error": {"message": message, "type": kind, "param": param, "code": null}
+        })),
+    )
+        .into_response()
+}
+
+/// Why [`check`] refused a request.
+struct Refusal {
+    status: StatusCode,
+    param: Option<&'static str>,
+    message: String,
+}
+
+impl Refusal {
+    fn into_response(self) -> Response {
+        api_error(
+            self.status,
+            "invalid_request_error",
+            self.param,
+            self.message,
+        )
+    }
+}
+
+fn invalid(param: Option<&'static str>, message: String) -> Refusal {
+    Refusal {
+        status: StatusCode::BAD_REQUEST,
+        param,
+        message,
+    }
+}
+
+/// `stop`: one string or a list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The body of both endpoints (one struct: serde cannot refuse unknown
+/// fields through a flattened part); [`check`] refuses the other
+/// endpoint's fields.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Body {
+    /// `/v1/completions`: the text to continue.
+    #[serde(default)]
+    prompt: Option<String>,
+    /// `/v1/chat/completions`: the conversation.
+    #[serde(default)]
+    messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    /// Chat's newer name of `max_tokens`.
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    n: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    seed: Option<u64>,
+    /// Accepted for compatibility (OpenAI's end-user id); not used.
+    #[serde(default, rename = "user")]
+    _user: Option<serde::de::IgnoredAny>,
+}
+
+/// Which endpoint, for the response shapes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+pub(crate) async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let started = Instant::now();
+    let response = generate(&state, &headers, &body, Kind::Completion).await;
+    state.metrics.record(
+        "/v1/completions",
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+pub(crate) async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let started = Instant::now();
+    let response = generate(&state, &headers, &body, Kind::Chat).await;
+    state.metrics.record(
+        "/v1/chat/completions",
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+pub(crate) async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if !authorized(&state, &headers) {
+        return api_error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            None,
+            "missing or wrong bearer token".into(),
+        );
+    }
+    let data = match &state.backend {
+        Backend::Language(lm) => vec![json!({
+            "id": lm.name, "object": "model", "created": 0, "owned_by": "qforge"
+        })],
+        Backend::Policy(_) => Vec::new(),
+    };
+    axum::Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+/// A checked request: the prompt's tokens and how to sample.
+struct Checked {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    temperature: Option<f64>,
+    seed: Option<u64>,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<Checked, Refusal> {
+    let sampling: Body = serde_json::from_slice(body)
+        .map_err(|e| invalid(None, format!("malformed request: {e}")))?;
+    let (text, max_tokens) = match (kind, &sampling.prompt, &sampling.messages) {
+        (Kind::Completion, Some(prompt), None) => (
+            prompt.clone(),
+            sampling.max_tokens.unwrap_or(DEFAULT_COMPLETION_TOKENS),
+        ),
+        (Kind::Completion, _, _) => {
+            return Err(invalid(
+                Some("prompt"),
+                "/v1/completions takes a \"prompt\" string (and no \"messages\")".into(),
+            ));
+        }
+        (Kind::Chat, None, Some(messages)) => {
+            if messages.is_empty() {
+                return Err(invalid(Some("messages"), "messages is empty".into()));
+            }
+            let text = lm
+                .text
+                .chat_prompt(messages)
+                .map_err(|e| invalid(Some("messages"), e.to_string()))?;
+            // No limit given: as many as the context leaves.
+            let max = sampling
+                .max_completion_tokens
+                .or(sampling.max_tokens)
+                .unwrap_or(usize::MAX);
+            (text, max)
+        }
+        (Kind::Chat, _, _) => {
+            return Err(invalid(
+                Some("messages"),
+                "/v1/chat/completions takes \"messages\" (and no \"prompt\")".into(),
+            ));
+        }
+    };
+    if let Some(model) = &sampling.model
+        && *model != lm.name
+    {
+        return Err(Refusal {
+            status: StatusCode::NOT_FOUND,
+            param: Some("model"),
+            message: format!(
+                "model {model:?} is not served here; this server runs {:?}",
+                lm.name
+            ),
+        });
+    }
+    if sampling.n.is_some_and(|n| n != 1) {
+        return Err(invalid(Some("n"), "only n = 1 is supported".into()));
+    }
+    if sampling.top_p.is_some_and(|p| p != 1.0) {
+        return Err(invalid(
+            Some("top_p"),
+            "only top_p = 1 is supported; use temperature".into(),
+        ));
+    }
+    let temperature = sampling.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+        return Err(invalid(
+            Some("temperature"),
+            format!("temperature must be in [0, 2], got {temperature}"),
+        ));
+    }
+    let stop = match sampling.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.len() > MAX_STOP_STRINGS || stop.iter().any(String::is_empty) {
+        return Err(invalid(
+            Some("stop"),
+            format!("stop takes at most {MAX_STOP_STRINGS} non-empty strings"),
+        ));
+    }
+    let prompt = lm
+        .text
+        .tokenizer
+        .encode(&text)
+        .map_err(|e| invalid(Some("prompt"), e.to_string()))?;
+    if prompt.is_empty() {
+        return Err(invalid(Some("prompt"), "the prompt has no tokens".into()));
+    }
+    let room = lm.context.min(lm.limits.kv_budget_tokens);
+    if prompt.len() >= room {
+        return Err(invalid(
+            Some("prompt"),
+            format!(
+                "the prompt has {} tokens; this server fits {room} positions per sequence (context {}, KV budget {})",
+                prompt.len(),
+                lm.context,
+                lm.limits.kv_budget_tokens
+            ),
+        ));
+    }
+    let max_tokens = if kind == Kind::Chat && max_tokens == usize::MAX {
+        room - prompt.len()
+    } else {
+        max_tokens
+    };
+    if max_tokens == 0 {
+        return Err(invalid(
+            Some("max_tokens"),
+            "max_tokens must be at least 1".into(),
+        ));
+    }
+    if prompt.len() + max_tokens > room {
+        return Err(invalid(
+            Some("max_tokens"),
+            format!(
+                "{} prompt tokens + max_tokens {max_tokens} exceed the {room} positions this server fits per sequence",
+                prompt.len()
+            ),
+        ));
+    }
+    Ok(Checked {
+        prompt,
+        max_tokens,
+        temperature: (temperature > 0.0).then_some(temperature),
+        seed: sampling.seed,
+        stop,
+        stream: sampling.stream,
+        include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind: Kind) -> Response {
+    if !authorized(state, headers) {
+        return api_error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            None,
+            "missing or wrong bearer token".into(),
+        );
+    }
+    let Backend::Language(lm) = &state.backend else {
+        return api_error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            None,
+            "this server runs a control policy: use /v1/act".into(),
+        );
+    };
+    let Ok(permit) = Arc::clone(&state.in_flight).try_acquire_owned() else {
+        return retry_later(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many requests in flight; retry shortly",
+        );
+    };
+    let checked = match check(lm, body, kind) {
+        Ok(c) => c,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let number = lm.requests.fetch_add(1, Ordering::Relaxed);
+    let (events, mut receiver) = unbounded_channel();
+    if !lm.engine.submit(Request {
+        prompt: checked.prompt,
+        max_tokens: checked.max_tokens,
+        temperature: checked.temperature,
+        seed: checked.seed.unwrap_or(number),
+        stop: checked.stop,
+        events,
+    }) {
+        return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
+    }
+    let meta = Meta {
+        id: match kind {
+            Kind::Completion => format!("cmpl-{number}"),
+            Kind::Chat => format!("chatcmpl-{number}"),
+        },
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        model: lm.name.clone(),
+        kind,
+    };
+    let timeout = state.options.timeout;
+    if checked.stream {
+        // Wait for the first event under the timeout: once the stream's
+        // headers are out, the status can no longer say 503.
+        let first = match tokio::time::timeout(timeout, receiver.recv()).await {
+            Ok(Some(event)) => event,
+            Ok(None) => {
+                return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
+            }
+            Err(_) => {
+                return retry_later(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the request timed out waiting for the model",
+                );
+            }
+        };
+        if let Event::Failed(message) = first {
+            return api_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                None,
+                message,
+            );
+        }
+        // The permit travels with the stream: a streaming request counts
+        // as in flight until its last event.
+        let stream = sse_stream(meta, first, receiver, checked.include_usage, permit);
+        return Sse::new(stream).into_response();
+    }
+    let collected = tokio::time::timeout(timeout, async {
+        let mut text = String::new();
+        while let Some(event) = receiver.recv().await {
+            match event {
+                Event::Text(piece) => text.push_str(&piece),
+                Event::Done {
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                } => return Ok((text, finish_reason, prompt_tokens, completion_tokens)),
+                Event::Failed(message) => return Err(Some(message)),
+            }
+        }
+        Err(None)
+    })
+    .await;
+    drop(permit);
+    match collected {
+        Ok(Ok((text, finish, prompt_tokens, completion_tokens))) => {
+            axum::Json(meta.full(&text, finish, prompt_tokens, completion_tokens)).into_response()
+        }
+        Ok(Err(Some(message))) => api_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            None,
+            message,
+        ),
+        Ok(Err(None)) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped"),
+        // Dropping the receiver cancels the sequence in the engine.
+        Err(_) => retry_later(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the request timed out waiting for the model",
+        ),
+    }
+}
+
+/// What every response object of one request repeats.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+impl Meta {
+    fn full(
+        &self,
+        text: &str,
+        finish: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    ) -> Value {
+        let choice = match self.kind {
+            Kind::Completion => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens),
+        })
+    }
+
+    /// One streamed chunk: a text piece, or (with `finish`) the last one.
+    fn chunk(&self, piece: Option<&str>, finish: Option<FinishReason>) -> Value {
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": piece.unwrap_or(""), "logprobs": null, "finish_reason": finish
+            }),
+            Kind::Chat => json!({
+                "index": 0,
+                "delta": piece.map_or(json!({}), |p| json!({"content": p})),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        self.wrap(vec![choice], None)
+    }
+
+    fn wrap(&self, choices: Vec<Value>, usage: Option<Value>) -> Value {
+        let mut chunk = json!({
+            "id": self.id,
+            "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion.chunk" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let Some(usage) = usage {
+            chunk["usage"] = usage;
+        }
+        chunk
+    }
+}
+
+/// The SSE events of one streamed request: (for chat) the assistant role,
+/// every text piece, the finish, (when asked) the usage, then `[DONE]`.
+fn sse_stream(
+    meta: Meta,
+    first: Event,
+    receiver: UnboundedReceiver<Event>,
+    include_usage: bool,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
+    let opening = (meta.kind == Kind::Chat).then(|| {
+        let mut role = meta.chunk(None, None);
+        role["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+        role
+    });
+    let data = |v: &Value| SseEvent::default().data(v.to_string());
+    let head = stream::iter(opening.map(|v| data(&v)));
+    let events = stream::once(std::future::ready(first))
+        .chain(stream::unfold(receiver, |mut r| async move {
+            r.recv().await.map(|e| (e, r))
+        }))
+        .scan(
+            (meta, Some(permit)),
+            move |(meta, permit), event| {
+                let out: Vec<Value> = match event {
+                    Event::Text(piece) => vec![meta.chunk(Some(&piece), None)],
+                    Event::Done {
+                        finish_reason,
+                        prompt_tokens,
+                        completion_tokens,
+                    } => {
+                        permit.take();
+                        let mut out = vec![meta.chunk(None, Some(finish_reason))];
+                        if include_usage {
+                            out.push(meta.wrap(Vec::new(), Some(usage(prompt_tokens, completion_tokens))));
+                        }
+                        out
+                    }
+                    Event::Failed(message) => {
+                        permit.take();
+                        vec![json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})]
+                    }
+                };
+                let done = permit.is_none();
+                std::future::ready(Some((out, done)))
+            },
+        )
+        .flat_map(move |(out, done)| {
+            let mut events: Vec<SseEvent> = out.iter().map(data).collect();
+            if done {
+                events.push(SseEvent::default().data("[DONE]"));
+            }
+            stream::iter(events)
+        });
+    head.chain(events).map(Ok)
+}
