@@ -162,7 +162,7 @@ struct Body {
     seed: Option<u64>,
     /// Accepted for compatibility (OpenAI's end-user id); not used.
     #[serde(default, rename = "user")]
-    _user: Option<serde::de::IgnoredAny>,
+    _user: Option<String>,
 }
 
 /// Which endpoint, for the response shapes.
@@ -234,6 +234,14 @@ struct Checked {
 fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<Checked, Refusal> {
     let sampling: Body = serde_json::from_slice(body)
         .map_err(|e| invalid(None, format!("malformed request: {e}")))?;
+    for (name, value) in [
+        ("max_tokens", sampling.max_tokens),
+        ("max_completion_tokens", sampling.max_completion_tokens),
+    ] {
+        if value == Some(0) {
+            return Err(invalid(Some(name), format!("{name} must be at least 1")));
+        }
+    }
     let (text, max_tokens) = match (kind, &sampling.prompt, &sampling.messages) {
         (Kind::Completion, Some(prompt), None) => (
             prompt.clone(),

@@ -19,7 +19,7 @@ use axum::routing::{get, post};
 use qforge_model::profile::CalibrationProfile;
 use qforge_model::{Head, LanguageModel, MlpPolicy};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batcher::{Batcher, Job};
@@ -28,7 +28,7 @@ use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::openai::{self, LanguageBackend};
-use crate::rollout::{Arm, Rollout, RolloutOptions};
+use crate::rollout::{Arm, Rollout, RolloutMode, RolloutOptions};
 
 /// The request header a client names its session (episode) with: A/B
 /// splits are sticky by it, and `/v1/feedback` finds the session's arm by it.
@@ -98,6 +98,8 @@ pub struct Calibration {
 
 pub(crate) struct AppState {
     pub(crate) backend: Backend,
+    /// `/openapi.json`.
+    openapi: String,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) options: ServeOptions,
@@ -365,15 +367,16 @@ fn feedback_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respons
         return error(StatusCode::BAD_REQUEST, "reward must be a finite number");
     }
     let session = session(headers);
-    let arm = match (request.arm, session) {
-        (Some(arm), _) => arm,
-        (None, Some(_)) => policy.rollout.assigned_arm(session),
-        (None, None) => {
+    let arm = match (request.arm, session, policy.rollout.options().mode) {
+        (Some(arm), _, _) => arm,
+        (None, None, RolloutMode::Split { .. }) => {
             return error(
                 StatusCode::BAD_REQUEST,
-                "name the episode's arm (\"arm\") or its session (X-Session-Id header)",
+                "sessions are split between the arms: name the episode's arm (\"arm\") or its session (X-Session-Id header)",
             );
         }
+        // Outside a split every session plays INT8 (until a rollback).
+        (None, session, _) => policy.rollout.assigned_arm(session),
     };
     axum::Json(policy.rollout.record_reward(arm, request.reward)).into_response()
 }
@@ -381,8 +384,38 @@ fn feedback_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Respons
 /// The API, published at `/openapi.json`.
 const OPENAPI: &str = include_str!("../api/openapi.json");
 
-async fn openapi() -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+/// The API document of this server: the published one, with what only the
+/// served model and the options decide filled in (observation width, rows
+/// per request), so a client or a fuzzer reads the real contract.
+fn openapi_document(backend: &Backend, options: &ServeOptions) -> String {
+    let mut doc: Value = serde_json::from_str(OPENAPI).expect("the bundled document is JSON");
+    if let Backend::Policy(policy) = backend {
+        let observations =
+            &mut doc["components"]["schemas"]["ActRequest"]["properties"]["observations"];
+        // A limit, not a schema rule: more rows are answered 413.
+        observations["description"] = format!(
+            "At most {} observations per request (more: 413)",
+            options.max_rows
+        )
+        .into();
+        let row = &mut observations["items"];
+        row["minItems"] = policy.observation_dim.into();
+        row["maxItems"] = policy.observation_dim.into();
+        // Observations are read as f32: from 2^128 − 2^103 (half an ulp
+        // above f32::MAX) on, a number rounds to infinity and is refused.
+        let largest = f64::from_bits((2f64.powi(128) - 2f64.powi(103)).to_bits() - 1);
+        row["items"]["minimum"] = (-largest).into();
+        row["items"]["maximum"] = largest.into();
+    }
+    doc.to_string()
+}
+
+async fn openapi(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        state.openapi.clone(),
+    )
+        .into_response()
 }
 
 async fn health() -> Response {
@@ -463,6 +496,7 @@ pub async fn serve(
         }
     };
     let state = Arc::new(AppState {
+        openapi: openapi_document(&backend, &options),
         backend,
         metrics,
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
