@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Largest request body (bytes); larger ones get 413.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+    /// Language models: most tokens one completion may ask for; more get
+    /// 400 (without max_tokens, a chat completion gets up to this many).
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
     /// Most observations in one request; more get 413.
     #[arg(long, default_value_t = 4096)]
     max_rows: usize,
@@ -235,6 +239,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_wait: Duration::from_secs_f64(args.max_wait_ms / 1000.0),
         max_body_bytes: args.max_body_bytes,
         max_rows: args.max_rows,
+        max_tokens: args.max_tokens,
         max_concurrency: args.max_concurrency,
         timeout: Duration::from_millis(args.timeout_ms),
         token,

@@ -265,6 +265,12 @@ fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
     // A body over --max-body-bytes is refused before it is parsed.
     let big = format!(r#"{{"observations": [[{}]]}}"#, vec!["0.5"; 1000].join(","));
     assert_eq!(server.request("POST", "/v1/act", &[auth], &big).0, 413);
+    // Refusals before the handler runs are counted too.
+    let (_, _, metrics) = server.request("GET", "/metrics", &[], "");
+    assert!(
+        metrics.contains("qforge_requests_total{endpoint=\"/v1/act\",status=\"413\"} 2"),
+        "{metrics}"
+    );
 }
 
 #[test]
@@ -742,6 +748,8 @@ fn completion_requests_are_checked_and_the_kv_budget_queues_them() {
             "smol",
             "--timeout-ms",
             "120000",
+            "--max-tokens",
+            "40",
         ],
         None,
     );
@@ -765,6 +773,11 @@ fn completion_requests_are_checked_and_the_kv_budget_queues_them() {
         (
             "/v1/completions",
             r#"{"prompt": "hi", "max_tokens": 100}"#,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 50}"#,
             "max_tokens",
         ),
         (

@@ -12,7 +12,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -44,6 +44,8 @@ pub(crate) struct LanguageBackend {
     /// Positions the model attends over.
     context: usize,
     limits: EngineLimits,
+    /// Most tokens one request may generate.
+    max_tokens: usize,
     /// Numbers request ids and default seeds.
     requests: AtomicU64,
 }
@@ -55,6 +57,7 @@ impl LanguageBackend {
         name: String,
         monitor: Option<DriftMonitor>,
         limits: EngineLimits,
+        max_tokens: usize,
         metrics: Arc<Metrics>,
     ) -> Result<Self> {
         if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 {
@@ -70,6 +73,7 @@ impl LanguageBackend {
             text,
             context,
             limits,
+            max_tokens,
             requests: AtomicU64::new(0),
         })
     }
@@ -177,14 +181,7 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let started = Instant::now();
-    let response = generate(&state, &headers, &body, Kind::Completion).await;
-    state.metrics.record(
-        "/v1/completions",
-        response.status().as_u16(),
-        started.elapsed().as_secs_f64(),
-    );
-    response
+    generate(&state, &headers, &body, Kind::Completion).await
 }
 
 pub(crate) async fn chat_completions(
@@ -192,14 +189,7 @@ pub(crate) async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let started = Instant::now();
-    let response = generate(&state, &headers, &body, Kind::Chat).await;
-    state.metrics.record(
-        "/v1/chat/completions",
-        response.status().as_u16(),
-        started.elapsed().as_secs_f64(),
-    );
-    response
+    generate(&state, &headers, &body, Kind::Chat).await
 }
 
 pub(crate) async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -335,14 +325,17 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<C
         ));
     }
     let max_tokens = if kind == Kind::Chat && max_tokens == usize::MAX {
-        room - prompt.len()
+        (room - prompt.len()).min(lm.max_tokens)
     } else {
         max_tokens
     };
-    if max_tokens == 0 {
+    if max_tokens > lm.max_tokens {
         return Err(invalid(
             Some("max_tokens"),
-            "max_tokens must be at least 1".into(),
+            format!(
+                "max_tokens {max_tokens} is over this server's limit of {}",
+                lm.max_tokens
+            ),
         ));
     }
     if prompt.len() + max_tokens > room {

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use qforge_model::profile::CalibrationProfile;
@@ -49,6 +50,8 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// Most observations in one request.
     pub max_rows: usize,
+    /// Most tokens one completion may ask for.
+    pub max_tokens: usize,
     /// Requests in flight beyond which new ones get 429.
     pub max_concurrency: usize,
     /// A request not answered within this gets 503.
@@ -186,17 +189,7 @@ pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
 }
 
 async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let started = Instant::now();
-    let response = act_inner(&state, &headers, &body).await;
-    state.metrics.record(
-        "/v1/act",
-        response.status().as_u16(),
-        started.elapsed().as_secs_f64(),
-    );
-    response
-}
-
-async fn act_inner(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8]) -> Response {
+    let (state, headers, body) = (&state, &headers, &body[..]);
     if !authorized(state, headers) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
@@ -334,17 +327,7 @@ async fn shadow(
 }
 
 async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let started = Instant::now();
-    let response = feedback_inner(&state, &headers, &body);
-    state.metrics.record(
-        "/v1/feedback",
-        response.status().as_u16(),
-        started.elapsed().as_secs_f64(),
-    );
-    response
-}
-
-fn feedback_inner(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Response {
+    let (state, headers, body) = (&*state, &headers, &body[..]);
     if !authorized(state, headers) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
@@ -422,6 +405,29 @@ async fn health() -> Response {
     axum::Json(json!({ "status": "ok" })).into_response()
 }
 
+/// Counts every request to a route by its path pattern and status — the
+/// handler's own answers and the ones the layers give before it runs (a
+/// body over the limit: 413).
+async fn track(
+    State(state): State<Arc<AppState>>,
+    request: axum::extract::Request,
+    next: Next,
+) -> Response {
+    let started = Instant::now();
+    let endpoint = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", MatchedPath::as_str)
+        .to_owned();
+    let response = next.run(request).await;
+    state.metrics.record(
+        &endpoint,
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
 async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
     (
         [(
@@ -442,9 +448,13 @@ pub async fn serve(
     on_bound: impl FnOnce(SocketAddr),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    if options.max_batch == 0 || options.max_rows == 0 || options.max_concurrency == 0 {
+    if options.max_batch == 0
+        || options.max_rows == 0
+        || options.max_tokens == 0
+        || options.max_concurrency == 0
+    {
         return Err(Error::Options(
-            "max batch, max rows and max concurrency must be at least 1".into(),
+            "max batch, max rows, max tokens and max concurrency must be at least 1".into(),
         ));
     }
     let drift = options.drift;
@@ -491,6 +501,7 @@ pub async fn serve(
                 name,
                 monitor(calibration),
                 limits,
+                options.max_tokens,
                 Arc::clone(&metrics),
             )?)
         }
@@ -513,6 +524,7 @@ pub async fn serve(
         .route("/metrics", get(render_metrics))
         .route("/openapi.json", get(openapi))
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
+        .route_layer(middleware::from_fn_with_state(Arc::clone(&state), track))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind(options.addr)
         .await
