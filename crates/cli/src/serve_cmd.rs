@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use qforge_model::MlpPolicy;
 use qforge_model::artifact::{LayerPrecision, is_artifact, read_config};
 use qforge_model::manifest::read_manifest;
 use qforge_model::profile::CalibrationProfile;
@@ -18,7 +17,7 @@ use qforge_serve::{
 };
 
 use crate::UsageError;
-use crate::model_cmd::{AnyModel, load_model, load_policy, recorded_source};
+use crate::model_cmd::{AnyModel, load_language_model, load_model, load_policy, recorded_source};
 
 /// The environment variable holding the bearer token clients must send
 /// (kept out of the command line, which other users can read).
@@ -196,17 +195,15 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     let served = match load_model(&args.model)? {
         AnyModel::Policy(model) => Served::Policy {
             model,
-            reference: policy_reference(&args, mode)?,
+            reference: reference_path(&args, mode)?
+                .map(|p| load_policy(&p))
+                .transpose()?,
             calibration,
         },
         AnyModel::Language(model) => {
-            if mode.needs_reference() {
-                return Err(UsageError(
-                    "--ab and --shadow are built for policies; a language model is served alone"
-                        .into(),
-                )
-                .into());
-            }
+            let reference = reference_path(&args, mode)?
+                .map(|p| load_language_model(&p))
+                .transpose()?;
             let name = args.served_model_name.clone().unwrap_or_else(|| {
                 args.model
                     .file_stem()
@@ -223,6 +220,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
             );
             Served::Language {
                 model: *model,
+                reference,
                 name,
                 calibration,
                 limits: EngineLimits {
@@ -272,9 +270,9 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The FP reference of a policy rollout: `--reference`, or the source the
-/// artifact's manifest records.
-fn policy_reference(args: &ServeArgs, mode: RolloutMode) -> Result<Option<MlpPolicy>> {
+/// Where the FP reference of a rollout is: `--reference`, or the source the
+/// artifact's manifest records (checked against its hash).
+fn reference_path(args: &ServeArgs, mode: RolloutMode) -> Result<Option<PathBuf>> {
     let path = match (&args.reference, mode.needs_reference()) {
         (Some(path), _) => path.clone(),
         (None, true) if is_artifact(&args.model) => recorded_source(&read_manifest(&args.model)?)?,
@@ -288,7 +286,7 @@ fn policy_reference(args: &ServeArgs, mode: RolloutMode) -> Result<Option<MlpPol
         (None, false) => return Ok(None),
     };
     eprintln!("qforge serve: FP reference {}", path.display());
-    Ok(Some(load_policy(&path)?))
+    Ok(Some(path))
 }
 
 /// The drift monitor's reference: an artifact's calibration profile and

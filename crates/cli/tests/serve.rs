@@ -876,3 +876,104 @@ fn a_client_that_hangs_up_frees_its_sequence() {
         "{generated} tokens for a client that left"
     );
 }
+
+#[test]
+fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
+    let dir = support::temp("serve", "lm-rollout");
+    // A genuinely bad INT8 model: every static scale clips at the 20th
+    // percentile, and the guard is told to accept anything.
+    let bad = json(&qforge_in(
+        &dir,
+        &[
+            "quantize",
+            "--model",
+            &path(SMOLLM2),
+            "--data",
+            &path("fixtures/episodes/arithmetic.jsonl"),
+            "--calibrator",
+            "percentile(20)",
+            "--max-perplexity-increase",
+            "1e12",
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "-o",
+            "bad",
+            "--json",
+        ],
+    ));
+    assert!(
+        bad["after"]["top1_agreement"].as_f64().unwrap() < 0.5,
+        "{bad}"
+    );
+    let prompt = "The capital of France is";
+    let fp_text = generate(prompt, 12);
+    let body =
+        serde_json::json!({"prompt": prompt, "max_tokens": 12, "temperature": 0}).to_string();
+    let complete = |server: &Server, session: &str| -> (String, String) {
+        let header = format!("X-Session-Id: {session}");
+        let (status, head, text) = server.request("POST", "/v1/completions", &[&header], &body);
+        assert_eq!(status, 200, "{text}");
+        let arm = head
+            .lines()
+            .find_map(|l| {
+                l.to_lowercase()
+                    .strip_prefix("x-qforge-arm: ")
+                    .map(str::to_owned)
+            })
+            .unwrap_or_else(|| panic!("no arm header in {head}"));
+        let v: Value = serde_json::from_str(&text).unwrap();
+        (arm, v["choices"][0]["text"].as_str().unwrap().to_owned())
+    };
+
+    // A/B: sessions keep their arm; the FP arm (the manifest's source)
+    // answers what `qforge generate` does.
+    let server = Server::start(&dir.join("bad"), &["--ab", "int8=0.5,fp=0.5"], None);
+    let arms: Vec<(String, String)> = (0..8)
+        .map(|i| complete(&server, &format!("s{i}")))
+        .collect();
+    for (i, (arm, text)) in arms.iter().enumerate() {
+        assert_eq!(
+            &complete(&server, &format!("s{i}")).0,
+            arm,
+            "session s{i} moved"
+        );
+        if arm == "fp" {
+            assert_eq!(text, &fp_text);
+        } else {
+            assert_ne!(text, &fp_text, "the bad model should not match FP");
+        }
+    }
+    assert!(
+        arms.iter().any(|a| a.0 == "fp") && arms.iter().any(|a| a.0 == "int8"),
+        "{arms:?}"
+    );
+    drop(server);
+
+    // Shadow: the reference runs every request alongside; once 30 tokens
+    // agree < 95 %, traffic rolls back and FP answers.
+    let server = Server::start(
+        &dir.join("bad"),
+        &[
+            "--shadow",
+            "--shadow-sample",
+            "1",
+            "--agreement-window",
+            "30",
+        ],
+        None,
+    );
+    for _ in 0..3 {
+        assert_eq!(complete(&server, "x").0, "int8");
+    }
+    for _ in 0..400 {
+        if server.metric("qforge_rolled_back") == Some(1.0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(server.metric("qforge_rolled_back"), Some(1.0));
+    assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
+    assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));
+}

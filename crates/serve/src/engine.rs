@@ -24,6 +24,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
 use crate::metrics::Metrics;
@@ -71,6 +72,9 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Where the events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
+    /// Hears the generated token ids when the request finishes (a shadow
+    /// comparison needs them; the client gets text).
+    pub finished: Option<oneshot::Sender<Vec<u32>>>,
 }
 
 /// The engine's limits.
@@ -359,6 +363,9 @@ impl Scheduler<'_> {
                 prompt_tokens: request.prompt.len(),
                 completion_tokens: sequence.generated.len(),
             });
+            if let Some(finished) = sequence.request.finished.take() {
+                let _ = finished.send(sequence.generated.clone());
+            }
             return true;
         }
         false

@@ -16,7 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
@@ -24,12 +24,16 @@ use qforge_model::{ChatMessage, LanguageModel, TextSide};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
 use crate::engine::{Engine, EngineLimits, Event, FinishReason, Request};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::server::{AppState, Backend, authorized, retry_later};
+use crate::rollout::{Arm, Rollout};
+use crate::server::{
+    ARM_HEADER, AppState, Backend, ServeOptions, authorized, retry_later, session,
+};
 
 /// `max_tokens` of `/v1/completions` when the request gives none (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
@@ -38,7 +42,10 @@ const MAX_STOP_STRINGS: usize = 4;
 
 /// A language model being served.
 pub(crate) struct LanguageBackend {
-    engine: Engine,
+    int8: Engine,
+    /// The FP reference's engine, when the rollout needs one.
+    fp: Option<Engine>,
+    pub(crate) rollout: Rollout,
     name: String,
     text: TextSide,
     /// Positions the model attends over.
@@ -51,31 +58,90 @@ pub(crate) struct LanguageBackend {
 }
 
 impl LanguageBackend {
-    /// Starts the engine for `lm`.
+    /// Starts an engine for `lm` and one for its `reference` (each with
+    /// `limits`: the reference's KV cache is its own).
     pub(crate) fn start(
         lm: LanguageModel,
+        reference: Option<LanguageModel>,
         name: String,
         monitor: Option<DriftMonitor>,
         limits: EngineLimits,
-        max_tokens: usize,
-        metrics: Arc<Metrics>,
+        options: &ServeOptions,
+        metrics: &Arc<Metrics>,
     ) -> Result<Self> {
         if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 {
             return Err(Error::Options(
                 "the engine needs at least 1 sequence and a KV budget of at least 2 tokens".into(),
             ));
         }
+        match (&reference, options.rollout.mode.needs_reference()) {
+            (None, true) => {
+                return Err(Error::Options(
+                    "A/B and shadow rollouts need the FP reference model".into(),
+                ));
+            }
+            (Some(fp), _) if fp.model.config().vocab_size != lm.model.config().vocab_size => {
+                return Err(Error::Options(format!(
+                    "the reference has a vocabulary of {} tokens, the model {}: they do not share a tokenizer",
+                    fp.model.config().vocab_size,
+                    lm.model.config().vocab_size
+                )));
+            }
+            _ => {}
+        }
         let text = lm.text.clone();
         let context = lm.model.config().max_position_embeddings;
         Ok(Self {
-            engine: Engine::start(lm, monitor, limits, metrics),
+            int8: Engine::start(lm, monitor, limits, Arc::clone(metrics)),
+            // The reference was not calibrated: nothing to watch.
+            fp: reference.map(|r| Engine::start(r, None, limits, Arc::clone(metrics))),
+            rollout: Rollout::new(options.rollout, Arc::clone(metrics)),
             name,
             text,
             context,
             limits,
-            max_tokens,
+            max_tokens: options.max_tokens,
             requests: AtomicU64::new(0),
         })
+    }
+
+    fn engine(&self, arm: Arm) -> &Engine {
+        match arm {
+            Arm::Int8 => &self.int8,
+            // `start` refuses a mode that can pick FP without a reference.
+            Arm::Fp => self.fp.as_ref().unwrap_or(&self.int8),
+        }
+    }
+}
+
+/// Runs the FP reference on a request INT8 is answering and counts, token
+/// by token, where the two continuations agree (same seed, so sampling
+/// differs only where the models do). The client never waits for it.
+async fn shadow(
+    lm: Arc<AppState>,
+    request: Request,
+    int8_tokens: oneshot::Receiver<Vec<u32>>,
+    timeout: std::time::Duration,
+) {
+    let Backend::Language(backend) = &lm.backend else {
+        return;
+    };
+    let Some(fp) = &backend.fp else { return };
+    let (events, _keep_open) = unbounded_channel();
+    let (finished, fp_tokens) = oneshot::channel();
+    if !fp.submit(Request {
+        events,
+        finished: Some(finished),
+        ..request
+    }) {
+        return;
+    }
+    let both = tokio::time::timeout(timeout, async { (int8_tokens.await, fp_tokens.await) }).await;
+    if let Ok((Ok(int8), Ok(fp))) = both {
+        let agreements: Vec<bool> = (0..int8.len().max(fp.len()))
+            .map(|i| int8.get(i).is_some() && int8.get(i) == fp.get(i))
+            .collect();
+        backend.rollout.record_agreement(&agreements);
     }
 }
 
@@ -386,17 +452,50 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         Err(refusal) => return refusal.into_response(),
     };
     let number = lm.requests.fetch_add(1, Ordering::Relaxed);
+    let arm = lm.rollout.arm_for(session(headers));
     let (events, mut receiver) = unbounded_channel();
-    if !lm.engine.submit(Request {
+    let request = Request {
         prompt: checked.prompt,
         max_tokens: checked.max_tokens,
         temperature: checked.temperature,
         seed: checked.seed.unwrap_or(number),
         stop: checked.stop,
         events,
-    }) {
+        finished: None,
+    };
+    let shadowed = (arm == Arm::Int8 && lm.rollout.shadow_this()).then(|| {
+        let (finished, int8_tokens) = oneshot::channel();
+        (
+            Request {
+                prompt: request.prompt.clone(),
+                stop: request.stop.clone(),
+                events: request.events.clone(),
+                finished: None,
+                ..request
+            },
+            finished,
+            int8_tokens,
+        )
+    });
+    let request = match shadowed {
+        Some((copy, finished, int8_tokens)) => {
+            tokio::spawn(shadow(
+                Arc::clone(state),
+                copy,
+                int8_tokens,
+                state.options.timeout * 4,
+            ));
+            Request {
+                finished: Some(finished),
+                ..request
+            }
+        }
+        None => request,
+    };
+    if !lm.engine(arm).submit(request) {
         return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
     }
+    lm.rollout.count_answer(arm);
     let meta = Meta {
         id: match kind {
             Kind::Completion => format!("cmpl-{number}"),
@@ -435,7 +534,7 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         // The permit travels with the stream: a streaming request counts
         // as in flight until its last event.
         let stream = sse_stream(meta, first, receiver, checked.include_usage, permit);
-        return Sse::new(stream).into_response();
+        return with_arm(Sse::new(stream).into_response(), arm);
     }
     let collected = tokio::time::timeout(timeout, async {
         let mut text = String::new();
@@ -455,9 +554,10 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
     .await;
     drop(permit);
     match collected {
-        Ok(Ok((text, finish, prompt_tokens, completion_tokens))) => {
-            axum::Json(meta.full(&text, finish, prompt_tokens, completion_tokens)).into_response()
-        }
+        Ok(Ok((text, finish, prompt_tokens, completion_tokens))) => with_arm(
+            axum::Json(meta.full(&text, finish, prompt_tokens, completion_tokens)).into_response(),
+            arm,
+        ),
         Ok(Err(Some(message))) => api_error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",
@@ -471,6 +571,14 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
             "the request timed out waiting for the model",
         ),
     }
+}
+
+/// Names the arm that answered in a header (the body stays OpenAI's).
+fn with_arm(mut response: Response, arm: Arm) -> Response {
+    response
+        .headers_mut()
+        .insert(ARM_HEADER, HeaderValue::from_static(arm.name()));
+    response
 }
 
 /// What every response object of one request repeats.

@@ -201,6 +201,14 @@ impl Rollout {
         }
     }
 
+    /// Counts a request `arm` answered.
+    pub fn count_answer(&self, arm: Arm) {
+        self.metrics
+            .arm_requests
+            .get_or_create(&vec![("arm".to_owned(), arm.name().to_owned())])
+            .inc();
+    }
+
     /// Whether the reference should shadow this (INT8-answered) request.
     pub fn shadow_this(&self) -> bool {
         match self.options.mode {

@@ -82,6 +82,8 @@ pub enum Served {
     Language {
         /// The model.
         model: LanguageModel,
+        /// Its full-precision reference, for A/B and shadow rollouts.
+        reference: Option<LanguageModel>,
         /// The name clients may give as `model` (and `/v1/models` lists).
         name: String,
         /// As for a policy.
@@ -152,7 +154,7 @@ struct FeedbackRequest {
     arm: Option<Arm>,
 }
 
-fn session(headers: &HeaderMap) -> Option<&str> {
+pub(crate) fn session(headers: &HeaderMap) -> Option<&str> {
     headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok())
 }
 
@@ -267,11 +269,7 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
     match tokio::time::timeout(state.options.timeout, answer).await {
         Ok(Ok(Ok(actions))) => {
             state.metrics.observations.inc_by(rows as u64);
-            state
-                .metrics
-                .arm_requests
-                .get_or_create(&vec![("arm".to_owned(), arm.name().to_owned())])
-                .inc();
+            policy.rollout.count_answer(arm);
             let body = json!({ "actions": actions, "arm": arm });
             if let Some(observations) = shadowed {
                 tokio::spawn(shadow(Arc::clone(state), observations, rows, actions));
@@ -331,11 +329,9 @@ async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
     if !authorized(state, headers) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
-    let Backend::Policy(policy) = &state.backend else {
-        return error(
-            StatusCode::NOT_FOUND,
-            "feedback drives the A/B rollout of policies; this server runs a language model",
-        );
+    let rollout = match &state.backend {
+        Backend::Policy(policy) => &policy.rollout,
+        Backend::Language(lm) => &lm.rollout,
     };
     let request: FeedbackRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
@@ -350,7 +346,7 @@ async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
         return error(StatusCode::BAD_REQUEST, "reward must be a finite number");
     }
     let session = session(headers);
-    let arm = match (request.arm, session, policy.rollout.options().mode) {
+    let arm = match (request.arm, session, rollout.options().mode) {
         (Some(arm), _, _) => arm,
         (None, None, RolloutMode::Split { .. }) => {
             return error(
@@ -359,9 +355,9 @@ async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
             );
         }
         // Outside a split every session plays INT8 (until a rollback).
-        (None, session, _) => policy.rollout.assigned_arm(session),
+        (None, session, _) => rollout.assigned_arm(session),
     };
-    axum::Json(policy.rollout.record_reward(arm, request.reward)).into_response()
+    axum::Json(rollout.record_reward(arm, request.reward)).into_response()
 }
 
 /// The API, published at `/openapi.json`.
@@ -457,6 +453,15 @@ pub async fn serve(
             "max batch, max rows, max tokens and max concurrency must be at least 1".into(),
         ));
     }
+    let rollout = options.rollout;
+    if !(rollout.threshold.is_finite() && (0.0..=1.0).contains(&rollout.threshold))
+        || rollout.agreement_window == 0
+        || rollout.reward_window == 0
+    {
+        return Err(Error::Options(
+            "the rollback threshold must be in [0, 1] and its windows at least 1".into(),
+        ));
+    }
     let drift = options.drift;
     if !(drift.sample > 0.0 && drift.sample <= 1.0)
         || drift.window_rows == 0
@@ -486,25 +491,19 @@ pub async fn serve(
         )?),
         Served::Language {
             model,
+            reference,
             name,
             calibration,
             limits,
-        } => {
-            if options.rollout.mode.needs_reference() {
-                return Err(Error::Options(
-                    "A/B and shadow rollouts are built for policies; a language model is served alone"
-                        .into(),
-                ));
-            }
-            Backend::Language(LanguageBackend::start(
-                model,
-                name,
-                monitor(calibration),
-                limits,
-                options.max_tokens,
-                Arc::clone(&metrics),
-            )?)
-        }
+        } => Backend::Language(LanguageBackend::start(
+            model,
+            reference,
+            name,
+            monitor(calibration),
+            limits,
+            &options,
+            &metrics,
+        )?),
     };
     let state = Arc::new(AppState {
         openapi: openapi_document(&backend, &options),
@@ -548,14 +547,6 @@ fn policy_backend(
     metrics: &Arc<Metrics>,
 ) -> Result<PolicyBackend> {
     let rollout = options.rollout;
-    if !(rollout.threshold.is_finite() && (0.0..=1.0).contains(&rollout.threshold))
-        || rollout.agreement_window == 0
-        || rollout.reward_window == 0
-    {
-        return Err(Error::Options(
-            "the rollback threshold must be in [0, 1] and its windows at least 1".into(),
-        ));
-    }
     match (&reference, rollout.mode.needs_reference()) {
         (None, true) => {
             return Err(Error::Options(
