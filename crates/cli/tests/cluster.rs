@@ -283,7 +283,10 @@ fn twenty_seeded_runs_with_workers_sigkilled_give_identical_bytes() {
     let Some(server) = RedisServer::start("chaos", None) else {
         return;
     };
-    let setup = Setup::new("chaos", 2048);
+    // Batches must be slow enough for a SIGKILL 50–500 ms into a run to land
+    // mid-batch: with 2048-wide layers an optimised build finished most runs
+    // before the first kill, and no run reclaimed anything.
+    let setup = Setup::with_width("chaos", 2048, 4096);
     let url = server.url();
     let mut reclaimed_somewhere = false;
     for seed in 0..20u64 {
