@@ -38,6 +38,8 @@ python3 scripts/bench_quality.py
 # /v1/act under load (wrk from Debian), INT8 artifact vs FP32 policy.
 command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 python3 scripts/bench_serve.py
+# /v1/completions under load: SmolLM2 as an INT8 artifact and as its FP32 reference.
+python3 scripts/bench_completions.py
 # Generation of 64 tokens (llama-bench's tg64) in f32 and on the INT8 decoder.
 for precision in f32 int8-dynamic; do
     target/release/qforge generate --model models/smollm2-135m-instruct-q4_1.gguf \
