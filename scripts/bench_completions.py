@@ -9,8 +9,8 @@ one of the 32 arithmetic prompts of fixtures/episodes/arithmetic.jsonl (in turn)
 raw (no chat template), temperature 0, max_tokens 32. For each model and each
 concurrency (1, 4, 16 clients) a fixed number of requests is sent plain, then at 1 and
 16 clients streamed (SSE, stream_options.include_usage) for the time to first token;
-then both servers are restarted with RAYON_NUM_THREADS=1 (one matmul thread) and
-measured plain at 1 and 16 clients. Generated
+then both servers are restarted with --engine-threads 2 (the engine's matrix products on
+two threads instead of the default one) and measured plain at 1 and 16 clients. Generated
 tokens are the responses' usage.completion_tokens. The server's /metrics give the mean
 sequences per decode step and the prefill time; /proc gives the CPU the server, the
 client and everything else used (the last one says whether the figures are noisy).
@@ -39,11 +39,11 @@ OUT = "target/bench-completions.json"
 MAX_TOKENS = 32
 # (clients, requests): 32 requests = each prompt once.
 LEVELS = [(1, 32), (4, 64), (16, 128)]
-# Passes: the servers' extra environment, then (streamed, levels) in order. The second
-# pass restarts both servers with one matmul thread (candle's rayon pool).
+# Passes: the servers' extra arguments, then (streamed, levels) in order. The second
+# pass restarts both servers with the engine's products on two threads.
 PASSES = [
-    ("default", {}, [(False, LEVELS), (True, [(1, 32), (16, 128)])]),
-    ("RAYON_NUM_THREADS=1", {"RAYON_NUM_THREADS": "1"}, [(False, [(1, 32), (16, 128)])]),
+    ("default", [], [(False, LEVELS), (True, [(1, 32), (16, 128)])]),
+    ("--engine-threads 2", ["--engine-threads", "2"], [(False, [(1, 32), (16, 128)])]),
 ]
 QUANTIZE = [QFORGE, "quantize", "--model", GGUF, "--data", DATA, "--samples", "32",
             "--activations", "dynamic", "--eval-data", "fixtures/text/eval.txt", "--ctx", "128",
@@ -60,11 +60,10 @@ class Server:
     """`qforge serve --model MODEL --addr 127.0.0.1:0`; the bound address comes from its
     stderr line "listening on http://ADDR". Stopped with SIGTERM."""
 
-    def __init__(self, model, env):
-        environment = {k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"}
+    def __init__(self, model, args):
         self.process = subprocess.Popen(
-            [QFORGE, "serve", "--model", model, "--addr", "127.0.0.1:0"],
-            env={**environment, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [QFORGE, "serve", "--model", model, "--addr", "127.0.0.1:0", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True)
         self.lines = queue.Queue()
         self.log = []
@@ -280,13 +279,13 @@ def main():
 
     models = [("INT8 artifact", ARTIFACT), ("FP32 reference", GGUF)]
     rows, texts = [], {}
-    for config, env, runs in PASSES:
+    for config, args, runs in PASSES:
         # Both servers up at once (an idle one sleeps), measured in turn at each level, so
         # that a change in what else runs on the machine hits both alike.
         servers = {}
         try:
             for label, model in models:
-                servers[label] = Server(model, env)
+                servers[label] = Server(model, args)
                 load(servers[label], prompts, 1, 2, False)  # warm-up, not measured
             for stream, levels in runs:
                 for clients, requests in levels:
@@ -319,7 +318,7 @@ def main():
         "quantize": {k: quantized[k] for k in ("accepted", "after", "reference", "fp_layers",
                                               "total_layers", "fallback_steps", "held_out")},
         "prompts": len(prompts), "max_tokens": MAX_TOKENS, "temperature": 0,
-        "passes": [{"config": c, "env": e,
+        "passes": [{"config": c, "args": e,
                     "runs": [{"stream": st, "levels": [{"clients": n, "requests": r}
                                                        for n, r in lv]} for st, lv in runs]}
                    for c, e, runs in PASSES],

@@ -92,9 +92,12 @@ enum Command {
     /// Convert a native artifact to a serving format: compressed-tensors
     /// (vLLM, language models).
     Export(export_cmd::ExportArgs),
-    /// Serve a policy over HTTP: POST /v1/act with dynamic batching, /health,
-    /// /ready, /metrics (Prometheus). Set QFORGE_SERVE_TOKEN to require a
-    /// bearer token.
+    /// Serve a model over HTTP: a policy on POST /v1/act (dynamic batching),
+    /// a language model on OpenAI's /v1/completions and /v1/chat/completions
+    /// (continuous batching, SSE); A/B or shadow rollout against the FP
+    /// reference with automatic rollback; drift monitor; /health, /ready,
+    /// /metrics (Prometheus), /openapi.json. Set QFORGE_SERVE_TOKEN to
+    /// require a bearer token.
     Serve(serve_cmd::ServeArgs),
     /// Check a directory qforge wrote against its manifest.json: every file's
     /// SHA-256; names the file that changed, went missing or appeared.

@@ -26,8 +26,9 @@ const TOKEN_VARIABLE: &str = "QFORGE_SERVE_TOKEN";
 /// Arguments of `qforge serve`.
 #[derive(Args)]
 pub struct ServeArgs {
-    /// The policy: a native artifact (`qforge quantize`) or a policy directory.
-    #[arg(long, value_name = "DIR")]
+    /// The model: a native artifact (`qforge quantize`), a policy directory,
+    /// or a language model (GGUF file or Hugging Face directory).
+    #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Address to listen on (loopback by default; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:8000")]
@@ -41,6 +42,12 @@ pub struct ServeArgs {
     /// the budget is spent.
     #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
     kv_budget_tokens: usize,
+    /// Language models: threads the engine's matrix products run on. One by
+    /// default: on 2 cores shared with the HTTP side, a second thread cost
+    /// more in hand-offs than it saved (INT8 SmolLM2 served 41–61 % more
+    /// tokens/s on one; see BENCHMARKS.md).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    engine_threads: usize,
     /// Language models: the name clients give as `model` (default: the
     /// model's file or directory name).
     #[arg(long, value_name = "NAME")]
@@ -73,7 +80,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SHARES", value_parser = parse_ab, conflicts_with = "shadow")]
     ab: Option<f64>,
     /// INT8 answers; the reference runs a sample of requests alongside and
-    /// their action agreement is measured.
+    /// their agreement (actions, or tokens) is measured.
     #[arg(long)]
     shadow: bool,
     /// Share of requests the reference shadows.
@@ -83,7 +90,8 @@ pub struct ServeArgs {
     /// consistency falls below this.
     #[arg(long, default_value_t = 0.95)]
     rollback_below: f64,
-    /// Shadowed observations agreement is judged over.
+    /// Shadowed observations (tokens, for a language model) agreement is
+    /// judged over.
     #[arg(long, default_value_t = 1000, value_name = "OBSERVATIONS")]
     agreement_window: usize,
     /// Episodes per arm (from /v1/feedback) reward consistency is judged over.
@@ -226,6 +234,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
                 limits: EngineLimits {
                     max_sequences: args.max_batch,
                     kv_budget_tokens: args.kv_budget_tokens,
+                    threads: args.engine_threads,
                 },
             }
         }

@@ -27,6 +27,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
+use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 
 /// Why a completion ended, in OpenAI's words.
@@ -84,6 +85,8 @@ pub struct EngineLimits {
     pub max_sequences: usize,
     /// Most KV-cache positions reserved at once, over all sequences.
     pub kv_budget_tokens: usize,
+    /// Threads the engine's matrix products run on.
+    pub threads: usize,
 }
 
 /// The sending end of the engine's queue.
@@ -100,25 +103,33 @@ impl Engine {
         monitor: Option<DriftMonitor>,
         limits: EngineLimits,
         metrics: Arc<Metrics>,
-    ) -> Self {
+    ) -> Result<Self> {
+        // The engine's own pool, so its thread count does not depend on
+        // the process-wide one (the HTTP side shares the cores). Dropping
+        // the handle leaves the spawned scheduler running until the queue
+        // closes.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(limits.threads.max(1))
+            .thread_name(|i| format!("qforge-engine-{i}"))
+            .build()
+            .map_err(|e| Error::Start(format!("the engine's thread pool: {e}")))?;
         let (queue, requests) = mpsc::channel::<Request>();
         let thread_metrics = Arc::clone(&metrics);
-        std::thread::Builder::new()
-            .name("qforge-engine".into())
-            .spawn(move || {
-                Scheduler {
-                    lm: &lm,
-                    monitor,
-                    limits,
-                    metrics: &thread_metrics,
-                    waiting: VecDeque::new(),
-                    running: Vec::new(),
-                    reserved: 0,
-                }
-                .run(&requests)
-            })
-            .expect("spawn the engine thread");
-        Self { queue, metrics }
+        // The scheduler runs on one of the pool's threads, so the products
+        // it starts stay in that pool.
+        pool.spawn(move || {
+            Scheduler {
+                lm: &lm,
+                monitor,
+                limits,
+                metrics: &thread_metrics,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                reserved: 0,
+            }
+            .run(&requests)
+        });
+        Ok(Self { queue, metrics })
     }
 
     /// Queues `request`; false when the engine thread is gone.

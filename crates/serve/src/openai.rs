@@ -92,9 +92,11 @@ impl LanguageBackend {
         let text = lm.text.clone();
         let context = lm.model.config().max_position_embeddings;
         Ok(Self {
-            int8: Engine::start(lm, monitor, limits, Arc::clone(metrics)),
+            int8: Engine::start(lm, monitor, limits, Arc::clone(metrics))?,
             // The reference was not calibrated: nothing to watch.
-            fp: reference.map(|r| Engine::start(r, None, limits, Arc::clone(metrics))),
+            fp: reference
+                .map(|r| Engine::start(r, None, limits, Arc::clone(metrics)))
+                .transpose()?,
             rollout: Rollout::new(options.rollout, Arc::clone(metrics)),
             name,
             text,
