@@ -43,9 +43,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
     kv_budget_tokens: usize,
     /// Language models: threads the engine's matrix products run on. One by
-    /// default: on 2 cores shared with the HTTP side, a second thread cost
-    /// more in hand-offs than it saved (INT8 SmolLM2 served 41–61 % more
-    /// tokens/s on one; see BENCHMARKS.md).
+    /// default: on 2 cores a second thread gave the INT8 SmolLM2 artifact
+    /// nothing (−1 to −2 % tokens/s) for 0.5–0.7 more cores, though the FP32
+    /// model gained 34 % at 16 clients (BENCHMARKS.md).
     #[arg(long, default_value_t = 1, value_name = "N")]
     engine_threads: usize,
     /// Language models: the name clients give as `model` (default: the
