@@ -213,12 +213,7 @@ impl<'m> Decoder<'m> {
         let c = self.model.config();
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
-        if token as usize >= c.vocab_size {
-            return Err(Error::Shape(format!(
-                "token id {token} is outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
+        self.model.check_vocabulary(std::slice::from_ref(&token))?;
         if self.len >= self.capacity {
             return Err(Error::Shape(format!(
                 "the decoder is full ({} positions)",

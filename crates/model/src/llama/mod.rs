@@ -567,7 +567,7 @@ impl Llama {
         &self,
         batch: &[Vec<u32>],
         cache: Option<&mut KvCache>,
-        mut observer: Option<&mut dyn Observer>,
+        observer: Option<&mut dyn Observer>,
         logits: Logits,
     ) -> Result<Tensor> {
         let c = &self.config;
@@ -584,23 +584,8 @@ impl Llama {
                 "with a KV cache, every sequence of a batch must have the same length".into(),
             ));
         }
-        let context = c.max_position_embeddings.min(MAX_POSITIONS);
-        if start + seq > context {
-            return Err(Error::Shape(format!(
-                "{} positions exceed the context of {context} (the model's, capped at {MAX_POSITIONS})",
-                start + seq
-            )));
-        }
-        if let Some(bad) = batch
-            .iter()
-            .flatten()
-            .find(|&&t| t as usize >= c.vocab_size)
-        {
-            return Err(Error::Shape(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
+        self.check_positions(start + seq)?;
+        self.check_vocabulary(batch.iter().flatten())?;
         let b = batch.len();
         let padded: Vec<u32> = batch
             .iter()
@@ -611,7 +596,7 @@ impl Llama {
             })
             .collect();
         let ids = Tensor::from_vec(padded, (b, seq), &Device::Cpu)?;
-        let mut x = self
+        let x = self
             .embed_tokens
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, seq, c.hidden_size))?;
@@ -619,63 +604,23 @@ impl Llama {
         let cos = self.cos.narrow(0, start, seq)?;
         let sin = self.sin.narrow(0, start, seq)?;
         let mut cache = cache;
-        let eps = c.rms_norm_eps as f32;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
-            observe(
-                &mut observer,
-                &format!("model.layers.{i}.self_attn.q_proj"),
-                &h,
-                &lengths,
-            )?;
-            let q = self.heads(&layer.q_proj.forward(&h)?, c.num_heads)?;
-            let k = self.heads(&layer.k_proj.forward(&h)?, c.num_kv_heads)?;
-            let v = self.heads(&layer.v_proj.forward(&h)?, c.num_kv_heads)?;
-            let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
-            let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, |i, q, k, v| {
             let (k, v) = match cache.as_deref_mut() {
                 Some(kv) => {
                     let (k, v) = match &kv.layers[i] {
-                        Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
-                        None => (k, v),
+                        Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?),
+                        None => (k.clone(), v.clone()),
                     };
                     kv.layers[i] = Some((k.clone(), v.clone()));
                     (k, v)
                 }
-                None => (k, v),
+                None => (k.clone(), v.clone()),
             };
-            let attended = self.attention(&q, &k, &v, Some(&mask))?;
-            observe(
-                &mut observer,
-                &format!("model.layers.{i}.self_attn.o_proj"),
-                &attended,
-                &lengths,
-            )?;
-            x = (x + layer.o_proj.forward(&attended)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.post_attention_norm, eps)?;
-            observe(
-                &mut observer,
-                &format!("model.layers.{i}.mlp.gate_proj"),
-                &h,
-                &lengths,
-            )?;
-            let gated = (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
-                * layer.up_proj.forward(&h)?)?;
-            observe(
-                &mut observer,
-                &format!("model.layers.{i}.mlp.down_proj"),
-                &gated,
-                &lengths,
-            )?;
-            x = (x + layer.down_proj.forward(&gated)?)?;
-        }
+            self.attention(q, &k, &v, Some(&mask))
+        })?;
         if let Some(kv) = cache {
             kv.len += seq;
         }
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        // lm_head's input is observed at every real position, whichever
-        // logits are asked for.
-        observe(&mut observer, "lm_head", &x, &lengths)?;
         let x = match logits {
             Logits::All => x,
             Logits::Last => {
@@ -700,7 +645,7 @@ impl Llama {
         &self,
         caches: &mut [&mut KvCache],
         tokens: &[u32],
-        mut observer: Option<&mut dyn Observer>,
+        observer: Option<&mut dyn Observer>,
     ) -> Result<Tensor> {
         let c = &self.config;
         let n = tokens.len();
@@ -710,18 +655,9 @@ impl Llama {
                 caches.len()
             )));
         }
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(Error::Shape(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
-        let context = c.max_position_embeddings.min(MAX_POSITIONS);
-        if let Some(full) = caches.iter().find(|k| k.len + 1 > context) {
-            return Err(Error::Shape(format!(
-                "{} positions exceed the context of {context} (the model's, capped at {MAX_POSITIONS})",
-                full.len + 1
-            )));
+        self.check_vocabulary(tokens)?;
+        if let Some(longest) = caches.iter().map(|k| k.len + 1).max() {
+            self.check_positions(longest)?;
         }
         if let Some(foreign) = caches.iter().find(|k| k.layers.len() != self.layers.len()) {
             return Err(Error::Shape(format!(
@@ -731,7 +667,7 @@ impl Llama {
             )));
         }
         let ids = Tensor::from_vec(tokens.to_vec(), n, &Device::Cpu)?;
-        let mut x = self
+        let x = self
             .embed_tokens
             .index_select(&ids, 0)?
             .reshape((n, 1, c.hidden_size))?;
@@ -747,20 +683,7 @@ impl Llama {
             .index_select(&positions, 0)?
             .reshape((n, 1, half))?;
         let lengths = vec![1; n];
-        let eps = c.rms_norm_eps as f32;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
-            observe(
-                &mut observer,
-                &format!("model.layers.{i}.self_attn.q_proj"),
-                &h,
-                &lengths,
-            )?;
-            let q = self.heads(&layer.q_proj.forward(&h)?, c.num_heads)?;
-            let k = self.heads(&layer.k_proj.forward(&h)?, c.num_kv_heads)?;
-            let v = self.heads(&layer.v_proj.forward(&h)?, c.num_kv_heads)?;
-            let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
-            let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, |i, q, k, v| {
             let mut attended = Vec::with_capacity(n);
             for (s, cache) in caches.iter_mut().enumerate() {
                 let (k, v) = (k.narrow(0, s, 1)?, v.narrow(0, s, 1)?);
@@ -772,12 +695,71 @@ impl Llama {
                 attended.push(self.attention(&q.narrow(0, s, 1)?, &k, &v, None)?);
                 cache.layers[i] = Some((k, v));
             }
-            let attended = Tensor::cat(&attended, 0)?;
+            Ok(Tensor::cat(&attended, 0)?)
+        })?;
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+        }
+        self.lm_head.forward(&x.reshape((n, c.hidden_size))?)
+    }
+
+    /// Refuses a token id outside the vocabulary.
+    pub(crate) fn check_vocabulary<'t>(&self, tokens: impl IntoIterator<Item = &'t u32>) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        match tokens.into_iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(Error::Shape(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses a sequence of `positions` beyond the context.
+    fn check_positions(&self, positions: usize) -> Result<()> {
+        let context = self.config.max_position_embeddings.min(MAX_POSITIONS);
+        if positions > context {
+            return Err(Error::Shape(format!(
+                "{positions} positions exceed the context of {context} (the model's, capped at {MAX_POSITIONS})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The decoder layers and the final norm over embeddings `x: [b, seq,
+    /// hidden]` at the positions `cos`/`sin` give; `attend(layer, q, k, v)`
+    /// (heads-major, RoPE applied) returns `[b, seq, heads·head_dim]` and owns
+    /// the KV cache. Every distinct linear input, the final norm's output
+    /// included (`lm_head`'s), is handed to `observer`.
+    fn decoder_stack(
+        &self,
+        mut x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        lengths: &[usize],
+        mut observer: Option<&mut dyn Observer>,
+        mut attend: impl FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let eps = c.rms_norm_eps as f32;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
+            observe(
+                &mut observer,
+                &format!("model.layers.{i}.self_attn.q_proj"),
+                &h,
+                lengths,
+            )?;
+            let q = self.heads(&layer.q_proj.forward(&h)?, c.num_heads)?;
+            let k = self.heads(&layer.k_proj.forward(&h)?, c.num_kv_heads)?;
+            let v = self.heads(&layer.v_proj.forward(&h)?, c.num_kv_heads)?;
+            let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
+            let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
+            let attended = attend(i, &q, &k, &v)?;
             observe(
                 &mut observer,
                 &format!("model.layers.{i}.self_attn.o_proj"),
                 &attended,
-                &lengths,
+                lengths,
             )?;
             x = (x + layer.o_proj.forward(&attended)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.post_attention_norm, eps)?;
@@ -785,7 +767,7 @@ impl Llama {
                 &mut observer,
                 &format!("model.layers.{i}.mlp.gate_proj"),
                 &h,
-                &lengths,
+                lengths,
             )?;
             let gated = (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
                 * layer.up_proj.forward(&h)?)?;
@@ -793,16 +775,15 @@ impl Llama {
                 &mut observer,
                 &format!("model.layers.{i}.mlp.down_proj"),
                 &gated,
-                &lengths,
+                lengths,
             )?;
             x = (x + layer.down_proj.forward(&gated)?)?;
         }
-        for cache in caches.iter_mut() {
-            cache.len += 1;
-        }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        observe(&mut observer, "lm_head", &x, &lengths)?;
-        self.lm_head.forward(&x.reshape((n, c.hidden_size))?)
+        // lm_head's input is observed at every real position, whichever
+        // logits are asked for.
+        observe(&mut observer, "lm_head", &x, lengths)?;
+        Ok(x)
     }
 
     /// `[b, seq, heads·head_dim]` → `[b, heads, seq, head_dim]`.
