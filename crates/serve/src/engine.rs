@@ -23,7 +23,7 @@ use qforge_model::{KvCache, LanguageModel, Logits, Observer};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde::Serialize;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
@@ -78,6 +78,39 @@ pub struct Request {
     pub finished: Option<oneshot::Sender<Vec<u32>>>,
 }
 
+/// A copy of a request for another engine (the shadow reference), with the
+/// receiving ends of its own event channel (to keep it open) and its finish
+/// notice.
+pub struct Replay {
+    /// The copy.
+    pub request: Request,
+    /// Its events; dropping this cancels the copy.
+    pub events: UnboundedReceiver<Event>,
+    /// Its generated tokens, when it finishes.
+    pub finished: oneshot::Receiver<Vec<u32>>,
+}
+
+impl Request {
+    /// The same prompt and sampling for another engine.
+    pub fn replay(&self) -> Replay {
+        let (events, receiver) = unbounded_channel();
+        let (finished, tokens) = oneshot::channel();
+        Replay {
+            request: Request {
+                prompt: self.prompt.clone(),
+                max_tokens: self.max_tokens,
+                temperature: self.temperature,
+                seed: self.seed,
+                stop: self.stop.clone(),
+                events,
+                finished: Some(finished),
+            },
+            events: receiver,
+            finished: tokens,
+        }
+    }
+}
+
 /// The engine's limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineLimits {
@@ -125,7 +158,6 @@ impl Engine {
                 metrics: &thread_metrics,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
-                reserved: 0,
             }
             .run(&requests)
         });
@@ -163,8 +195,6 @@ struct Scheduler<'a> {
     metrics: &'a Metrics,
     waiting: VecDeque<Request>,
     running: Vec<Sequence>,
-    /// KV positions reserved by the running sequences.
-    reserved: usize,
 }
 
 fn cost(r: &Request) -> usize {
@@ -204,7 +234,7 @@ impl Scheduler<'_> {
                 self.waiting.pop_front();
                 continue;
             }
-            if self.reserved + cost(front) > self.limits.kv_budget_tokens {
+            if self.reserved() + cost(front) > self.limits.kv_budget_tokens {
                 // First come, first served: later requests wait too.
                 break;
             }
@@ -249,7 +279,6 @@ impl Scheduler<'_> {
                     started,
                 };
                 if !self.accept(&mut sequence, token) {
-                    self.reserved += cost(&sequence.request);
                     self.running.push(sequence);
                 }
             }
@@ -266,7 +295,6 @@ impl Scheduler<'_> {
         }
         // Clients that hung up free their place now.
         self.running.retain(|s| !s.request.events.is_closed());
-        self.reserved = self.running.iter().map(|s| cost(&s.request)).sum();
         if self.running.is_empty() {
             self.publish();
             return;
@@ -307,7 +335,6 @@ impl Scheduler<'_> {
                 }
             }
         }
-        self.reserved = self.running.iter().map(|s| cost(&s.request)).sum();
         self.publish();
     }
 
@@ -382,10 +409,15 @@ impl Scheduler<'_> {
         false
     }
 
+    /// KV positions reserved by the running sequences.
+    fn reserved(&self) -> usize {
+        self.running.iter().map(|s| cost(&s.request)).sum()
+    }
+
     fn publish(&self) {
         self.metrics
             .running_sequences
             .set(self.running.len() as i64);
-        self.metrics.kv_reserved_tokens.set(self.reserved as i64);
+        self.metrics.kv_reserved_tokens.set(self.reserved() as i64);
     }
 }

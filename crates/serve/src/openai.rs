@@ -27,7 +27,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
-use crate::engine::{Engine, EngineLimits, Event, FinishReason, Request};
+use crate::engine::{Engine, EngineLimits, Event, FinishReason, Replay, Request};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::rollout::{Arm, Rollout};
@@ -121,7 +121,7 @@ impl LanguageBackend {
 /// differs only where the models do). The client never waits for it.
 async fn shadow(
     lm: Arc<AppState>,
-    request: Request,
+    replay: Replay,
     int8_tokens: oneshot::Receiver<Vec<u32>>,
     timeout: std::time::Duration,
 ) {
@@ -129,13 +129,12 @@ async fn shadow(
         return;
     };
     let Some(fp) = &backend.fp else { return };
-    let (events, _keep_open) = unbounded_channel();
-    let (finished, fp_tokens) = oneshot::channel();
-    if !fp.submit(Request {
-        events,
-        finished: Some(finished),
-        ..request
-    }) {
+    let Replay {
+        request,
+        events: _keep_open,
+        finished: fp_tokens,
+    } = replay;
+    if !fp.submit(request) {
         return;
     }
     let both = tokio::time::timeout(timeout, async { (int8_tokens.await, fp_tokens.await) }).await;
@@ -465,34 +464,20 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         events,
         finished: None,
     };
-    let shadowed = (arm == Arm::Int8 && lm.rollout.shadow_this()).then(|| {
+    let request = if arm == Arm::Int8 && lm.rollout.shadow_this() {
         let (finished, int8_tokens) = oneshot::channel();
-        (
-            Request {
-                prompt: request.prompt.clone(),
-                stop: request.stop.clone(),
-                events: request.events.clone(),
-                finished: None,
-                ..request
-            },
-            finished,
+        tokio::spawn(shadow(
+            Arc::clone(state),
+            request.replay(),
             int8_tokens,
-        )
-    });
-    let request = match shadowed {
-        Some((copy, finished, int8_tokens)) => {
-            tokio::spawn(shadow(
-                Arc::clone(state),
-                copy,
-                int8_tokens,
-                state.options.timeout * 4,
-            ));
-            Request {
-                finished: Some(finished),
-                ..request
-            }
+            state.options.timeout * 4,
+        ));
+        Request {
+            finished: Some(finished),
+            ..request
         }
-        None => request,
+    } else {
+        request
     };
     if !lm.engine(arm).submit(request) {
         return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
