@@ -704,7 +704,10 @@ impl Llama {
     }
 
     /// Refuses a token id outside the vocabulary.
-    pub(crate) fn check_vocabulary<'t>(&self, tokens: impl IntoIterator<Item = &'t u32>) -> Result<()> {
+    pub(crate) fn check_vocabulary<'t>(
+        &self,
+        tokens: impl IntoIterator<Item = &'t u32>,
+    ) -> Result<()> {
         let vocab = self.config.vocab_size;
         match tokens.into_iter().find(|&&t| t as usize >= vocab) {
             Some(bad) => Err(Error::Shape(format!(
