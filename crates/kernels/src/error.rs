@@ -9,9 +9,6 @@ pub enum Error {
     /// A CPU tier this machine lacks.
     #[error("this CPU does not support the {0} kernel tier")]
     UnsupportedTier(String),
-    /// The GEMM rejected its inputs.
-    #[error("int8 GEMM: {0}")]
-    Gemm(String),
 }
 
 /// Result type of `qforge-kernels`.

@@ -6,16 +6,20 @@
 //!   weights, prepacked once for the GEMM, and a fused epilogue that turns the
 //!   i32 accumulators into f32 (activation scale × channel scale, + bias).
 //!
-//! The GEMM itself is `rten-gemm`'s u8 × i8 → i32 kernel (AVX-512 VNNI, AVX2,
-//! Arm dot-product or generic, chosen at run time). Activations are symmetric
-//! int8 stored as u8 with zero point 128, the layout those kernels take.
+//! * [`gemm`]: the u8 × i8 → i32 GEMM on prepacked weights, with CPU tiers
+//!   (AVX-512 VNNI, AVX2, portable) chosen at run time.
+//!
+//! Activations are symmetric int8 stored as u8 with zero point 128, the
+//! operand layout of the VNNI instructions.
 
 pub mod error;
+pub mod gemm;
 pub mod linear;
 pub mod quantize;
+pub mod team;
 
 pub use error::{Error, Result};
-pub use linear::{
-    Activations, Int8Linear, Scratch, gemm_kernel_name, quantize_rows_symmetric, weight_qmax,
-};
+pub use gemm::{GemmTier, PackedWeights};
+pub use linear::{Activations, Int8Linear, Scratch, quantize_rows_symmetric, weight_qmax};
 pub use quantize::{QuantizeTier, ZERO_POINT};
+pub use team::Team;

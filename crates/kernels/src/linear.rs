@@ -1,37 +1,13 @@
 //! The INT8 linear layer: `y = x Wᵀ + b` with int8 weights and activations.
 
-use rten_gemm::{GemmExecutor, GemmInputA, GemmInputB, GemmOptions, PackedBMatrix, QuantParams};
-use rten_tensor::NdTensorView;
-
 use crate::error::{Error, Result};
+use crate::gemm::{GemmTier, PANEL, PackedWeights};
 use crate::quantize::{ZERO_POINT, quantize_per_token, quantize_static};
 
-thread_local! {
-    // The executor is not `Sync`; each thread detects the same kernel, so
-    // weights packed on one thread serve every other.
-    static EXECUTOR: GemmExecutor<u8, i8, i32> = GemmExecutor::new();
-}
-
-fn with_executor<T>(f: impl FnOnce(&GemmExecutor<u8, i8, i32>) -> T) -> T {
-    EXECUTOR.with(f)
-}
-
-/// Name of the GEMM kernel this CPU runs (e.g. `avx2-u8i8i32`).
-pub fn gemm_kernel_name() -> String {
-    with_executor(|e| e.kernel_name().to_owned())
-}
-
-/// Largest weight magnitude the GEMM can take exactly: 127, or 63 where the
-/// kernel can saturate. AVX2 without VNNI multiplies u8 × i8 pairs with
-/// `vpmaddubsw`, whose i16 sum of two products saturates above 32 767; with
-/// |w| ≤ 63 the worst pair, 2 × 255 × 63 = 32 130, fits (the same 7-bit
-/// remedy as ONNX Runtime's `reduce_range`).
+/// Largest weight magnitude this CPU's GEMM tier multiplies exactly (see
+/// [`GemmTier::weight_qmax`]).
 pub fn weight_qmax() -> i8 {
-    if with_executor(GemmExecutor::may_saturate) {
-        63
-    } else {
-        127
-    }
+    GemmTier::detect().weight_qmax()
 }
 
 /// Quantizes the rows of `weight` (rows of `cols` values) symmetrically, each
@@ -68,14 +44,15 @@ pub enum Activations {
 pub struct Scratch {
     quantized: Vec<u8>,
     row_scales: Vec<f32>,
-    zero_points: Vec<u8>,
-    accumulators: Vec<i32>,
+    /// Raw sums, `[part][panel][row][PANEL]`: one part per thread when the
+    /// threads split the inputs.
+    sums: Vec<i32>,
 }
 
 /// A linear layer with int8 symmetric per-output-channel weights, prepacked
 /// for the GEMM.
 pub struct Int8Linear {
-    packed: PackedBMatrix<i8>,
+    packed: PackedWeights,
     scales: Vec<f32>,
     bias: Option<Vec<f32>>,
     activations: Activations,
@@ -154,7 +131,8 @@ impl Int8Linear {
                 "weight scale {bad} is not a positive finite number"
             )));
         }
-        let qmax = weight_qmax();
+        let tier = GemmTier::detect();
+        let qmax = tier.weight_qmax();
         let narrowed;
         let (values, scales) = if values
             .iter()
@@ -170,9 +148,7 @@ impl Int8Linear {
         } else {
             (values, scales)
         };
-        // The GEMM multiplies A [m, k] by B [k, n]: B is Wᵀ.
-        let w = NdTensorView::from_data([out_features, in_features], values);
-        let packed = with_executor(|e| e.prepack_b(w.transposed()));
+        let packed = PackedWeights::new(tier, values, out_features, in_features)?;
         Ok(Self {
             packed,
             scales,
@@ -222,42 +198,104 @@ impl Int8Linear {
         if rows == 0 {
             return Ok(());
         }
-        scratch.quantized.resize(rows * k, 0);
-        scratch.row_scales.resize(rows, 0.0);
-        scratch.zero_points.resize(rows, ZERO_POINT);
-        scratch.accumulators.resize(rows * n, 0);
-        match self.activations {
-            Activations::Dynamic => {
-                quantize_per_token(x, k, &mut scratch.quantized, &mut scratch.row_scales)?
+        self.quantize(x, rows, &mut scratch.quantized, &mut scratch.row_scales)?;
+        let parts = self
+            .packed
+            .sums(&scratch.quantized, rows, &mut scratch.sums);
+        let part_len = scratch.sums.len() / parts;
+        self.dequantize(&scratch.sums, parts, part_len, &scratch.row_scales, y);
+        Ok(())
+    }
+
+    /// The packed weights, for callers that schedule the GEMM themselves.
+    pub fn packed(&self) -> &PackedWeights {
+        &self.packed
+    }
+
+    /// Quantizes `rows` rows of `x` as this layer's activations into `q`
+    /// (rows of [`PackedWeights::row_stride`] bytes, padding at the zero
+    /// point) and their scales into `row_scales`.
+    pub fn quantize(
+        &self,
+        x: &[f32],
+        rows: usize,
+        q: &mut Vec<u8>,
+        row_scales: &mut Vec<f32>,
+    ) -> Result<()> {
+        let k = self.in_features;
+        if x.len() != rows * k {
+            return Err(Error::Shape(format!(
+                "{} inputs for {rows} rows of {k}",
+                x.len()
+            )));
+        }
+        let stride = self.packed.row_stride();
+        q.resize(rows * stride, ZERO_POINT);
+        row_scales.resize(rows, 0.0);
+        for ((x, q), scale) in x
+            .chunks_exact(k)
+            .zip(q.chunks_exact_mut(stride))
+            .zip(row_scales.iter_mut())
+        {
+            let (q, padding) = q.split_at_mut(k);
+            match self.activations {
+                Activations::Dynamic => {
+                    quantize_per_token(x, k, q, std::slice::from_mut(scale))?;
+                }
+                Activations::Static(s) => {
+                    quantize_static(x, s, q)?;
+                    *scale = s;
+                }
             }
-            Activations::Static(scale) => {
-                quantize_static(x, scale, &mut scratch.quantized)?;
-                scratch.row_scales.fill(scale);
+            padding.fill(ZERO_POINT);
+        }
+        Ok(())
+    }
+
+    /// Raw sums → outputs: `(Σ parts − offset) × row scale × channel scale +
+    /// bias`, where part `i` of the sums starts at `sums[i · part_stride]`,
+    /// laid out `[panel][row][PANEL]` ([`PackedWeights::raw_sums`]).
+    pub fn dequantize(
+        &self,
+        sums: &[i32],
+        parts: usize,
+        part_stride: usize,
+        row_scales: &[f32],
+        y: &mut [f32],
+    ) {
+        let n = self.out_features;
+        let rows = row_scales.len();
+        assert!(
+            y.len() == rows * n
+                && parts >= 1
+                && sums.len() >= (parts - 1) * part_stride + self.packed.panels() * rows * PANEL,
+            "dequantize: sums and outputs do not fit the layer"
+        );
+        let mut acc = [0i32; PANEL];
+        for (r, (out, &row_scale)) in y.chunks_exact_mut(n).zip(row_scales).enumerate() {
+            for (p, out) in out.chunks_mut(PANEL).enumerate() {
+                let width = out.len();
+                let at = (p * rows + r) * PANEL;
+                acc[..width].copy_from_slice(&sums[at..at + width]);
+                for part in 1..parts {
+                    let from = &sums[part * part_stride + at..part * part_stride + at + width];
+                    for (a, &s) in acc.iter_mut().zip(from) {
+                        *a += s;
+                    }
+                }
+                let cols = p * PANEL..p * PANEL + width;
+                let offsets = &self.packed.offsets()[cols.clone()];
+                let channels = &self.scales[cols.clone()];
+                for (((o, &a), &off), &c) in out.iter_mut().zip(&acc).zip(offsets).zip(channels) {
+                    *o = (a - off) as f32 * (row_scale * c);
+                }
+                if let Some(bias) = &self.bias {
+                    for (o, &b) in out.iter_mut().zip(&bias[cols]) {
+                        *o += b;
+                    }
+                }
             }
         }
-        let a = NdTensorView::from_data([rows, k], &scratch.quantized[..]);
-        with_executor(|e| {
-            e.gemm(
-                &mut scratch.accumulators,
-                GemmInputA::Unpacked(a),
-                GemmInputB::Packed(&self.packed),
-                GemmOptions {
-                    a_quant: Some(QuantParams {
-                        zero_point: &scratch.zero_points,
-                    }),
-                    ..GemmOptions::default()
-                },
-            )
-        })
-        .map_err(|e| Error::Gemm(e.to_string()))?;
-        epilogue(
-            &scratch.accumulators,
-            &scratch.row_scales,
-            &self.scales,
-            self.bias.as_deref(),
-            y,
-        );
-        Ok(())
     }
 
     /// [`Int8Linear::forward_into`] into a fresh vector.
@@ -265,25 +303,5 @@ impl Int8Linear {
         let mut y = vec![0f32; rows * self.out_features];
         self.forward_into(x, rows, scratch, &mut y)?;
         Ok(y)
-    }
-}
-
-/// i32 accumulators → f32 outputs: `acc × row scale × channel scale + bias`,
-/// one pass over the output.
-fn epilogue(acc: &[i32], rows: &[f32], channels: &[f32], bias: Option<&[f32]>, y: &mut [f32]) {
-    let n = channels.len();
-    for ((out, acc), &row_scale) in y.chunks_exact_mut(n).zip(acc.chunks_exact(n)).zip(rows) {
-        match bias {
-            Some(bias) => {
-                for (((o, &a), &c), &b) in out.iter_mut().zip(acc).zip(channels).zip(bias) {
-                    *o = a as f32 * (row_scale * c) + b;
-                }
-            }
-            None => {
-                for ((o, &a), &c) in out.iter_mut().zip(acc).zip(channels) {
-                    *o = a as f32 * (row_scale * c);
-                }
-            }
-        }
     }
 }

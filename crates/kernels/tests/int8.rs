@@ -6,8 +6,8 @@
 
 use qforge_kernels::quantize::{quantize_per_token_reference, quantize_per_token_with};
 use qforge_kernels::{
-    Activations, Int8Linear, QuantizeTier, Scratch, ZERO_POINT, gemm_kernel_name,
-    quantize_rows_symmetric, weight_qmax,
+    Activations, GemmTier, Int8Linear, QuantizeTier, Scratch, ZERO_POINT, quantize_rows_symmetric,
+    weight_qmax,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -84,7 +84,7 @@ fn exact(x: &[f32], weight: &[f32], bias: &[f32], (m, n, k): (usize, usize, usiz
 fn gemm_sums_are_exact_on_odd_shapes_and_worst_case_operands() {
     eprintln!(
         "GEMM kernel: {}, weight qmax {}",
-        gemm_kernel_name(),
+        GemmTier::detect().name(),
         weight_qmax()
     );
     let mut rng = StdRng::seed_from_u64(2);

@@ -6,29 +6,90 @@
 //! took ≈ 3.8 ms of a 13.9 ms candle step; the rest was per-op overhead of the
 //! norms, rotary embedding and attention, each op allocating its result.
 
-use std::sync::OnceLock;
-
 use candle_core::{DType, Storage, Tensor};
-use qforge_kernels::{Int8Linear, Scratch};
-use rayon::{ThreadPool, ThreadPoolBuilder};
+use qforge_kernels::gemm::{PANEL, share};
+use qforge_kernels::{Int8Linear, Team};
 
 use super::{KvCache, Layer, Llama};
 use crate::error::{Error, Result};
 use crate::linear::Linear;
 
-/// One thread for the decode step's GEMMs. At one row per GEMM the work of
-/// a layer (≈ 0.3–0.9 M multiply-adds) is smaller than the cost of splitting
-/// it across rayon's pool: on 2 cores SmolLM2 decoded 108 tokens/s with the
-/// GEMMs spread over both and 145 tokens/s on one.
-fn serial_pool() -> &'static ThreadPool {
-    static POOL: OnceLock<ThreadPool> = OnceLock::new();
-    POOL.get_or_init(|| {
-        ThreadPoolBuilder::new()
-            .num_threads(1)
-            .thread_name(|_| "qforge-decode".into())
-            .build()
-            .expect("a one-thread pool")
-    })
+/// Runs a decode step's INT8 layers on a [`Team`]: the layers that read the
+/// same input (q, k and v; gate and up) are quantized once and computed in
+/// one parallel step, each thread summing an equal share of every layer's
+/// inputs (a GEMV's bytes split evenly whatever its panel count), and the
+/// shares added in the epilogue.
+struct Projector {
+    team: Team,
+    /// Quantized inputs and their scales, one slot per layer of a step (a
+    /// layer whose activations match the first layer's reuses slot 0).
+    inputs: [Vec<u8>; 3],
+    scales: [Vec<f32>; 3],
+    /// Raw sums, `[thread][layer][panel][PANEL]`.
+    sums: Vec<i32>,
+}
+
+impl Projector {
+    fn new(threads: usize) -> Result<Self> {
+        let team = Team::new(threads)
+            .map_err(|e| Error::Unsupported(format!("starting the decode threads: {e}")))?;
+        Ok(Self {
+            team,
+            inputs: Default::default(),
+            scales: Default::default(),
+            sums: Vec::new(),
+        })
+    }
+
+    /// `outputs[j] = layers[j](x)` for up to three layers of one input.
+    fn project(
+        &mut self,
+        x: &[f32],
+        layers: &[&Int8Linear],
+        outputs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let slot = |j: usize| {
+            let shares = j > 0 && layers[j].activations() == layers[0].activations();
+            if shares { 0 } else { j }
+        };
+        for (j, layer) in layers.iter().enumerate() {
+            if slot(j) == j {
+                layer.quantize(x, 1, &mut self.inputs[j], &mut self.scales[j])?;
+            }
+        }
+        let threads = self.team.threads();
+        let part_len: usize = layers.iter().map(|l| l.packed().panels() * PANEL).sum();
+        self.sums.resize(threads * part_len, 0);
+        let inputs = &self.inputs;
+        self.team.run_chunks(&mut self.sums, |thread, part| {
+            let mut at = 0;
+            for (j, layer) in layers.iter().enumerate() {
+                let packed = layer.packed();
+                let len = packed.panels() * PANEL;
+                let groups = share(packed.row_stride() / 4, threads, thread);
+                packed.raw_sums(
+                    &inputs[slot(j)],
+                    1,
+                    0..packed.panels(),
+                    groups,
+                    &mut part[at..at + len],
+                );
+                at += len;
+            }
+        });
+        let mut at = 0;
+        for (j, (layer, y)) in layers.iter().zip(outputs.iter_mut()).enumerate() {
+            layer.dequantize(
+                &self.sums[at..],
+                threads,
+                part_len,
+                &self.scales[slot(j)],
+                y,
+            );
+            at += layer.packed().panels() * PANEL;
+        }
+        Ok(())
+    }
 }
 
 /// The INT8 layers and f32 norm weights of one decoder layer.
@@ -69,7 +130,7 @@ pub struct Decoder<'m> {
     up: Vec<f32>,
     out: Vec<f32>,
     logits: Vec<f32>,
-    scratch: Scratch,
+    projector: Projector,
 }
 
 fn int8(linear: &Linear) -> Option<&Int8Linear> {
@@ -156,7 +217,7 @@ impl<'m> Decoder<'m> {
             up: vec![0.0; c.intermediate_size],
             out: vec![0.0; d.max(c.intermediate_size)],
             logits: vec![0.0; c.vocab_size],
-            scratch: Scratch::default(),
+            projector: Projector::new(rayon::current_num_threads())?,
         }))
     }
 
@@ -205,11 +266,6 @@ impl<'m> Decoder<'m> {
 
     /// Feeds `token` at the next position and returns the logits there.
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
-        serial_pool().install(|| self.advance(token))?;
-        Ok(&self.logits)
-    }
-
-    fn advance(&mut self, token: u32) -> Result<()> {
         let c = self.model.config();
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
@@ -241,15 +297,11 @@ impl<'m> Decoder<'m> {
         let kv = kv_heads * hd;
         for layer in &mut self.layers {
             rms_norm(&self.x, &layer.input_norm, eps, &mut self.h);
-            layer
-                .q
-                .forward_into(&self.h, 1, &mut self.scratch, &mut self.q)?;
-            layer
-                .k
-                .forward_into(&self.h, 1, &mut self.scratch, &mut self.k)?;
-            layer
-                .v
-                .forward_into(&self.h, 1, &mut self.scratch, &mut self.v)?;
+            self.projector.project(
+                &self.h,
+                &[layer.q, layer.k, layer.v],
+                &mut [&mut self.q, &mut self.k, &mut self.v],
+            )?;
             for head in self
                 .q
                 .chunks_exact_mut(hd)
@@ -279,31 +331,28 @@ impl<'m> Decoder<'m> {
                 }
             }
             let out = &mut self.out[..d];
-            layer
-                .o
-                .forward_into(&self.attended, 1, &mut self.scratch, out)?;
+            self.projector
+                .project(&self.attended, &[layer.o], &mut [out])?;
             add(&mut self.x, out);
             rms_norm(&self.x, &layer.post_attention_norm, eps, &mut self.h);
-            layer
-                .gate
-                .forward_into(&self.h, 1, &mut self.scratch, &mut self.gate)?;
-            layer
-                .up
-                .forward_into(&self.h, 1, &mut self.scratch, &mut self.up)?;
+            self.projector.project(
+                &self.h,
+                &[layer.gate, layer.up],
+                &mut [&mut self.gate, &mut self.up],
+            )?;
             for (g, &u) in self.gate.iter_mut().zip(&self.up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
             let out = &mut self.out[..d];
-            layer
-                .down
-                .forward_into(&self.gate, 1, &mut self.scratch, out)?;
+            self.projector
+                .project(&self.gate, &[layer.down], &mut [out])?;
             add(&mut self.x, out);
         }
         rms_norm(&self.x, &self.norm, eps, &mut self.h);
-        self.lm_head
-            .forward_into(&self.h, 1, &mut self.scratch, &mut self.logits)?;
+        self.projector
+            .project(&self.h, &[self.lm_head], &mut [&mut self.logits])?;
         self.len += 1;
-        Ok(())
+        Ok(&self.logits)
     }
 }
 

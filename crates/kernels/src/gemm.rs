@@ -1,0 +1,466 @@
+//! The u8 × i8 → i32 GEMM of the INT8 engine, on weights prepacked once.
+//!
+//! Layout: the weight matrix `W [n, k]` is cut into panels of [`PANEL`] output
+//! channels; within a panel, each group of four consecutive inputs holds the
+//! panel's 64 channels × 4 bytes, channel-major (256 bytes, four cache lines).
+//! That is the operand shape of AVX-512 VNNI's `vpdpbusd`, which multiplies
+//! four u8 × i8 pairs per 32-bit lane and adds them into the lane: one
+//! broadcast of four activation bytes against one 64-byte line advances 16
+//! channels by four inputs. `n` is padded to whole panels and `k` to whole
+//! groups with zero weights, so every kernel runs full tiles and padded
+//! inputs contribute nothing whatever their bytes.
+//!
+//! Activations are symmetric int8 stored as `q + 128` in a u8 (the operand
+//! VNNI takes); the offset is removed afterwards with each channel's
+//! precomputed `128 · Σ w`, exact in i32.
+//!
+//! Tiers: AVX-512 VNNI (`vpdpbusd`), AVX2 (`vpmaddubsw` + `vpmaddwd`, which
+//! saturates a pair of products beyond i16: that tier takes 7-bit weights, see
+//! [`GemmTier::weight_qmax`]) and a portable scalar twin. Every tier computes
+//! the exact integer sums, so tests compare them for equality.
+//!
+//! Why our own kernel instead of `rten-gemm` (DESIGN.md's first choice): on
+//! this machine's VNNI CPU rten's prepacked GEMM ran SmolLM2's layers at
+//! 0.25–0.6× ONNX Runtime's `MatMulInteger` and its GEMV read weights at 67 %
+//! of one thread's bandwidth (BENCHMARKS.md keeps the before and after).
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// Output channels per packed panel.
+pub const PANEL: usize = 64;
+
+/// Inputs per group (the bytes one `vpdpbusd` lane sums).
+const GROUP: usize = 4;
+
+/// Bytes of one group of a panel.
+const GROUP_BYTES: usize = PANEL * GROUP;
+
+/// Largest `k` whose sums cannot overflow i32: `k · 255 · 127 < 2³¹`.
+pub const MAX_INPUTS: usize = (i32::MAX as usize) / (255 * 127);
+
+/// Below this many multiply-adds a GEMM stays on the calling thread: handing
+/// half to another rayon worker costs ≈ 2 µs when it has gone idle
+/// (measured on this machine), about what one thread needs for 2¹⁷ MACs.
+const PARALLEL_MIN_MACS: usize = 1 << 17;
+
+/// Up to this many rows, threads split the inputs (`k`) rather than the
+/// channels: every thread then reads an equal share of every panel, where a
+/// split by panels leaves one thread a panel more (SmolLM2's 576 channels
+/// are 9 panels) at a cost of one partial-sum buffer per extra thread.
+const SPLIT_INPUTS_MAX_ROWS: usize = 16;
+
+/// A CPU tier of the GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmTier {
+    /// Plain Rust loops, every target: the scalar twin.
+    Portable,
+    /// AVX2 `vpmaddubsw` (x86-64), 7-bit weights.
+    Avx2,
+    /// AVX-512 VNNI `vpdpbusd` (x86-64).
+    Avx512Vnni,
+}
+
+impl GemmTier {
+    /// Every tier, slowest first.
+    pub const ALL: [GemmTier; 3] = [Self::Portable, Self::Avx2, Self::Avx512Vnni];
+
+    /// The fastest tier this CPU supports.
+    pub fn detect() -> Self {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|t| t.is_supported())
+            .unwrap_or(Self::Portable)
+    }
+
+    /// Whether this CPU can run the tier.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Self::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => std::is_x86_feature_detected!("avx2"),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Vnni => {
+                std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx2 | Self::Avx512Vnni => false,
+        }
+    }
+
+    /// Largest weight magnitude the tier multiplies exactly: 127, or 63 on
+    /// AVX2, whose `vpmaddubsw` adds two u8 × i8 products into a saturating
+    /// i16 (2 · 255 · 63 = 32 130 fits, 2 · 255 · 127 does not; the 7-bit
+    /// remedy of ONNX Runtime's `reduce_range`).
+    pub fn weight_qmax(self) -> i8 {
+        match self {
+            Self::Avx2 => 63,
+            Self::Portable | Self::Avx512Vnni => 127,
+        }
+    }
+
+    /// Rows of the tier's register tile.
+    fn rows_per_tile(self) -> usize {
+        match self {
+            Self::Avx512Vnni => 6,
+            Self::Portable | Self::Avx2 => 4,
+        }
+    }
+
+    /// A short name for logs and benchmarks.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// One group of a panel, aligned to a cache line pair so that no load of a
+/// 64-byte vector splits a line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Group([i8; GROUP_BYTES]);
+
+/// `W [n, k]` packed for one tier (see the module docs for the layout).
+pub struct PackedWeights {
+    tier: GemmTier,
+    groups: Vec<Group>,
+    /// `128 · Σₖ w[c, k]` per channel, subtracted from the raw sums.
+    offsets: Vec<i32>,
+    n: usize,
+    k: usize,
+}
+
+impl std::fmt::Debug for PackedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedWeights")
+            .field("tier", &self.tier)
+            .field("n", &self.n)
+            .field("k", &self.k)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PackedWeights {
+    /// Packs `values` (`[n, k]` row-major) for `tier`. Errors if the tier is
+    /// missing, a value exceeds the tier's [`GemmTier::weight_qmax`], or `k`
+    /// exceeds [`MAX_INPUTS`].
+    pub fn new(tier: GemmTier, values: &[i8], n: usize, k: usize) -> Result<Self> {
+        if !tier.is_supported() {
+            return Err(Error::UnsupportedTier(tier.name().into()));
+        }
+        if n == 0 || k == 0 || values.len() != n * k {
+            return Err(Error::Shape(format!(
+                "{} weights for a [{n}, {k}] matrix",
+                values.len()
+            )));
+        }
+        if k > MAX_INPUTS {
+            return Err(Error::Shape(format!(
+                "{k} inputs per channel: sums of more than {MAX_INPUTS} could overflow i32"
+            )));
+        }
+        let qmax = tier.weight_qmax().unsigned_abs();
+        if let Some(v) = values.iter().find(|v| v.unsigned_abs() > qmax) {
+            return Err(Error::Shape(format!(
+                "weight {v} exceeds ±{qmax}, the most the {} GEMM multiplies exactly",
+                tier.name()
+            )));
+        }
+        let panels = n.div_ceil(PANEL);
+        let groups_per_panel = k.div_ceil(GROUP);
+        let mut groups = vec![Group([0; GROUP_BYTES]); panels * groups_per_panel];
+        for (c, row) in values.chunks_exact(k).enumerate() {
+            let (panel, lane) = (c / PANEL, c % PANEL);
+            for (i, &v) in row.iter().enumerate() {
+                groups[panel * groups_per_panel + i / GROUP].0[lane * GROUP + i % GROUP] = v;
+            }
+        }
+        let offsets = values
+            .chunks_exact(k)
+            .map(|row| 128 * row.iter().map(|&v| i32::from(v)).sum::<i32>())
+            .collect();
+        Ok(Self {
+            tier,
+            groups,
+            offsets,
+            n,
+            k,
+        })
+    }
+
+    /// The tier these weights are packed for.
+    pub fn tier(&self) -> GemmTier {
+        self.tier
+    }
+
+    /// `(n, k)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Whole panels (`n` rounded up to [`PANEL`], divided by it).
+    pub fn panels(&self) -> usize {
+        self.n.div_ceil(PANEL)
+    }
+
+    /// Bytes per activation row the kernels read: `k` rounded up to a group.
+    pub fn row_stride(&self) -> usize {
+        self.groups_per_panel() * GROUP
+    }
+
+    fn groups_per_panel(&self) -> usize {
+        self.k.div_ceil(GROUP)
+    }
+
+    /// Raw sums of `rows` rows of `a` (row stride [`Self::row_stride`]) into
+    /// `sums`, laid out `[part][panel][row][PANEL]`, on the current rayon
+    /// pool's threads when the work is worth splitting. Returns the number of
+    /// parts, whose sums add up to the result.
+    pub fn sums(&self, a: &[u8], rows: usize, sums: &mut Vec<i32>) -> usize {
+        let panels = self.panels();
+        let groups = self.groups_per_panel();
+        let part_len = panels * rows * PANEL;
+        let threads = rayon::current_num_threads();
+        if threads == 1 || rows * self.n * self.k < PARALLEL_MIN_MACS {
+            sums.resize(part_len, 0);
+            self.raw_sums(a, rows, 0..panels, 0..groups, sums);
+            return 1;
+        }
+        if rows <= SPLIT_INPUTS_MAX_ROWS {
+            let parts = threads.min(groups);
+            sums.resize(parts * part_len, 0);
+            sums.par_chunks_mut(part_len)
+                .enumerate()
+                .for_each(|(part, c)| {
+                    self.raw_sums(a, rows, 0..panels, share(groups, parts, part), c);
+                });
+            parts
+        } else {
+            let per_part = panels.div_ceil(threads);
+            sums.resize(part_len, 0);
+            sums.par_chunks_mut(per_part * rows * PANEL)
+                .enumerate()
+                .for_each(|(part, c)| {
+                    let first = part * per_part;
+                    self.raw_sums(
+                        a,
+                        rows,
+                        first..first + c.len() / (rows * PANEL),
+                        0..groups,
+                        c,
+                    );
+                });
+            1
+        }
+    }
+
+    /// Raw sums `Σₖ a[r, k] · w[c, k]` (activations as stored, offset not yet
+    /// removed) of `rows` rows of `a` (row stride [`Self::row_stride`]) over
+    /// the panels `panels` and input groups `groups`, into `c` laid out
+    /// `[panel][row][PANEL]` for those panels.
+    pub fn raw_sums(
+        &self,
+        a: &[u8],
+        rows: usize,
+        panels: Range<usize>,
+        groups: Range<usize>,
+        c: &mut [i32],
+    ) {
+        let lda = self.row_stride();
+        let gpp = self.groups_per_panel();
+        assert!(
+            a.len() >= rows * lda
+                && panels.end <= self.panels()
+                && groups.end <= gpp
+                && c.len() == panels.len() * rows * PANEL,
+            "raw_sums: operands do not fit the packed weights"
+        );
+        let mr = self.tier.rows_per_tile();
+        for (panel, c_panel) in panels.zip(c.chunks_exact_mut(rows * PANEL)) {
+            let b = &self.groups[panel * gpp + groups.start..panel * gpp + groups.end];
+            let mut row = 0;
+            while row < rows {
+                let tile_rows = mr.min(rows - row);
+                let a_tile = &a[row * lda + groups.start * GROUP..];
+                let c_tile = &mut c_panel[row * PANEL..(row + tile_rows) * PANEL];
+                // SAFETY: `a_tile` holds `tile_rows` rows of `lda` bytes from
+                // the first group (checked above), `b` the panel's groups and
+                // `c_tile` the tile; the tier was checked when packing.
+                unsafe { tile(self.tier, a_tile, lda, tile_rows, b, c_tile) };
+                row += tile_rows;
+            }
+        }
+    }
+
+    /// The per-channel offsets `128 · Σ w` (length `n`).
+    pub fn offsets(&self) -> &[i32] {
+        &self.offsets
+    }
+}
+
+/// The `part`-th of `parts` near-equal shares of `0..len`.
+pub fn share(len: usize, parts: usize, part: usize) -> Range<usize> {
+    len * part / parts..len * (part + 1) / parts
+}
+
+/// One register tile: `c[r][j] = Σ_g Σ_t a[r·lda + 4g + t] · b[g][4j + t]`.
+///
+/// # Safety
+/// `a` must hold `rows` rows of `lda` bytes covering `4 · b.len()` bytes each,
+/// `c` `rows · PANEL` values, and the tier must be supported.
+unsafe fn tile(tier: GemmTier, a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
+    debug_assert!(c.len() == rows * PANEL && a.len() >= (rows - 1) * lda + b.len() * GROUP);
+    match tier {
+        GemmTier::Portable => tile_portable(a, lda, rows, b, c),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded from the caller.
+        GemmTier::Avx2 => unsafe { x86::tile_avx2(a, lda, rows, b, c) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded from the caller.
+        GemmTier::Avx512Vnni => unsafe { x86::tile_vnni(a, lda, rows, b, c) },
+        #[cfg(not(target_arch = "x86_64"))]
+        GemmTier::Avx2 | GemmTier::Avx512Vnni => unreachable!("packing checked the tier"),
+    }
+}
+
+/// The scalar twin: the definition every tier must equal.
+fn tile_portable(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
+    for (r, out) in c.chunks_exact_mut(PANEL).enumerate().take(rows) {
+        let mut acc = [0i32; PANEL];
+        for (g, group) in b.iter().enumerate() {
+            let a4 = &a[r * lda + g * GROUP..r * lda + (g + 1) * GROUP];
+            for (lane, w4) in acc.iter_mut().zip(group.0.chunks_exact(GROUP)) {
+                *lane += a4
+                    .iter()
+                    .zip(w4)
+                    .map(|(&x, &w)| i32::from(x) * i32::from(w))
+                    .sum::<i32>();
+            }
+        }
+        out.copy_from_slice(&acc);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{GROUP, Group, PANEL};
+
+    /// Four activation bytes of row `r`, group `g`, broadcast to every lane.
+    #[inline(always)]
+    unsafe fn broadcast4(a: *const u8, offset: usize) -> i32 {
+        // SAFETY: the caller keeps `offset + 4` within the row.
+        unsafe { a.add(offset).cast::<i32>().read_unaligned() }
+    }
+
+    /// Register tile of `R` rows × 64 channels: 4·R accumulators.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn tile_vnni_rows<const R: usize>(a: *const u8, lda: usize, b: &[Group], c: *mut i32) {
+        let mut acc = [[_mm512_setzero_si512(); 4]; R];
+        for (g, group) in b.iter().enumerate() {
+            let w = group.0.as_ptr().cast::<__m512i>();
+            // SAFETY: a group is 256 bytes, 64-byte aligned.
+            let w = unsafe {
+                [
+                    _mm512_load_si512(w),
+                    _mm512_load_si512(w.add(1)),
+                    _mm512_load_si512(w.add(2)),
+                    _mm512_load_si512(w.add(3)),
+                ]
+            };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row `r`, group `g` lies within the caller's rows.
+                let x = _mm512_set1_epi32(unsafe { broadcast4(a, r * lda + g * GROUP) });
+                for (acc, &w) in acc.iter_mut().zip(&w) {
+                    *acc = _mm512_dpbusd_epi32(*acc, x, w);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, &v) in acc.iter().enumerate() {
+                // SAFETY: `c` holds R rows of 64 values.
+                unsafe { _mm512_storeu_si512(c.add(r * PANEL + 16 * j).cast(), v) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// See [`super::tile`]; the CPU must have AVX-512 F, BW and VNNI.
+    pub(super) unsafe fn tile_vnni(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
+        let (a, c) = (a.as_ptr(), c.as_mut_ptr());
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match rows {
+                1 => tile_vnni_rows::<1>(a, lda, b, c),
+                2 => tile_vnni_rows::<2>(a, lda, b, c),
+                3 => tile_vnni_rows::<3>(a, lda, b, c),
+                4 => tile_vnni_rows::<4>(a, lda, b, c),
+                5 => tile_vnni_rows::<5>(a, lda, b, c),
+                6 => tile_vnni_rows::<6>(a, lda, b, c),
+                _ => unreachable!("the VNNI tile has at most 6 rows"),
+            }
+        }
+    }
+
+    /// Register tile of `R` rows × 16 channels (one line of each group): the
+    /// four u8 × i8 products of a lane are summed as two saturating i16 pairs
+    /// (`vpmaddubsw`; exact for |w| ≤ 63) and widened to i32 (`vpmaddwd` by 1).
+    #[target_feature(enable = "avx2")]
+    unsafe fn tile_avx2_rows<const R: usize>(
+        a: *const u8,
+        lda: usize,
+        b: &[Group],
+        line: usize,
+        c: *mut i32,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_si256(); 2]; R];
+        for (g, group) in b.iter().enumerate() {
+            let w = group.0[line * 64..].as_ptr().cast::<__m256i>();
+            // SAFETY: one 64-byte line of the group.
+            let w = unsafe { [_mm256_load_si256(w), _mm256_load_si256(w.add(1))] };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row `r`, group `g` lies within the caller's rows.
+                let x = _mm256_set1_epi32(unsafe { broadcast4(a, r * lda + g * GROUP) });
+                for (acc, &w) in acc.iter_mut().zip(&w) {
+                    let pairs = _mm256_maddubs_epi16(x, w);
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, &v) in acc.iter().enumerate() {
+                // SAFETY: `c` holds R rows of 64 values.
+                unsafe { _mm256_storeu_si256(c.add(r * PANEL + 16 * line + 8 * j).cast(), v) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// See [`super::tile`]; the CPU must have AVX2 and the weights |w| ≤ 63.
+    pub(super) unsafe fn tile_avx2(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
+        let (a, c) = (a.as_ptr(), c.as_mut_ptr());
+        for line in 0..PANEL / 16 {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                match rows {
+                    1 => tile_avx2_rows::<1>(a, lda, b, line, c),
+                    2 => tile_avx2_rows::<2>(a, lda, b, line, c),
+                    3 => tile_avx2_rows::<3>(a, lda, b, line, c),
+                    4 => tile_avx2_rows::<4>(a, lda, b, line, c),
+                    _ => unreachable!("the AVX2 tile has at most 4 rows"),
+                }
+            }
+        }
+    }
+}

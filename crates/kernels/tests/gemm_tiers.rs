@@ -1,0 +1,170 @@
+//! Every GEMM tier against the scalar twin: raw sums equal exactly on random
+//! shapes (odd `n` and `k`, M = 1 and partial register tiles, split input
+//! ranges), on the worst-case operands of each tier, and a layer split over
+//! two threads (by inputs and by channels) equals the same layer on one.
+
+use qforge_kernels::gemm::{GemmTier, MAX_INPUTS, PANEL, PackedWeights};
+use qforge_kernels::{Activations, Int8Linear, Scratch};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn supported(tier: GemmTier) -> bool {
+    let ok = tier.is_supported();
+    if !ok {
+        eprintln!("SKIPPED: this CPU lacks the {} GEMM tier", tier.name());
+    }
+    ok
+}
+
+/// Raw sums of `rows` rows over `groups`, every panel, on `tier`.
+fn sums(
+    tier: GemmTier,
+    w: &[i8],
+    (n, k): (usize, usize),
+    a: &[u8],
+    rows: usize,
+    groups: std::ops::Range<usize>,
+) -> Vec<i32> {
+    let packed = PackedWeights::new(tier, w, n, k).unwrap();
+    let mut c = vec![0; packed.panels() * rows * PANEL];
+    packed.raw_sums(a, rows, 0..packed.panels(), groups, &mut c);
+    c
+}
+
+/// The sums computed from the definition in i64, laid out as the kernels lay
+/// them out (`[panel][row][PANEL]`, padded channels 0).
+fn definition(w: &[i8], (n, k): (usize, usize), a: &[u8], rows: usize, stride: usize) -> Vec<i32> {
+    let panels = n.div_ceil(PANEL);
+    let mut c = vec![0; panels * rows * PANEL];
+    for r in 0..rows {
+        for ch in 0..n {
+            let s: i64 = (0..k)
+                .map(|i| i64::from(a[r * stride + i]) * i64::from(w[ch * k + i]))
+                .sum();
+            c[((ch / PANEL) * rows + r) * PANEL + ch % PANEL] = i32::try_from(s).unwrap();
+        }
+    }
+    c
+}
+
+#[test]
+fn every_tier_equals_the_definition_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let shapes: [(usize, usize, usize); 10] = [
+        (1, 1, 1),
+        (1, 64, 4),
+        (1, 65, 3),
+        (2, 127, 5),
+        (3, 200, 33),
+        (5, 64, 576),
+        (6, 130, 257),
+        (7, 17, 1001),
+        (13, 192, 64),
+        (1, 576, 1536),
+    ];
+    for tier in GemmTier::ALL {
+        if !supported(tier) {
+            continue;
+        }
+        let qmax = tier.weight_qmax();
+        for &(rows, n, k) in &shapes {
+            let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-qmax..=qmax)).collect();
+            let stride = k.div_ceil(4) * 4;
+            // Padding bytes are random: padded weights are zero, so they
+            // must not matter.
+            let a: Vec<u8> = (0..rows * stride).map(|_| rng.random()).collect();
+            let want = definition(&w, (n, k), &a, rows, stride);
+            let got = sums(tier, &w, (n, k), &a, rows, 0..stride / 4);
+            assert_eq!(got, want, "{} rows {rows} n {n} k {k}", tier.name());
+            // Two input ranges add up to the whole.
+            let mid = stride / 8;
+            let low = sums(tier, &w, (n, k), &a, rows, 0..mid);
+            let high = sums(tier, &w, (n, k), &a, rows, mid..stride / 4);
+            let added: Vec<i32> = low.iter().zip(&high).map(|(l, h)| l + h).collect();
+            assert_eq!(added, want, "{} split at group {mid}", tier.name());
+        }
+    }
+}
+
+#[test]
+fn worst_case_operands_do_not_saturate_any_tier() {
+    // Every activation byte 255 against weights at ±qmax, same sign within
+    // each channel: the largest pair sums `vpmaddubsw` forms, and the
+    // largest i32 sums the longest allowed row reaches.
+    for tier in GemmTier::ALL {
+        if !supported(tier) {
+            continue;
+        }
+        let qmax = tier.weight_qmax();
+        for (rows, n, k) in [(2usize, 4usize, 512usize), (1, 2, MAX_INPUTS)] {
+            let w: Vec<i8> = (0..n * k)
+                .map(|i| if (i / k) % 2 == 0 { qmax } else { -qmax })
+                .collect();
+            let stride = k.div_ceil(4) * 4;
+            let a = vec![255u8; rows * stride];
+            let got = sums(tier, &w, (n, k), &a, rows, 0..stride / 4);
+            assert_eq!(
+                got,
+                definition(&w, (n, k), &a, rows, stride),
+                "{}",
+                tier.name()
+            );
+            let extreme = 255 * i64::from(qmax) * k as i64;
+            assert_eq!(i64::from(got[0]), extreme, "{} k {k}", tier.name());
+            assert_eq!(i64::from(got[1]), -extreme, "{} k {k}", tier.name());
+        }
+    }
+}
+
+#[test]
+fn weights_beyond_a_tier_and_rows_beyond_i32_are_refused() {
+    for tier in GemmTier::ALL {
+        if !supported(tier) {
+            continue;
+        }
+        let too_wide = tier.weight_qmax().saturating_add(1);
+        if too_wide > tier.weight_qmax() {
+            let err = PackedWeights::new(tier, &[0, too_wide], 1, 2).unwrap_err();
+            assert!(err.to_string().contains("exceeds"), "{err}");
+        }
+        let k = MAX_INPUTS + 1;
+        let err = PackedWeights::new(tier, &vec![0; k], 1, k).unwrap_err();
+        assert!(err.to_string().contains("overflow"), "{err}");
+        assert!(PackedWeights::new(tier, &[0; 5], 2, 3).is_err());
+    }
+}
+
+#[test]
+fn two_threads_give_the_one_thread_bits() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let two = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    // Rows ≤ 16 split the inputs, more rows split the panels; both large
+    // enough to be split at all; 9 panels do not halve evenly.
+    for (rows, n, k) in [
+        (1usize, 576usize, 576usize),
+        (16, 1000, 333),
+        (17, 576, 576),
+        (40, 200, 900),
+    ] {
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let b: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-4.0..4.0)).collect();
+        let layer = Int8Linear::new(&w, (n, k), Some(&b), Activations::Dynamic).unwrap();
+        let run = |pool: &rayon::ThreadPool| {
+            pool.install(|| layer.forward(&x, rows, &mut Scratch::default()).unwrap())
+        };
+        let (y1, y2) = (run(&one), run(&two));
+        assert_eq!(
+            y1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            y2.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "rows {rows} n {n} k {k}"
+        );
+    }
+}
