@@ -42,10 +42,18 @@ const GROUP_BYTES: usize = PANEL * GROUP;
 /// Largest `k` whose sums cannot overflow i32: `k · 255 · 127 < 2³¹`.
 pub const MAX_INPUTS: usize = (i32::MAX as usize) / (255 * 127);
 
-/// Below this many multiply-adds a GEMM stays on the calling thread: handing
-/// half to another rayon worker costs ≈ 2 µs when it has gone idle
-/// (measured on this machine), about what one thread needs for 2¹⁷ MACs.
-const PARALLEL_MIN_MACS: usize = 1 << 17;
+/// A GEMM goes parallel only when one thread would need at least this long:
+/// handing half of it to rayon's pool from a thread outside the pool cost
+/// ≈ 15 µs here (`cargo bench -p qforge-kernels --bench gemm` with
+/// `RAYON_NUM_THREADS=1` vs 2: SmolLM2's q_proj at M = 16 ran at 481 G MAC/s
+/// on one thread and 259 on two; gate_proj at M = 16, ≈ 40 µs, broke even).
+const PARALLEL_MIN_MICROS: f64 = 30.0;
+
+/// One thread's rates behind that estimate, measured by the same benchmark:
+/// ≈ 470 G MAC/s once the weights are in cache, and weight bytes streamed at
+/// ≈ 100 GB/s from L2/L3 (a GEMV on cached weights).
+const MACS_PER_MICRO: f64 = 470e3;
+const WEIGHT_BYTES_PER_MICRO: f64 = 100e3;
 
 /// Up to this many rows, threads split the inputs (`k`) rather than the
 /// channels: every thread then reads an equal share of every panel, where a
@@ -230,7 +238,10 @@ impl PackedWeights {
         let groups = self.groups_per_panel();
         let part_len = panels * rows * PANEL;
         let threads = rayon::current_num_threads();
-        if threads == 1 || rows * self.n * self.k < PARALLEL_MIN_MACS {
+        let weights = (self.n * self.k) as f64;
+        let one_thread_micros =
+            rows as f64 * weights / MACS_PER_MICRO + weights / WEIGHT_BYTES_PER_MICRO;
+        if threads == 1 || one_thread_micros < PARALLEL_MIN_MICROS {
             sums.resize(part_len, 0);
             self.raw_sums(a, rows, 0..panels, 0..groups, sums);
             return 1;

@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::gemm::{GemmTier, PANEL, PackedWeights};
-use crate::quantize::{ZERO_POINT, quantize_per_token, quantize_static};
+use crate::quantize::{ROUNDER, ZERO_POINT, quantize_per_token, quantize_static};
 
 /// Largest weight magnitude this CPU's GEMM tier multiplies exactly (see
 /// [`GemmTier::weight_qmax`]).
@@ -22,7 +22,8 @@ pub fn quantize_rows_symmetric(weight: &[f32], cols: usize, qmax: i8) -> (Vec<i8
         let scale = if max > 0.0 { max / qmax_f } else { 1.0 };
         values.extend(
             row.iter()
-                .map(|&w| (w / scale).clamp(-qmax_f, qmax_f).round_ties_even() as i8),
+                // The rounder is `round_ties_even` without its libm call.
+                .map(|&w| (((w / scale).clamp(-qmax_f, qmax_f) + ROUNDER) - ROUNDER) as i8),
         );
         scales.push(scale);
     }

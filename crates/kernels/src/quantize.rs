@@ -17,7 +17,7 @@ const QMAX: f32 = 127.0;
 /// Adding then subtracting 1.5 × 2²³ rounds an f32 of magnitude < 2²² to the
 /// nearest integer, ties to even, in two additions that vectorize on every
 /// x86-64 (unlike `round_ties_even`, a libm call without SSE4.1).
-const ROUNDER: f32 = 12_582_912.0;
+pub(crate) const ROUNDER: f32 = 12_582_912.0;
 
 /// A CPU tier of the quantizers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,10 +187,15 @@ fn row_kernel(row: &[f32], out: &mut [u8]) -> f32 {
 #[inline(always)]
 fn encode(x: &[f32], inverse: f32, out: &mut [u8]) {
     for (o, &v) in out.iter_mut().zip(x) {
-        // Clamp first: the rounding trick needs |v| < 2²², and NaN (a row with
-        // a NaN scale) clamps to NaN, which the cast turns into 0.
-        let r = ((v * inverse).clamp(-QMAX, QMAX) + ROUNDER) - ROUNDER;
-        *o = (r as i32 + i32::from(ZERO_POINT)) as u8;
+        // Clamp first: the rounding trick needs |v| < 2²². After adding
+        // ROUNDER, the low byte of the bits is the rounded value in two's
+        // complement, and flipping its top bit adds the zero point; integer
+        // ops only, so the loop vectorizes (a saturating f32 → int cast does
+        // not). NaN (a row with a NaN scale, or a NaN in static mode) clamps
+        // to NaN and is encoded as the zero point.
+        let r = (v * inverse).clamp(-QMAX, QMAX) + ROUNDER;
+        let bits = if r.is_nan() { ROUNDER } else { r }.to_bits();
+        *o = (bits as u8) ^ 0x80;
     }
 }
 
@@ -217,6 +222,10 @@ mod tests {
         assert_eq!(back, [0, 2, 2, 0, -2, 127, -127, 0]);
         quantize_static(&[1000.0, -1000.0], 1.0, &mut q[..2]).unwrap();
         assert_eq!(&q[..2], &[255, 1]);
+        // NaN, with and without a payload, is the zero point in static mode.
+        let payload = f32::from_bits(0x7fc0_0077);
+        quantize_static(&[f32::NAN, payload, -payload], 0.5, &mut q[..3]).unwrap();
+        assert_eq!(&q[..3], &[ZERO_POINT; 3]);
     }
 
     #[test]

@@ -375,8 +375,23 @@ fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// Sixteen independent partial sums, so that the loop vectorizes (a single
+/// f32 running sum must add in order).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let mut lanes = [0f32; 16];
+    let (a, b) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = a
+        .remainder()
+        .iter()
+        .zip(b.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a.zip(b) {
+        for i in 0..16 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 fn softmax(scores: &mut [f32]) {
