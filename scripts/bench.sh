@@ -40,11 +40,21 @@ command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk 
 python3 scripts/bench_serve.py
 # /v1/completions under load: SmolLM2 as an INT8 artifact and as its FP32 reference.
 python3 scripts/bench_completions.py
-# Generation of 64 tokens (llama-bench's tg64) in f32 and on the INT8 decoder.
-for precision in f32 int8-dynamic; do
-    target/release/qforge generate --model models/smollm2-135m-instruct-q4_1.gguf \
-        --prompt "Once upon a time, in a small village by the sea," --max-tokens 64 \
-        --precision "$precision" --json > "target/bench-generate-$precision.json"
+# Generation of 64 tokens (llama-bench's tg64) in f32 and on the INT8 decoder, five
+# runs each (llama-bench's -r 5), alternating, with llama.cpp's Q8_0 tg64 beside each
+# INT8 run when a build is at hand.
+rm -f target/bench-generate-*.json target/llamacpp-tg64-*.json
+for run in 1 2 3 4 5; do
+    for precision in f32 int8-dynamic; do
+        target/release/qforge generate --model models/smollm2-135m-instruct-q4_1.gguf \
+            --prompt "Once upon a time, in a small village by the sea," --max-tokens 64 \
+            --precision "$precision" --json > "target/bench-generate-$precision-$run.json"
+    done
+    if [ -n "${LLAMA_CPP_BIN:-}" ]; then
+        LD_LIBRARY_PATH="$LLAMA_CPP_BIN" "$LLAMA_CPP_BIN/llama-bench" \
+            -m "$LLAMA_CPP_MODELS/smollm2-135m-instruct-q8_0.gguf" \
+            -p 0 -n 64 -t 2 -r 1 -o json 2>/dev/null > "target/llamacpp-tg64-$run.json"
+    fi
 done
 .venv/bin/python tests/python/ort_crosscheck.py --markdown --qforge target/release/qforge \
     > target/ort_crosscheck.md

@@ -7,6 +7,7 @@ import platform
 import subprocess
 
 CRITERION = "target/criterion"
+ALL_M = (1, 16, 128, 512)
 
 
 def throughput(group, bench, case):
@@ -29,6 +30,31 @@ def mean_ns(group, bench):
             return json.load(f)["mean"]["point_estimate"]
     except OSError:
         return None
+
+
+def generation_runs():
+    """Decode tokens/s of each `qforge generate` run per precision, and llama.cpp's Q8_0
+    tg64 runs, as scripts/bench.sh leaves them (five alternating runs each)."""
+    runs = {"f32": [], "int8-dynamic": [], "llama.cpp Q8_0": []}
+    for run in range(1, 6):
+        for precision in ("f32", "int8-dynamic"):
+            try:
+                with open(f"target/bench-generate-{precision}-{run}.json") as f:
+                    runs[precision].append(json.load(f))
+            except OSError:
+                pass
+        try:
+            with open(f"target/llamacpp-tg64-{run}.json") as f:
+                runs["llama.cpp Q8_0"].append(json.load(f)[0]["avg_ts"])
+        except (OSError, KeyError, IndexError, ValueError):
+            pass
+    return runs
+
+
+def mean_sd(values):
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
+    return mean, sd
 
 
 def cpu():
@@ -175,13 +201,9 @@ def completions_section():
     else:
         slower = [f"{plural(n)}" for n, x in zip(clients, default_ratios) if x <= 1]
         verdict = f"INT8 is not faster at {', '.join(slower)}"
-    generated = {}
-    for precision in ("f32", "int8-dynamic"):
-        try:
-            with open(f"target/bench-generate-{precision}.json") as f:
-                generated[precision] = json.load(f)["decode_tokens_per_s"]
-        except (OSError, KeyError):
-            pass
+    generated = {precision: mean_sd([r["decode_tokens_per_s"] for r in runs])[0]
+                 for precision, runs in generation_runs().items()
+                 if runs and precision != "llama.cpp Q8_0"}
     print(f"- {verdict}.", end="")
     if len(generated) == 2 and (cfg, a, 1, False) in rows and (cfg, b, 1, False) in rows:
         alone = rows[(cfg, a, 1, False)]["tokens_per_s"] / rows[(cfg, b, 1, False)]["tokens_per_s"]
@@ -230,9 +252,13 @@ def completions_section():
         # only in the linear layers, and the GEMM table gives INT8 / f32 at 16 rows.
         config = cfg
         g8, g32 = growth.get((config, a)), growth.get((config, b))
-        gemm = [throughput("gemm", f"int8_{shape}", "16") / throughput("gemm", f"candle_f32_{shape}", "16")
-                for shape in ("q_proj_576x576", "gate_proj_1536x576", "down_proj_576x1536")
-                if throughput("gemm", f"int8_{shape}", "16") and throughput("gemm", f"candle_f32_{shape}", "16")]
+        layer_shapes = ("smollm2_q_proj_576x576", "smollm2_gate_proj_1536x576",
+                        "smollm2_down_proj_576x1536")
+        gemm = [throughput("gemm", f"qforge_layer_{shape}", "16")
+                / throughput("gemm", f"candle_f32_{shape}", "16")
+                for shape in layer_shapes
+                if throughput("gemm", f"qforge_layer_{shape}", "16")
+                and throughput("gemm", f"candle_f32_{shape}", "16")]
         if g8 and g32 and gemm and g32[4] > g8[4]:
             difference = g32[4] - g8[4]
             bounds = []
@@ -328,15 +354,20 @@ def main():
         print(f.read())
 
     print("## INT8 engine\n")
-    print("Command: `cargo bench -p qforge-kernels --bench gemm` (INT8 = dynamic per-token "
-          "quantization of the activations + rten-gemm's u8×i8→i32 GEMM on prepacked int8 "
-          "per-channel weights + the dequantizing epilogue, i.e. everything an INT8 linear layer "
-          "does; candle = f32 `matmul` of the same shapes; 2 threads; G MAC/s = m·n·k per second) "
-          "and `cargo bench -p qforge-model --bench forward` (SmolLM2 with every linear layer, "
-          "lm_head included, on the INT8 engine, dynamic activations).\n")
-    shapes = [("q_proj_576x576", (1, 16, 128)), ("gate_proj_1536x576", (1, 16, 128)),
-              ("down_proj_576x1536", (1, 16, 128)), ("lm_head_49152x576", (1,)),
-              ("square_2048x2048", (512,))]
+    print("Command: `cargo bench -p qforge-kernels --bench gemm`, 2 threads (rayon's default "
+          "pool), G MAC/s = m·n·k per second. *qforge GEMM*: our u8×i8→i32 kernel on "
+          "prepacked weights (`PackedWeights::sums`, the AVX-512 VNNI tier here), raw sums "
+          "only, the scope of ONNX Runtime's `MatMulInteger` (`scripts/bench_ort_gemm.py`, 2 "
+          "intra-op threads, timed through `session.run`) and of rten-gemm 0.27's prepacked "
+          "kernel (the engine's GEMM before this one; raw sums too, measured in the same "
+          "criterion run). *qforge layer*: everything an INT8 linear layer does (dynamic "
+          "per-token quantization of f32 activations + GEMM + dequantizing epilogue to f32), "
+          "against candle's f32 `matmul` of the same shape. Llama-3-8B's lm_head (128256 × "
+          "4096) is left out: its f32 copy alone is 2.1 GB.\n")
+    shapes = [("smollm2_q_proj_576x576", ALL_M), ("smollm2_gate_proj_1536x576", ALL_M),
+              ("smollm2_down_proj_576x1536", ALL_M), ("smollm2_lm_head_49152x576", (1, 16)),
+              ("llama3_8b_q_proj_4096x4096", ALL_M), ("llama3_8b_k_proj_1024x4096", ALL_M),
+              ("llama3_8b_gate_proj_14336x4096", ALL_M), ("llama3_8b_down_proj_4096x14336", ALL_M)]
     try:
         with open("target/ort-gemm.json") as f:
             ort_gemm = json.load(f)
@@ -345,73 +376,77 @@ def main():
     gemm_rows = []
     for shape, ms in shapes:
         for m in ms:
-            ours = throughput("gemm", f"int8_{shape}", str(m))
-            theirs = throughput("gemm", f"candle_f32_{shape}", str(m))
-            if ours and theirs:
-                gemm_rows.append((shape, m, ours / 1e9, theirs / 1e9,
+            rates = [throughput("gemm", f"{impl}_{shape}", str(m))
+                     for impl in ("qforge_gemm", "rten_gemm", "qforge_layer", "candle_f32")]
+            if all(rates):
+                gemm_rows.append((shape, m, *(r / 1e9 for r in rates),
                                   ort_gemm.get(f"{shape}/{m}", 0) / 1e9))
     if gemm_rows:
-        print("ONNX Runtime: `MatMulInteger` alone (`scripts/bench_ort_gemm.py`, 2 intra-op "
-              "threads), i.e. without the activation quantization and the epilogue that the "
-              "qforge column includes.\n")
-        print("| layer (out×in) | M | qforge INT8 G MAC/s | candle f32 | ORT MatMulInteger | "
-              "INT8 / f32 | INT8 / ORT |")
-        print("|---|---|---|---|---|---|---|")
-        for shape, m, ours, theirs, ort_rate in gemm_rows:
+        print("| layer (out×in) | M | qforge GEMM | ORT MatMulInteger | rten-gemm | qforge layer | "
+              "candle f32 | GEMM / ORT | GEMM / rten | layer / f32 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for shape, m, ours, rten, layer, f32, ort_rate in gemm_rows:
             versus_ort = f"{ours / ort_rate:.2f}×" if ort_rate else "—"
             ort_cell = f"{ort_rate:.1f}" if ort_rate else "—"
-            print(f"| {shape} | {m} | {ours:.1f} | {theirs:.1f} | {ort_cell} | "
-                  f"{ours / theirs:.2f}× | {versus_ort} |")
+            print(f"| {shape} | {m} | {ours:.1f} | {ort_cell} | {rten:.1f} | {layer:.1f} | "
+                  f"{f32:.1f} | {versus_ort} | {ours / rten:.2f}× | {layer / f32:.2f}× |")
         print()
     prefill8 = throughput("smollm2_int8_dynamic", "prefill_128", "")
     decode8 = mean_ns("smollm2_int8_dynamic", "decode_step_at_128")
     prefill = throughput("smollm2_fp32", "prefill_128", "")
     decode = mean_ns("smollm2_fp32", "decode_step_at_128")
     if prefill8 and decode8 and prefill and decode:
+        print("`cargo bench -p qforge-model --bench forward`: SmolLM2 with every linear layer, "
+              "lm_head included, on the INT8 engine, dynamic activations, through the tensor "
+              "forward (candle ops around our linear layers).\n")
         print("| SmolLM2-135M, 2 threads | INT8 dynamic tokens/s | FP32 tokens/s | INT8 / FP32 |")
         print("|---|---|---|---|")
         print(f"| prefill, 128 tokens | {prefill8:.0f} | {prefill:.0f} | {prefill8 / prefill:.2f}× |")
         print(f"| decode, one token after 128 (tensor forward) | {1e9 / decode8:.1f} | {1e9 / decode:.1f} | "
               f"{decode / decode8:.2f}× |\n")
-    generated = {}
-    for precision in ("f32", "int8-dynamic"):
-        try:
-            with open(f"target/bench-generate-{precision}.json") as f:
-                generated[precision] = json.load(f)
-        except OSError:
-            pass
-    if len(generated) == 2:
-        print("Generation (`qforge generate --max-tokens 64 --json`, a 13-token prompt, greedy; "
-              "the counterpart of llama-bench's tg64). An all-INT8 model decodes on the "
-              "allocation-free decoder, its GEMMs on one thread:\n")
-        print("| precision | decode tokens/s | linear weight bytes per token | weight read rate |")
+    runs = generation_runs()
+    if runs["f32"] and runs["int8-dynamic"]:
+        print("Generation: `qforge generate --max-tokens 64 --json` (a 13-token prompt, greedy), "
+              "five runs per precision alternating with llama.cpp's `llama-bench -m q8_0.gguf "
+              "-p 0 -n 64 -t 2 -r 1` (tg64; build in the reference above), mean ± standard "
+              "deviation over the runs. An all-INT8 model decodes on the allocation-free "
+              "decoder, its GEMVs split over a two-thread team.\n")
+        print("| engine | decode tokens/s | linear weight bytes per token | weight read rate |")
         print("|---|---|---|---|")
-        for precision, r in generated.items():
-            weights = r.get("linear_weight_bytes")
-            rate = f"{weights * r['decode_tokens_per_s'] / 1e9:.1f} GB/s" if weights else "—"
+        for engine, values in runs.items():
+            if not values:
+                continue
+            rates = [r["decode_tokens_per_s"] for r in values] if engine != "llama.cpp Q8_0" else values
+            mean, sd = mean_sd(rates)
+            weights = values[0].get("linear_weight_bytes") if engine != "llama.cpp Q8_0" else None
+            rate = f"{weights * mean / 1e9:.1f} GB/s" if weights else "—"
             size = f"{weights / 1e6:.1f} MB" if weights else "—"
-            print(f"| {precision} | {r['decode_tokens_per_s']:.1f} | {size} | {rate} |")
-        bandwidth = None
-        try:
-            base = os.path.join(CRITERION, "memory", "read_one_thread_256MiB", "new")
-            with open(os.path.join(base, "estimates.json")) as f:
-                ns = json.load(f)["mean"]["point_estimate"]
-            with open(os.path.join(base, "benchmark.json")) as f:
-                bandwidth = json.load(f)["throughput"]["Bytes"] / (ns * 1e-9)
-        except (OSError, KeyError, TypeError):
-            pass
-        int8 = generated["int8-dynamic"]
-        int8_rate = int8["linear_weight_bytes"] * int8["decode_tokens_per_s"]
-        ceiling = (f"One thread reads {bandwidth / 1e9:.1f} GB/s here (`cargo bench -p "
-                   f"qforge-kernels --bench gemm -- memory`, a 256 MiB stream), so the INT8 "
-                   f"decoder's weight reads run at {100 * int8_rate / bandwidth:.0f} % of one "
-                   "thread's bandwidth") if bandwidth else "One thread's read bandwidth was not measured in this run"
-        print("\nThe read rate counts the linear layers' weights only (the KV cache and the "
-              "embedding row add < 2 % at these lengths). The INT8 decoder runs its GEMMs on one "
-              f"thread. {ceiling}; beating llama.cpp, which reads with both cores, needs a "
-              "two-thread GEMV.")
-        ratio = generated["int8-dynamic"]["decode_tokens_per_s"] / generated["f32"]["decode_tokens_per_s"]
-        print(f"\nINT8 / f32: {ratio:.2f}×.\n")
+            print(f"| {engine} | {mean:.1f} ± {sd:.1f} | {size} | {rate} |")
+        bandwidth = {}
+        for name in ("one_thread", "two_threads"):
+            try:
+                base = os.path.join(CRITERION, "memory", f"read_{name}_256MiB", "new")
+                with open(os.path.join(base, "estimates.json")) as f:
+                    ns = json.load(f)["mean"]["point_estimate"]
+                with open(os.path.join(base, "benchmark.json")) as f:
+                    bandwidth[name] = json.load(f)["throughput"]["Bytes"] / (ns * 1e-9)
+            except (OSError, KeyError, TypeError):
+                pass
+        int8 = mean_sd([r["decode_tokens_per_s"] for r in runs["int8-dynamic"]])[0]
+        int8_rate = runs["int8-dynamic"][0]["linear_weight_bytes"] * int8
+        if len(bandwidth) == 2:
+            print(f"\nThe read rate counts the linear layers' weights only (the KV cache and the "
+                  f"embedding row add < 2 % at these lengths). Reading a 256 MiB buffer here "
+                  f"(`cargo bench -p qforge-kernels --bench gemm -- memory`) runs at "
+                  f"{bandwidth['one_thread'] / 1e9:.1f} GB/s on one thread and "
+                  f"{bandwidth['two_threads'] / 1e9:.1f} GB/s on two, so the INT8 decoder's "
+                  f"weight reads run at {100 * int8_rate / bandwidth['two_threads']:.0f} % of "
+                  "two threads' bandwidth.")
+        f32 = mean_sd([r["decode_tokens_per_s"] for r in runs["f32"]])[0]
+        line = f"\nINT8 / f32: {int8 / f32:.2f}×"
+        if runs["llama.cpp Q8_0"]:
+            line += f"; INT8 / llama.cpp Q8_0: {int8 / mean_sd(runs['llama.cpp Q8_0'])[0]:.2f}×"
+        print(line + ".\n")
     try:
         with open("target/llamacpp-bench.md") as f:
             print("llama.cpp measured right after the benchmarks above, on the same machine (`llama-bench -m f32.gguf "

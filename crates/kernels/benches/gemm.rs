@@ -96,14 +96,25 @@ fn gemm(c: &mut Criterion) {
     group.finish();
 }
 
-/// One thread streaming a 256 MiB buffer (far beyond the caches): the read
-/// bandwidth a single-threaded decode step is bounded by.
+fn sum(words: &[u64]) -> u64 {
+    words.iter().fold(0u64, |acc, &w| acc.wrapping_add(w))
+}
+
+/// One thread, then two (each streaming its half), reading a 256 MiB buffer
+/// far beyond the caches: the read bandwidth a decode step is bounded by.
 fn read_bandwidth(c: &mut Criterion) {
     let words = vec![1u64; 32 << 20];
     let mut group = c.benchmark_group("memory");
     group.throughput(Throughput::Bytes((words.len() * 8) as u64));
-    group.bench_function("read_one_thread_256MiB", |b| {
-        b.iter(|| words.iter().fold(0u64, |acc, &w| acc.wrapping_add(w)))
+    group.bench_function("read_one_thread_256MiB", |b| b.iter(|| sum(&words)));
+    let (low, high) = words.split_at(words.len() / 2);
+    group.bench_function("read_two_threads_256MiB", |b| {
+        b.iter(|| {
+            std::thread::scope(|s| {
+                let other = s.spawn(|| sum(high));
+                sum(low).wrapping_add(other.join().expect("reader thread"))
+            })
+        })
     });
     group.finish();
 }
