@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::gemm::share;
+
 /// How long an idle helper spins before it parks.
 pub const SPIN_BEFORE_PARKING: Duration = Duration::from_micros(200);
 
@@ -85,22 +87,32 @@ impl Team {
         self.helpers.len() + 1
     }
 
-    /// Cuts `data` into [`Team::threads`] chunks of `data.len() / threads`
-    /// elements (the remainder goes to nobody) and runs `f(thread, chunk)`
-    /// for each, thread 0 on the caller; returns when all are done.
+    /// Cuts `data` into [`Team::threads`] chunks, each a whole number of
+    /// `unit`s and as equal as units allow (a remainder shorter than a unit
+    /// goes to nobody), and runs `f(start, chunk)` for each, where `start` is
+    /// the chunk's first index in `data`; the first chunk runs on the caller.
+    /// Returns when all are done.
     ///
     /// # Panics
-    /// If `f` panicked on any thread.
-    pub fn run_chunks<T: Send, F: Fn(usize, &mut [T]) + Sync>(&mut self, data: &mut [T], f: F) {
-        let len = data.len() / self.threads();
+    /// If `unit` is 0, or if `f` panicked on any thread.
+    pub fn run_chunks<T: Send, F: Fn(usize, &mut [T]) + Sync>(
+        &mut self,
+        data: &mut [T],
+        unit: usize,
+        f: F,
+    ) {
+        assert!(unit > 0, "run_chunks: a unit of 0 elements");
+        let (units, threads) = (data.len() / unit, self.threads());
         let base = SendPtr(data.as_mut_ptr());
         self.run(&|thread| {
             let base = &base;
-            // SAFETY: every thread index runs exactly once per `run`, and
-            // chunk `thread` lies within `data`, disjoint from the others;
-            // `data` is borrowed mutably for the whole run.
-            let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(thread * len), len) };
-            f(thread, chunk);
+            let shares = share(units, threads, thread);
+            let (start, len) = (shares.start * unit, shares.len() * unit);
+            // SAFETY: every thread index runs exactly once per `run`, and the
+            // shares of distinct threads are disjoint ranges within `data`,
+            // which is borrowed mutably for the whole run.
+            let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), len) };
+            f(start, chunk);
         });
     }
 
@@ -231,9 +243,11 @@ mod tests {
     fn every_thread_gets_its_own_chunk_once_per_run() {
         for threads in [1, 2, 3] {
             let mut team = Team::new(threads).unwrap();
-            let mut data = vec![0usize; threads * 5 + 1];
+            let mut data = vec![0usize; threads * 10 + 1];
             for round in 1..=200 {
-                team.run_chunks(&mut data, |thread, chunk| {
+                team.run_chunks(&mut data, 2, |start, chunk| {
+                    let thread = start / 10;
+                    assert_eq!(chunk.len(), 10);
                     for v in chunk {
                         *v += thread + 1;
                     }
@@ -258,18 +272,29 @@ mod tests {
     }
 
     #[test]
+    fn chunks_are_whole_units_and_as_equal_as_units_allow() {
+        let mut team = Team::new(2).unwrap();
+        // Nine heads of four values over two threads: five and four heads.
+        let mut data = vec![0usize; 9 * 4 + 3];
+        team.run_chunks(&mut data, 4, |start, chunk| chunk.fill(start + chunk.len()));
+        assert_eq!(&data[..20], &[20; 20]);
+        assert_eq!(&data[20..36], &[36; 16]);
+        assert_eq!(&data[36..], &[0; 3]);
+    }
+
+    #[test]
     fn a_panic_on_a_helper_reaches_the_caller_and_the_team_goes_on() {
         let mut team = Team::new(2).unwrap();
         let mut data = [0u8; 2];
         let outcome = catch_unwind(AssertUnwindSafe(|| {
-            team.run_chunks(&mut data, |thread, _| {
-                if thread == 1 {
+            team.run_chunks(&mut data, 1, |start, _| {
+                if start == 1 {
                     panic!("boom");
                 }
             })
         }));
         assert!(outcome.is_err());
-        team.run_chunks(&mut data, |_, chunk| chunk[0] = 7);
+        team.run_chunks(&mut data, 1, |_, chunk| chunk[0] = 7);
         assert_eq!(data, [7, 7]);
     }
 }

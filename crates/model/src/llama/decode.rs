@@ -61,7 +61,8 @@ impl Projector {
         let part_len: usize = layers.iter().map(|l| l.packed().panels() * PANEL).sum();
         self.sums.resize(threads * part_len, 0);
         let inputs = &self.inputs;
-        self.team.run_chunks(&mut self.sums, |thread, part| {
+        self.team.run_chunks(&mut self.sums, part_len, |start, part| {
+            let thread = start / part_len;
             let mut at = 0;
             for (j, layer) in layers.iter().enumerate() {
                 let packed = layer.packed();
@@ -125,7 +126,6 @@ pub struct Decoder<'m> {
     k: Vec<f32>,
     v: Vec<f32>,
     attended: Vec<f32>,
-    scores: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
     out: Vec<f32>,
@@ -212,7 +212,6 @@ impl<'m> Decoder<'m> {
             k: vec![0.0; kv],
             v: vec![0.0; kv],
             attended: vec![0.0; c.num_heads * c.head_dim],
-            scores: vec![0.0; capacity],
             gate: vec![0.0; c.intermediate_size],
             up: vec![0.0; c.intermediate_size],
             out: vec![0.0; d.max(c.intermediate_size)],
@@ -311,25 +310,31 @@ impl<'m> Decoder<'m> {
             }
             layer.keys[pos * kv..(pos + 1) * kv].copy_from_slice(&self.k);
             layer.values[pos * kv..(pos + 1) * kv].copy_from_slice(&self.v);
-            let seen = pos + 1;
-            for head in 0..heads {
-                let g = head / group;
-                let q = &self.q[head * hd..(head + 1) * hd];
-                let scores = &mut self.scores[..seen];
-                for (t, s) in scores.iter_mut().enumerate() {
-                    let key = &layer.keys[t * kv + g * hd..t * kv + (g + 1) * hd];
-                    *s = dot(q, key) * scale;
-                }
-                softmax(scores);
-                let out = &mut self.attended[head * hd..(head + 1) * hd];
-                out.fill(0.0);
-                for (t, &p) in scores.iter().enumerate() {
-                    let value = &layer.values[t * kv + g * hd..t * kv + (g + 1) * hd];
-                    for (o, &v) in out.iter_mut().zip(value) {
-                        *o += p * v;
-                    }
-                }
-            }
+            let (q, keys, values) = (&self.q, &layer.keys, &layer.values);
+            let capacity = self.capacity;
+            // Heads are independent: each thread of the team attends a share.
+            self.projector
+                .team
+                .run_chunks(&mut self.attended, hd, |start, out| {
+                    SCORES.with_borrow_mut(|scores| {
+                        // Sized once per thread for the longest sequence, so
+                        // that steps do not allocate.
+                        if scores.len() < capacity {
+                            scores.resize(capacity, 0.0);
+                        }
+                        for (i, out) in out.chunks_exact_mut(hd).enumerate() {
+                            let head = start / hd + i;
+                            attend_head(
+                                &q[head * hd..(head + 1) * hd],
+                                (keys, values),
+                                (head / group * hd, kv),
+                                scale,
+                                &mut scores[..pos + 1],
+                                out,
+                            );
+                        }
+                    });
+                });
             let out = &mut self.out[..d];
             self.projector
                 .project(&self.attended, &[layer.o], &mut [out])?;
@@ -372,6 +377,37 @@ fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
         let (a, b) = (first[i], second[i]);
         first[i] = a * cos[i] - b * sin[i];
         second[i] = b * cos[i] + a * sin[i];
+    }
+}
+
+thread_local! {
+    /// Attention scores of one head, per team thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Attention of one query head over the first `scores.len()` positions of
+/// its key/value head, which starts at `offset` in cache rows of `stride`
+/// values.
+fn attend_head(
+    q: &[f32],
+    (keys, values): (&[f32], &[f32]),
+    (offset, stride): (usize, usize),
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    for (t, s) in scores.iter_mut().enumerate() {
+        let at = t * stride + offset;
+        *s = dot(q, &keys[at..at + hd]) * scale;
+    }
+    softmax(scores);
+    out.fill(0.0);
+    for (t, &p) in scores.iter().enumerate() {
+        let at = t * stride + offset;
+        for (o, &v) in out.iter_mut().zip(&values[at..at + hd]) {
+            *o += p * v;
+        }
     }
 }
 
