@@ -55,11 +55,17 @@ const PARALLEL_MIN_MICROS: f64 = 30.0;
 const MACS_PER_MICRO: f64 = 470e3;
 const WEIGHT_BYTES_PER_MICRO: f64 = 100e3;
 
-/// Up to this many rows, threads split the inputs (`k`) rather than the
-/// channels: every thread then reads an equal share of every panel, where a
-/// split by panels leaves one thread a panel more (SmolLM2's 576 channels
-/// are 9 panels) at a cost of one partial-sum buffer per extra thread.
+/// Up to this many rows, threads split the inputs (`k`) of a matrix with few
+/// panels rather than its channels: every thread then reads an equal share of
+/// every panel, where a split by panels leaves one thread a panel more
+/// (SmolLM2's 576 channels are 9 panels), at a cost of one partial-sum buffer
+/// per extra thread.
 const SPLIT_INPUTS_MAX_ROWS: usize = 16;
+
+/// With at least this many panels per thread, a split by panels is even
+/// enough and wins: each thread streams one contiguous range (SmolLM2's
+/// lm_head at M = 1: 114–119 G MAC/s split by panels, 99–102 by inputs).
+pub const SPLIT_CHANNELS_MIN_PANELS_PER_THREAD: usize = 16;
 
 /// A CPU tier of the GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,7 +252,8 @@ impl PackedWeights {
             self.raw_sums(a, rows, 0..panels, 0..groups, sums);
             return 1;
         }
-        if rows <= SPLIT_INPUTS_MAX_ROWS {
+        if rows <= SPLIT_INPUTS_MAX_ROWS && panels < SPLIT_CHANNELS_MIN_PANELS_PER_THREAD * threads
+        {
             let parts = threads.min(groups);
             sums.resize(parts * part_len, 0);
             sums.par_chunks_mut(part_len)

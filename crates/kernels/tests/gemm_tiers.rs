@@ -145,14 +145,16 @@ fn two_threads_give_the_one_thread_bits() {
         .num_threads(2)
         .build()
         .unwrap();
-    // Rows ≤ 16 split the inputs, more rows split the panels; all large
-    // enough to be split at all (≥ 30 µs on one thread); 9 panels do not
+    // All large enough to be split at all (≥ 30 µs on one thread). Up to 16
+    // rows and fewer than 16 panels per thread split the inputs (two partial
+    // sums); many panels or more rows split the panels (one); 9 panels do not
     // halve evenly.
-    for (rows, n, k) in [
-        (1usize, 4000usize, 1001usize),
-        (16, 2000, 700),
-        (17, 1000, 900),
-        (40, 576, 1000),
+    for (rows, n, k, parts) in [
+        (1usize, 1500usize, 2001usize, 2usize),
+        (16, 1200, 1100, 2),
+        (1, 4000, 1001, 1),
+        (17, 1000, 900, 1),
+        (40, 576, 1000, 1),
     ] {
         let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let b: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -162,13 +164,10 @@ fn two_threads_give_the_one_thread_bits() {
             pool.install(|| layer.forward(&x, rows, &mut Scratch::default()).unwrap())
         };
         let (y1, y2) = (run(&one), run(&two));
-        if rows <= 16 {
-            // The split by inputs shows in the number of partial sums.
-            let packed = layer.packed();
-            let a = vec![128u8; rows * packed.row_stride()];
-            let parts = two.install(|| packed.sums(&a, rows, &mut Vec::new()));
-            assert_eq!(parts, 2, "rows {rows} n {n} k {k}");
-        }
+        let packed = layer.packed();
+        let a = vec![128u8; rows * packed.row_stride()];
+        let got = two.install(|| packed.sums(&a, rows, &mut Vec::new()));
+        assert_eq!(got, parts, "partial sums for rows {rows} n {n} k {k}");
         assert_eq!(
             y1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             y2.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),

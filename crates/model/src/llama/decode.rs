@@ -7,7 +7,7 @@
 //! norms, rotary embedding and attention, each op allocating its result.
 
 use candle_core::{DType, Storage, Tensor};
-use qforge_kernels::gemm::{PANEL, share};
+use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD, share};
 use qforge_kernels::{Int8Linear, Team};
 
 use super::{KvCache, Layer, Llama};
@@ -18,7 +18,8 @@ use crate::linear::Linear;
 /// same input (q, k and v; gate and up) are quantized once and computed in
 /// one parallel step, each thread summing an equal share of every layer's
 /// inputs (a GEMV's bytes split evenly whatever its panel count), and the
-/// shares added in the epilogue.
+/// shares added in the epilogue; a lone layer with many panels (lm_head) is
+/// split by panels instead.
 struct Projector {
     team: Team,
     /// Quantized inputs and their scales, one slot per layer of a step (a
@@ -59,34 +60,50 @@ impl Projector {
         }
         let threads = self.team.threads();
         let part_len: usize = layers.iter().map(|l| l.packed().panels() * PANEL).sum();
-        self.sums.resize(threads * part_len, 0);
         let inputs = &self.inputs;
-        self.team.run_chunks(&mut self.sums, part_len, |start, part| {
-            let thread = start / part_len;
-            let mut at = 0;
-            for (j, layer) in layers.iter().enumerate() {
+        let parts = match layers {
+            [layer]
+                if layer.packed().panels() >= SPLIT_CHANNELS_MIN_PANELS_PER_THREAD * threads =>
+            {
+                // Many panels (lm_head): each thread streams a contiguous
+                // range of them, its sums in place.
+                self.sums.resize(part_len, 0);
                 let packed = layer.packed();
-                let len = packed.panels() * PANEL;
-                let groups = share(packed.row_stride() / 4, threads, thread);
-                packed.raw_sums(
-                    &inputs[slot(j)],
-                    1,
-                    0..packed.panels(),
-                    groups,
-                    &mut part[at..at + len],
-                );
-                at += len;
+                let groups = packed.row_stride() / 4;
+                self.team.run_chunks(&mut self.sums, PANEL, |start, sums| {
+                    let first = start / PANEL;
+                    let panels = first..first + sums.len() / PANEL;
+                    packed.raw_sums(&inputs[0], 1, panels, 0..groups, sums);
+                });
+                1
             }
-        });
+            _ => {
+                // Each thread sums an equal share of every layer's inputs.
+                self.sums.resize(threads * part_len, 0);
+                self.team
+                    .run_chunks(&mut self.sums, part_len, |start, part| {
+                        let thread = start / part_len;
+                        let mut at = 0;
+                        for (j, layer) in layers.iter().enumerate() {
+                            let packed = layer.packed();
+                            let len = packed.panels() * PANEL;
+                            let groups = share(packed.row_stride() / 4, threads, thread);
+                            packed.raw_sums(
+                                &inputs[slot(j)],
+                                1,
+                                0..packed.panels(),
+                                groups,
+                                &mut part[at..at + len],
+                            );
+                            at += len;
+                        }
+                    });
+                threads
+            }
+        };
         let mut at = 0;
         for (j, (layer, y)) in layers.iter().zip(outputs.iter_mut()).enumerate() {
-            layer.dequantize(
-                &self.sums[at..],
-                threads,
-                part_len,
-                &self.scales[slot(j)],
-                y,
-            );
+            layer.dequantize(&self.sums[at..], parts, part_len, &self.scales[slot(j)], y);
             at += layer.packed().panels() * PANEL;
         }
         Ok(())
