@@ -194,8 +194,9 @@ impl PackedWeights {
         let mut groups = vec![Group([0; GROUP_BYTES]); panels * groups_per_panel];
         for (c, row) in values.chunks_exact(k).enumerate() {
             let (panel, lane) = (c / PANEL, c % PANEL);
-            for (i, &v) in row.iter().enumerate() {
-                groups[panel * groups_per_panel + i / GROUP].0[lane * GROUP + i % GROUP] = v;
+            let panel_groups = &mut groups[panel * groups_per_panel..][..groups_per_panel];
+            for (group, four) in panel_groups.iter_mut().zip(row.chunks(GROUP)) {
+                group.0[lane * GROUP..lane * GROUP + four.len()].copy_from_slice(four);
             }
         }
         let offsets = values
