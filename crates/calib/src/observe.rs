@@ -1,37 +1,19 @@
 //! Observing one batch: the map step of a pass.
 
 use qforge_core::{Digest, Provenance, Stats};
-use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
-use qforge_model::{Llama, Logits, MlpPolicy, StatsObserver};
+use qforge_model::{Logits, Model, StatsObserver};
 
 use crate::error::{Error, Result};
 use crate::plan::{Batch, Pass, Recipe, Sample};
+use crate::transform::Transform;
 
-/// The model a pass runs.
-#[derive(Debug, Clone)]
-pub enum Target {
-    /// A decoder.
-    Language(Llama),
-    /// A policy.
-    Policy(MlpPolicy),
-}
-
-impl Target {
-    /// The determinism fingerprint of this machine's forward pass: workers
-    /// whose fingerprints agree compute bit-identical activations.
-    pub fn fingerprint(&self) -> Result<Digest> {
-        Ok(match self {
-            Target::Language(model) => llm_fingerprint(model)?,
-            Target::Policy(policy) => policy_fingerprint(policy)?,
-        })
-    }
-}
-
-/// What identifies a calibration: the hashes of model, data and recipe, and the
-/// pass. Every batch's statistics carry it in their provenance.
+/// What identifies a calibration pass: the hashes of model, data and recipe,
+/// and the transforms earlier passes implied. Every batch's statistics carry
+/// it in their provenance.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Job {
-    /// Hash of the model files.
+    /// Hash of the model observed: the model files' digest, chained through
+    /// `transforms` ([`crate::transformed_digest`]).
     pub model: Digest,
     /// Hash of the data file.
     pub data: Digest,
@@ -39,15 +21,19 @@ pub struct Job {
     pub recipe: Recipe,
     /// Batches in the plan (the denominator of coverage).
     pub planned: u64,
+    /// What earlier passes changed in the model, applied in order before
+    /// observing.
+    pub transforms: Vec<Transform>,
 }
 
-/// Runs `batch` through the full-precision model and returns its statistics:
+/// Runs `batch` through the full-precision model `target` (already
+/// transformed as `job.transforms` say) and returns its statistics:
 /// every linear input's histogram (and per-channel abs-max for the smoothing
 /// pass), with the batch's id in the provenance.
-pub fn observe_batch(target: &Target, batch: &Batch, job: &Job) -> Result<Stats> {
+pub fn observe_batch(target: &Model, batch: &Batch, job: &Job) -> Result<Stats> {
     let mut observer = StatsObserver::new(job.recipe.pass == Pass::Smoothing);
     match target {
-        Target::Language(model) => {
+        Model::Language(lm) => {
             let sequences = batch
                 .samples
                 .iter()
@@ -58,9 +44,10 @@ pub fn observe_batch(target: &Target, batch: &Batch, job: &Job) -> Result<Stats>
                     )),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            model.forward(&sequences, None, Some(&mut observer), Logits::Last)?;
+            lm.model
+                .forward(&sequences, None, Some(&mut observer), Logits::Last)?;
         }
-        Target::Policy(policy) => {
+        Model::Policy(policy) => {
             let dim = policy.config().observation_dim;
             let mut rows = Vec::with_capacity(batch.samples.len() * dim);
             for s in &batch.samples {

@@ -1,27 +1,21 @@
 //! `qforge calibrate` (a calibration pass, coordinated on worker threads or
 //! on a Redis cluster) and `qforge worker` (a cluster worker).
 
-use std::path::{Path, PathBuf};
-
-use anyhow::{Context, Result, bail};
-use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use qforge_calib::{
-    Dataset, EpisodeContent, Job, Pass, Plan, Recipe, Stratify, Target, load_jsonl, plan,
-};
+use anyhow::Result;
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use qforge_calib::{Job, Pass, Plan, Recipe, Session, Stratify};
 use qforge_core::codec::encode;
-use qforge_core::{Digest, DigestBuilder};
-use qforge_dist::cluster::{
-    ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, hostname, serve,
+use qforge_dist::cluster::{WorkerOptions, hostname, serve};
+use qforge_dist::{
+    CheckpointStore, ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition,
+    RedisExecutor, RunOptions, RunSummary,
 };
-use qforge_dist::{Backend, CheckpointStore, Embedded, RunOptions, RunSummary, run};
 use serde_json::json;
 
-use qforge_model::TextSide;
-
-use crate::model_cmd::{AnyModel, load_model};
 use crate::output::write_atomic;
 use crate::{OutputFlags, OutputPath, UsageError};
 
@@ -110,12 +104,12 @@ pub(crate) struct BackendArgs {
     #[arg(long, value_name = "URL")]
     pub cluster: Option<String>,
     #[command(flatten)]
-    pub settings: ClusterSettings,
+    pub settings: ClusterArgs,
 }
 
 /// Settings of a cluster run (ignored by the embedded backend).
 #[derive(Args)]
-pub(crate) struct ClusterSettings {
+pub(crate) struct ClusterArgs {
     /// Admit workers whose determinism fingerprint differs from the first
     /// worker's; the statistics are then exact only up to forward-pass rounding
     /// (and say so).
@@ -137,378 +131,111 @@ pub(crate) struct ClusterSettings {
     outage_limit: f64,
 }
 
-/// SHA-256 over the files that make up a model.
-pub fn model_digest(path: &Path) -> Result<Digest> {
-    let mut files: Vec<PathBuf> = if path.is_dir() {
-        std::fs::read_dir(path)
-            .with_context(|| format!("cannot list {}", path.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                name.ends_with(".safetensors") || name.ends_with(".json")
-            })
-            .collect()
-    } else {
-        vec![path.to_owned()]
-    };
-    files.sort();
-    let mut digest = DigestBuilder::default();
-    // Streamed: a model can be far larger than memory allows reading at once.
-    let mut buffer = vec![0u8; 1 << 20];
-    for file in files {
-        let mut reader = std::fs::File::open(&file)
-            .with_context(|| format!("cannot read {}", file.display()))?;
-        digest.update(file.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
-        loop {
-            let n = std::io::Read::read(&mut reader, &mut buffer)
-                .with_context(|| format!("cannot read {}", file.display()))?;
-            if n == 0 {
-                break;
-            }
-            digest.update(&buffer[..n]);
+impl BackendArgs {
+    /// The executor these flags name: threads here, or the Redis run `run`
+    /// (`None`: named after the inputs' hashes), resumed if `resume`.
+    pub fn executor(&self, run: Option<String>, resume: bool) -> Result<Box<dyn Executor>> {
+        if self.workers == Some(0) {
+            return Err(UsageError("--workers must be at least 1".into()).into());
         }
-    }
-    Ok(digest.finish())
-}
-
-/// A calibration loaded from its inputs: the same on the coordinator and on
-/// every worker. `model` is `None` where only the plan was needed (a cluster
-/// coordinator reads the tokenizer, never the weights).
-pub(crate) struct Loaded {
-    pub model: Option<AnyModel>,
-    pub job: Job,
-    pub plan: Plan,
-    pub data: Dataset,
-}
-
-impl Loaded {
-    /// What the workers observe (weights are shared, not copied).
-    fn target(&self) -> Option<Target> {
-        self.model.as_ref().map(|model| match model {
-            AnyModel::Language(lm) => Target::Language(lm.model.clone()),
-            AnyModel::Policy(policy) => Target::Policy(policy.clone()),
+        let s = &self.settings;
+        if !(s.outage_limit.is_finite() && s.outage_limit > 0.0) {
+            return Err(UsageError("--outage-limit must be positive".into()).into());
+        }
+        let settings = ClusterSettings {
+            heartbeat: Duration::from_millis(s.heartbeat_ms),
+            heartbeat_timeout: Duration::from_millis(s.heartbeat_timeout_ms),
+            allow_mixed_hardware: s.allow_mixed_hardware,
+            speculation: s.speculation,
+            outage_limit: Duration::from_secs_f64(s.outage_limit),
+        };
+        settings.validate().map_err(|_| {
+            UsageError(
+                "--heartbeat-timeout-ms must exceed --heartbeat-ms (at least 1), and --speculation be in [1, 2]"
+                    .into(),
+            )
+        })?;
+        Ok(match &self.cluster {
+            Some(url) => Box::new(RedisExecutor {
+                url: url.clone(),
+                run,
+                resume,
+                settings,
+            }),
+            None => Box::new(
+                self.workers
+                    .map_or_else(EmbeddedExecutor::per_core, |threads| EmbeddedExecutor {
+                        threads,
+                    }),
+            ),
         })
     }
 }
 
-/// Whether [`load`] reads the model's weights.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Weights {
-    /// Load them: this process observes batches.
-    Load,
-    /// Skip them: this process only plans.
-    Skip,
+/// A progress bar per calibration pass (hidden when `quiet`), and the line
+/// that tells a cluster's operator which run to start workers for.
+pub(crate) struct PassProgress {
+    bar: ProgressBar,
+    quiet: bool,
 }
 
-/// Loads the data (and the model, or only its tokenizer) and plans the
-/// batches of `recipe`.
-fn load(
-    model_path: &Path,
-    data_path: &Path,
-    recipe: &Recipe,
-    skip_invalid: bool,
-    weights: Weights,
-) -> Result<Loaded> {
-    let data = load_jsonl(data_path, skip_invalid)?;
-    for (line, reason) in &data.skipped {
-        eprintln!("warning: {}:{line}: skipped: {reason}", data_path.display());
-    }
-    let is_policy = model_path.is_dir() && model_path.join("policy.json").exists();
-    let (model, plan) = match (weights, is_policy) {
-        (Weights::Load, _) => {
-            let model = load_model(model_path)?;
-            let plan = match &model {
-                AnyModel::Language(lm) => plan_episodes(&data, recipe, &lm.text)?,
-                AnyModel::Policy(_) => plan(&data, recipe, None)?,
-            };
-            (Some(model), plan)
+impl PassProgress {
+    pub fn new(quiet: bool) -> Self {
+        Self {
+            bar: ProgressBar::hidden(),
+            quiet,
         }
-        (Weights::Skip, true) => (None, plan(&data, recipe, None)?),
-        (Weights::Skip, false) => {
-            if !model_path.exists() {
-                bail!("model {} does not exist", model_path.display());
-            }
-            let text = TextSide::load(model_path)?;
-            (None, plan_episodes(&data, recipe, &text)?)
-        }
-    };
-    let job = Job {
-        model: model_digest(model_path)?,
-        data: data.digest,
-        recipe: recipe.clone(),
-        planned: plan.batches.len() as u64,
-    };
-    Ok(Loaded {
-        model,
-        job,
-        plan,
-        data,
-    })
-}
-
-/// The plan of LLM episodes: chat-formatted (when the model has a template)
-/// and tokenized.
-fn plan_episodes(data: &Dataset, recipe: &Recipe, text: &TextSide) -> Result<Plan> {
-    Ok(plan(
-        data,
-        recipe,
-        Some(&|content| episode_tokens(text, content)),
-    )?)
-}
-
-/// The token ids of an LLM episode, as calibration sees it.
-pub(crate) fn episode_tokens(
-    text: &TextSide,
-    content: &EpisodeContent,
-) -> qforge_calib::Result<Vec<u32>> {
-    let rendered = match content {
-        EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
-        EpisodeContent::Text(t) => t.clone(),
-        EpisodeContent::PromptCompletion { prompt, completion } => {
-            text.chat_text(prompt, completion)?
-        }
-    };
-    Ok(text.tokenizer.encode(&rendered)?)
-}
-
-/// The absolute form of `path`, as workers on other machines must find it.
-fn absolute(path: &Path) -> Result<String> {
-    let path = std::fs::canonicalize(path)
-        .with_context(|| format!("cannot resolve {}", path.display()))?;
-    path.to_str()
-        .map(str::to_owned)
-        .with_context(|| format!("{} is not valid UTF-8", path.display()))
-}
-
-/// Where and how a calibration pass runs.
-pub(crate) struct Calibration<'a> {
-    pub model: &'a Path,
-    pub data: &'a Path,
-    pub recipe: &'a Recipe,
-    pub skip_invalid: bool,
-    /// Worker threads of the embedded backend (default: available cores).
-    pub workers: Option<usize>,
-    /// Redis URL of a cluster run.
-    pub cluster: Option<&'a str>,
-    pub settings: &'a ClusterSettings,
-    pub checkpoint_dir: Option<&'a Path>,
-    pub checkpoint_every: usize,
-    pub run: Option<String>,
-    pub resume: Option<String>,
-    pub min_coverage: f64,
-    /// No progress output (JSON mode).
-    pub quiet: bool,
-}
-
-/// A finished calibration pass.
-pub(crate) struct Calibrated {
-    /// Inputs, plan and (unless a cluster coordinated it) the model.
-    pub loaded: Loaded,
-    pub summary: RunSummary,
-    pub run_name: String,
-    /// `embedded` or `redis`.
-    pub backend: &'static str,
-    /// Threads (embedded) or workers that delivered results (cluster).
-    pub workers: usize,
-}
-
-impl ClusterSettings {
-    fn validate(&self) -> Result<()> {
-        if self.heartbeat_ms == 0 || self.heartbeat_timeout_ms <= self.heartbeat_ms {
-            return Err(UsageError(
-                "--heartbeat-timeout-ms must exceed --heartbeat-ms, which must be at least 1"
-                    .into(),
-            )
-            .into());
-        }
-        if !(1.0..=2.0).contains(&self.speculation)
-            || !self.outage_limit.is_finite()
-            || self.outage_limit <= 0.0
-        {
-            return Err(UsageError(
-                "--speculation must be in [1, 2] and --outage-limit positive".into(),
-            )
-            .into());
-        }
-        Ok(())
     }
-}
 
-/// Runs a calibration pass on the embedded backend or a Redis cluster,
-/// with a progress bar.
-pub(crate) fn run_calibration(c: &Calibration<'_>) -> Result<Calibrated> {
-    if !(0.0..=1.0).contains(&c.min_coverage) {
-        return Err(UsageError("--min-coverage must be in [0, 1]".into()).into());
-    }
-    if c.resume.is_some() && c.checkpoint_dir.is_none() {
-        return Err(UsageError("--resume needs --checkpoint-dir".into()).into());
-    }
-    if c.checkpoint_every == 0 || c.workers == Some(0) {
-        return Err(
-            UsageError("--checkpoint-every and --workers must be at least 1".into()).into(),
-        );
-    }
-    c.recipe.validate().map_err(|e| UsageError(e.to_string()))?;
-    c.settings.validate()?;
-    // A cluster coordinator only plans: the workers load the weights.
-    let weights = if c.cluster.is_some() {
-        Weights::Skip
-    } else {
-        Weights::Load
-    };
-    let loaded = load(c.model, c.data, c.recipe, c.skip_invalid, weights)?;
-    let (job, plan) = (&loaded.job, &loaded.plan);
-    if plan.samples < c.recipe.samples {
-        eprintln!(
-            "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
-            plan.samples, c.recipe.samples
-        );
-    }
-    let threads = c
-        .workers
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let run_name = c.resume.clone().or(c.run.clone()).unwrap_or_else(|| {
-        let mut d = DigestBuilder::default();
-        d.update(&job.model.0);
-        d.update(&job.data.0);
-        d.update(&job.recipe.digest().0);
-        d.finish().to_hex()[..12].to_owned()
-    });
-    let options = RunOptions {
-        checkpoints: c
-            .checkpoint_dir
-            .map(|dir| CheckpointStore::new(dir.join(&run_name))),
-        checkpoint_every: c.checkpoint_every,
-        resume: c.resume.is_some(),
-        min_coverage: c.min_coverage,
-    };
-    let cluster = match c.cluster {
-        None => None,
-        Some(url) => {
-            let settings = c.settings;
-            let mut spec = RunSpec::new(
-                &run_name,
-                &absolute(c.model)?,
-                &absolute(c.data)?,
-                job,
-                plan,
-            );
-            spec.skip_invalid = c.skip_invalid;
-            spec.heartbeat_ms = settings.heartbeat_ms;
-            spec.heartbeat_timeout_ms = settings.heartbeat_timeout_ms;
-            spec.allow_mixed_hardware = settings.allow_mixed_hardware;
-            spec.speculation = settings.speculation;
-            let backend = RedisBackend::open(
-                spec,
-                &ClusterOptions {
-                    url: url.to_owned(),
-                    resume: c.resume.is_some(),
-                    outage_limit: Duration::from_secs_f64(settings.outage_limit),
-                },
-            )?;
-            if !c.quiet {
-                eprintln!(
-                    "run {run_name} is open: start workers with `qforge worker --cluster URL --run {run_name}`"
+    pub fn on_event(&mut self, pass: PassPosition, event: &PassEvent) {
+        match event {
+            PassEvent::Opened { run, batches } => {
+                if self.quiet {
+                    return;
+                }
+                if let (Some(run), 1) = (run, pass.index) {
+                    eprintln!(
+                        "run {run} is open: start workers with `qforge worker --cluster URL --run {run}`"
+                    );
+                }
+                self.bar = ProgressBar::new(*batches as u64);
+                self.bar.set_style(
+                    ProgressStyle::with_template(
+                        "{prefix} {bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}",
+                    )
+                    .expect("valid template"),
                 );
+                if pass.count > 1 {
+                    self.bar
+                        .set_prefix(format!("pass {}/{}", pass.index, pass.count));
+                }
             }
-            Some(backend)
+            PassEvent::Progress(p) => {
+                self.bar.set_position(p.merged as u64);
+                self.bar
+                    .set_message(format!("{} workers, {} retries", p.workers, p.retries));
+                if p.merged == p.planned {
+                    self.bar.finish_and_clear();
+                }
+            }
         }
-    };
-    let embedded;
-    let backend: &dyn Backend = match &cluster {
-        Some(cluster) => cluster,
-        None => {
-            let target = loaded
-                .target()
-                .context("the embedded backend loads the model")?;
-            embedded = Embedded::new(target, job.clone(), threads);
-            &embedded
-        }
-    };
-    let summary = run_with_progress(job, plan, backend, &options, c.quiet);
-    if let Some(cluster) = &cluster {
-        cluster.finish(summary.is_ok())?;
     }
-    let summary = summary?;
-    for warning in &summary.warnings {
-        eprintln!("warning: {warning}");
-    }
-    let workers = if cluster.is_some() {
-        summary.workers.len()
-    } else {
-        threads
-    };
-    Ok(Calibrated {
-        loaded,
-        summary,
-        run_name,
-        backend: if cluster.is_some() {
-            "redis"
-        } else {
-            "embedded"
-        },
-        workers,
-    })
 }
 
-/// Runs a pass on `backend` with a progress bar (hidden when `quiet`).
-fn run_with_progress(
-    job: &Job,
-    plan: &Plan,
-    backend: &dyn Backend,
-    options: &RunOptions,
-    quiet: bool,
-) -> qforge_dist::Result<RunSummary> {
-    let bar = if quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(plan.batches.len() as u64)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}")
-            .expect("valid template"),
-    );
-    let summary = run(job, plan, backend, options, &mut |p| {
-        bar.set_position(p.merged as u64);
-        bar.set_message(format!("{} workers, {} retries", p.workers, p.retries));
-    });
-    bar.finish_and_clear();
-    summary
+impl Drop for PassProgress {
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
+    }
 }
 
-/// Observes `plan` again on `target`, a transform of the model `first`
-/// calibrated (SmoothQuant's second pass), on embedded threads. The
-/// statistics' provenance names the transformed model by `model`.
-pub(crate) fn transformed_pass(
-    first: &Loaded,
-    target: Target,
-    model: Digest,
-    recipe: &Recipe,
-    workers: Option<usize>,
-    quiet: bool,
-) -> Result<RunSummary> {
-    let job = Job {
-        model,
-        data: first.job.data,
-        recipe: recipe.clone(),
-        planned: first.plan.batches.len() as u64,
-    };
-    let threads =
-        workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let backend = Embedded::new(target, job.clone(), threads);
-    let options = RunOptions {
-        checkpoints: None,
-        checkpoint_every: 50,
-        resume: false,
-        min_coverage: 0.0,
-    };
-    Ok(run_with_progress(
-        &job,
-        &first.plan,
-        &backend,
-        &options,
-        quiet,
-    )?)
+/// Prints the data lines a session skipped.
+pub(crate) fn warn_skipped(session: &Session) {
+    for (line, reason) in &session.data.skipped {
+        eprintln!(
+            "warning: {}:{line}: skipped: {reason}",
+            session.data_path.display()
+        );
+    }
 }
 
 /// `qforge calibrate`.
@@ -527,109 +254,166 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
             PassArg::Smoothing => Pass::Smoothing,
         },
     };
-    let Calibrated {
-        loaded,
-        summary,
-        run_name,
-        backend,
-        workers,
-    } = run_calibration(&Calibration {
-        model: &args.model,
-        data: &args.data,
-        recipe: &recipe,
-        skip_invalid: args.skip_invalid,
-        workers: args.backend.workers,
-        cluster: args.backend.cluster.as_deref(),
-        settings: &args.backend.settings,
-        checkpoint_dir: args.checkpoint_dir.as_deref(),
+    recipe.validate().map_err(|e| UsageError(e.to_string()))?;
+    if !(0.0..=1.0).contains(&args.min_coverage) {
+        return Err(UsageError("--min-coverage must be in [0, 1]".into()).into());
+    }
+    if args.resume.is_some() && args.checkpoint_dir.is_none() {
+        return Err(UsageError("--resume needs --checkpoint-dir".into()).into());
+    }
+    if args.checkpoint_every == 0 {
+        return Err(UsageError("--checkpoint-every must be at least 1".into()).into());
+    }
+    let executor = args.backend.executor(
+        args.resume.clone().or(args.run.clone()),
+        args.resume.is_some(),
+    )?;
+    let session = Session::open(
+        &args.model,
+        &args.data,
+        &recipe,
+        args.skip_invalid,
+        executor.weights(),
+    )?;
+    warn_skipped(&session);
+    let plan = &session.plan;
+    if plan.samples < recipe.samples {
+        eprintln!(
+            "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
+            plan.samples, recipe.samples
+        );
+    }
+    let job = session.job(&recipe, &[]);
+    let run_name = args
+        .resume
+        .clone()
+        .or(args.run.clone())
+        .unwrap_or_else(|| session.run_name());
+    let options = RunOptions {
+        checkpoints: args
+            .checkpoint_dir
+            .as_ref()
+            .map(|dir| CheckpointStore::new(dir.join(&run_name))),
         checkpoint_every: args.checkpoint_every,
-        run: args.run.clone(),
-        resume: args.resume.clone(),
+        resume: args.resume.is_some(),
         min_coverage: args.min_coverage,
-        quiet: args.flags.json,
+    };
+    let mut progress = PassProgress::new(args.flags.json);
+    let summary = executor.run_pass(&session, &job, PassPosition::ONLY, &options, &mut |e| {
+        progress.on_event(PassPosition::ONLY, &e)
     })?;
-    let (job, plan) = (&loaded.job, &loaded.plan);
+    drop(progress);
+    for warning in &summary.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let backend = executor.name();
+    let workers = match &args.backend.cluster {
+        Some(_) => summary.workers.len(),
+        None => args
+            .backend
+            .workers
+            .unwrap_or_else(|| EmbeddedExecutor::per_core().threads),
+    };
     write_atomic(&args.output.output, &encode(&summary.stats))?;
     if args.flags.json {
-        let workers: serde_json::Map<String, serde_json::Value> = summary
-            .workers
+        print_calibration_json(&args, &session, &job, &summary, &run_name, backend)?;
+    } else {
+        print_calibration(&args, plan, &summary, workers);
+    }
+    Ok(())
+}
+
+/// `qforge calibrate --json`'s output.
+fn print_calibration_json(
+    args: &CalibrateArgs,
+    session: &Session,
+    job: &Job,
+    summary: &RunSummary,
+    run_name: &str,
+    backend: &str,
+) -> Result<()> {
+    let plan = &session.plan;
+    let workers: serde_json::Map<String, serde_json::Value> = summary
+        .workers
+        .iter()
+        .map(|(name, w)| {
+            (
+                name.clone(),
+                json!({
+                    "merged": w.merged,
+                    "duplicates": w.duplicates,
+                    "failures": w.failures,
+                    "batches_per_s": w.merged as f64 / w.busy_seconds.max(1e-9),
+                }),
+            )
+        })
+        .collect();
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&json!({
+            "output": args.output.output.display().to_string(),
+            "run": run_name,
+            "backend": backend,
+            "planned_batches": summary.planned,
+            "merged_batches": summary.merged,
+            "coverage": summary.coverage,
+            "resumed_batches": summary.resumed,
+            "duplicates": summary.duplicates,
+            "retries": summary.retries,
+            "speculative_executions": summary.speculative,
+            "mixed_hardware": summary.stats.provenance.mixed_hardware,
+            "quarantined": summary.quarantined.iter().map(|(id, e)| json!({"batch": id.to_string(), "error": e})).collect::<Vec<_>>(),
+            "checkpoints_written": summary.checkpoints_written,
+            "samples": plan.samples,
+            "rows": plan.rows,
+            "seconds": summary.seconds,
+            "rows_per_s": plan.rows as f64 / summary.seconds.max(1e-9),
+            // Which rewards the samples came from (`--stratify reward`;
+            // empty otherwise), lowest first.
+            "reward_strata": plan.strata,
+            "workers": workers,
+            "model_sha256": job.model.to_hex(),
+            "data_sha256": job.data.to_hex(),
+            "recipe_sha256": job.recipe.digest().to_hex(),
+        }))?
+    );
+    Ok(())
+}
+
+/// `qforge calibrate`'s summary for a person.
+fn print_calibration(args: &CalibrateArgs, plan: &Plan, summary: &RunSummary, workers: usize) {
+    println!(
+        "wrote {}: {}/{} batches ({:.1} % coverage), {} samples, {} rows in {:.1} s with {} workers{}",
+        args.output.output.display(),
+        summary.merged,
+        summary.planned,
+        100.0 * summary.coverage,
+        plan.samples,
+        plan.rows,
+        summary.seconds,
+        workers,
+        if summary.resumed > 0 {
+            format!(", {} batches resumed from a checkpoint", summary.resumed)
+        } else {
+            String::new()
+        }
+    );
+    if !plan.strata.is_empty() {
+        let strata: Vec<String> = plan
+            .strata
             .iter()
-            .map(|(name, w)| {
-                (
-                    name.clone(),
-                    json!({
-                        "merged": w.merged,
-                        "duplicates": w.duplicates,
-                        "failures": w.failures,
-                        "batches_per_s": w.merged as f64 / w.busy_seconds.max(1e-9),
-                    }),
+            .map(|s| {
+                format!(
+                    "[{}, {}] {}/{}",
+                    s.min_reward, s.max_reward, s.drawn, s.available
                 )
             })
             .collect();
         println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "output": args.output.output.display().to_string(),
-                "run": run_name,
-                "backend": backend,
-                "planned_batches": summary.planned,
-                "merged_batches": summary.merged,
-                "coverage": summary.coverage,
-                "resumed_batches": summary.resumed,
-                "duplicates": summary.duplicates,
-                "retries": summary.retries,
-                "speculative_executions": summary.speculative,
-                "mixed_hardware": summary.stats.provenance.mixed_hardware,
-                "quarantined": summary.quarantined.iter().map(|(id, e)| json!({"batch": id.to_string(), "error": e})).collect::<Vec<_>>(),
-                "checkpoints_written": summary.checkpoints_written,
-                "samples": plan.samples,
-                "rows": plan.rows,
-                "seconds": summary.seconds,
-                "rows_per_s": plan.rows as f64 / summary.seconds.max(1e-9),
-                // Which rewards the samples came from (`--stratify reward`;
-                // empty otherwise), lowest first.
-                "reward_strata": plan.strata,
-                "workers": workers,
-                "model_sha256": job.model.to_hex(),
-                "data_sha256": job.data.to_hex(),
-                "recipe_sha256": job.recipe.digest().to_hex(),
-            }))?
+            "reward strata (rewards, drawn/available): {}",
+            strata.join(", ")
         );
-    } else {
-        println!(
-            "wrote {}: {}/{} batches ({:.1} % coverage), {} samples, {} rows in {:.1} s with {} workers{}",
-            args.output.output.display(),
-            summary.merged,
-            summary.planned,
-            100.0 * summary.coverage,
-            plan.samples,
-            plan.rows,
-            summary.seconds,
-            workers,
-            if summary.resumed > 0 {
-                format!(", {} batches resumed from a checkpoint", summary.resumed)
-            } else {
-                String::new()
-            }
-        );
-        if !plan.strata.is_empty() {
-            let strata: Vec<String> = plan
-                .strata
-                .iter()
-                .map(|s| {
-                    format!(
-                        "[{}, {}] {}/{}",
-                        s.min_reward, s.max_reward, s.drawn, s.available
-                    )
-                })
-                .collect();
-            println!(
-                "reward strata (rewards, drawn/available): {}",
-                strata.join(", ")
-            );
-        }
     }
-    Ok(())
 }
 
 /// Arguments of `qforge worker`.
@@ -675,23 +459,8 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
         wait: Duration::from_secs_f64(args.wait),
         outage_limit: Duration::from_secs_f64(args.outage_limit),
     };
-    let mut prepare = |spec: &RunSpec| -> std::result::Result<Prepared, String> {
-        let loaded = load(
-            Path::new(&spec.model.path),
-            Path::new(&spec.data.path),
-            &spec.recipe,
-            spec.skip_invalid,
-            Weights::Load,
-        )
-        .map_err(|e| format!("{e:#}"))?;
-        Ok(Prepared {
-            target: loaded.target().ok_or("the model did not load")?,
-            job: loaded.job,
-            plan: loaded.plan,
-        })
-    };
     let name = options.name.clone();
-    let report = serve(&options, &mut prepare, &mut |line| {
+    let report = serve(&options, &mut |line| {
         eprintln!("qforge worker {name}: {line}");
     })?;
     eprintln!(

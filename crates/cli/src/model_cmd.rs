@@ -7,14 +7,12 @@ use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::codec::decode;
 use qforge_core::{Calibrator, QuantParams};
 use qforge_model::artifact::is_artifact;
-use qforge_model::fingerprint::{llm_fingerprint, policy_fingerprint};
 use qforge_model::lm::{compare, perplexity};
 use qforge_model::manifest::Manifest;
 use qforge_model::sensitivity::{llm_layer_sqnr, policy_layer_sqnr};
-use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy};
+use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy, Model};
 use serde_json::json;
 
-use crate::calibrate_cmd::model_digest;
 use crate::{OutputFlags, UsageError};
 
 /// Numeric precision to run a model in.
@@ -70,7 +68,7 @@ impl PrecisionArgs {
                 let bytes = std::fs::read(path)
                     .with_context(|| format!("cannot read {}", path.display()))?;
                 let stats = decode(&bytes).with_context(|| format!("{}", path.display()))?;
-                let digest = model_digest(model)?;
+                let digest = qforge_model::open::digest(model)?;
                 if !stats.provenance.models.contains(&digest) {
                     bail!(
                         "{} was calibrated on another model than {}; run `qforge calibrate --model {}` first",
@@ -141,36 +139,11 @@ impl PrecisionArgs {
     }
 }
 
-/// A model file or directory, recognised by its content.
-pub enum AnyModel {
-    /// A decoder with its tokenizer.
-    Language(Box<LanguageModel>),
-    /// An MLP policy.
-    Policy(MlpPolicy),
-}
-
-/// Loads a GGUF file, a Hugging Face directory or a policy directory.
-pub fn load_model(path: &Path) -> Result<AnyModel> {
-    if !path.exists() {
-        bail!("model {} does not exist", path.display());
-    }
-    if path.is_dir() && path.join("policy.json").exists() {
-        return Ok(AnyModel::Policy(MlpPolicy::from_dir(path)?));
-    }
-    if path.is_dir() && !path.join("config.json").exists() {
-        bail!(
-            "{} is neither a policy directory (policy.json) nor a Hugging Face model directory (config.json)",
-            path.display()
-        );
-    }
-    Ok(AnyModel::Language(Box::new(LanguageModel::load(path)?)))
-}
-
 /// Loads a language model; a policy is a usage error.
 pub fn load_language_model(path: &Path) -> Result<LanguageModel> {
-    match load_model(path)? {
-        AnyModel::Language(lm) => Ok(*lm),
-        AnyModel::Policy(_) => Err(UsageError(format!(
+    match qforge_model::open(path)? {
+        Model::Language(lm) => Ok(*lm),
+        Model::Policy(_) => Err(UsageError(format!(
             "{} is a policy; this command needs a language model (GGUF file or Hugging Face directory)",
             path.display()
         ))
@@ -183,7 +156,7 @@ pub fn load_language_model(path: &Path) -> Result<LanguageModel> {
 pub fn recorded_source(manifest: &Manifest) -> Result<PathBuf> {
     let recorded = &manifest.info["source_model"];
     let path = PathBuf::from(recorded["path"].as_str().unwrap_or_default());
-    let digest = model_digest(&path).with_context(|| {
+    let digest = qforge_model::open::digest(&path).with_context(|| {
         format!(
             "the artifact's full-precision source {} is not readable",
             path.display()
@@ -201,9 +174,9 @@ pub fn recorded_source(manifest: &Manifest) -> Result<PathBuf> {
 /// Loads a policy directory or policy artifact; a language model is a usage
 /// error.
 pub fn load_policy(path: &Path) -> Result<MlpPolicy> {
-    match load_model(path)? {
-        AnyModel::Policy(policy) => Ok(policy),
-        AnyModel::Language(_) => Err(UsageError(format!(
+    match qforge_model::open(path)? {
+        Model::Policy(policy) => Ok(policy),
+        Model::Language(_) => Err(UsageError(format!(
             "{} is a language model; this command runs policies (a policy directory or a policy artifact)",
             path.display()
         ))
@@ -512,20 +485,24 @@ fn layers(args: LayersArgs) -> Result<()> {
         )
         .into());
     };
-    let mut report = match (load_model(&args.model)?, &args.text, &args.observations) {
-        (AnyModel::Language(lm), Some(text), _) => {
+    let mut report = match (
+        qforge_model::open(&args.model)?,
+        &args.text,
+        &args.observations,
+    ) {
+        (Model::Language(lm), Some(text), _) => {
             let mut tokens = read_text_tokens(&lm, text)?;
             tokens.truncate(args.ctx);
             llm_layer_sqnr(&lm.model, &tokens, &activations)?
         }
-        (AnyModel::Policy(policy), _, Some(path)) => {
+        (Model::Policy(policy), _, Some(path)) => {
             let observations = read_observations(path, policy.config().observation_dim)?;
             policy_layer_sqnr(&policy, &observations, &activations)?
         }
-        (AnyModel::Language(_), None, _) => {
+        (Model::Language(_), None, _) => {
             return Err(UsageError("a language model needs --text".into()).into());
         }
-        (AnyModel::Policy(_), _, None) => {
+        (Model::Policy(_), _, None) => {
             return Err(UsageError("a policy needs --observations".into()).into());
         }
     };
@@ -598,10 +575,7 @@ pub struct FingerprintArgs {
 
 /// `qforge fingerprint`: the hash of the activations of a fixed probe batch.
 pub fn fingerprint(args: FingerprintArgs) -> Result<()> {
-    let digest = match load_model(&args.model)? {
-        AnyModel::Language(lm) => llm_fingerprint(&lm.model)?,
-        AnyModel::Policy(policy) => policy_fingerprint(&policy)?,
-    };
+    let digest = qforge_model::open(&args.model)?.fingerprint()?;
     if args.flags.json {
         println!("{}", json!({ "fingerprint": digest.to_hex() }));
     } else {

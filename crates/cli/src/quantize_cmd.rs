@@ -1,31 +1,19 @@
 //! `qforge quantize`: calibrate → recipe → guard → native artifact, with
 //! `report.json`, `report.html` and `manifest.json`, written atomically.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use qforge_calib::{Pass, Record, Sample, Target};
-use qforge_core::DigestBuilder;
-use qforge_model::LanguageModel;
-use qforge_model::artifact::{write_language_model, write_policy};
+use qforge_dist::{PassEvent, PassPosition};
+use qforge_model::Format;
 use qforge_model::manifest::write_manifest;
-use qforge_model::profile::CalibrationProfile;
-use qforge_quant::pipeline::describe;
+use qforge_quant::guard::describe;
 use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
-use qforge_quant::smoothing::smoothing_factors;
-use qforge_quant::{
-    CalibrationSummary, DeliveryEntry, FpModel, HeldOut, QuantRecipe, Report, WorkerSummary,
-    quantize,
-};
+use qforge_quant::{Inputs, Listener, Pipeline, QuantRecipe};
 use serde_json::json;
 
-use crate::calibrate_cmd::{
-    BackendArgs, Calibrated, Calibration, StratifyArg, episode_tokens, run_calibration,
-    transformed_pass,
-};
-use crate::model_cmd::{AnyModel, load_model};
+use crate::calibrate_cmd::{BackendArgs, PassProgress, StratifyArg};
 use crate::output::write_dir_atomic;
 use crate::{GuardRefusal, OutputFlags, UsageError};
 
@@ -123,7 +111,9 @@ pub struct QuantizeArgs {
     /// [quantize] keep a language model's lm_head in full precision.
     #[arg(long, help_heading = "Recipe overrides")]
     fp_lm_head: bool,
-    /// [smoothing] run SmoothQuant (language models, embedded backend).
+    /// [smoothing] run SmoothQuant (language models): a first pass records
+    /// per-channel abs-max, a second calibrates the smoothed model, on any
+    /// backend.
     #[arg(long, help_heading = "Recipe overrides")]
     smoothquant: bool,
     /// [smoothing] migration strength α in [0, 1].
@@ -218,125 +208,6 @@ fn bundled(relative: &str) -> Result<PathBuf> {
         })
 }
 
-/// Held-out data: --eval-data, or what calibration did not draw.
-fn held_out(
-    args: &QuantizeArgs,
-    model: &AnyModel,
-    calibrated: &Calibrated,
-    ctx: usize,
-) -> Result<(HeldOut, String)> {
-    match (model, &args.eval_data) {
-        (AnyModel::Policy(policy), eval) => {
-            let dim = policy.config().observation_dim;
-            let (records, drawn, source) = match eval {
-                Some(path) => (
-                    qforge_calib::load_jsonl(path, false)?.records,
-                    HashSet::new(),
-                    path.display().to_string(),
-                ),
-                None => {
-                    let drawn: HashSet<Vec<u32>> = calibrated
-                        .loaded
-                        .plan
-                        .samples()
-                        .filter_map(|s| match s {
-                            Sample::Observation(o) => Some(o.iter().map(|v| v.to_bits()).collect()),
-                            Sample::Tokens(_) => None,
-                        })
-                        .collect();
-                    (
-                        calibrated.loaded.data.records.clone(),
-                        drawn,
-                        "observations of --data not drawn for calibration".to_owned(),
-                    )
-                }
-            };
-            let mut observations = Vec::new();
-            for record in &records {
-                let Record::Trajectory {
-                    observations: rows, ..
-                } = record
-                else {
-                    bail!("the held-out data holds LLM episodes; a policy needs trajectories");
-                };
-                for row in rows {
-                    if row.len() != dim {
-                        bail!(
-                            "a held-out observation has {} values; the policy takes {dim}",
-                            row.len()
-                        );
-                    }
-                    let bits: Vec<u32> = row.iter().map(|v| v.to_bits()).collect();
-                    if !drawn.contains(&bits) {
-                        observations.extend_from_slice(row);
-                    }
-                }
-            }
-            if observations.is_empty() {
-                bail!(
-                    "no held-out observations: calibration drew all of them; lower --samples or pass --eval-data FILE"
-                );
-            }
-            let rows = observations.len() / dim;
-            Ok((
-                HeldOut::Observations(observations),
-                format!("{rows} {source}"),
-            ))
-        }
-        (AnyModel::Language(lm), Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read {} as UTF-8 text", path.display()))?;
-            let tokens = lm.text.tokenizer.encode(&text)?;
-            if tokens.len() < ctx {
-                bail!(
-                    "{} has {} tokens; the guard needs at least --ctx ({ctx})",
-                    path.display(),
-                    tokens.len()
-                );
-            }
-            let n = tokens.len();
-            Ok((
-                HeldOut::Tokens(tokens),
-                format!("{n} tokens of {}", path.display()),
-            ))
-        }
-        (AnyModel::Language(lm), None) => {
-            let drawn: HashSet<&[u32]> = calibrated
-                .loaded
-                .plan
-                .samples()
-                .filter_map(|s| match s {
-                    Sample::Tokens(t) => Some(&t[..]),
-                    Sample::Observation(_) => None,
-                })
-                .collect();
-            let mut tokens = Vec::new();
-            let mut episodes = 0;
-            for record in &calibrated.loaded.data.records {
-                if let Record::Episode { content, .. } = record {
-                    let ids = episode_tokens(&lm.text, content)?;
-                    let truncated = &ids[..ids.len().min(calibrated.loaded.job.recipe.seq_len)];
-                    if !ids.is_empty() && !drawn.contains(truncated) {
-                        tokens.extend_from_slice(&ids);
-                        episodes += 1;
-                    }
-                }
-            }
-            if tokens.len() < ctx {
-                bail!(
-                    "only {} held-out tokens ({episodes} episodes not drawn for calibration); the guard needs at least --ctx ({ctx}): pass --eval-data TEXT or lower --samples",
-                    tokens.len()
-                );
-            }
-            let n = tokens.len();
-            Ok((
-                HeldOut::Tokens(tokens),
-                format!("{n} tokens of {episodes} episodes not drawn for calibration"),
-            ))
-        }
-    }
-}
-
 /// Runs scripts/eval-return on the artifact in `dir` and returns its JSON.
 fn return_check(dir: &Path, env: &str, episodes: usize) -> Result<serde_json::Value> {
     let script = bundled("scripts/eval-return")?;
@@ -360,237 +231,89 @@ fn return_check(dir: &Path, env: &str, episodes: usize) -> Result<serde_json::Va
     serde_json::from_slice(&output.stdout).context("the return check printed no JSON")
 }
 
+/// The pipeline's events on the terminal: progress bars per pass and lines
+/// on stderr (only warnings with `--json`).
+struct Terminal {
+    progress: PassProgress,
+    quiet: bool,
+}
+
+impl Listener for Terminal {
+    fn message(&mut self, line: &str) {
+        if !self.quiet || line.starts_with("warning:") {
+            eprintln!("{line}");
+        }
+    }
+
+    fn pass_event(&mut self, pass: PassPosition, event: &PassEvent) {
+        self.progress.on_event(pass, event);
+    }
+}
+
 /// `qforge quantize`.
 pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     let recipe = args.recipe()?;
-    let (model_path, data_path) = match (&args.model, &args.data) {
+    let (model, data) = match (&args.model, &args.data) {
         (Some(m), Some(d)) => (m.clone(), d.clone()),
         _ => (bundled(BUNDLED_MODEL)?, bundled(BUNDLED_DATA)?),
     };
-    let quiet = args.flags.json;
-    let say = |line: &str| {
-        if !quiet {
-            eprintln!("{line}");
-        }
-    };
-    say(&format!(
-        "calibrating {} on {}",
-        model_path.display(),
-        data_path.display()
-    ));
-    if args.env.is_some() && !model_path.join("policy.json").exists() {
+    let is_policy = Format::is_policy(&model)?;
+    if args.env.is_some() && !is_policy {
         return Err(UsageError(
             "--env checks the return of a policy; language models are guarded by perplexity".into(),
         )
         .into());
     }
-    let mut calibration_recipe = recipe.calibration_recipe();
-    if recipe.smoothing.enabled {
-        if args.backend.cluster.is_some() {
-            return Err(UsageError(
-                "SmoothQuant's second pass runs on the embedded backend; drop --cluster or the smoothing"
-                    .into(),
-            )
+    if recipe.smoothing.enabled && is_policy {
+        return Err(UsageError(SMOOTHING_NEEDS_NORMS.into()).into());
+    }
+    let executor = args.backend.executor(None, false)?;
+    let pipeline = Pipeline::new(recipe, executor.as_ref())?;
+    let quiet = args.flags.json;
+    let mut terminal = Terminal {
+        progress: PassProgress::new(quiet),
+        quiet,
+    };
+    terminal.message(&format!(
+        "calibrating {} on {}",
+        model.display(),
+        data.display()
+    ));
+    let inputs = Inputs {
+        model,
+        data,
+        eval_data: args.eval_data.clone(),
+        skip_invalid: args.skip_invalid,
+    };
+    let quantized = pipeline.run(&inputs, &mut terminal)?;
+    drop(terminal);
+    write_dir_atomic(&args.output, |dir| {
+        let mut info = quantized.write(dir)?;
+        let Some(env) = args.env.as_ref().filter(|_| quantized.accepted()) else {
+            return Ok(());
+        };
+        // The return check needs the written artifact (and its manifest,
+        // which names the FP source); the manifest is then rewritten with
+        // the result.
+        let result = return_check(dir, env, args.env_episodes)?;
+        let consistency = result["consistency"].as_f64().unwrap_or(f64::NAN);
+        if !quiet {
+            eprintln!("guard: return in {env}: {result}");
+        }
+        info["guard"]["return"] = result;
+        if consistency.is_nan() || consistency < args.min_return_consistency {
+            return Err(GuardRefusal(format!(
+                "return consistency {consistency:.4} in {env} is below {}; no artifact written",
+                args.min_return_consistency
+            ))
             .into());
         }
-        if model_path.join("policy.json").exists() {
-            return Err(UsageError(SMOOTHING_NEEDS_NORMS.into()).into());
-        }
-        // The first pass also records each input channel's abs-max.
-        calibration_recipe.pass = Pass::Smoothing;
-    }
-    let calibrated = run_calibration(&Calibration {
-        model: &model_path,
-        data: &data_path,
-        recipe: &calibration_recipe,
-        skip_invalid: args.skip_invalid,
-        workers: args.backend.workers,
-        cluster: args.backend.cluster.as_deref(),
-        settings: &args.backend.settings,
-        checkpoint_dir: None,
-        checkpoint_every: 50,
-        run: None,
-        resume: None,
-        // The recipe decides what low coverage means; the pass itself only
-        // has to finish.
-        min_coverage: 0.0,
-        quiet,
-    })?;
-    let summary = &calibrated.summary;
-    say(&format!(
-        "calibrated: {}/{} batches on {} {} workers in {:.2} s",
-        summary.merged, summary.planned, calibrated.workers, calibrated.backend, summary.seconds
-    ));
-    // A cluster coordinator did not load the weights.
-    let model = match &calibrated.loaded.model {
-        Some(_) => None,
-        None => Some(load_model(&model_path)?),
-    };
-    let model = model
-        .as_ref()
-        .or(calibrated.loaded.model.as_ref())
-        .expect("loaded above");
-    let (held, held_description) = held_out(&args, model, &calibrated, recipe.guard.ctx)?;
-    say(&format!("guard data: {held_description}"));
-    let smoothed = match (recipe.smoothing.enabled, model) {
-        (false, _) => None,
-        (true, AnyModel::Policy(_)) => return Err(UsageError(SMOOTHING_NEEDS_NORMS.into()).into()),
-        (true, AnyModel::Language(lm)) => {
-            let alpha = recipe.smoothing.alpha;
-            let factors = smoothing_factors(&lm.model, &summary.stats, alpha)?;
-            let smoothed = lm.model.smoothed(&factors)?;
-            // The smoothed model is named by the original and its factors.
-            let mut digest = DigestBuilder::default();
-            digest.update(&calibrated.loaded.job.model.0);
-            digest.update(format!("qforge.smoothquant.v1 alpha={alpha}").as_bytes());
-            for (point, s) in &factors {
-                digest.update(point.as_bytes());
-                for v in s {
-                    digest.update(&v.to_le_bytes());
-                }
-            }
-            let digest = digest.finish();
-            say(&format!(
-                "smoothing {} layer inputs (alpha {alpha}); calibrating the smoothed model",
-                factors.len()
-            ));
-            let second = transformed_pass(
-                &calibrated.loaded,
-                Target::Language(smoothed.clone()),
-                digest,
-                &recipe.calibration_recipe(),
-                args.backend.workers,
-                quiet,
-            )?;
-            Some((smoothed, digest, second))
-        }
-    };
-    let (fp, stats) = match (model, &smoothed) {
-        (AnyModel::Language(_), Some((smoothed, _, second))) => {
-            (FpModel::Language(smoothed), &second.stats)
-        }
-        (AnyModel::Language(lm), None) => (FpModel::Language(&lm.model), &summary.stats),
-        (AnyModel::Policy(p), _) => (FpModel::Policy(p), &summary.stats),
-    };
-    let reference = match model {
-        AnyModel::Policy(p) => FpModel::Policy(p),
-        AnyModel::Language(lm) => FpModel::Language(&lm.model),
-    };
-    let decision = quantize(fp, reference, stats, &held, &recipe, &mut |line| say(line))?;
-
-    let job = &calibrated.loaded.job;
-    let report = Report {
-        qforge_version: env!("CARGO_PKG_VERSION").into(),
-        model: model_path.display().to_string(),
-        kind: match model {
-            AnyModel::Policy(_) => "policy".into(),
-            AnyModel::Language(_) => "language-model".into(),
-        },
-        recipe: recipe.clone(),
-        calibration: CalibrationSummary {
-            backend: calibrated.backend.into(),
-            planned: summary.planned,
-            merged: summary.merged,
-            duplicates: summary.duplicates,
-            retries: summary.retries,
-            seconds: summary.seconds,
-            workers: summary
-                .workers
-                .iter()
-                .map(|(name, w)| WorkerSummary {
-                    name: name.clone(),
-                    merged: w.merged,
-                    duplicates: w.duplicates,
-                    failures: w.failures,
-                    busy_seconds: w.busy_seconds,
-                })
-                .collect(),
-            timeline: summary
-                .timeline
-                .iter()
-                .map(|d| DeliveryEntry {
-                    worker: d.worker.clone(),
-                    batch: d.batch,
-                    at_seconds: d.at_seconds,
-                    busy_seconds: d.busy_seconds,
-                    merged: d.merged,
-                })
-                .collect(),
-            model_sha256: job.model.to_hex(),
-            data_sha256: job.data.to_hex(),
-            recipe_sha256: job.recipe.digest().to_hex(),
-        },
-        decision,
-    };
-    let html = report.to_html()?;
-    let d = &report.decision;
-    write_dir_atomic(&args.output, |dir| {
-        std::fs::write(dir.join("report.json"), report.to_json())
-            .context("cannot write report.json")?;
-        std::fs::write(dir.join("report.html"), &html).context("cannot write report.html")?;
-        if !d.accepted {
-            return Ok(());
-        }
-        match (model, &smoothed) {
-            (AnyModel::Policy(p), _) => write_policy(dir, p, &d.points)?,
-            (AnyModel::Language(lm), None) => write_language_model(dir, lm, &d.points)?,
-            (AnyModel::Language(lm), Some((smoothed, _, _))) => {
-                // The factors are folded into the written weights and norms.
-                let smoothed_lm = LanguageModel {
-                    model: smoothed.clone(),
-                    text: lm.text.clone(),
-                    source: lm.source.clone(),
-                };
-                write_language_model(dir, &smoothed_lm, &d.points)?
-            }
-        }
-        // What the served model's inputs looked like in calibration, for
-        // `qforge serve`'s drift monitor.
-        CalibrationProfile::from_stats(&stats.tensors).write(dir)?;
-        let mut info = json!({
-                "kind": "native",
-                "source_model": {
-                    "path": std::fs::canonicalize(&model_path)
-                        .unwrap_or(model_path.clone())
-                        .display()
-                        .to_string(),
-                    "sha256": job.model.to_hex(),
-                },
-                "data_sha256": job.data.to_hex(),
-                "calibration_recipe_sha256": job.recipe.digest().to_hex(),
-                "recipe": recipe,
-                "smoothed_model_sha256": smoothed.as_ref().map(|(_, digest, _)| digest.to_hex()),
-                "coverage": d.coverage,
-                "guard": {
-                    "held_out": held_description,
-                    "reference": d.reference,
-                    "before": d.before,
-                    "after": d.after,
-                    "fp_layers": d.fp_layers,
-                    "total_layers": d.total_layers,
-                },
-        });
-        write_manifest(dir, info.clone())?;
-        if let Some(env) = &args.env {
-            // The return check needs the written artifact (and its manifest,
-            // which names the FP source); the manifest is then rewritten
-            // with the result.
-            let result = return_check(dir, env, args.env_episodes)?;
-            let consistency = result["consistency"].as_f64().unwrap_or(f64::NAN);
-            say(&format!("guard: return in {env}: {result}"));
-            info["guard"]["return"] = result;
-            if consistency.is_nan() || consistency < args.min_return_consistency {
-                return Err(GuardRefusal(format!(
-                    "return consistency {consistency:.4} in {env} is below {}; no artifact written",
-                    args.min_return_consistency
-                ))
-                .into());
-            }
-            write_manifest(dir, info)?;
-        }
+        write_manifest(dir, info)?;
         Ok(())
     })?;
-
+    let d = &quantized.report.decision;
+    let held_description = &quantized.held_out;
+    let model_path = &inputs.model;
     let out = args.output.display().to_string();
     if args.flags.json {
         println!(

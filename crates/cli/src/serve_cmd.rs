@@ -17,7 +17,8 @@ use qforge_serve::{
 };
 
 use crate::UsageError;
-use crate::model_cmd::{AnyModel, load_language_model, load_model, load_policy, recorded_source};
+use crate::model_cmd::{load_language_model, load_policy, recorded_source};
+use qforge_model::Model;
 
 /// The environment variable holding the bearer token clients must send
 /// (kept out of the command line, which other users can read).
@@ -200,15 +201,15 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         (None, false) => RolloutMode::Int8Only,
     };
     let calibration = calibration(&args.model)?;
-    let served = match load_model(&args.model)? {
-        AnyModel::Policy(model) => Served::Policy {
+    let served = match qforge_model::open(&args.model)? {
+        Model::Policy(model) => Served::Policy {
             model,
             reference: reference_path(&args, mode)?
                 .map(|p| load_policy(&p))
                 .transpose()?,
             calibration,
         },
-        AnyModel::Language(model) => {
+        Model::Language(model) => {
             let reference = reference_path(&args, mode)?
                 .map(|p| load_language_model(&p))
                 .transpose()?;

@@ -4,8 +4,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use qforge_calib::{Job, Plan, Target, observe_batch};
+use qforge_calib::{Job, Plan, observe_batch};
 use qforge_core::Stats;
+use qforge_model::Model;
 
 use crate::error::{Error, Result};
 
@@ -81,14 +82,14 @@ pub trait Backend {
 /// N worker threads in this process, sharing the model (weights are shared,
 /// not copied). The default backend: no services needed.
 pub struct Embedded {
-    target: Target,
+    target: Model,
     job: Job,
     workers: usize,
 }
 
 impl Embedded {
     /// A backend of `workers` threads (at least 1).
-    pub fn new(target: Target, job: Job, workers: usize) -> Self {
+    pub fn new(target: Model, job: Job, workers: usize) -> Self {
         Self {
             target,
             job,

@@ -6,6 +6,9 @@ pub enum Error {
     /// Observing a batch failed.
     #[error(transparent)]
     Calib(#[from] qforge_calib::Error),
+    /// The model failed (loading it, or its forward pass).
+    #[error(transparent)]
+    Model(#[from] qforge_model::Error),
     /// Merging or decoding statistics failed.
     #[error(transparent)]
     Core(#[from] qforge_core::Error),
@@ -59,9 +62,11 @@ impl Error {
             | Error::Coverage { .. }
             | Error::WorkerPanic(_)
             | Error::Cluster(_) => true,
-            Error::Calib(_) | Error::Core(_) | Error::ForeignResult { .. } | Error::Refused(_) => {
-                false
-            }
+            Error::Calib(_)
+            | Error::Model(_)
+            | Error::Core(_)
+            | Error::ForeignResult { .. }
+            | Error::Refused(_) => false,
         }
     }
 }

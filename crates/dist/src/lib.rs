@@ -1,23 +1,28 @@
 //! `qforge-dist`: where calibration passes run.
 //!
 //! It owns the [`Backend`] trait (the map step: batches in, outcomes out), the
-//! embedded backend (worker threads in this process), the [`coordinator`]
+//! embedded backend (worker threads in this process), the [`Executor`]s that
+//! run a pipeline's passes one at a time on either, the [`coordinator`]
 //! (the reduce step: each batch id merged exactly once, retries, quarantine,
 //! coverage) and [`checkpoint`]s. Because merging is exact and order-free, the
 //! statistics of a run are byte-identical whatever the backend, the number of
 //! workers, the order results arrive in, and the failures on the way. It
-//! depends on `qforge-calib` and `qforge-core`.
+//! depends on `qforge-calib`, `qforge-model` and `qforge-core`.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod cluster;
 pub mod coordinator;
 pub mod error;
+pub mod executor;
 
 pub use backend::{Backend, Embedded, Next, Outcome};
 pub use checkpoint::CheckpointStore;
 pub use coordinator::{Delivery, Progress, RunOptions, RunSummary, run};
 pub use error::{Error, Result};
+pub use executor::{
+    ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition, RedisExecutor,
+};
 
 /// The build a worker reports when it joins a run.
 pub const BUILD: &str = concat!("qforge ", env!("CARGO_PKG_VERSION"));

@@ -13,39 +13,45 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use qforge_calib::{Job, Plan, Recipe, Target, load_jsonl, plan};
-use qforge_core::Digest;
+use qforge_calib::{Job, Plan, Recipe, Session, Weights, load_jsonl};
 use qforge_core::codec::encode;
-use qforge_dist::cluster::{ClusterOptions, Prepared, RedisBackend, RunSpec, WorkerOptions, serve};
+use qforge_dist::cluster::{
+    ClusterOptions, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
+};
 use qforge_dist::{
     Backend, CheckpointStore, Embedded, Error, Next, Outcome, RunOptions, RunSummary, run,
 };
-use qforge_model::MlpPolicy;
+use qforge_model::{MlpPolicy, Model};
 use redis_server::RedisServer;
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/pendulum")
 }
 
-fn setup() -> (Target, Job, Plan) {
-    let policy = MlpPolicy::from_dir(&fixture()).unwrap();
-    let data = load_jsonl(&fixture().join("rollouts.jsonl"), false).unwrap();
+/// The Pendulum policy and its rollouts, planned into 19 batches of 32.
+fn session() -> Session {
     let recipe = Recipe {
         samples: 600,
         batch_size: 32,
         ..Recipe::default()
     };
-    let plan = plan(&data, &recipe, None).unwrap();
-    let job = Job {
-        model: Digest::of(b"pendulum fixture"),
-        data: data.digest,
-        recipe,
-        planned: plan.batches.len() as u64,
-    };
-    (Target::Policy(policy), job, plan)
+    Session::open(
+        &fixture(),
+        &fixture().join("rollouts.jsonl"),
+        &recipe,
+        false,
+        Weights::Load,
+    )
+    .unwrap()
 }
 
-fn clean_bytes(target: &Target, job: &Job, plan: &Plan) -> Vec<u8> {
+fn setup() -> (Model, Job, Plan) {
+    let session = session();
+    let job = session.job(&session.recipe, &[]);
+    (session.model.clone().unwrap(), job, session.plan)
+}
+
+fn clean_bytes(target: &Model, job: &Job, plan: &Plan) -> Vec<u8> {
     let backend = Embedded::new(target.clone(), job.clone(), 1);
     let summary = run(job, plan, &backend, &RunOptions::default(), &mut |_| {}).unwrap();
     assert_eq!(summary.coverage, 1.0);
@@ -82,7 +88,7 @@ fn run_on(
         let backend = Embedded::new(target, job.clone(), workers);
         return run(&job, &plan, &faults.wrap(&backend), options, &mut |_| {});
     };
-    let mut spec = RunSpec::new(name, "pendulum", "rollouts.jsonl", &job, &plan);
+    let mut spec = RunSpec::new(name, &session(), &job)?;
     // Speculation would add duplicates whose count depends on timing; the
     // counting assertions below want none (speculation is tested with real
     // processes in the CLI tests).
@@ -99,7 +105,6 @@ fn run_on(
     )?;
     std::thread::scope(|scope| {
         for w in 0..workers {
-            let (target, job, plan) = (target.clone(), job.clone(), plan.clone());
             let worker = WorkerOptions {
                 url: server.url(),
                 run: Some(name.to_owned()),
@@ -108,16 +113,7 @@ fn run_on(
                 wait: Duration::from_secs(10),
                 outage_limit: Duration::from_secs(10),
             };
-            scope.spawn(move || {
-                let mut prepare = |_: &RunSpec| {
-                    Ok(Prepared {
-                        target: target.clone(),
-                        job: job.clone(),
-                        plan: plan.clone(),
-                    })
-                };
-                serve(&worker, &mut prepare, &mut |_| {}).unwrap();
-            });
+            scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
         }
         let summary = run(&job, &plan, &faults.wrap(&backend), options, &mut |_| {});
         backend.finish(summary.is_ok()).unwrap();
@@ -426,9 +422,6 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         return;
     };
     let (target, job, plan) = setup();
-    let Target::Policy(policy) = &target else {
-        unreachable!()
-    };
     let perturbed = {
         let dir = fixture();
         let config = std::fs::read(dir.join("policy.json")).unwrap();
@@ -436,15 +429,15 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         // Flip the lowest mantissa bit of the last weight (little-endian f32).
         let last = weights.len() - 4;
         weights[last] ^= 1;
-        Target::Policy(MlpPolicy::from_bytes(&config, &weights).unwrap())
+        Model::Policy(MlpPolicy::from_bytes(&config, &weights).unwrap())
     };
     assert_ne!(
         perturbed.fingerprint().unwrap(),
-        Target::Policy(policy.clone()).fingerprint().unwrap()
+        target.fingerprint().unwrap()
     );
     for allow in [false, true] {
         let run_name = format!("mixed-{allow}");
-        let mut spec = RunSpec::new(&run_name, "pendulum", "rollouts.jsonl", &job, &plan);
+        let mut spec = RunSpec::new(&run_name, &session(), &job).unwrap();
         spec.allow_mixed_hardware = allow;
         spec.heartbeat_ms = 100;
         spec.heartbeat_timeout_ms = 600;
@@ -465,18 +458,18 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
             wait: Duration::from_secs(10),
             outage_limit: Duration::from_secs(10),
         };
-        let serve_with = |name: &str, target: &Target| {
-            let mut prepare = |_: &RunSpec| {
-                Ok(Prepared {
-                    target: target.clone(),
-                    job: job.clone(),
-                    plan: plan.clone(),
-                })
+        // Both load the fixture's files; the odd one then computes with
+        // the perturbed weights.
+        let serve_as = |name: &str, model: &Model| {
+            let mut open = |_: &RunSpec| {
+                let mut session = session();
+                session.model = Some(model.clone());
+                Ok(session)
             };
-            serve(&worker(name), &mut prepare, &mut |_| {})
+            serve_with(&worker(name), &mut open, &mut |_| {})
         };
         let summary = std::thread::scope(|scope| {
-            let reference = scope.spawn(|| serve_with("reference", &target));
+            let reference = scope.spawn(|| serve_as("reference", &target));
             // The odd worker joins once the first has set the reference.
             let client = redis::Client::open(server.url()).unwrap();
             let mut connection = client.get_connection().unwrap();
@@ -489,7 +482,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
             {
                 std::thread::sleep(Duration::from_millis(5));
             }
-            let odd = scope.spawn(|| serve_with("odd", &perturbed));
+            let odd = scope.spawn(|| serve_as("odd", &perturbed));
             // Tasks are enqueued by `run`, once both have registered.
             let workers = format!("qforge:{{{run_name}}}:workers");
             while redis::cmd("HLEN")

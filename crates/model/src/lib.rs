@@ -6,9 +6,9 @@
 //! ([`Observer`]), tokenizers, generation, evaluation (perplexity, model
 //! comparison, action agreement) and the determinism fingerprint.
 //!
-//! It depends on `qforge-core` only (and on `qforge-kernels` once the INT8
-//! engine exists); it must not depend on calibration, distribution, serving
-//! or the CLI.
+//! It depends on `qforge-core` and on `qforge-kernels` (the INT8 engine
+//! behind [`Linear::Int8`]); it must not depend on calibration,
+//! distribution, serving or the CLI.
 
 pub mod artifact;
 pub mod error;
@@ -21,6 +21,7 @@ pub mod manifest;
 pub mod mlp;
 pub mod observe;
 pub mod onnx;
+pub mod open;
 pub mod profile;
 pub mod sensitivity;
 pub mod tokenizer;
@@ -32,5 +33,6 @@ pub use lm::{ChatMessage, GenerateOptions, Generation, LanguageModel, TextSide};
 pub use mlp::{Action, Head, MlpPolicy, PolicyConfig};
 pub use observe::{Observer, StatsObserver};
 pub use onnx::import_mlp;
+pub use open::{Format, Model, open};
 pub use qforge_kernels::Activations;
 pub use tokenizer::TextTokenizer;

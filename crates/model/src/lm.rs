@@ -143,6 +143,7 @@ pub struct ChatMessage {
 }
 
 /// A decoder with the text side that feeds it.
+#[derive(Debug, Clone)]
 pub struct LanguageModel {
     /// The decoder.
     pub model: Llama,

@@ -15,6 +15,12 @@ pub enum Error {
     /// A model operation failed.
     #[error(transparent)]
     Model(#[from] qforge_model::Error),
+    /// Loading or planning the calibration data failed.
+    #[error(transparent)]
+    Calib(#[from] qforge_calib::Error),
+    /// A calibration pass failed (a backend, the coordinator, coverage).
+    #[error(transparent)]
+    Dist(#[from] qforge_dist::Error),
     /// Writing the report failed.
     #[error("report: {0}")]
     Report(String),

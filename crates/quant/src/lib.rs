@@ -3,24 +3,32 @@
 //!
 //! * [`recipe`]: the TOML quantization recipe (calibration pass, activation
 //!   scheme, calibrators per layer input, ignore list, guard budgets).
-//! * [`pipeline`]: the initial per-layer plan, sensitivity ranking, the
+//! * [`pipeline`]: a recipe's calibration passes run on any
+//!   `qforge_dist::Executor` (worker threads or Redis), the transforms their
+//!   merged results imply (SmoothQuant), the guard, and the artifact.
+//! * [`guard`]: the initial per-layer plan, sensitivity ranking, the
 //!   fallback ladder (static → dynamic → FP, whole fused groups) and the
 //!   accuracy guard on held-out data.
+//! * [`held_out`]: the guard's data.
 //! * [`report`]: `report.json` and a self-contained `report.html`.
 //! * [`smoothing`]: SmoothQuant's per-channel factors.
 //!
-//! It depends on `qforge-core`, `qforge-calib` and `qforge-model`; the
-//! calibration run itself (embedded or Redis backend) is the caller's, so
-//! this crate never knows where batches were observed. It must not depend on
-//! serving or the CLI.
+//! It depends on `qforge-core`, `qforge-model`, `qforge-calib` and
+//! `qforge-dist` (the executor is the caller's choice: the pipeline never
+//! knows where batches were observed). It must not depend on serving or the
+//! CLI, and reports through return values and its [`Listener`], never by
+//! printing.
 
 pub mod error;
+pub mod guard;
+pub mod held_out;
 pub mod pipeline;
 pub mod recipe;
 pub mod report;
 pub mod smoothing;
 
 pub use error::{Error, Result};
-pub use pipeline::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
+pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
+pub use pipeline::{Inputs, Listener, Pipeline, Quantized};
 pub use recipe::QuantRecipe;
-pub use report::{CalibrationSummary, DeliveryEntry, Report, WorkerSummary};
+pub use report::{CalibrationSummary, DeliveryEntry, PassRecord, Report, WorkerSummary};

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::pipeline::{Decision, GuardMetrics, PointReport};
+use crate::guard::{Decision, GuardMetrics, PointReport};
 use crate::recipe::QuantRecipe;
 
 /// One worker's share of the calibration.
@@ -66,6 +66,26 @@ pub struct CalibrationSummary {
     pub data_sha256: String,
     /// SHA-256 of the calibration recipe.
     pub recipe_sha256: String,
+    /// Every calibration pass of the recipe, in order (the fields above
+    /// describe the first).
+    pub passes: Vec<PassRecord>,
+}
+
+/// One calibration pass of a pipeline.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PassRecord {
+    /// What it recorded (`smoothing`, `activation`).
+    pub pass: String,
+    /// Batches merged.
+    pub merged: usize,
+    /// Batches planned.
+    pub planned: usize,
+    /// Duplicate deliveries dropped.
+    pub duplicates: usize,
+    /// Retries.
+    pub retries: usize,
+    /// Wall seconds.
+    pub seconds: f64,
 }
 
 /// `report.json`.

@@ -47,4 +47,4 @@ mod worker;
 pub use keys::RunKeys;
 pub use redis_backend::{ClusterOptions, RedisBackend};
 pub use spec::{FileRef, RunSpec};
-pub use worker::{Prepared, WorkerOptions, WorkerReport, hostname, serve};
+pub use worker::{WorkerOptions, WorkerReport, hostname, serve, serve_with};

@@ -1,7 +1,11 @@
 //! The job spec a coordinator publishes and every worker follows.
 
-use qforge_calib::{Job, Plan, Recipe};
+use std::path::Path;
+
+use qforge_calib::{Job, Pass, Recipe, Session, Transform};
 use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
 
 /// A file workers must reach, with the hash they must find there.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -31,6 +35,12 @@ pub struct RunSpec {
     pub skip_invalid: bool,
     /// The recipe.
     pub recipe: Recipe,
+    /// What earlier passes of the pipeline changed in the model, applied in
+    /// order by every worker before observing.
+    pub transforms: Vec<Transform>,
+    /// The run of the pipeline's next pass, which workers of this one
+    /// follow into (`None`: the last pass).
+    pub next_pass: Option<String>,
     /// Batches in the plan.
     pub planned: u64,
     /// [`qforge_calib::Plan::digest`] of the coordinator's plan, hex.
@@ -49,34 +59,38 @@ pub struct RunSpec {
 impl RunSpec {
     /// The format name.
     pub const FORMAT: &'static str = "qforge-run";
-    /// The version this build writes and reads.
-    pub const VERSION: u32 = 1;
+    /// The version this build writes and reads (2: transforms and the next
+    /// pass).
+    pub const VERSION: u32 = 2;
 
-    /// The spec of `job` over `plan`, with the default settings: heartbeat
-    /// every 500 ms, dead after 2 s, no mixed hardware, speculation up to
-    /// 1.2× the planned work.
-    pub fn new(run: &str, model_path: &str, data_path: &str, job: &Job, plan: &Plan) -> Self {
-        Self {
+    /// The spec of `job` over the plan of `session`, with the default
+    /// settings: heartbeat every 500 ms, dead after 2 s, no mixed hardware,
+    /// speculation up to 1.2× the planned work. Paths are made absolute, as
+    /// workers on other machines must find them.
+    pub fn new(run: &str, session: &Session, job: &Job) -> Result<Self> {
+        Ok(Self {
             format: Self::FORMAT.into(),
             version: Self::VERSION,
             run: run.into(),
             model: FileRef {
-                path: model_path.into(),
-                sha256: job.model.to_hex(),
+                path: absolute(&session.model_path)?,
+                sha256: session.model_digest.to_hex(),
             },
             data: FileRef {
-                path: data_path.into(),
-                sha256: job.data.to_hex(),
+                path: absolute(&session.data_path)?,
+                sha256: session.data.digest.to_hex(),
             },
-            skip_invalid: false,
+            skip_invalid: session.skip_invalid,
             recipe: job.recipe.clone(),
+            transforms: job.transforms.clone(),
+            next_pass: None,
             planned: job.planned,
-            plan_sha256: plan.digest().to_hex(),
+            plan_sha256: session.plan.digest().to_hex(),
             heartbeat_ms: 500,
             heartbeat_timeout_ms: 2000,
             allow_mixed_hardware: false,
             speculation: 1.2,
-        }
+        })
     }
 
     /// Whether two specs describe the same calibration (heartbeat and
@@ -86,17 +100,23 @@ impl RunSpec {
         self.model.sha256 == other.model.sha256
             && self.data.sha256 == other.data.sha256
             && self.recipe == other.recipe
+            && self.transforms == other.transforms
             && self.plan_sha256 == other.plan_sha256
     }
 
     /// Whether a worker that loaded `self` holds exactly what `other` needs:
-    /// the same files at the same paths with the same hashes, and the same
-    /// recipe (so the same plan).
+    /// the same files at the same paths with the same hashes, and a recipe
+    /// that differs at most in what the pass records (so the same plan).
+    /// Transforms are applied to what was loaded, so they may differ.
     pub fn same_inputs(&self, other: &RunSpec) -> bool {
+        let sampling = |r: &Recipe| Recipe {
+            pass: Pass::Activation,
+            ..r.clone()
+        };
         self.model == other.model
             && self.data == other.data
             && self.skip_invalid == other.skip_invalid
-            && self.recipe == other.recipe
+            && sampling(&self.recipe) == sampling(&other.recipe)
             && self.plan_sha256 == other.plan_sha256
     }
 
@@ -104,4 +124,14 @@ impl RunSpec {
     pub fn speculation_cap(&self) -> u64 {
         ((self.speculation - 1.0).max(0.0) * self.planned as f64).ceil() as u64
     }
+}
+
+/// The absolute form of `path`, as workers on other machines must find it.
+fn absolute(path: &Path) -> Result<String> {
+    let resolved = std::fs::canonicalize(path)
+        .map_err(|e| Error::Cluster(format!("cannot resolve {}: {e}", path.display())))?;
+    resolved
+        .to_str()
+        .map(str::to_owned)
+        .ok_or_else(|| Error::Cluster(format!("{} is not valid UTF-8", resolved.display())))
 }

@@ -3,8 +3,11 @@
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use qforge_calib::{Job, Plan, Target, observe_batch};
+use std::path::Path;
+
+use qforge_calib::{Job, Session as Calibration, Weights, observe_batch};
 use qforge_core::codec::encode;
+use qforge_model::Model;
 use redis::streams::{
     StreamClaimReply, StreamId, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
 };
@@ -20,14 +23,13 @@ use crate::error::{Error, Result};
 /// quarantines it like any failure).
 const MAX_DELIVERIES: usize = 3;
 
-/// What a worker loads for a run: the model, the job and the plan.
-pub struct Prepared {
+/// What a worker holds for one pass: the model after the pass's transforms
+/// and the job its statistics name.
+struct Prepared {
     /// The model to observe.
-    pub target: Target,
-    /// The job, whose hashes must match the spec's.
-    pub job: Job,
-    /// The plan, whose digest must match the spec's.
-    pub plan: Plan,
+    target: Model,
+    /// The job, whose hashes match the spec's.
+    job: Job,
 }
 
 /// How a worker behaves.
@@ -63,41 +65,69 @@ pub struct WorkerReport {
 }
 
 /// Serves runs until the one joined finishes (or, with `forever`, until an
-/// error). `prepare` loads the model and plans the data a spec names (a
-/// `forever` worker keeps what it loaded for the next run of the same model,
-/// data files and recipe); `log` receives one line per notable event.
-pub fn serve(
+/// error). The worker loads the model and plans the data a spec names, the
+/// same way the coordinator did ([`Calibration::open`]), and applies the
+/// spec's transforms before observing. A pass whose spec names a next pass
+/// is followed into it, so workers started for a multi-pass pipeline serve
+/// all of its passes; what they loaded is kept for every pass (and, with
+/// `forever`, for the next run) over the same files and plan. `log`
+/// receives one line per notable event.
+pub fn serve(options: &WorkerOptions, log: &mut dyn FnMut(&str)) -> Result<WorkerReport> {
+    serve_with(options, &mut open_calibration, log)
+}
+
+/// [`serve`], loading what a spec names with `open` instead of from the
+/// files it names (tests stand in a model that computes other activations,
+/// as another CPU would).
+pub fn serve_with(
     options: &WorkerOptions,
-    prepare: &mut dyn FnMut(&RunSpec) -> std::result::Result<Prepared, String>,
+    open: &mut dyn FnMut(&RunSpec) -> Result<Calibration>,
     log: &mut dyn FnMut(&str),
 ) -> Result<WorkerReport> {
     let mut link = Link::open(&options.url, options.outage_limit)?;
     let mut report = WorkerReport::default();
     let mut finished: Option<String> = None;
-    // What the previous run loaded, and its fingerprint.
-    let mut loaded: Option<(RunSpec, Prepared, String)> = None;
+    // The next pass of the pipeline just served, which this worker follows.
+    let mut next_pass: Option<String> = None;
+    // What the previous run loaded, and the fingerprint of its pass's model.
+    let mut loaded: Option<(RunSpec, Calibration, String)> = None;
     loop {
-        let Some(spec) = wait_for_run(&mut link, options, finished.as_deref(), log)? else {
+        let wanted = next_pass.take().or(options.run.clone());
+        let Some(spec) = wait_for_run(
+            &mut link,
+            options,
+            wanted.as_deref(),
+            finished.as_deref(),
+            log,
+        )?
+        else {
             return Ok(report);
         };
         let run = spec.run.clone();
-        let (prepared, fingerprint) = match loaded.take() {
-            Some((previous, prepared, fingerprint)) if previous.same_inputs(&spec) => {
-                (prepared, Some(fingerprint))
+        let (calibration, fingerprint) = match loaded.take() {
+            Some((previous, calibration, fingerprint)) if previous.same_inputs(&spec) => {
+                let same_model = previous.transforms == spec.transforms;
+                (calibration, same_model.then_some(fingerprint))
             }
-            _ => (
-                prepare(&spec)
-                    .map_err(|e| Error::Cluster(format!("cannot load run {run}: {e}")))?,
-                None,
-            ),
+            _ => (open(&spec)?, None),
         };
-        let mut session = Session::join(options, spec, prepared, fingerprint, log)?;
+        let mut session = Session::join(options, spec, calibration, fingerprint, log)?;
         let ending = session.serve(&mut link, &mut report, log)?;
-        loaded = Some((session.spec, session.prepared, session.fingerprint));
         finished = Some(run);
+        let follow = session.spec.next_pass.clone();
+        loaded = Some((session.spec, session.calibration, session.fingerprint));
         match ending {
             Ending::Abandoned => continue,
-            Ending::Finished => report.runs += 1,
+            Ending::Finished { succeeded } => {
+                report.runs += 1;
+                if let Some(next) = follow.filter(|_| succeeded) {
+                    log(&format!(
+                        "following the pipeline into its next pass, run {next}"
+                    ));
+                    next_pass = Some(next);
+                    continue;
+                }
+            }
         }
         if !options.forever {
             return Ok(report);
@@ -105,19 +135,33 @@ pub fn serve(
     }
 }
 
+/// Loads what `spec` names: the model and the data, planned with the
+/// spec's recipe.
+fn open_calibration(spec: &RunSpec) -> Result<Calibration> {
+    Calibration::open(
+        Path::new(&spec.model.path),
+        Path::new(&spec.data.path),
+        &spec.recipe,
+        spec.skip_invalid,
+        Weights::Load,
+    )
+    .map_err(|e| Error::Cluster(format!("cannot load run {}: {e}", spec.run)))
+}
+
 /// Waits for a running run: the named one, or the active one (not `skip`,
 /// the run just served). `None` when a named run is already over.
 fn wait_for_run(
     link: &mut Link,
     options: &WorkerOptions,
+    named: Option<&str>,
     skip: Option<&str>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Option<RunSpec>> {
     let started = Instant::now();
     let mut announced = false;
     loop {
-        let run = match &options.run {
-            Some(run) => Some(run.clone()),
+        let run = match named {
+            Some(run) => Some(run.to_owned()),
             None => link
                 .call(|c| redis::cmd("GET").arg(ACTIVE).query::<Option<String>>(c))?
                 .filter(|r| Some(r.as_str()) != skip),
@@ -150,7 +194,7 @@ fn wait_for_run(
                     }
                     return Ok(Some(spec));
                 }
-                (Some(_), Some(state)) if options.run.is_some() && !options.forever => {
+                (Some(_), Some(state)) if named.is_some() && !options.forever => {
                     log(&format!("run {run} is {state}; nothing to do"));
                     return Ok(None);
                 }
@@ -160,10 +204,7 @@ fn wait_for_run(
         if started.elapsed() >= options.wait {
             return Err(Error::Cluster(format!(
                 "no {} appeared within {:.0} s; start `qforge calibrate --cluster …` or raise --wait",
-                options
-                    .run
-                    .as_ref()
-                    .map_or("active run".to_owned(), |r| format!("running run {r}")),
+                named.map_or("active run".to_owned(), |r| format!("running run {r}")),
                 options.wait.as_secs_f64()
             )));
         }
@@ -177,8 +218,11 @@ fn wait_for_run(
 
 /// How a worker left a run.
 enum Ending {
-    /// The run is over.
-    Finished,
+    /// The run is over: `done` (succeeded) or `failed`.
+    Finished {
+        /// Whether the coordinator marked it `done`.
+        succeeded: bool,
+    },
     /// Its coordinator is gone and another run is active: a worker that
     /// follows the active run moves on (one bound to `--run` waits for a
     /// resumed coordinator instead).
@@ -189,6 +233,7 @@ enum Ending {
 struct Session {
     keys: RunKeys,
     spec: RunSpec,
+    calibration: Calibration,
     prepared: Prepared,
     name: String,
     fingerprint: String,
@@ -201,12 +246,13 @@ struct Session {
 type Current = Arc<Mutex<String>>;
 
 impl Session {
-    /// Checks that `prepared` is what `spec` describes and computes the
-    /// fingerprint (unless `fingerprint` already holds it for this model).
+    /// Checks that `calibration` is what `spec` describes, applies the
+    /// spec's transforms and computes the fingerprint (unless `fingerprint`
+    /// already holds it for this pass's model).
     fn join(
         options: &WorkerOptions,
         spec: RunSpec,
-        prepared: Prepared,
+        calibration: Calibration,
         fingerprint: Option<String>,
         log: &mut dyn FnMut(&str),
     ) -> Result<Self> {
@@ -217,24 +263,26 @@ impl Session {
                  every worker must reach the same files (a shared filesystem)"
             ))
         };
-        let job = &prepared.job;
-        if job.model.to_hex() != spec.model.sha256 {
-            return Err(mismatch("model", job.model.to_hex(), &spec.model.sha256));
+        let model = calibration.model_digest.to_hex();
+        if model != spec.model.sha256 {
+            return Err(mismatch("model", model, &spec.model.sha256));
         }
-        if job.data.to_hex() != spec.data.sha256 {
-            return Err(mismatch("data", job.data.to_hex(), &spec.data.sha256));
+        let data = calibration.data.digest.to_hex();
+        if data != spec.data.sha256 {
+            return Err(mismatch("data", data, &spec.data.sha256));
         }
-        if prepared.plan.digest().to_hex() != spec.plan_sha256
-            || job.planned != spec.planned
-            || job.recipe != spec.recipe
-        {
+        let job = calibration.job(&spec.recipe, &spec.transforms);
+        if calibration.plan.digest().to_hex() != spec.plan_sha256 || job.planned != spec.planned {
             return Err(Error::Cluster(format!(
                 "run {run}: this worker planned different batches than the coordinator; use the same qforge build"
             )));
         }
+        let target = calibration
+            .target(&spec.transforms)
+            .map_err(|e| Error::Cluster(format!("run {run}: cannot apply its transforms: {e}")))?;
         let fingerprint = match fingerprint {
             Some(known) => known,
-            None => prepared.target.fingerprint()?.to_hex(),
+            None => target.fingerprint()?.to_hex(),
         };
         log(&format!(
             "joining run {run} as {} (fingerprint {})",
@@ -244,7 +292,8 @@ impl Session {
         Ok(Self {
             keys: RunKeys::new(&run)?,
             spec,
-            prepared,
+            calibration,
+            prepared: Prepared { target, job },
             name: options.name.clone(),
             fingerprint,
             url: options.url.clone(),
@@ -320,7 +369,7 @@ impl Session {
         });
         let ending = served?;
         match ending {
-            Ending::Finished => log(&format!(
+            Ending::Finished { .. } => log(&format!(
                 "run {} finished; this worker observed {} batch(es) ({} speculative, {} reclaimed)",
                 self.spec.run, report.batches, report.speculative, report.reclaimed
             )),
@@ -395,7 +444,9 @@ impl Session {
                             .query(c)
                     })?;
                 if state.as_deref() != Some("running") {
-                    return Ok(Ending::Finished);
+                    return Ok(Ending::Finished {
+                        succeeded: state.as_deref() == Some("done"),
+                    });
                 }
                 if self.follows_active && !coordinator && active.as_deref() != Some(self.keys.run())
                 {
@@ -577,7 +628,7 @@ impl Session {
         speculative: bool,
         report: &mut WorkerReport,
     ) -> Result<()> {
-        let batches = &self.prepared.plan.batches;
+        let batches = &self.calibration.plan.batches;
         let batch = entry.get::<usize>("batch").unwrap_or(usize::MAX);
         let id = entry.get::<String>("id").unwrap_or_default();
         self.announce(link, current, &entry.id)?;

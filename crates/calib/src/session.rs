@@ -1,0 +1,142 @@
+//! A calibration session: model + data + recipe → plan and hashes, built the
+//! same way by a coordinator and by every worker, so both sides agree on the
+//! batches and on what the statistics' provenance names.
+
+use std::path::{Path, PathBuf};
+
+use qforge_core::{Digest, DigestBuilder};
+use qforge_model::{Format, Model, TextSide};
+
+use crate::data::{Dataset, EpisodeContent, load_jsonl};
+use crate::error::{Error, Result};
+use crate::observe::Job;
+use crate::plan::{Plan, Recipe, plan};
+use crate::transform::{Transform, apply_all, transformed_digest};
+
+/// Whether a session loads the model's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weights {
+    /// Load them: this process observes batches (or quantizes).
+    Load,
+    /// Skip them: this process only plans (a cluster coordinator reads the
+    /// tokenizer and chat template, never the weights).
+    Skip,
+}
+
+/// The inputs of a calibration, loaded and planned.
+pub struct Session {
+    /// Where the model was read from.
+    pub model_path: PathBuf,
+    /// Where the data was read from.
+    pub data_path: PathBuf,
+    /// Whether invalid data lines were skipped instead of failing.
+    pub skip_invalid: bool,
+    /// The model, unless loaded with [`Weights::Skip`].
+    pub model: Option<Model>,
+    /// SHA-256 of the model files ([`qforge_model::open::digest`]).
+    pub model_digest: Digest,
+    /// The data.
+    pub data: Dataset,
+    /// The recipe the plan was made with.
+    pub recipe: Recipe,
+    /// The batches.
+    pub plan: Plan,
+}
+
+impl Session {
+    /// Loads the data (and the model, or with [`Weights::Skip`] only its
+    /// tokenizer) and plans the batches of `recipe`.
+    pub fn open(
+        model_path: &Path,
+        data_path: &Path,
+        recipe: &Recipe,
+        skip_invalid: bool,
+        weights: Weights,
+    ) -> Result<Self> {
+        recipe.validate()?;
+        let data = load_jsonl(data_path, skip_invalid)?;
+        let is_policy = Format::is_policy(model_path)?;
+        let (model, plan) = match (weights, is_policy) {
+            (Weights::Load, _) => {
+                let model = qforge_model::open(model_path)?;
+                let plan = match &model {
+                    Model::Language(lm) => plan_episodes(&data, recipe, &lm.text)?,
+                    Model::Policy(_) => plan(&data, recipe, None)?,
+                };
+                (Some(model), plan)
+            }
+            (Weights::Skip, true) => (None, plan(&data, recipe, None)?),
+            (Weights::Skip, false) => {
+                let text = TextSide::load(model_path)?;
+                (None, plan_episodes(&data, recipe, &text)?)
+            }
+        };
+        Ok(Self {
+            model_path: model_path.to_owned(),
+            data_path: data_path.to_owned(),
+            skip_invalid,
+            model,
+            model_digest: qforge_model::open::digest(model_path)?,
+            data,
+            recipe: recipe.clone(),
+            plan,
+        })
+    }
+
+    /// The job of a pass over this session's plan: `recipe` (the session's,
+    /// or another pass of it) observing the model after `transforms`.
+    pub fn job(&self, recipe: &Recipe, transforms: &[Transform]) -> Job {
+        Job {
+            model: transformed_digest(self.model_digest, transforms),
+            data: self.data.digest,
+            recipe: recipe.clone(),
+            planned: self.plan.batches.len() as u64,
+            transforms: transforms.to_vec(),
+        }
+    }
+
+    /// The model a pass observes: the loaded one after `transforms`.
+    pub fn target(&self, transforms: &[Transform]) -> Result<Model> {
+        let model = self.model.as_ref().ok_or_else(|| {
+            Error::Data("this session planned without loading the model's weights".into())
+        })?;
+        apply_all(model, transforms)
+    }
+
+    /// The default name of a run over this session: the first 12 hex digits
+    /// of the hash of model, data and recipe, so a rerun of the same inputs
+    /// finds its checkpoints.
+    pub fn run_name(&self) -> String {
+        let mut d = DigestBuilder::default();
+        d.update(&self.model_digest.0);
+        d.update(&self.data.digest.0);
+        d.update(&self.recipe.digest().0);
+        d.finish().to_hex()[..12].to_owned()
+    }
+
+    /// Loads the model if the session was opened without it.
+    pub fn load_model(&mut self) -> Result<&Model> {
+        if self.model.is_none() {
+            self.model = Some(qforge_model::open(&self.model_path)?);
+        }
+        Ok(self.model.as_ref().expect("loaded above"))
+    }
+}
+
+/// The plan of LLM episodes: chat-formatted (when the model has a template)
+/// and tokenized.
+fn plan_episodes(data: &Dataset, recipe: &Recipe, text: &TextSide) -> Result<Plan> {
+    plan(data, recipe, Some(&|content| episode_tokens(text, content)))
+}
+
+/// The token ids of an LLM episode, as calibration sees it.
+pub fn episode_tokens(text: &TextSide, content: &EpisodeContent) -> Result<Vec<u32>> {
+    let rendered = match content {
+        EpisodeContent::TokenIds(ids) => return Ok(ids.clone()),
+        EpisodeContent::Text(t) => t.clone(),
+        EpisodeContent::PromptCompletion { prompt, completion } => {
+            text.chat_text(prompt, completion)?
+        }
+    };
+    Ok(text.tokenizer.encode(&rendered)?)
+}

@@ -1,0 +1,152 @@
+//! Model transforms implied by earlier passes of a pipeline.
+//!
+//! A pass's merged result can change the model the next pass observes
+//! (SmoothQuant's factors are folded into the weights). The transform travels
+//! with the next pass's job, bit for bit, and every worker applies it to the
+//! model it loaded before observing, so pass 2 sees exactly the model pass 1
+//! produced on every worker, whichever backend runs it.
+
+use std::collections::BTreeMap;
+
+use qforge_core::{Digest, DigestBuilder};
+use qforge_model::{LanguageModel, Model};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// A deterministic change to the model, applied before observing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Transform {
+    /// SmoothQuant (Xiao et al. 2023): per smoothable layer input, the
+    /// factors its channels are divided by (folded into the preceding norm or
+    /// layer, and multiplied into the consuming layers' weights).
+    Smooth {
+        /// The migration strength the factors were chosen with (provenance).
+        alpha: f64,
+        /// Factors per layer input, carried as f32 bit patterns so that JSON
+        /// round trips them exactly.
+        #[serde(with = "f32_bits")]
+        factors: BTreeMap<String, Vec<f32>>,
+    },
+}
+
+impl Transform {
+    /// Applies the transform to `model`; the weights of the original are
+    /// shared where the transform leaves them unchanged.
+    pub fn apply(&self, model: &Model) -> Result<Model> {
+        match (self, model) {
+            (Transform::Smooth { factors, .. }, Model::Language(lm)) => {
+                if let Some((point, _)) = factors
+                    .iter()
+                    .find(|(_, s)| s.iter().any(|v| !v.is_finite() || *v <= 0.0))
+                {
+                    return Err(Error::Data(format!(
+                        "smoothing factors of {point} are not all finite and positive; the job is corrupt"
+                    )));
+                }
+                Ok(Model::Language(Box::new(LanguageModel {
+                    model: lm.model.smoothed(factors)?,
+                    text: lm.text.clone(),
+                    source: lm.source.clone(),
+                })))
+            }
+            (Transform::Smooth { .. }, Model::Policy(_)) => Err(Error::Data(
+                "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The digest of the model this transform makes out of the model whose
+    /// digest is `base`.
+    pub fn digest(&self, base: Digest) -> Digest {
+        let mut digest = DigestBuilder::default();
+        digest.update(&base.0);
+        match self {
+            Transform::Smooth { alpha, factors } => {
+                digest.update(format!("qforge.smoothquant.v1 alpha={alpha}").as_bytes());
+                for (point, s) in factors {
+                    digest.update(point.as_bytes());
+                    for v in s {
+                        digest.update(&v.to_le_bytes());
+                    }
+                }
+            }
+        }
+        digest.finish()
+    }
+
+    /// `smoothquant`, as progress lines name it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Transform::Smooth { .. } => "smoothquant",
+        }
+    }
+}
+
+/// The digest of `base` after `transforms`, in order.
+pub fn transformed_digest(base: Digest, transforms: &[Transform]) -> Digest {
+    transforms.iter().fold(base, |digest, t| t.digest(digest))
+}
+
+/// `model` after `transforms`, in order.
+pub fn apply_all(model: &Model, transforms: &[Transform]) -> Result<Model> {
+    transforms
+        .iter()
+        .try_fold(model.clone(), |model, t| t.apply(&model))
+}
+
+/// Serde of f32 vectors as their bit patterns: exact through JSON.
+mod f32_bits {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        factors: &BTreeMap<String, Vec<f32>>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        let bits: BTreeMap<&String, Vec<u32>> = factors
+            .iter()
+            .map(|(point, s)| (point, s.iter().map(|v| v.to_bits()).collect()))
+            .collect();
+        bits.serialize(serializer)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<BTreeMap<String, Vec<f32>>, D::Error> {
+        let bits = BTreeMap::<String, Vec<u32>>::deserialize(deserializer)?;
+        Ok(bits
+            .into_iter()
+            .map(|(point, s)| (point, s.into_iter().map(f32::from_bits).collect()))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn factors_round_trip_json_bit_for_bit() {
+        let awkward = [
+            0.1f32,
+            f32::MIN_POSITIVE,
+            1.0e-45,
+            3.402_823_5e38,
+            1.000_000_1,
+        ];
+        let t = Transform::Smooth {
+            alpha: 0.5,
+            factors: BTreeMap::from([("model.layers.0.mlp.gate_proj".into(), awkward.to_vec())]),
+        };
+        let json = serde_json::to_string(&t).unwrap();
+        let back: Transform = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, t);
+        let base = Digest::of(b"model");
+        assert_eq!(back.digest(base), t.digest(base));
+        assert_ne!(t.digest(base), base);
+    }
+}

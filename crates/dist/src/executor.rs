@@ -1,0 +1,232 @@
+//! Where the passes of a pipeline run. An [`Executor`] runs one pass at a
+//! time: it opens a [`Backend`] for the pass's job (the model after the
+//! transforms earlier passes implied) and lets the coordinator merge its
+//! results. The embedded executor observes on threads of this process; the
+//! Redis executor publishes each pass as a run that `qforge worker`
+//! processes serve, chaining the runs so the workers follow every pass.
+
+use std::time::Duration;
+
+use qforge_calib::{Job, Session, Weights};
+
+use crate::backend::Embedded;
+use crate::cluster::{ClusterOptions, RedisBackend, RunSpec};
+use crate::coordinator::{Progress, RunOptions, RunSummary, run};
+use crate::error::{Error, Result};
+
+/// A pass's place in its pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PassPosition {
+    /// 1-based index.
+    pub index: usize,
+    /// Passes in the pipeline.
+    pub count: usize,
+}
+
+impl PassPosition {
+    /// The only pass of a single-pass calibration.
+    pub const ONLY: PassPosition = PassPosition { index: 1, count: 1 };
+}
+
+/// What a pass reports while it runs.
+#[derive(Debug, Clone)]
+pub enum PassEvent {
+    /// The pass is open for work. `run` names the Redis run workers join
+    /// (`None` on the embedded backend).
+    Opened {
+        /// The Redis run, if any.
+        run: Option<String>,
+        /// Batches planned.
+        batches: usize,
+    },
+    /// After each outcome the coordinator handled.
+    Progress(Progress),
+}
+
+/// Runs the passes of a calibration pipeline, one at a time.
+pub trait Executor {
+    /// `embedded` or `redis`, as reports name the backend.
+    fn name(&self) -> &'static str;
+
+    /// Whether the process driving this executor needs the model's weights
+    /// to run a pass (a Redis coordinator only plans; its workers observe).
+    fn weights(&self) -> Weights;
+
+    /// Runs `job` over the plan of `session` as pass `position`, merging
+    /// every batch exactly once.
+    fn run_pass(
+        &self,
+        session: &Session,
+        job: &Job,
+        position: PassPosition,
+        options: &RunOptions,
+        events: &mut dyn FnMut(PassEvent),
+    ) -> Result<RunSummary>;
+}
+
+/// Worker threads in this process (the default: no services needed).
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddedExecutor {
+    /// Worker threads (at least 1).
+    pub threads: usize,
+}
+
+impl EmbeddedExecutor {
+    /// One thread per available core.
+    pub fn per_core() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+impl Executor for EmbeddedExecutor {
+    fn name(&self) -> &'static str {
+        "embedded"
+    }
+
+    fn weights(&self) -> Weights {
+        Weights::Load
+    }
+
+    fn run_pass(
+        &self,
+        session: &Session,
+        job: &Job,
+        _position: PassPosition,
+        options: &RunOptions,
+        events: &mut dyn FnMut(PassEvent),
+    ) -> Result<RunSummary> {
+        let backend = Embedded::new(session.target(&job.transforms)?, job.clone(), self.threads);
+        events(PassEvent::Opened {
+            run: None,
+            batches: session.plan.batches.len(),
+        });
+        run(job, &session.plan, &backend, options, &mut |p| {
+            events(PassEvent::Progress(p))
+        })
+    }
+}
+
+/// How a Redis run admits and watches its workers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterSettings {
+    /// Workers heartbeat this often.
+    pub heartbeat: Duration,
+    /// A worker silent this long is dead and its batch is redone elsewhere.
+    pub heartbeat_timeout: Duration,
+    /// Admit workers whose determinism fingerprint differs from the first
+    /// worker's (the statistics are then exact only up to forward-pass
+    /// rounding, and say so).
+    pub allow_mixed_hardware: bool,
+    /// Cap on executions as a multiple of the planned batches.
+    pub speculation: f64,
+    /// Give up when Redis stays unreachable this long.
+    pub outage_limit: Duration,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_millis(500),
+            heartbeat_timeout: Duration::from_millis(2000),
+            allow_mixed_hardware: false,
+            speculation: 1.2,
+            outage_limit: Duration::from_secs(60),
+        }
+    }
+}
+
+impl ClusterSettings {
+    /// Checks the values; the error says which flag is wrong.
+    pub fn validate(&self) -> Result<()> {
+        if self.heartbeat.is_zero() || self.heartbeat_timeout <= self.heartbeat {
+            return Err(Error::Cluster(
+                "the heartbeat timeout must exceed the heartbeat interval, which must be at least 1 ms"
+                    .into(),
+            ));
+        }
+        if !(1.0..=2.0).contains(&self.speculation) || self.outage_limit.is_zero() {
+            return Err(Error::Cluster(
+                "speculation must be in [1, 2] and the outage limit positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A Redis server that `qforge worker` processes serve. Pass 1 of run `R`
+/// runs as run `R`, pass k > 1 as `R.passk`; each pass's spec names the
+/// next, and its workers follow.
+#[derive(Debug, Clone)]
+pub struct RedisExecutor {
+    /// `redis://[:PASSWORD@]HOST:PORT`.
+    pub url: String,
+    /// The run's name (its first pass's); `None`: the session's
+    /// [`Session::run_name`].
+    pub run: Option<String>,
+    /// Continue the run (each pass's results and workers) instead of
+    /// starting clean.
+    pub resume: bool,
+    /// Heartbeats, admission, speculation, outages.
+    pub settings: ClusterSettings,
+}
+
+impl RedisExecutor {
+    /// The Redis run of pass `index` (1-based) over `session`.
+    pub fn pass_run(&self, session: &Session, index: usize) -> String {
+        let run = self.run.clone().unwrap_or_else(|| session.run_name());
+        if index == 1 {
+            run
+        } else {
+            format!("{run}.pass{index}")
+        }
+    }
+}
+
+impl Executor for RedisExecutor {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn weights(&self) -> Weights {
+        Weights::Skip
+    }
+
+    fn run_pass(
+        &self,
+        session: &Session,
+        job: &Job,
+        position: PassPosition,
+        options: &RunOptions,
+        events: &mut dyn FnMut(PassEvent),
+    ) -> Result<RunSummary> {
+        self.settings.validate()?;
+        let run_name = self.pass_run(session, position.index);
+        let mut spec = RunSpec::new(&run_name, session, job)?;
+        spec.next_pass =
+            (position.index < position.count).then(|| self.pass_run(session, position.index + 1));
+        let s = &self.settings;
+        spec.heartbeat_ms = s.heartbeat.as_millis() as u64;
+        spec.heartbeat_timeout_ms = s.heartbeat_timeout.as_millis() as u64;
+        spec.allow_mixed_hardware = s.allow_mixed_hardware;
+        spec.speculation = s.speculation;
+        let backend = RedisBackend::open(
+            spec,
+            &ClusterOptions {
+                url: self.url.clone(),
+                resume: self.resume,
+                outage_limit: s.outage_limit,
+            },
+        )?;
+        events(PassEvent::Opened {
+            run: Some(run_name),
+            batches: session.plan.batches.len(),
+        });
+        let summary = run(job, &session.plan, &backend, options, &mut |p| {
+            events(PassEvent::Progress(p))
+        });
+        backend.finish(summary.is_ok())?;
+        summary
+    }
+}

@@ -1,0 +1,171 @@
+//! One way to open a model: [`open`] recognises the format of a path and
+//! returns a [`Model`], and [`digest`] names the files it reads.
+//!
+//! Everything that loads a model (calibration workers, the quantization
+//! pipeline, the server, the CLI) goes through here, so format detection is
+//! written once and every consumer sees the same two kinds of model.
+
+use std::path::{Path, PathBuf};
+
+use qforge_core::{Digest, DigestBuilder};
+
+use crate::error::{Error, Result};
+use crate::fingerprint::{llm_fingerprint, policy_fingerprint};
+use crate::lm::LanguageModel;
+use crate::mlp::MlpPolicy;
+
+/// A model qforge can calibrate, quantize, evaluate and serve.
+#[derive(Debug, Clone)]
+pub enum Model {
+    /// A Llama-family decoder with its tokenizer and chat template.
+    Language(Box<LanguageModel>),
+    /// An MLP control policy.
+    Policy(MlpPolicy),
+}
+
+/// The formats [`open`] recognises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// A GGUF file (a language model).
+    Gguf,
+    /// A Hugging Face directory: `config.json` and safetensors weights.
+    HuggingFace,
+    /// A policy directory: `policy.json` and `model.safetensors`.
+    PolicyDir,
+    /// A native qforge artifact (`qforge.json`), either kind.
+    Artifact,
+}
+
+impl Format {
+    /// Recognises the format of `path` by what it holds, not by its name
+    /// alone; an error says what was expected.
+    pub fn detect(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            return Err(Error::Format(format!(
+                "model {} does not exist",
+                path.display()
+            )));
+        }
+        if path.is_dir() {
+            return if crate::artifact::is_artifact(path) {
+                Ok(Format::Artifact)
+            } else if path.join("policy.json").is_file() {
+                Ok(Format::PolicyDir)
+            } else if path.join("config.json").is_file() {
+                Ok(Format::HuggingFace)
+            } else {
+                Err(Error::Format(format!(
+                    "{} is neither a policy directory (policy.json), a Hugging Face model directory \
+                     (config.json) nor a qforge artifact (qforge.json)",
+                    path.display()
+                )))
+            };
+        }
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
+        {
+            return Err(Error::Unsupported(format!(
+                "{} is an ONNX graph; qforge needs to know its policy head: import it with \
+                 qforge_model::onnx::import_mlp and save it as a policy directory",
+                path.display()
+            )));
+        }
+        Ok(Format::Gguf)
+    }
+
+    /// Whether the path holds a policy (a policy directory or a policy
+    /// artifact) rather than a language model.
+    pub fn is_policy(path: &Path) -> Result<bool> {
+        Ok(match Self::detect(path)? {
+            Format::PolicyDir => true,
+            Format::Artifact => path.join("policy.json").is_file(),
+            Format::Gguf | Format::HuggingFace => false,
+        })
+    }
+}
+
+/// Opens the model at `path`: a GGUF file, a Hugging Face directory, a
+/// policy directory or a native artifact (with its stored precisions).
+pub fn open(path: &Path) -> Result<Model> {
+    Ok(if Format::is_policy(path)? {
+        Model::Policy(MlpPolicy::from_dir(path)?)
+    } else {
+        Model::Language(Box::new(LanguageModel::load(path)?))
+    })
+}
+
+impl Model {
+    /// `policy` or `language-model`, as reports and manifests name the kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Model::Language(_) => "language-model",
+            Model::Policy(_) => "policy",
+        }
+    }
+
+    /// The determinism fingerprint of this machine's forward pass: two
+    /// processes whose fingerprints agree compute bit-identical activations.
+    pub fn fingerprint(&self) -> Result<Digest> {
+        match self {
+            Model::Language(lm) => llm_fingerprint(&lm.model),
+            Model::Policy(policy) => policy_fingerprint(policy),
+        }
+    }
+
+    /// The language model, or an error naming `path` as a policy.
+    pub fn into_language(self, path: &Path) -> Result<LanguageModel> {
+        match self {
+            Model::Language(lm) => Ok(*lm),
+            Model::Policy(_) => Err(Error::Unsupported(format!(
+                "{} is a policy; this needs a language model (GGUF file or Hugging Face directory)",
+                path.display()
+            ))),
+        }
+    }
+
+    /// The policy, or an error naming `path` as a language model.
+    pub fn into_policy(self, path: &Path) -> Result<MlpPolicy> {
+        match self {
+            Model::Policy(policy) => Ok(policy),
+            Model::Language(_) => Err(Error::Unsupported(format!(
+                "{} is a language model; this needs a policy (a policy directory or a policy artifact)",
+                path.display()
+            ))),
+        }
+    }
+}
+
+/// SHA-256 over the files that make up the model at `path`: the file itself,
+/// or a directory's `.safetensors` and `.json` files in name order, each
+/// preceded by its name. Streamed: a model can be far larger than memory.
+pub fn digest(path: &Path) -> Result<Digest> {
+    let mut files: Vec<PathBuf> = if path.is_dir() {
+        std::fs::read_dir(path)
+            .map_err(|e| Error::io(path, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                name.ends_with(".safetensors") || name.ends_with(".json")
+            })
+            .collect()
+    } else {
+        vec![path.to_owned()]
+    };
+    files.sort();
+    let mut digest = DigestBuilder::default();
+    let mut buffer = vec![0u8; 1 << 20];
+    for file in files {
+        let mut reader = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
+        digest.update(file.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
+        loop {
+            let n =
+                std::io::Read::read(&mut reader, &mut buffer).map_err(|e| Error::io(&file, e))?;
+            if n == 0 {
+                break;
+            }
+            digest.update(&buffer[..n]);
+        }
+    }
+    Ok(digest.finish())
+}

@@ -1,0 +1,755 @@
+//! From merged statistics to per-layer precisions the guard accepts.
+//!
+//! 1. **Initial plan**: every layer input (observation point: q/k/v share
+//!    one, gate/up share one, so whole fused groups move together) gets the
+//!    recipe's scheme — static per-tensor with its calibrator's threshold,
+//!    or dynamic per-token — unless ignored; static scales are not used when
+//!    calibration coverage is below the recipe's minimum.
+//! 2. **Sensitivity**: each point's output SQNR on held-out inputs, at each
+//!    rung it could run at (one forward); for language models also the
+//!    output KL with only that point quantized, on a short held-out text
+//!    (one forward per point and rung), which orders their ladder.
+//! 3. **Ladder**: the sequence of one-rung demotions (static → dynamic → FP),
+//!    always demoting the point whose current rung is noisiest; the guard
+//!    then finds the shortest prefix of that sequence that meets the budget,
+//!    by bisection (O(log n) evaluations; it assumes demoting more never
+//!    hurts, and every evaluation it made is in the report). Demotions to FP
+//!    that would exceed the cap on FP layers are left out of the ladder; if
+//!    even the whole ladder fails the guard, the run is refused.
+
+use std::collections::BTreeMap;
+
+use qforge_core::{Calibrator, QuantParams, Stats};
+use qforge_model::artifact::LayerPrecision;
+use qforge_model::lm::{ReferenceLogProbs, compare_to};
+use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
+use qforge_model::{Action, Activations, Linear, Llama, MlpPolicy};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::recipe::{ActivationScheme, LmHead, LowCoverage, QuantRecipe};
+
+/// The full-precision model to quantize.
+#[derive(Clone, Copy)]
+pub enum FpModel<'a> {
+    /// An MLP policy.
+    Policy(&'a MlpPolicy),
+    /// A language model's decoder.
+    Language(&'a Llama),
+}
+
+impl FpModel<'_> {
+    /// (name, point, layer) of every linear layer.
+    fn linears(&self) -> Vec<(String, String, &Linear)> {
+        match self {
+            FpModel::Policy(p) => p.linears(),
+            FpModel::Language(m) => m.linears(),
+        }
+    }
+}
+
+/// Data the guard evaluates on; never seen by calibration.
+pub enum HeldOut {
+    /// Observations, row-major, `observation_dim` per row.
+    Observations(Vec<f32>),
+    /// Token ids of held-out text.
+    Tokens(Vec<u32>),
+}
+
+/// The guard's measurements of one configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GuardMetrics {
+    /// Policies: share of held-out observations whose action equals the FP
+    /// policy's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agreement: Option<f64>,
+    /// Language models: perplexity on the held-out text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perplexity: Option<f64>,
+    /// Language models: relative perplexity increase over FP.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perplexity_increase: Option<f64>,
+    /// Language models: mean KL(FP ‖ quantized) of next-token distributions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl_divergence: Option<f64>,
+    /// Language models: top-1 agreement with FP.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top1_agreement: Option<f64>,
+    /// Whether the budget is met.
+    pub passes: bool,
+}
+
+/// One demotion of the ladder.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LadderStep {
+    /// The layer input demoted (its whole fused group).
+    pub point: String,
+    /// Rung before.
+    pub from: &'static str,
+    /// Rung after.
+    pub to: &'static str,
+    /// Output SQNR of the group at the rung it left (dB; `None`: exact).
+    pub sqnr_db: Option<f64>,
+    /// Language models: the output KL of the group at the rung it left (what
+    /// orders a language model's ladder).
+    pub kl: Option<f64>,
+}
+
+/// One configuration the guard measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Evaluation {
+    /// Ladder steps applied.
+    pub steps: usize,
+    /// Linear layers in FP.
+    pub fp_layers: usize,
+    /// The measurements.
+    pub metrics: GuardMetrics,
+}
+
+/// Everything known about one layer input.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PointReport {
+    /// Observation point.
+    pub point: String,
+    /// Linear layers fed by it.
+    pub layers: Vec<String>,
+    /// Final precision.
+    pub precision: &'static str,
+    /// Static activation scale, when static.
+    pub input_scale: Option<f32>,
+    /// The calibrator the recipe gives it.
+    pub calibrator: String,
+    /// Threshold of every calibrator on its histogram (for the report).
+    pub thresholds: BTreeMap<String, Option<f32>>,
+    /// Worst layer output SQNR with a static scale (dB).
+    pub sqnr_static_db: Option<f64>,
+    /// Worst layer output SQNR with dynamic activations (dB).
+    pub sqnr_dynamic_db: Option<f64>,
+    /// Language models: mean KL(FP ‖ model with only this input's layers
+    /// quantized, static scale) of next-token distributions.
+    pub kl_static: Option<f64>,
+    /// The same with dynamic activations.
+    pub kl_dynamic: Option<f64>,
+    /// |x| histogram in eighth-octave bins: (lower, upper, count) of every
+    /// non-empty one. (The statistics' own bins are far finer, as exact
+    /// merging needs; the report needs the shape.)
+    pub histogram: Vec<(f64, f64, u64)>,
+    /// Values observed.
+    pub count: u64,
+    /// Ignored by the recipe.
+    pub ignored: bool,
+}
+
+/// The outcome of [`quantize`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    /// Whether the guard accepted a configuration within the FP cap.
+    pub accepted: bool,
+    /// Why not, when refused.
+    pub refusal: Option<String>,
+    /// The precisions to write (the best within the cap, when refused).
+    pub points: BTreeMap<String, LayerPrecision>,
+    /// Per layer input.
+    pub point_reports: Vec<PointReport>,
+    /// Metrics of the full-precision model on the held-out data.
+    pub reference: GuardMetrics,
+    /// Metrics of the recipe's plan before any fallback.
+    pub before: GuardMetrics,
+    /// Metrics of the chosen configuration.
+    pub after: GuardMetrics,
+    /// The whole demotion sequence, in order.
+    pub ladder: Vec<LadderStep>,
+    /// Steps of it applied.
+    pub applied_steps: usize,
+    /// Every configuration the guard measured, in order.
+    pub evaluations: Vec<Evaluation>,
+    /// Linear layers in FP, of all of them.
+    pub fp_layers: usize,
+    /// All linear layers.
+    pub total_layers: usize,
+    /// Largest allowed `fp_layers`.
+    pub max_fp_layers: usize,
+    /// Calibration coverage of the statistics.
+    pub coverage: f64,
+    /// Things the user should know (low coverage, empty histograms).
+    pub warnings: Vec<String>,
+}
+
+/// The calibrators drawn in the report beside the recipe's choice.
+const REPORTED_CALIBRATORS: [Calibrator; 5] = [
+    Calibrator::MinMax,
+    Calibrator::Percentile { percentile: 99.99 },
+    Calibrator::Entropy,
+    Calibrator::Mse,
+    Calibrator::Sigma { k: 3.0 },
+];
+
+/// Where a point sits on the ladder.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Rung {
+    Static(f32),
+    Dynamic,
+    Fp,
+}
+
+impl Rung {
+    fn name(self) -> &'static str {
+        self.precision().name()
+    }
+
+    fn precision(self) -> LayerPrecision {
+        match self {
+            Rung::Static(input_scale) => LayerPrecision::Int8Static { input_scale },
+            Rung::Dynamic => LayerPrecision::Int8Dynamic,
+            Rung::Fp => LayerPrecision::Fp,
+        }
+    }
+
+    fn demoted(self) -> Option<Rung> {
+        match self {
+            Rung::Static(_) => Some(Rung::Dynamic),
+            Rung::Dynamic => Some(Rung::Fp),
+            Rung::Fp => None,
+        }
+    }
+}
+
+/// The guard: the FP reference measured once, configurations measured
+/// against it.
+struct Guard<'a> {
+    /// What gets quantized.
+    model: FpModel<'a>,
+    held_out: &'a HeldOut,
+    recipe: &'a QuantRecipe,
+    reference_actions: Vec<Action>,
+    reference_log_probs: Option<ReferenceLogProbs>,
+    reference_perplexity: f64,
+}
+
+impl<'a> Guard<'a> {
+    fn new(
+        model: FpModel<'a>,
+        reference: FpModel<'a>,
+        held_out: &'a HeldOut,
+        recipe: &'a QuantRecipe,
+    ) -> Result<Self> {
+        let mut guard = Self {
+            model,
+            held_out,
+            recipe,
+            reference_actions: Vec::new(),
+            reference_log_probs: None,
+            reference_perplexity: f64::NAN,
+        };
+        match (model, reference, held_out) {
+            (FpModel::Policy(_), FpModel::Policy(p), HeldOut::Observations(obs)) => {
+                guard.reference_actions = p.act(obs)?;
+            }
+            (FpModel::Language(_), FpModel::Language(m), HeldOut::Tokens(tokens)) => {
+                let reference = ReferenceLogProbs::new(m, tokens, recipe.guard.ctx)?;
+                guard.reference_perplexity = compare_to(m, &reference, tokens)?.perplexity;
+                guard.reference_log_probs = Some(reference);
+            }
+            _ => {
+                return Err(Error::HeldOut(
+                    "policies are checked on observations, language models on text".into(),
+                ));
+            }
+        }
+        Ok(guard)
+    }
+
+    fn reference(&self) -> GuardMetrics {
+        match self.model {
+            FpModel::Policy(_) => GuardMetrics {
+                agreement: Some(1.0),
+                perplexity: None,
+                perplexity_increase: None,
+                kl_divergence: None,
+                top1_agreement: None,
+                passes: true,
+            },
+            FpModel::Language(_) => GuardMetrics {
+                agreement: None,
+                perplexity: Some(self.reference_perplexity),
+                perplexity_increase: Some(0.0),
+                kl_divergence: Some(0.0),
+                top1_agreement: Some(1.0),
+                passes: true,
+            },
+        }
+    }
+
+    /// Measures `points`.
+    fn measure(&self, points: &BTreeMap<String, LayerPrecision>) -> Result<GuardMetrics> {
+        let convert = |point: &str, layer: &Linear| -> qforge_model::Result<Linear> {
+            points
+                .get(point)
+                .copied()
+                .unwrap_or(LayerPrecision::Fp)
+                .apply(layer)
+        };
+        match (self.model, self.held_out) {
+            (FpModel::Policy(p), HeldOut::Observations(obs)) => {
+                let quantized = p.with_linears(convert)?;
+                let actions = quantized.act(obs)?;
+                let agreeing = actions
+                    .iter()
+                    .zip(&self.reference_actions)
+                    .filter(|(a, b)| p.actions_agree(a, b))
+                    .count();
+                let agreement = agreeing as f64 / actions.len().max(1) as f64;
+                Ok(GuardMetrics {
+                    agreement: Some(agreement),
+                    perplexity: None,
+                    perplexity_increase: None,
+                    kl_divergence: None,
+                    top1_agreement: None,
+                    passes: agreement >= self.recipe.guard.min_agreement,
+                })
+            }
+            (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
+                let quantized = m.with_linears(convert)?;
+                let reference = self.reference_log_probs.as_ref().expect("set for LLMs");
+                let c = compare_to(&quantized, reference, tokens)?;
+                let increase = c.perplexity / self.reference_perplexity - 1.0;
+                Ok(GuardMetrics {
+                    agreement: None,
+                    perplexity: Some(c.perplexity),
+                    perplexity_increase: Some(increase),
+                    kl_divergence: Some(c.kl_divergence),
+                    top1_agreement: Some(c.top1_agreement),
+                    passes: increase <= self.recipe.guard.max_perplexity_increase,
+                })
+            }
+            _ => unreachable!("checked in Guard::new"),
+        }
+    }
+}
+
+/// Per-point worst layer SQNR with activations chosen by `activations`.
+fn sensitivity(
+    model: FpModel<'_>,
+    held_out: &HeldOut,
+    activations: &dyn Fn(&str) -> qforge_model::Result<Activations>,
+) -> Result<BTreeMap<String, Option<f64>>> {
+    // Sensitivity needs a few hundred tokens or observations, not the whole
+    // held-out set: it ranks, it does not judge.
+    let layers: Vec<LayerSqnr> = match (model, held_out) {
+        (FpModel::Policy(p), HeldOut::Observations(obs)) => {
+            let dim = p.config().observation_dim;
+            let rows = (obs.len() / dim).min(1024);
+            policy_layer_sqnr(p, &obs[..rows * dim], activations)?
+        }
+        (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
+            llm_layer_sqnr(m, &tokens[..tokens.len().min(256)], activations)?
+        }
+        _ => unreachable!("checked in Guard::new"),
+    };
+    let mut worst: BTreeMap<String, Option<f64>> = BTreeMap::new();
+    for layer in layers {
+        let entry = worst.entry(layer.point).or_insert(layer.sqnr_db);
+        // None is exact (infinite SQNR): any finite value is worse.
+        *entry = match (*entry, layer.sqnr_db) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Ok(worst)
+}
+
+/// Tokens the KL sensitivity runs on: a few chunks' worth ranks reliably
+/// (measured on SmolLM2: the ladder it orders is monotone in perplexity where
+/// the SQNR order was not), at one forward per layer input and rung.
+const SENSITIVITY_TOKENS: usize = 128;
+
+/// Language models: for every point, the mean KL(FP ‖ model with only that
+/// point's layers quantized with `activations`), on the first
+/// [`SENSITIVITY_TOKENS`] held-out tokens. The end-to-end effect of one group,
+/// which a layer's own SQNR does not see (a noisy `v_proj` can matter less
+/// than a cleaner `down_proj`).
+fn kl_sensitivity(
+    model: &Llama,
+    tokens: &[u32],
+    activations: &dyn Fn(&str) -> Option<Activations>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<BTreeMap<String, f64>> {
+    let tokens = &tokens[..tokens.len().min(SENSITIVITY_TOKENS)];
+    let reference = ReferenceLogProbs::new(model, tokens, tokens.len())?;
+    let points: Vec<String> = {
+        let mut p: Vec<String> = model.linears().into_iter().map(|(_, p, _)| p).collect();
+        p.dedup();
+        p
+    };
+    let mut out = BTreeMap::new();
+    for (i, point) in points.iter().enumerate() {
+        let Some(act) = activations(point) else {
+            continue;
+        };
+        let single = model.with_linears(|p, layer| {
+            if p == point {
+                layer.to_int8(act)
+            } else {
+                Ok(layer.clone())
+            }
+        })?;
+        out.insert(
+            point.clone(),
+            compare_to(&single, &reference, tokens)?.kl_divergence,
+        );
+        if (i + 1) % 20 == 0 {
+            progress(&format!("  {}/{} layer inputs ranked", i + 1, points.len()));
+        }
+    }
+    Ok(out)
+}
+
+/// Quantizes `model` with `stats` (its own statistics) under `recipe`,
+/// checking each candidate on `held_out` against `reference`: the same
+/// model, or the original of a transformed (smoothed) `model`. `progress`
+/// hears about every evaluation.
+pub fn quantize(
+    model: FpModel<'_>,
+    reference: FpModel<'_>,
+    stats: &Stats,
+    held_out: &HeldOut,
+    recipe: &QuantRecipe,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Decision> {
+    recipe.validate()?;
+    let linears = model.linears();
+    let mut layers_of: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, point, _) in &linears {
+        layers_of
+            .entry(point.clone())
+            .or_default()
+            .push(name.clone());
+    }
+    let total_layers = linears.len();
+    let coverage = stats.provenance.coverage();
+    let mut warnings = Vec::new();
+    let static_allowed = coverage >= recipe.calibration.min_coverage;
+    if recipe.quantize.activations == ActivationScheme::Static && !static_allowed {
+        warnings.push(format!(
+            "calibration covered {:.1} % of its batches, below the recipe's {:.1} %: static scales are not used ({})",
+            100.0 * coverage,
+            100.0 * recipe.calibration.min_coverage,
+            match recipe.calibration.low_coverage {
+                LowCoverage::Dynamic => "dynamic activations instead",
+                LowCoverage::Fp => "those layers stay in full precision",
+            }
+        ));
+    }
+
+    // 1. The recipe's plan, and the report's view of every point.
+    let mut initial: BTreeMap<String, Rung> = BTreeMap::new();
+    let mut static_scales: BTreeMap<String, f32> = BTreeMap::new();
+    let mut reports: BTreeMap<String, PointReport> = BTreeMap::new();
+    for (point, layers) in &layers_of {
+        let tensor = stats.tensors.get(point).ok_or_else(|| {
+            Error::Stats(format!(
+                "no statistics for {point}: were they calibrated on this model?"
+            ))
+        })?;
+        let histogram = tensor.histogram();
+        let calibrator = recipe.calibrator_for(point);
+        let threshold = calibrator.threshold(histogram);
+        if let Some(t) = threshold {
+            static_scales.insert(point.clone(), QuantParams::symmetric(t).params.scale);
+        }
+        let ignored = recipe.ignores(point);
+        let rung = if ignored || (point == "lm_head" && recipe.quantize.lm_head == LmHead::Fp) {
+            Rung::Fp
+        } else if point == "lm_head" || recipe.quantize.activations == ActivationScheme::Dynamic {
+            Rung::Dynamic
+        } else if !static_allowed {
+            match recipe.calibration.low_coverage {
+                LowCoverage::Dynamic => Rung::Dynamic,
+                LowCoverage::Fp => Rung::Fp,
+            }
+        } else if let Some(&scale) = static_scales.get(point) {
+            Rung::Static(scale)
+        } else {
+            warnings.push(format!(
+                "{point} saw no finite value in calibration; it runs with dynamic activations"
+            ));
+            Rung::Dynamic
+        };
+        initial.insert(point.clone(), rung);
+        reports.insert(
+            point.clone(),
+            PointReport {
+                point: point.clone(),
+                layers: layers.clone(),
+                precision: rung.name(),
+                input_scale: None,
+                calibrator: calibrator.to_string(),
+                thresholds: REPORTED_CALIBRATORS
+                    .iter()
+                    .map(|c| (c.to_string(), c.threshold(histogram)))
+                    .collect(),
+                sqnr_static_db: None,
+                sqnr_dynamic_db: None,
+                kl_static: None,
+                kl_dynamic: None,
+                histogram: eighth_octaves(histogram),
+                count: histogram.count(),
+                ignored,
+            },
+        );
+    }
+
+    // 2. Sensitivity at both integer rungs.
+    progress("ranking layer sensitivity");
+    let dynamic_sqnr = sensitivity(model, held_out, &|_| Ok(Activations::Dynamic))?;
+    let static_sqnr = if static_scales.is_empty() {
+        BTreeMap::new()
+    } else {
+        sensitivity(model, held_out, &|point| {
+            Ok(static_scales
+                .get(point)
+                .map_or(Activations::Dynamic, |&s| Activations::Static(s)))
+        })?
+    };
+    // The recipe's plan first: when the guard accepts it, no ladder (and no
+    // costly KL ranking) is needed.
+    let guard = Guard::new(model, reference, held_out, recipe)?;
+    let before = guard.measure(
+        &initial
+            .iter()
+            .map(|(p, r)| (p.clone(), r.precision()))
+            .collect(),
+    )?;
+    let (mut static_kl, mut dynamic_kl) = (BTreeMap::new(), BTreeMap::new());
+    if let (FpModel::Language(m), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
+    {
+        progress("ranking layer inputs by output KL (dynamic activations)");
+        dynamic_kl = kl_sensitivity(m, tokens, &|_| Some(Activations::Dynamic), progress)?;
+        if initial.values().any(|r| matches!(r, Rung::Static(_))) {
+            progress("ranking layer inputs by output KL (static scales)");
+            static_kl = kl_sensitivity(
+                m,
+                tokens,
+                &|p| match initial.get(p) {
+                    Some(Rung::Static(scale)) => Some(Activations::Static(*scale)),
+                    _ => None,
+                },
+                progress,
+            )?;
+        }
+    }
+    for (point, report) in &mut reports {
+        report.sqnr_dynamic_db = dynamic_sqnr.get(point).copied().flatten();
+        report.sqnr_static_db = static_sqnr.get(point).copied().flatten();
+        report.kl_dynamic = dynamic_kl.get(point).copied();
+        report.kl_static = static_kl.get(point).copied();
+    }
+
+    // 3. The ladder, worst rung first, within the FP cap: a point whose
+    //    demotion to FP would exceed the cap stays where it is, and the
+    //    ladder goes on with the others.
+    let max_fp_layers = (recipe.guard.max_fp_fraction * total_layers as f64).floor() as usize;
+    let fp_count = |rungs: &BTreeMap<String, Rung>| -> usize {
+        rungs
+            .iter()
+            .filter(|(_, r)| **r == Rung::Fp)
+            .map(|(p, _)| layers_of[p].len())
+            .sum()
+    };
+    let sqnr_at = |point: &str, rung: Rung| -> Option<f64> {
+        match rung {
+            Rung::Static(_) => static_sqnr.get(point).copied().flatten(),
+            Rung::Dynamic => dynamic_sqnr.get(point).copied().flatten(),
+            Rung::Fp => None,
+        }
+    };
+    let kl_at = |point: &str, rung: Rung| -> Option<f64> {
+        match rung {
+            Rung::Static(_) => static_kl.get(point).copied(),
+            Rung::Dynamic => dynamic_kl.get(point).copied(),
+            Rung::Fp => None,
+        }
+    };
+    // How noisy a point is at a rung, higher worse: output KL for language
+    // models, −SQNR for policies (an exact layer is the least noisy).
+    let is_language = matches!(model, FpModel::Language(_));
+    let noise_at = |point: &str, rung: Rung| -> f64 {
+        if is_language {
+            kl_at(point, rung).unwrap_or(0.0)
+        } else {
+            sqnr_at(point, rung).map_or(f64::NEG_INFINITY, |db| -db)
+        }
+    };
+    let initial_fp = fp_count(&initial);
+    let mut rungs = initial.clone();
+    let mut ladder = Vec::new();
+    let mut fp_after = Vec::new();
+    loop {
+        let fp_now = fp_count(&rungs);
+        let next = rungs
+            .iter()
+            .filter(|(point, rung)| match rung.demoted() {
+                None => false,
+                Some(Rung::Fp) => {
+                    !reports[*point].ignored && fp_now + layers_of[*point].len() <= max_fp_layers
+                }
+                Some(_) => !reports[*point].ignored,
+            })
+            .max_by(|(pa, ra), (pb, rb)| {
+                noise_at(pa, **ra)
+                    .total_cmp(&noise_at(pb, **rb))
+                    .then_with(|| pb.cmp(pa))
+            })
+            .map(|(p, r)| (p.clone(), *r));
+        let Some((point, rung)) = next else { break };
+        let to = rung.demoted().expect("filtered above");
+        ladder.push(LadderStep {
+            point: point.clone(),
+            from: rung.name(),
+            to: to.name(),
+            sqnr_db: sqnr_at(&point, rung),
+            kl: kl_at(&point, rung),
+        });
+        rungs.insert(point, to);
+        fp_after.push(fp_count(&rungs));
+    }
+    let max_steps = ladder.len();
+    let config_at = |steps: usize| -> BTreeMap<String, LayerPrecision> {
+        let mut rungs = initial.clone();
+        for step in &ladder[..steps] {
+            let rung = rungs[&step.point].demoted().expect("ladder demotes");
+            rungs.insert(step.point.clone(), rung);
+        }
+        rungs.into_iter().map(|(p, r)| (p, r.precision())).collect()
+    };
+    let fp_at = |steps: usize| {
+        if steps == 0 {
+            initial_fp
+        } else {
+            fp_after[steps - 1]
+        }
+    };
+
+    // 4. The guard.
+    progress(&format!(
+        "guard: 0 fallback steps, {} FP layers: {}",
+        fp_at(0),
+        describe(&before)
+    ));
+    let mut evaluations = vec![Evaluation {
+        steps: 0,
+        fp_layers: fp_at(0),
+        metrics: before.clone(),
+    }];
+    let mut evaluate = |steps: usize, progress: &mut dyn FnMut(&str)| -> Result<GuardMetrics> {
+        let metrics = guard.measure(&config_at(steps))?;
+        progress(&format!(
+            "guard: {steps} fallback steps, {} FP layers: {}",
+            fp_at(steps),
+            describe(&metrics)
+        ));
+        evaluations.push(Evaluation {
+            steps,
+            fp_layers: fp_at(steps),
+            metrics: metrics.clone(),
+        });
+        Ok(metrics)
+    };
+    let (accepted, applied_steps, refusal) = if initial_fp > max_fp_layers {
+        (
+            false,
+            0,
+            Some(format!(
+                "the recipe alone keeps {initial_fp} of {total_layers} linear layers in FP, above the cap of {max_fp_layers}."
+            )),
+        )
+    } else if before.passes {
+        (true, 0, None)
+    } else {
+        let most = evaluate(max_steps, progress)?;
+        if !most.passes {
+            (
+                false,
+                max_steps,
+                Some(format!(
+                    "the guard fails even after the whole fallback ladder, with {} of {total_layers} linear layers in FP (cap {max_fp_layers}, guard.max_fp_fraction = {}): {}.",
+                    fp_at(max_steps),
+                    recipe.guard.max_fp_fraction,
+                    describe(&most)
+                )),
+            )
+        } else {
+            // Invariant: `low` fails, `high` passes.
+            let (mut low, mut high) = (0, max_steps);
+            while high - low > 1 {
+                let mid = (low + high) / 2;
+                if evaluate(mid, progress)?.passes {
+                    high = mid;
+                } else {
+                    low = mid;
+                }
+            }
+            (true, high, None)
+        }
+    };
+    let points = config_at(applied_steps);
+    let after = guard.measure(&points)?;
+    for (point, precision) in &points {
+        let report = reports.get_mut(point).expect("every point has a report");
+        report.precision = precision.name();
+        if let LayerPrecision::Int8Static { input_scale } = precision {
+            report.input_scale = Some(*input_scale);
+        }
+    }
+    Ok(Decision {
+        accepted,
+        refusal,
+        points,
+        point_reports: reports.into_values().collect(),
+        reference: guard.reference(),
+        before,
+        after,
+        ladder,
+        applied_steps,
+        evaluations,
+        fp_layers: fp_at(applied_steps),
+        total_layers,
+        max_fp_layers,
+        coverage,
+        warnings,
+    })
+}
+
+/// |x| of `histogram` summed into bins [2^(k/8), 2^((k+1)/8)).
+fn eighth_octaves(histogram: &qforge_core::Histogram) -> Vec<(f64, f64, u64)> {
+    let mut bins: BTreeMap<i64, u64> = BTreeMap::new();
+    for bin in histogram.magnitude_bins() {
+        if bin.lower > 0.0 && bin.upper > bin.lower {
+            let key = ((bin.lower * bin.upper).sqrt().log2() * 8.0).floor() as i64;
+            *bins.entry(key).or_default() += bin.count;
+        }
+    }
+    bins.into_iter()
+        .map(|(k, count)| {
+            (
+                (k as f64 / 8.0).exp2(),
+                ((k + 1) as f64 / 8.0).exp2(),
+                count,
+            )
+        })
+        .collect()
+}
+
+/// One line for a progress message.
+pub fn describe(metrics: &GuardMetrics) -> String {
+    let verdict = if metrics.passes { "passes" } else { "fails" };
+    match (metrics.agreement, metrics.perplexity_increase) {
+        (Some(a), _) => format!("action agreement {:.2} % ({verdict})", 100.0 * a),
+        (_, Some(p)) => format!(
+            "perplexity {:.4} ({:+.2} %, {verdict})",
+            metrics.perplexity.unwrap_or(f64::NAN),
+            100.0 * p
+        ),
+        _ => verdict.into(),
+    }
+}
