@@ -63,6 +63,11 @@ pub struct QuantizeArgs {
     output: PathBuf,
     #[command(flatten)]
     backend: BackendArgs,
+    /// Name of the Redis run, for `qforge worker --run NAME` (a recipe's
+    /// later passes run as NAME.pass2, …, and its workers follow them);
+    /// default: derived from the model, data and recipe hashes.
+    #[arg(long, requires = "cluster")]
+    run: Option<String>,
     /// Count and skip invalid data lines instead of failing.
     #[arg(long)]
     skip_invalid: bool,
@@ -267,7 +272,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     if recipe.smoothing.enabled && is_policy {
         return Err(UsageError(SMOOTHING_NEEDS_NORMS.into()).into());
     }
-    let executor = args.backend.executor(None, false)?;
+    let executor = args.backend.executor(args.run.clone(), false)?;
     let pipeline = Pipeline::new(recipe, executor.as_ref())?;
     let quiet = args.flags.json;
     let mut terminal = Terminal {

@@ -410,20 +410,46 @@ fn a_sigstopped_worker_loses_its_batch_and_its_late_result_is_dropped() {
     let mut sleeper = setup.worker(&url, "stop", "sleeper");
     // Stop the first worker while it is observing a batch.
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    let task = loop {
         let beat = redis_get(&server, "qforge:{stop}:hb:sleeper");
-        if beat.is_some_and(|b| b != "-") {
-            break;
+        if let Some(task) = beat.filter(|b| b != "-") {
+            break task;
         }
         assert!(
             Instant::now() < deadline,
             "the worker never started a batch"
         );
         std::thread::sleep(Duration::from_millis(5));
-    }
+    };
     sleeper.signal("STOP");
     let mut other = setup.worker(&url, "stop", "other");
-    std::thread::sleep(Duration::from_millis(1200));
+    // Resume it only once the other worker has taken its task over (the
+    // task is no longer pending on the stopped worker), so its result
+    // arrives late whatever the machine's load.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_connection().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg("qforge:{stop}:tasks")
+            .arg("workers")
+            .arg(&task)
+            .arg(&task)
+            .arg(1)
+            .query(&mut connection)
+            .unwrap();
+        if pending
+            .first()
+            .is_none_or(|(_, consumer, _, _)| consumer != "sleeper")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stopped worker's task was never taken over"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     sleeper.signal("CONT");
     let summary = setup.finish(coordinator, &out);
     assert!(summary["duplicates"].as_u64().unwrap() >= 1, "{summary}");
@@ -547,4 +573,106 @@ fn quantize_through_redis_writes_the_embedded_artifact() {
     let report: Value =
         serde_json::from_slice(&std::fs::read(dir.join("cluster/report.json")).unwrap()).unwrap();
     assert_eq!(report["calibration"]["backend"], "redis");
+}
+
+/// SmoothQuant's two passes on three workers, one SIGKILLed while it
+/// observes a batch of the second pass (the smoothed model): the workers
+/// follow the pipeline from pass to pass, the killed worker's batch is redone,
+/// and the artifact is byte-identical to the single-thread embedded run's.
+/// Static scales under a loose budget, so the guard accepts the recipe's plan
+/// as it is and the scales come straight from the second pass's statistics.
+#[test]
+fn smoothquant_on_three_workers_with_one_killed_writes_the_single_worker_artifact() {
+    let Some(server) = RedisServer::start("smoothquant", None) else {
+        return;
+    };
+    let dir = temp("smoothquant");
+    let model = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    let quantize = |extra: &[&str], out: &str| -> Proc {
+        Proc(
+            Command::new(env!("CARGO_BIN_EXE_qforge"))
+                .current_dir(&dir)
+                .args(["quantize", "--model", model.to_str().unwrap()])
+                .args([
+                    "--data",
+                    root()
+                        .join("fixtures/episodes/arithmetic.jsonl")
+                        .to_str()
+                        .unwrap(),
+                    "--eval-data",
+                    root().join("fixtures/text/eval.txt").to_str().unwrap(),
+                ])
+                .args(["--samples", "16", "--seq-len", "96", "--batch-size", "2"])
+                .args(["--smoothquant", "--activations", "static"])
+                .args(["--max-perplexity-increase", "1", "--ctx", "128"])
+                .args(extra)
+                .args(["-o", out, "--json"])
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.join(format!("{out}.log"))).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let url = server.url();
+    let mut args = vec!["--cluster", &url, "--run", "smq"];
+    args.extend(HEARTBEAT);
+    let mut coordinator = quantize(&args, "cluster");
+    let worker = |name: &str| {
+        Proc(
+            Command::new(env!("CARGO_BIN_EXE_qforge"))
+                .args(["worker", "--cluster", &url, "--run", "smq", "--name", name])
+                .args(["--wait", "120"])
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let victim = worker("victim");
+    let mut survivors = [worker("a"), worker("b")];
+    // Kill the victim once its heartbeat names a task of the second pass.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let beat = redis_get(&server, "qforge:{smq.pass2}:hb:victim");
+        if beat.is_some_and(|b| b != "-") {
+            break;
+        }
+        assert!(
+            !coordinator.finished() && Instant::now() < deadline,
+            "the victim never observed a batch of the second pass"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    victim.signal("KILL");
+    let status = coordinator.wait(Duration::from_secs(300), "quantize --cluster");
+    let log = std::fs::read_to_string(dir.join("cluster.log")).unwrap();
+    assert!(status.success(), "{log}");
+    for (i, w) in survivors.iter_mut().enumerate() {
+        assert!(
+            w.wait(Duration::from_secs(30), "a worker").success(),
+            "worker {i}"
+        );
+    }
+    let followed = std::fs::read_to_string(dir.join("a.log")).unwrap();
+    assert!(followed.contains("joining run smq.pass2"), "{followed}");
+
+    assert!(
+        quantize(&["--workers", "1"], "embedded")
+            .wait(Duration::from_secs(300), "quantize --workers 1")
+            .success()
+    );
+    for file in ["model.safetensors", "qforge.json"] {
+        assert!(
+            std::fs::read(dir.join("cluster").join(file)).unwrap()
+                == std::fs::read(dir.join("embedded").join(file)).unwrap(),
+            "{file} differs between the cluster and the single-worker run"
+        );
+    }
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("cluster/report.json")).unwrap()).unwrap();
+    let passes = report["calibration"]["passes"].as_array().unwrap();
+    assert_eq!(passes.len(), 2, "{report}");
+    for pass in passes {
+        assert_eq!(pass["merged"], pass["planned"], "{pass}");
+    }
 }

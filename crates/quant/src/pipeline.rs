@@ -110,6 +110,9 @@ impl<'a> Pipeline<'a> {
     /// (`report.decision.accepted` is false), not an error.
     pub fn run(&self, inputs: &Inputs, listener: &mut dyn Listener) -> Result<Quantized> {
         let passes = self.passes();
+        if self.recipe.smoothing.enabled && qforge_model::Format::is_policy(&inputs.model)? {
+            return Err(smoothing_needs_norms());
+        }
         let first = qforge_calib::Recipe {
             pass: passes[0],
             ..self.recipe.calibration_recipe()
@@ -221,10 +224,7 @@ impl<'a> Pipeline<'a> {
     /// SmoothQuant's transform from the smoothing pass's statistics.
     fn smoothing(&self, session: &mut Session, stats: &Stats) -> Result<Transform> {
         let Model::Language(lm) = session.load_model()? else {
-            return Err(Error::Recipe(
-                "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
-                    .into(),
-            ));
+            return Err(smoothing_needs_norms());
         };
         let alpha = self.recipe.smoothing.alpha;
         Ok(Transform::Smooth {
@@ -295,6 +295,13 @@ impl<'a> Pipeline<'a> {
             decision,
         }
     }
+}
+
+fn smoothing_needs_norms() -> Error {
+    Error::Recipe(
+        "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
+            .into(),
+    )
 }
 
 /// Layer inputs a smoothing transform changes.

@@ -1,0 +1,71 @@
+//! The pipeline driven from its library API, without the CLI: a recipe's
+//! passes on the embedded executor, the guard, and the artifact.
+
+use std::path::{Path, PathBuf};
+
+use qforge_dist::EmbeddedExecutor;
+use qforge_quant::{Error, Inputs, Pipeline, QuantRecipe};
+
+fn cartpole() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qforge-quant-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// One and three worker threads observe the batches in different orders;
+/// the merged statistics, the guard's decision and every artifact file are
+/// the same bytes.
+#[test]
+fn one_and_three_threads_write_identical_artifacts() {
+    let inputs = Inputs::new(cartpole(), cartpole().join("rollouts.jsonl"));
+    let dirs: Vec<PathBuf> = [1, 3]
+        .into_iter()
+        .map(|threads| {
+            let executor = EmbeddedExecutor { threads };
+            let pipeline = Pipeline::new(QuantRecipe::default(), &executor).unwrap();
+            let quantized = pipeline.run(&inputs, &mut ()).unwrap();
+            assert!(quantized.accepted(), "{:?}", quantized.report.decision);
+            let decision = &quantized.report.decision;
+            assert_eq!(decision.fp_layers, 0);
+            assert!(decision.after.agreement.unwrap() >= 0.99, "{decision:?}");
+            assert_eq!(quantized.report.calibration.passes.len(), 1);
+            let dir = scratch(&format!("threads-{threads}"));
+            let manifest = quantized.write(&dir).unwrap();
+            assert_eq!(manifest["coverage"], 1.0);
+            dir
+        })
+        .collect();
+    for file in [
+        "model.safetensors",
+        "qforge.json",
+        "policy.json",
+        "calibration.json",
+    ] {
+        assert!(
+            std::fs::read(dirs[0].join(file)).unwrap()
+                == std::fs::read(dirs[1].join(file)).unwrap(),
+            "{file} differs between 1 and 3 threads"
+        );
+    }
+    qforge_model::manifest::verify(&dirs[0]).unwrap();
+}
+
+/// SmoothQuant folds factors into RMSNorm gains; a policy has none, and the
+/// pipeline says so instead of calibrating twice for nothing.
+#[test]
+fn smoothquant_on_a_policy_is_refused_by_name() {
+    let mut recipe = QuantRecipe::default();
+    recipe.smoothing.enabled = true;
+    let executor = EmbeddedExecutor { threads: 1 };
+    let pipeline = Pipeline::new(recipe, &executor).unwrap();
+    assert_eq!(pipeline.passes().len(), 2);
+    let inputs = Inputs::new(cartpole(), cartpole().join("rollouts.jsonl"));
+    let err = pipeline.run(&inputs, &mut ()).err().unwrap();
+    assert!(matches!(err, Error::Recipe(_)), "{err}");
+    assert!(err.to_string().contains("language models"), "{err}");
+}
