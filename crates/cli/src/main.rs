@@ -6,6 +6,7 @@
 mod calibrate_cmd;
 mod demo;
 mod export_cmd;
+mod info_cmd;
 mod input;
 mod model_cmd;
 mod output;
@@ -90,7 +91,7 @@ enum Command {
     /// With no --model/--data it quantizes the bundled CartPole policy.
     Quantize(quantize_cmd::QuantizeArgs),
     /// Convert a native artifact to a serving format: compressed-tensors
-    /// (vLLM, language models).
+    /// (vLLM, language models) or ONNX QDQ (policies).
     Export(export_cmd::ExportArgs),
     /// Serve a model over HTTP: a policy on POST /v1/act (dynamic batching),
     /// a language model on OpenAI's /v1/completions and /v1/chat/completions
@@ -118,6 +119,9 @@ enum Command {
     /// of a fixed probe batch. Workers with equal fingerprints compute equal
     /// calibration statistics.
     Fingerprint(model_cmd::FingerprintArgs),
+    /// Print this build and what this CPU runs: the features the CPU probe
+    /// found and the tier of each hot kernel.
+    Info(info_cmd::InfoArgs),
 }
 
 #[derive(Subcommand)]
@@ -161,6 +165,19 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // The libraries log through `tracing` (the server's drift alerts and
+    // rollbacks): to stderr, without timestamps, INFO and up unless
+    // RUST_LOG says otherwise.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::builder()
+                .with_default_directive(tracing_subscriber::filter::LevelFilter::INFO.into())
+                .from_env_lossy(),
+        )
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Stats(StatsCommand::Observe(args)) => stats_cmd::observe(args),
@@ -178,6 +195,7 @@ fn main() -> ExitCode {
         Command::Eval(command) => model_cmd::eval(command),
         Command::Act(args) => model_cmd::act(args),
         Command::Fingerprint(args) => model_cmd::fingerprint(args),
+        Command::Info(args) => info_cmd::info(args),
     };
     match result {
         Ok(()) => ExitCode::from(EXIT_OK),

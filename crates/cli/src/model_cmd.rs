@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use qforge_core::Calibrator;
 use qforge_core::codec::decode;
-use qforge_core::{Calibrator, QuantParams};
 use qforge_model::artifact::is_artifact;
 use qforge_model::lm::{compare, perplexity};
 use qforge_model::manifest::Manifest;
@@ -85,14 +85,12 @@ impl PrecisionArgs {
                             "{source} has no statistics for {point}; calibrate this model again"
                         ))
                     })?;
-                    let threshold = calibrator.threshold(tensor.histogram()).ok_or_else(|| {
+                    let scale = calibrator.static_scale(tensor.histogram()).ok_or_else(|| {
                         qforge_model::Error::Format(format!(
                             "{source}: {point} saw no finite value; its scale is undefined"
                         ))
                     })?;
-                    Ok(Activations::Static(
-                        QuantParams::symmetric(threshold).params.scale,
-                    ))
+                    Ok(Activations::Static(scale))
                 })))
             }
             (Precision::Int8Static, None) => Err(UsageError(

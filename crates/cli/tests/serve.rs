@@ -14,6 +14,19 @@ use std::time::Duration;
 use serde_json::Value;
 use support::{json, path, qforge_in};
 
+/// Waits for `condition` (polled every 20 ms), failing after a deadline
+/// generous enough for a machine whose cores are all busy.
+fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    while !condition() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "gave up waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 struct Server {
     child: Child,
     addr: String,
@@ -33,6 +46,12 @@ impl Server {
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        // A loaded machine (CI runs the suites side by side on two cores)
+        // can take longer than the default 10 s to answer; only the test of
+        // the timeout itself sets one.
+        if !extra.contains(&"--timeout-ms") {
+            command.args(["--timeout-ms", "300000"]);
+        }
         if let Some(token) = token {
             command.env("QFORGE_SERVE_TOKEN", token);
         }
@@ -64,7 +83,7 @@ impl Server {
     ) -> (u16, String, String) {
         let mut stream = TcpStream::connect(&self.addr).unwrap();
         stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
+            .set_read_timeout(Some(Duration::from_secs(300)))
             .unwrap();
         let mut request = format!(
             "{method} {target} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
@@ -374,13 +393,9 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
         "200",
     ];
     let wait_for = |server: &Server, name: &str, at_least: f64| {
-        for _ in 0..200 {
-            if server.metric(name).is_some_and(|v| v >= at_least) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("{name} never reached {at_least}");
+        wait_until(&format!("{name} reaching {at_least}"), || {
+            server.metric(name).is_some_and(|v| v >= at_least)
+        });
     };
 
     // The good artifact: the reference (found through the manifest) shadows
@@ -863,13 +878,9 @@ fn a_client_that_hangs_up_frees_its_sequence() {
     let n = stream.read(&mut first).unwrap();
     assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
     drop(stream);
-    for _ in 0..200 {
-        if server.metric("qforge_running_sequences") == Some(0.0) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    assert_eq!(server.metric("qforge_running_sequences"), Some(0.0));
+    wait_until("the hung-up client's sequence to be freed", || {
+        server.metric("qforge_running_sequences") == Some(0.0)
+    });
     let generated = server.metric("qforge_generated_tokens_total").unwrap();
     assert!(
         generated < 400.0,
@@ -967,13 +978,9 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
     for _ in 0..3 {
         assert_eq!(complete(&server, "x").0, "int8");
     }
-    for _ in 0..400 {
-        if server.metric("qforge_rolled_back") == Some(1.0) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert_eq!(server.metric("qforge_rolled_back"), Some(1.0));
+    wait_until("the rollback", || {
+        server.metric("qforge_rolled_back") == Some(1.0)
+    });
     assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
     assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));
 }

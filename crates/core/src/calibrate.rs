@@ -96,6 +96,16 @@ impl Calibrator {
         }
     }
 
+    /// The scale of a static (per-tensor, symmetric) int8 activation
+    /// quantizer: [`Calibrator::threshold`] mapped onto ±127. The one way
+    /// statistics become a static scale, for the guard and for
+    /// `--precision int8-static` alike. `None` when the histogram has no
+    /// finite value.
+    pub fn static_scale(&self, histogram: &Histogram) -> Option<f32> {
+        self.threshold(histogram)
+            .map(|t| crate::QuantParams::symmetric(t).params.scale)
+    }
+
     /// The symmetric clipping magnitude T on |x| (the int8 scale is T / 127).
     /// `None` when the histogram has no finite value; `Some(0.0)` when every
     /// finite value is zero.

@@ -280,21 +280,18 @@ pub enum ObserveTier {
 impl ObserveTier {
     /// The fastest tier this CPU supports.
     pub fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") {
-            return Self::Avx2;
+        if Self::Avx2.is_supported() {
+            Self::Avx2
+        } else {
+            Self::Portable
         }
-        Self::Portable
     }
 
     /// Whether this CPU can run the tier.
     pub fn is_supported(self) -> bool {
         match self {
             Self::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => std::is_x86_feature_detected!("avx2"),
-            #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx2 => false,
+            Self::Avx2 => crate::CpuFeatures::get().avx2,
         }
     }
 }

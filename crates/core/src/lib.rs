@@ -9,8 +9,9 @@
 //! - [`Stats`], [`Provenance`], [`BatchId`]: the merged statistics of a pass,
 //!   where they came from, and which batches they contain.
 //! - [`Calibrator`]: minmax, percentile, entropy (KL), mse and sigma clipping.
-//! - [`QuantParams`], [`RowQuantized`]: int8 quantization parameters (symmetric,
-//!   asymmetric, per-tensor, per-channel, per-token) and (de)quantization.
+//! - [`QuantParams`]: int8 quantization parameters (symmetric, asymmetric)
+//!   and (de)quantization; the engine's per-row weight quantizer is
+//!   `qforge_kernels::quantize_rows_symmetric`, the only one.
 //! - [`error_metrics`]: MSE, SQNR and max-abs error.
 //! - [`codec`]: the `.qstats` file format, bytes in and bytes out.
 //!
@@ -19,6 +20,7 @@
 
 pub mod calibrate;
 pub mod codec;
+pub mod cpu;
 pub mod error;
 pub mod histogram;
 pub mod metrics;
@@ -26,8 +28,9 @@ pub mod params;
 pub mod stats;
 
 pub use calibrate::Calibrator;
+pub use cpu::CpuFeatures;
 pub use error::{Error, Result};
 pub use histogram::{Histogram, ObserveTier};
 pub use metrics::{ErrorMetrics, error_metrics};
-pub use params::{Fit, QuantParams, RangeWarning, RowQuantized};
+pub use params::{Fit, QuantParams, RangeWarning};
 pub use stats::{BatchId, Digest, DigestBuilder, MergePolicy, Provenance, Stats, TensorStats};

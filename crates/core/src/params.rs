@@ -160,72 +160,6 @@ impl QuantParams {
     }
 }
 
-/// Largest finite magnitude of a slice (NaN and ±∞ ignored); 0 when none.
-pub fn finite_abs_max(values: &[f32]) -> f32 {
-    values
-        .iter()
-        .map(|v| v.abs())
-        .filter(|v| v.is_finite())
-        .fold(0.0, f32::max)
-}
-
-/// A matrix quantized row by row with symmetric int8: per-output-channel weights
-/// (rows are output channels) or per-token activations (rows are tokens).
-#[derive(Debug, Clone, PartialEq)]
-pub struct RowQuantized {
-    /// Row-major int8 values, `rows × cols`.
-    pub values: Vec<i8>,
-    /// One scale per row.
-    pub scales: Vec<f32>,
-    /// Columns per row.
-    pub cols: usize,
-    /// Rows whose range was degenerate, with the warning.
-    pub warnings: Vec<(usize, RangeWarning)>,
-}
-
-impl RowQuantized {
-    /// Quantizes a row-major `[rows, cols]` matrix with one symmetric scale per
-    /// row. Panics if `matrix.len()` is not a multiple of `cols` (a caller bug).
-    pub fn symmetric(matrix: &[f32], cols: usize) -> Self {
-        assert!(
-            cols > 0 && matrix.len().is_multiple_of(cols),
-            "RowQuantized::symmetric: {} values do not form rows of {cols}",
-            matrix.len()
-        );
-        let rows = matrix.len() / cols;
-        let mut values = vec![0i8; matrix.len()];
-        let mut scales = Vec::with_capacity(rows);
-        let mut warnings = Vec::new();
-        for (r, (row, out)) in matrix
-            .chunks_exact(cols)
-            .zip(values.chunks_exact_mut(cols))
-            .enumerate()
-        {
-            let fit = QuantParams::symmetric(finite_abs_max(row));
-            if let Some(w) = fit.warning {
-                warnings.push((r, w));
-            }
-            fit.params.quantize_slice(row, out);
-            scales.push(fit.params.scale);
-        }
-        Self {
-            values,
-            scales,
-            cols,
-            warnings,
-        }
-    }
-
-    /// Dequantizes back to a row-major f32 matrix.
-    pub fn dequantize(&self) -> Vec<f32> {
-        self.values
-            .chunks_exact(self.cols)
-            .zip(&self.scales)
-            .flat_map(|(row, &scale)| row.iter().map(move |&q| f32::from(q) * scale))
-            .collect()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -287,24 +221,5 @@ mod tests {
         // The widest finite range does not overflow the scale.
         let fit = QuantParams::asymmetric(-f32::MAX, f32::MAX);
         assert!(fit.params.scale.is_finite() && fit.warning.is_none());
-    }
-
-    #[test]
-    fn per_row_quantization_round_trips_within_half_a_step() {
-        let matrix: Vec<f32> = (0..24).map(|i| (i as f32 - 11.0) * 0.37).collect();
-        let mut with_zero_row = matrix.clone();
-        with_zero_row.extend([0.0; 6]);
-        let q = RowQuantized::symmetric(&with_zero_row, 6);
-        assert_eq!(q.scales.len(), 5);
-        assert_eq!(q.warnings, vec![(4, RangeWarning::ZeroRange)]);
-        for (r, (orig, back)) in with_zero_row
-            .chunks(6)
-            .zip(q.dequantize().chunks(6))
-            .enumerate()
-        {
-            for (a, b) in orig.iter().zip(back) {
-                assert!((a - b).abs() <= q.scales[r] / 2.0 + 1e-6);
-            }
-        }
     }
 }

@@ -1,16 +1,18 @@
 //! The coordinator: hands a plan to a backend, merges each batch id exactly
 //! once, retries and quarantines failures, checkpoints, and enforces coverage.
+//! The reduce step itself is the `Merger` (in `merger.rs`); [`run`] only
+//! drives it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use qforge_calib::{Job, Plan};
-use qforge_core::{BatchId, MergePolicy, Provenance, Stats};
+use qforge_core::{BatchId, Stats};
 
-use crate::backend::{Backend, Next, Outcome};
+use crate::backend::Backend;
 use crate::checkpoint::CheckpointStore;
 use crate::error::{Error, Result};
+use crate::merger::Merger;
 
 /// Attempts a batch gets before it is quarantined.
 pub const MAX_ATTEMPTS: u32 = 3;
@@ -124,240 +126,60 @@ pub fn run(
     options: &RunOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<RunSummary> {
-    let started = Instant::now();
-    let planned = plan.batches.len();
-    let ids: BTreeMap<BatchId, usize> = plan
-        .batches
-        .iter()
-        .enumerate()
-        .map(|(i, b)| (b.id, i))
-        .collect();
-    let mut merged_stats = Stats::default();
-    let mut warnings = Vec::new();
-    let mut resumed_from = None;
+    // Without a store there is nothing to resume from, so every merge is as
+    // durable as it will get and the backend may forget it at once.
+    let every = match options.checkpoints {
+        Some(_) => options.checkpoint_every,
+        None => 1,
+    };
+    let mut merger = Merger::new(plan, every);
     if options.resume {
-        let store = options
-            .checkpoints
-            .as_ref()
-            .ok_or_else(|| Error::Checkpoint {
-                path: "-".into(),
-                reason: "resuming needs a checkpoint directory".into(),
-            })?;
-        let (latest, skipped) = store.latest()?;
-        warnings.extend(skipped);
-        match latest {
-            Some((path, stats)) => {
-                check_checkpoint(&stats.provenance, job, &ids, &path)?;
-                merged_stats = stats;
-                resumed_from = Some(path);
-            }
-            None => warnings.push(format!(
-                "no readable checkpoint in {}; starting from scratch",
-                store.dir().display()
-            )),
-        }
+        resume(&mut merger, job, options)?;
     }
-    let resumed = merged_stats.provenance.batches.len();
-    let mut done: BTreeSet<BatchId> = merged_stats.provenance.batches.clone();
-    let pending: Vec<usize> = (0..planned)
-        .filter(|&i| !done.contains(&plan.batches[i].id))
-        .collect();
-
-    let mut attempts: BTreeMap<usize, u32> = BTreeMap::new();
-    let mut quarantined = BTreeMap::new();
-    let mut workers: BTreeMap<String, WorkerReport> = BTreeMap::new();
-    let mut timeline = Vec::new();
-    let (mut duplicates, mut retries, mut speculative) = (0, 0, 0);
-    let (mut since_checkpoint, mut checkpoints_written) = (0, 0);
-    let mut unresolved = pending.len();
-    progress(Progress {
-        merged: done.len(),
-        planned,
-        retries,
-        workers: backend.workers(),
-    });
+    let pending = merger.pending();
+    progress(merger.progress(backend.workers()));
     if !pending.is_empty() {
         backend.run(plan, &pending, &mut |outcome| {
-            let next = match outcome {
-                Outcome::Done {
-                    batch,
-                    stats,
-                    worker,
-                    elapsed,
-                    speculative: was_speculative,
-                } => {
-                    speculative += usize::from(was_speculative);
-                    let report = workers.entry(worker.clone()).or_default();
-                    report.busy_seconds += elapsed.as_secs_f64();
-                    let claimed: Vec<BatchId> = stats.provenance.batches.iter().copied().collect();
-                    let id = plan.batches.get(batch).map(|b| b.id);
-                    if claimed.len() != 1 || Some(claimed[0]) != id {
-                        return Err(Error::ForeignResult {
-                            worker,
-                            batch: claimed
-                                .iter()
-                                .map(ToString::to_string)
-                                .collect::<Vec<_>>()
-                                .join(","),
-                        });
-                    }
-                    let merged = done.insert(claimed[0]);
-                    timeline.push(Delivery {
-                        worker: worker.clone(),
-                        batch,
-                        at_seconds: started.elapsed().as_secs_f64(),
-                        busy_seconds: elapsed.as_secs_f64(),
-                        merged,
-                    });
-                    if !merged {
-                        // A retry or speculative copy that lost the race.
-                        report.duplicates += 1;
-                        duplicates += 1;
-                        Next::Continue
-                    } else {
-                        merged_stats.merge(&stats, MergePolicy::Strict)?;
-                        report.merged += 1;
-                        unresolved -= 1;
-                        since_checkpoint += 1;
-                        if let Some(store) = &options.checkpoints
-                            && since_checkpoint >= options.checkpoint_every
-                        {
-                            store.write(done.len() as u64, &merged_stats)?;
-                            checkpoints_written += 1;
-                            since_checkpoint = 0;
-                            backend.committed()?;
-                        } else if options.checkpoints.is_none() {
-                            backend.committed()?;
-                        }
-                        if unresolved == 0 {
-                            Next::Stop
-                        } else {
-                            Next::Continue
-                        }
-                    }
-                }
-                Outcome::Failed {
-                    batch,
-                    worker,
-                    error,
-                } => {
-                    workers.entry(worker).or_default().failures += 1;
-                    let id = plan.batches[batch].id;
-                    if done.contains(&id) || quarantined.contains_key(&id) {
-                        Next::Continue
-                    } else {
-                        let tries = attempts.entry(batch).or_insert(0);
-                        *tries += 1;
-                        if *tries < MAX_ATTEMPTS {
-                            retries += 1;
-                            Next::Retry(batch)
-                        } else {
-                            quarantined.insert(id, error);
-                            unresolved -= 1;
-                            if unresolved == 0 {
-                                Next::Stop
-                            } else {
-                                Next::Continue
-                            }
-                        }
-                    }
-                }
-            };
-            progress(Progress {
-                merged: done.len(),
-                planned,
-                retries,
-                workers: backend.workers(),
-            });
+            let next = merger.accept(outcome)?;
+            if merger.checkpoint_due() {
+                merger.checkpoint(options.checkpoints.as_ref())?;
+                backend.committed()?;
+            }
+            progress(merger.progress(backend.workers()));
             Ok(next)
         })?;
     }
     if let Some(store) = &options.checkpoints
-        && since_checkpoint > 0
+        && merger.has_unsaved()
     {
-        store.write(done.len() as u64, &merged_stats)?;
-        checkpoints_written += 1;
+        merger.checkpoint(Some(store))?;
         backend.committed()?;
     }
-    warnings.extend(backend.warnings());
-    let merged = done.len();
-    let coverage = if planned == 0 {
-        1.0
-    } else {
-        merged as f64 / planned as f64
-    };
-    if coverage < options.min_coverage {
-        let missing: Vec<String> = plan
-            .batches
-            .iter()
-            .filter(|b| !done.contains(&b.id))
-            .take(8)
-            .map(|b| match quarantined.get(&b.id) {
-                Some(e) => format!("{} (quarantined: {e})", b.id),
-                None => b.id.to_string(),
-            })
-            .collect();
-        return Err(Error::Coverage {
-            merged,
-            planned,
-            required: options.min_coverage,
-            missing: missing.join(", "),
-        });
-    }
-    Ok(RunSummary {
-        stats: merged_stats,
-        planned,
-        merged,
-        coverage,
-        resumed,
-        resumed_from,
-        duplicates,
-        retries,
-        speculative,
-        quarantined,
-        checkpoints_written,
-        warnings,
-        workers,
-        seconds: started.elapsed().as_secs_f64(),
-        timeline,
-    })
+    merger.warn(backend.warnings());
+    merger.finish(options.min_coverage)
 }
 
-/// A checkpoint may only resume the run it was written by.
-fn check_checkpoint(
-    provenance: &Provenance,
-    job: &Job,
-    ids: &BTreeMap<BatchId, usize>,
-    path: &std::path::Path,
-) -> Result<()> {
-    let expected = Provenance::single(
-        Some(job.model),
-        job.data,
-        job.recipe.digest(),
-        job.recipe.pass.name(),
-        BatchId {
-            index: 0,
-            content: job.data,
-        },
-        job.planned,
-    );
-    let same_source = provenance.models == expected.models
-        && provenance.data == expected.data
-        && provenance.recipes == expected.recipes
-        && provenance.passes == expected.passes
-        && provenance.planned == expected.planned
-        && !provenance.forced;
-    if !same_source {
-        return Err(Error::Checkpoint {
-            path: path.display().to_string(),
-            reason: "it belongs to a different model, data or recipe; use another --checkpoint-dir or run name".into(),
-        });
+/// Restores the newest readable checkpoint into `merger`. Resuming without a
+/// checkpoint directory is an error; a directory with no readable checkpoint
+/// only warns, and the run starts from scratch.
+fn resume(merger: &mut Merger<'_>, job: &Job, options: &RunOptions) -> Result<()> {
+    let store = options
+        .checkpoints
+        .as_ref()
+        .ok_or_else(|| Error::Checkpoint {
+            path: "-".into(),
+            reason: "resuming needs a checkpoint directory".into(),
+        })?;
+    let (latest, skipped) = store.latest()?;
+    merger.warn(skipped);
+    match latest {
+        Some((path, stats)) => merger.restore(job, path, stats),
+        None => {
+            merger.warn([format!(
+                "no readable checkpoint in {}; starting from scratch",
+                store.dir().display()
+            )]);
+            Ok(())
+        }
     }
-    if let Some(foreign) = provenance.batches.iter().find(|b| !ids.contains_key(b)) {
-        return Err(Error::Checkpoint {
-            path: path.display().to_string(),
-            reason: format!("it holds batch {foreign}, which is not in this run's plan"),
-        });
-    }
-    Ok(())
 }

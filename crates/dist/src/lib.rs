@@ -15,6 +15,7 @@ pub mod cluster;
 pub mod coordinator;
 pub mod error;
 pub mod executor;
+mod merger;
 
 pub use backend::{Backend, Embedded, Next, Outcome};
 pub use checkpoint::CheckpointStore;

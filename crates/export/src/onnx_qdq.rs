@@ -22,6 +22,7 @@ use qforge_model::onnx::proto::{
     TensorShapeProto, TypeProto, ValueInfoProto, attribute_proto, tensor_proto, tensor_shape_proto,
     type_proto,
 };
+use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
@@ -129,6 +130,223 @@ fn floats_of(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// The tensors of the `model.safetensors` being exported, with errors that
+/// name that file (the artifact and its `qforge.json` can disagree).
+struct Weights<'a> {
+    tensors: SafeTensors<'a>,
+    path: &'a Path,
+}
+
+impl<'a> Weights<'a> {
+    fn parse(bytes: &'a [u8], path: &'a Path) -> Result<Self> {
+        let tensors = SafeTensors::deserialize(bytes)
+            .map_err(|e| Error::Inconsistent(format!("{}: {e}", path.display())))?;
+        Ok(Self { tensors, path })
+    }
+
+    fn tensor(&self, name: &str) -> Result<TensorView<'a>> {
+        self.tensors
+            .tensor(name)
+            .map_err(|e| Error::Inconsistent(format!("{}: {name}: {e}", self.path.display())))
+    }
+}
+
+impl Graph {
+    /// Initializers that several layers read, added once and only when some
+    /// layer needs them, so the graph holds no unused initializer.
+    fn shared_constants(&mut self, points: &BTreeMap<String, LayerPrecision>) {
+        if points
+            .values()
+            .any(|p| matches!(p, LayerPrecision::Int8Static { .. }))
+        {
+            self.int8s("qdq.zero", &[], &[0]);
+        }
+        if points.values().any(|p| *p == LayerPrecision::Int8Dynamic) {
+            self.floats("qdq.limit_low", &[], &[-127.0]);
+            self.floats("qdq.limit_high", &[], &[127.0]);
+            self.floats("qdq.levels", &[], &[127.0]);
+            self.floats("qdq.tiny", &[], &[f32::MIN_POSITIVE]);
+        }
+    }
+
+    /// The weight `{name}.weight`, f32 `[out, in]` as the Gemm reads it: an
+    /// initializer for an FP layer, the stored int8 values behind a
+    /// per-channel `DequantizeLinear` for an INT8 one (never requantized).
+    /// Returns whether the layer is INT8; a weight whose dtype disagrees
+    /// with `qforge.json` is an error.
+    fn weight(
+        &mut self,
+        weights: &Weights,
+        name: &str,
+        precision: LayerPrecision,
+        (out, inp): (usize, usize),
+    ) -> Result<bool> {
+        let weight = format!("{name}.weight");
+        let view = weights.tensor(&weight)?;
+        match (precision, view.dtype()) {
+            (LayerPrecision::Fp, Dtype::F32) => {
+                self.floats(&weight, &[out, inp], &floats_of(view.data()));
+                Ok(false)
+            }
+            (LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. }, Dtype::I8) => {
+                let values: Vec<i8> = view.data().iter().map(|&b| b as i8).collect();
+                let scales = floats_of(weights.tensor(&format!("{name}.weight_scale"))?.data());
+                self.int8s(&format!("{weight}_quantized"), &[out, inp], &values);
+                self.floats(&format!("{weight}_scale"), &[out], &scales);
+                self.int8s(&format!("{weight}_zero_point"), &[out], &vec![0; out]);
+                self.node(
+                    "DequantizeLinear",
+                    &[
+                        &format!("{weight}_quantized"),
+                        &format!("{weight}_scale"),
+                        &format!("{weight}_zero_point"),
+                    ],
+                    &weight,
+                    vec![int_attribute("axis", 0)],
+                );
+                Ok(true)
+            }
+            (p, dtype) => Err(Error::Inconsistent(format!(
+                "{name} is {} in qforge.json but its weight is {dtype:?}",
+                p.name()
+            ))),
+        }
+    }
+
+    /// The input `x` of layer `name` as the engine quantizes it; returns the
+    /// value the Gemm reads.
+    fn layer_input(&mut self, name: &str, precision: LayerPrecision, x: &str) -> String {
+        match precision {
+            LayerPrecision::Fp => x.to_owned(),
+            LayerPrecision::Int8Static { input_scale } => self.static_input(name, input_scale, x),
+            LayerPrecision::Int8Dynamic => self.dynamic_input(name, x),
+        }
+    }
+
+    /// A static input: QuantizeLinear → DequantizeLinear with the calibrated
+    /// scale and the shared zero point.
+    fn static_input(&mut self, name: &str, input_scale: f32, x: &str) -> String {
+        self.floats(&format!("{name}.input_scale"), &[], &[input_scale]);
+        let scale = format!("{name}.input_scale");
+        self.node(
+            "QuantizeLinear",
+            &[x, &scale, "qdq.zero"],
+            &format!("{name}.input_quantized"),
+            vec![],
+        );
+        self.node(
+            "DequantizeLinear",
+            &[&format!("{name}.input_quantized"), &scale, "qdq.zero"],
+            &format!("{name}.input_dq"),
+            vec![],
+        );
+        format!("{name}.input_dq")
+    }
+
+    /// A dynamic input: QDQ has no per-token scale, so the engine's
+    /// arithmetic is spelled out op by op (`s = max|x_row| / 127`, `q =
+    /// clip(round(x · 1/s), ±127)`, `x' = q · s`), in the engine's order
+    /// (a reciprocal, then a multiply), so the graph rounds as it does.
+    fn dynamic_input(&mut self, name: &str, x: &str) -> String {
+        let p = |s: &str| format!("{name}.{s}");
+        self.node("Abs", &[x], &p("abs"), vec![]);
+        self.node(
+            "ReduceMax",
+            &[&p("abs")],
+            &p("row_max"),
+            vec![ints_attribute("axes", &[1]), int_attribute("keepdims", 1)],
+        );
+        self.node(
+            "Max",
+            &[&p("row_max"), "qdq.tiny"],
+            &p("row_max_pos"),
+            vec![],
+        );
+        self.node(
+            "Div",
+            &[&p("row_max_pos"), "qdq.levels"],
+            &p("row_scale"),
+            vec![],
+        );
+        self.node("Reciprocal", &[&p("row_scale")], &p("row_inverse"), vec![]);
+        self.node("Mul", &[x, &p("row_inverse")], &p("scaled"), vec![]);
+        self.node(
+            "Clip",
+            &[&p("scaled"), "qdq.limit_low", "qdq.limit_high"],
+            &p("clipped"),
+            vec![],
+        );
+        self.node("Round", &[&p("clipped")], &p("rounded"), vec![]);
+        self.node(
+            "Mul",
+            &[&p("rounded"), &p("row_scale")],
+            &p("input_dq"),
+            vec![],
+        );
+        p("input_dq")
+    }
+
+    /// The Gemm of layer `name` on `input`, then the policy's activation
+    /// unless it is the last layer, whose Gemm writes the graph output
+    /// `outputs` (the head's raw values: logits, means before clipping or
+    /// values). Returns the value the next layer reads.
+    fn gemm_and_activation(
+        &mut self,
+        name: &str,
+        input: &str,
+        last: bool,
+        activation: Activation,
+    ) -> String {
+        let y = if last {
+            "outputs".to_owned()
+        } else {
+            format!("{name}.output")
+        };
+        self.node(
+            "Gemm",
+            &[input, &format!("{name}.weight"), &format!("{name}.bias")],
+            &y,
+            vec![int_attribute("transB", 1)],
+        );
+        if last {
+            return y;
+        }
+        let activated = format!("{name}.activated");
+        let op = match activation {
+            Activation::Tanh => "Tanh",
+            Activation::Relu => "Relu",
+        };
+        self.node(op, &[&y], &activated, vec![]);
+        activated
+    }
+
+    /// The finished model: opset 13, input `observations` `[N,
+    /// observation_dim]`, output `outputs` `[N, head]`.
+    fn into_model(self, policy: &PolicyConfig) -> ModelProto {
+        ModelProto {
+            ir_version: IR_VERSION,
+            producer_name: "qforge".into(),
+            producer_version: env!("CARGO_PKG_VERSION").into(),
+            opset_import: vec![OperatorSetIdProto {
+                domain: String::new(),
+                version: OPSET,
+            }],
+            graph: Some(GraphProto {
+                name: "qforge_policy".into(),
+                node: self.nodes,
+                initializer: self.initializers,
+                input: vec![value_info(
+                    "observations",
+                    [None, Some(policy.observation_dim)],
+                )],
+                output: vec![value_info("outputs", [None, Some(policy.head.outputs())])],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+}
+
 /// Writes `dest/model.onnx` for the policy `policy` whose tensors are in
 /// `weights_path` (a native artifact's, or a full-precision policy's
 /// `model.safetensors`), each layer in the precision `points` gives it.
@@ -140,31 +358,13 @@ pub fn export_onnx(
 ) -> Result<OnnxExport> {
     let bytes =
         std::fs::read(weights_path).map_err(|e| qforge_model::Error::io(weights_path, e))?;
-    let tensors = SafeTensors::deserialize(&bytes)
-        .map_err(|e| Error::Inconsistent(format!("{}: {e}", weights_path.display())))?;
-    let tensor = |name: &str| {
-        tensors
-            .tensor(name)
-            .map_err(|e| Error::Inconsistent(format!("{}: {name}: {e}", weights_path.display())))
-    };
+    let weights = Weights::parse(&bytes, weights_path)?;
     let mut widths = vec![policy.observation_dim];
     widths.extend(&policy.hidden);
     widths.push(policy.head.outputs());
 
     let mut g = Graph::default();
-    // Constants shared by the layers that need them.
-    if points
-        .values()
-        .any(|p| matches!(p, LayerPrecision::Int8Static { .. }))
-    {
-        g.int8s("qdq.zero", &[], &[0]);
-    }
-    if points.values().any(|p| *p == LayerPrecision::Int8Dynamic) {
-        g.floats("qdq.limit_low", &[], &[-127.0]);
-        g.floats("qdq.limit_high", &[], &[127.0]);
-        g.floats("qdq.levels", &[], &[127.0]);
-        g.floats("qdq.tiny", &[], &[f32::MIN_POSITIVE]);
-    }
+    g.shared_constants(points);
     let (mut int8_layers, mut fp_layers) = (0, 0);
     let mut x = "observations".to_owned();
     let last = widths.len() - 2;
@@ -174,146 +374,19 @@ pub fn export_onnx(
         let precision = points.get(&name).copied().ok_or_else(|| {
             Error::Inconsistent(format!("qforge.json gives no precision for {name}"))
         })?;
-        let bias = tensor(&format!("{name}.bias"))?;
+        let bias = weights.tensor(&format!("{name}.bias"))?;
         g.floats(&format!("{name}.bias"), &[out], &floats_of(bias.data()));
-        // The weight, f32 [out, in] as the Gemm reads it.
-        let weight = format!("{name}.weight");
-        let view = tensor(&weight)?;
-        match (precision, view.dtype()) {
-            (LayerPrecision::Fp, Dtype::F32) => {
-                g.floats(&weight, &[out, inp], &floats_of(view.data()));
-                fp_layers += 1;
-            }
-            (LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. }, Dtype::I8) => {
-                let values: Vec<i8> = view.data().iter().map(|&b| b as i8).collect();
-                let scales = floats_of(tensor(&format!("{name}.weight_scale"))?.data());
-                g.int8s(&format!("{weight}_quantized"), &[out, inp], &values);
-                g.floats(&format!("{weight}_scale"), &[out], &scales);
-                g.int8s(&format!("{weight}_zero_point"), &[out], &vec![0; out]);
-                g.node(
-                    "DequantizeLinear",
-                    &[
-                        &format!("{weight}_quantized"),
-                        &format!("{weight}_scale"),
-                        &format!("{weight}_zero_point"),
-                    ],
-                    &weight,
-                    vec![int_attribute("axis", 0)],
-                );
-                int8_layers += 1;
-            }
-            (p, dtype) => {
-                return Err(Error::Inconsistent(format!(
-                    "{name} is {} in qforge.json but its weight is {dtype:?}",
-                    p.name()
-                )));
-            }
+        if g.weight(&weights, &name, precision, (out, inp))? {
+            int8_layers += 1;
+        } else {
+            fp_layers += 1;
         }
-        // The input, as the engine quantizes it.
-        let input = match precision {
-            LayerPrecision::Fp => x.clone(),
-            LayerPrecision::Int8Static { input_scale } => {
-                g.floats(&format!("{name}.input_scale"), &[], &[input_scale]);
-                let scale = format!("{name}.input_scale");
-                g.node(
-                    "QuantizeLinear",
-                    &[&x, &scale, "qdq.zero"],
-                    &format!("{name}.input_quantized"),
-                    vec![],
-                );
-                g.node(
-                    "DequantizeLinear",
-                    &[&format!("{name}.input_quantized"), &scale, "qdq.zero"],
-                    &format!("{name}.input_dq"),
-                    vec![],
-                );
-                format!("{name}.input_dq")
-            }
-            LayerPrecision::Int8Dynamic => {
-                let p = |s: &str| format!("{name}.{s}");
-                g.node("Abs", &[&x], &p("abs"), vec![]);
-                g.node(
-                    "ReduceMax",
-                    &[&p("abs")],
-                    &p("row_max"),
-                    vec![ints_attribute("axes", &[1]), int_attribute("keepdims", 1)],
-                );
-                g.node(
-                    "Max",
-                    &[&p("row_max"), "qdq.tiny"],
-                    &p("row_max_pos"),
-                    vec![],
-                );
-                g.node(
-                    "Div",
-                    &[&p("row_max_pos"), "qdq.levels"],
-                    &p("row_scale"),
-                    vec![],
-                );
-                g.node("Reciprocal", &[&p("row_scale")], &p("row_inverse"), vec![]);
-                g.node("Mul", &[&x, &p("row_inverse")], &p("scaled"), vec![]);
-                g.node(
-                    "Clip",
-                    &[&p("scaled"), "qdq.limit_low", "qdq.limit_high"],
-                    &p("clipped"),
-                    vec![],
-                );
-                g.node("Round", &[&p("clipped")], &p("rounded"), vec![]);
-                g.node(
-                    "Mul",
-                    &[&p("rounded"), &p("row_scale")],
-                    &p("input_dq"),
-                    vec![],
-                );
-                p("input_dq")
-            }
-        };
-        let y = if i == last {
-            "outputs".to_owned()
-        } else {
-            format!("{name}.output")
-        };
-        g.node(
-            "Gemm",
-            &[&input, &weight, &format!("{name}.bias")],
-            &y,
-            vec![int_attribute("transB", 1)],
-        );
-        x = if i == last {
-            y
-        } else {
-            let activated = format!("{name}.activated");
-            let op = match policy.activation {
-                Activation::Tanh => "Tanh",
-                Activation::Relu => "Relu",
-            };
-            g.node(op, &[&y], &activated, vec![]);
-            activated
-        };
+        let input = g.layer_input(&name, precision, &x);
+        x = g.gemm_and_activation(&name, &input, i == last, policy.activation);
     }
-    let model = ModelProto {
-        ir_version: IR_VERSION,
-        producer_name: "qforge".into(),
-        producer_version: env!("CARGO_PKG_VERSION").into(),
-        opset_import: vec![OperatorSetIdProto {
-            domain: String::new(),
-            version: OPSET,
-        }],
-        graph: Some(GraphProto {
-            name: "qforge_policy".into(),
-            node: g.nodes,
-            initializer: g.initializers,
-            input: vec![value_info(
-                "observations",
-                [None, Some(policy.observation_dim)],
-            )],
-            output: vec![value_info("outputs", [None, Some(policy.head.outputs())])],
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
     let path = dest.join("model.onnx");
-    std::fs::write(&path, model.encode_to_vec()).map_err(|e| qforge_model::Error::io(&path, e))?;
+    std::fs::write(&path, g.into_model(policy).encode_to_vec())
+        .map_err(|e| qforge_model::Error::io(&path, e))?;
     Ok(OnnxExport {
         int8_layers,
         fp_layers,

@@ -19,10 +19,10 @@
 //! [`GemmTier::weight_qmax`]) and a portable scalar twin. Every tier computes
 //! the exact integer sums, so tests compare them for equality.
 //!
-//! Why our own kernel instead of `rten-gemm` (DESIGN.md's first choice): on
-//! this machine's VNNI CPU rten's prepacked GEMM ran SmolLM2's layers at
-//! 0.25–0.6× ONNX Runtime's `MatMulInteger` and its GEMV read weights at 67 %
-//! of one thread's bandwidth (BENCHMARKS.md keeps the before and after).
+//! Why our own kernel instead of `rten-gemm` (the first choice when the
+//! engine was designed): on this machine's VNNI CPU rten's prepacked GEMM ran
+//! SmolLM2's layers at 0.25–0.6× ONNX Runtime's `MatMulInteger` and its GEMV
+//! read weights at 67 % of one thread's bandwidth (BENCHMARKS.md keeps the before and after).
 
 use std::ops::Range;
 
@@ -93,18 +93,11 @@ impl GemmTier {
 
     /// Whether this CPU can run the tier.
     pub fn is_supported(self) -> bool {
+        let cpu = qforge_core::CpuFeatures::get();
         match self {
             Self::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => std::is_x86_feature_detected!("avx2"),
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx512Vnni => {
-                std::is_x86_feature_detected!("avx512f")
-                    && std::is_x86_feature_detected!("avx512bw")
-                    && std::is_x86_feature_detected!("avx512vnni")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx2 | Self::Avx512Vnni => false,
+            Self::Avx2 => cpu.avx2,
+            Self::Avx512Vnni => cpu.avx512f && cpu.avx512bw && cpu.avx512vnni,
         }
     }
 

@@ -40,14 +40,10 @@ impl QuantizeTier {
 
     /// Whether this CPU can run the tier.
     pub fn is_supported(self) -> bool {
+        let cpu = qforge_core::CpuFeatures::get();
         match self {
             Self::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => {
-                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx2 => false,
+            Self::Avx2 => cpu.avx2 && cpu.fma,
         }
     }
 }

@@ -154,12 +154,11 @@ pub struct LanguageModel {
 }
 
 impl LanguageModel {
-    /// Loads a GGUF file, a Hugging Face directory (`config.json`,
-    /// safetensors, `tokenizer.json`) or a native artifact.
+    /// Loads a GGUF file or a Hugging Face directory (`config.json`,
+    /// safetensors, `tokenizer.json`). A native artifact is not read here
+    /// (the artifact loader builds on this module): open any model,
+    /// artifacts included, with [`crate::open()`].
     pub fn load(path: &Path) -> Result<Self> {
-        if crate::artifact::is_artifact(path) {
-            return crate::artifact::load_language_model(path);
-        }
         if path.is_dir() {
             let model = Llama::from_hf_dir(path)?;
             let text = TextSide::from_hf_dir(path, model.config())?;

@@ -126,13 +126,11 @@ enum Malformed {
 }
 
 impl MlpPolicy {
-    /// Loads `policy.json` and `model.safetensors` from `dir`.
-    /// A native artifact (`qforge.json` beside `policy.json`) loads with its
-    /// stored precisions.
+    /// Loads `policy.json` and `model.safetensors` (f32) from the policy
+    /// directory `dir`. A native artifact is not read here (the artifact
+    /// loader builds on this module): open any model, artifacts included,
+    /// with [`crate::open()`].
     pub fn from_dir(dir: &Path) -> Result<Self> {
-        if crate::artifact::is_artifact(dir) {
-            return crate::artifact::load_policy(dir);
-        }
         let config_path = dir.join("policy.json");
         let config = std::fs::read(&config_path).map_err(|e| Error::io(&config_path, e))?;
         let weights_path = dir.join("model.safetensors");

@@ -136,6 +136,28 @@ fn data_type_name(data_type: i32) -> String {
 
 /// Reads the graph of `model` as a chain of layers.
 fn read_chain(model: &ModelProto) -> Result<Chain> {
+    let graph = default_domain_graph(model)?;
+    let (constants, ops) = constants_and_ops(graph)?;
+    let input = single_input(graph, &constants)?;
+    let output = single_output_value(graph)?;
+    check_float_type(output, "output")?;
+    let input_dims = check_float_type(input, "input")?;
+    let mut walk = Walk::new(&constants, &ops, &input.name);
+    walk.run()?;
+    walk.check_complete(input, output)?;
+    let input_features = input_features(input, input_dims, walk.flattened_first)?;
+    Ok(Chain {
+        layers: walk.layers,
+        softmax: walk.softmax,
+        input_features,
+        input_name: input.name.clone(),
+    })
+}
+
+/// The graph of `model`, which must import the default ONNX domain: a
+/// decoder accepts truncated or foreign bytes as an empty model, and these
+/// two fields are what such bytes lack.
+fn default_domain_graph(model: &ModelProto) -> Result<&GraphProto> {
     if !model
         .opset_import
         .iter()
@@ -147,149 +169,161 @@ fn read_chain(model: &ModelProto) -> Result<Chain> {
                 .into(),
         ));
     }
-    let graph = model.graph.as_ref().ok_or_else(|| {
+    model.graph.as_ref().ok_or_else(|| {
         Error::Format("the model has no graph; the file is truncated or not an ONNX model".into())
-    })?;
+    })
+}
 
-    let (constants, ops) = constants_and_ops(graph)?;
-    let input = single_input(graph, &constants)?;
-    let output = match graph.output.as_slice() {
-        [one] => one,
-        many => {
-            return Err(Error::Unsupported(format!(
-                "the graph has {} outputs ({}); export only the actor network (one output: \
-                 logits, action mean or value). {SUPPORTED}",
-                many.len(),
-                many.iter()
-                    .take(8)
-                    .map(|v| format!("`{}`", shown(&v.name)))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
+/// The graph's one output: a policy network has exactly one (an exported
+/// actor-critic with a value output too must be exported actor only).
+fn single_output_value(graph: &GraphProto) -> Result<&ValueInfoProto> {
+    match graph.output.as_slice() {
+        [one] => Ok(one),
+        many => Err(Error::Unsupported(format!(
+            "the graph has {} outputs ({}); export only the actor network (one output: \
+             logits, action mean or value). {SUPPORTED}",
+            many.len(),
+            many.iter()
+                .take(8)
+                .map(|v| format!("`{}`", shown(&v.name)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+/// The observation input's feature dims (after the batch dim), from its
+/// declared dims: rank 2, or higher when a Flatten(axis=1) precedes the
+/// first layer; `None` when the shape is not declared.
+fn input_features(
+    input: &ValueInfoProto,
+    input_dims: Option<Vec<Option<i64>>>,
+    flattened_first: bool,
+) -> Result<Option<Vec<Option<i64>>>> {
+    match input_dims {
+        Some(dims) if dims.len() == 2 => Ok(Some(dims[1..].to_vec())),
+        Some(dims) if dims.len() > 2 && flattened_first => Ok(Some(dims[1..].to_vec())),
+        Some(dims) => Err(Error::Unsupported(format!(
+            "input `{}` has rank {}; qforge policies take observations of shape \
+             [batch, observation_dim] (a higher rank needs a Flatten(axis=1) before the \
+             first layer)",
+            shown(&input.name),
+            dims.len()
+        ))),
+        None => Ok(None),
+    }
+}
+
+/// The walk along the chain from the graph input: each value must feed at
+/// most one node, which is read into `layers` (or marks an activation,
+/// Flatten or Softmax) before moving on to its output.
+struct Walk<'a> {
+    constants: &'a Constants<'a>,
+    /// The non-constant nodes, with their index in the graph.
+    ops: &'a [(usize, &'a NodeProto)],
+    /// Which of `ops` read each value.
+    consumers: HashMap<&'a str, Vec<usize>>,
+    /// The `ops` the walk has read, to detect cycles and nodes off the chain.
+    visited: Vec<bool>,
+    layers: Vec<Layer>,
+    /// The final Softmax node, once seen: nothing may follow it.
+    softmax: Option<String>,
+    /// Whether a Flatten came before the first layer (it admits an input of
+    /// higher rank).
+    flattened_first: bool,
+    /// The value the chain has reached.
+    current: &'a str,
+}
+
+impl<'a> Walk<'a> {
+    fn new(
+        constants: &'a Constants<'a>,
+        ops: &'a [(usize, &'a NodeProto)],
+        input: &'a str,
+    ) -> Self {
+        // Which nodes read each value. A node reading one value twice counts once.
+        let mut consumers: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (k, (_, node)) in ops.iter().enumerate() {
+            for name in &node.input {
+                if name.is_empty() || constants.contains_key(name.as_str()) {
+                    continue;
+                }
+                let users = consumers.entry(name.as_str()).or_default();
+                if users.last() != Some(&k) {
+                    users.push(k);
+                }
+            }
         }
-    };
-    check_float_type(output, "output")?;
-    let input_dims = check_float_type(input, "input")?;
-
-    // Which nodes read each value. A node reading one value twice counts once.
-    let mut consumers: HashMap<&str, Vec<usize>> = HashMap::new();
-    for (k, (_, node)) in ops.iter().enumerate() {
-        for name in &node.input {
-            if name.is_empty() || constants.contains_key(name.as_str()) {
-                continue;
-            }
-            let users = consumers.entry(name.as_str()).or_default();
-            if users.last() != Some(&k) {
-                users.push(k);
-            }
+        Self {
+            constants,
+            ops,
+            consumers,
+            visited: vec![false; ops.len()],
+            layers: Vec::new(),
+            softmax: None,
+            flattened_first: false,
+            current: input,
         }
     }
 
-    let mut visited = vec![false; ops.len()];
-    let mut layers: Vec<Layer> = Vec::new();
-    let mut softmax: Option<String> = None;
-    let mut flattened_first = false;
-    let mut current: &str = &input.name;
-    loop {
-        let k = match consumers.get(current).map(Vec::as_slice).unwrap_or(&[]) {
-            [] => break,
-            [k] => *k,
-            many => {
-                return Err(Error::Unsupported(format!(
-                    "value `{}` feeds {} nodes ({}); the graph branches. {SUPPORTED}",
-                    shown(current),
-                    many.len(),
-                    many.iter()
-                        .take(8)
-                        .map(|&k| describe(ops[k].1, ops[k].0))
-                        .collect::<Vec<_>>()
-                        .join(", ")
+    /// Follows the chain until a value no node reads.
+    fn run(&mut self) -> Result<()> {
+        while let Some(k) = self.next_node()? {
+            let (index, node) = self.ops[k];
+            let what = describe(node, index);
+            if self.visited[k] {
+                return Err(Error::Format(format!(
+                    "the graph has a cycle through {what}"
                 )));
             }
-        };
-        let (index, node) = ops[k];
-        let what = describe(node, index);
-        if visited[k] {
-            return Err(Error::Format(format!(
-                "the graph has a cycle through {what}"
-            )));
+            self.visited[k] = true;
+            let out = single_output(node, &what)?;
+            if let Some(sm) = &self.softmax {
+                return Err(Error::Unsupported(format!(
+                    "{what} follows {sm}; Softmax must be the last node. {SUPPORTED}"
+                )));
+            }
+            self.current = self.step(node, what, out)?;
         }
-        visited[k] = true;
-        let out = single_output(node, &what)?;
-        if let Some(sm) = &softmax {
-            return Err(Error::Unsupported(format!(
-                "{what} follows {sm}; Softmax must be the last node. {SUPPORTED}"
-            )));
+        Ok(())
+    }
+
+    /// The one node that reads the current value, `None` at the end of the
+    /// chain; a value read by several nodes is a branch, which an MLP lacks.
+    fn next_node(&self) -> Result<Option<usize>> {
+        match self
+            .consumers
+            .get(self.current)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
+            [] => Ok(None),
+            [k] => Ok(Some(*k)),
+            many => Err(Error::Unsupported(format!(
+                "value `{}` feeds {} nodes ({}); the graph branches. {SUPPORTED}",
+                shown(self.current),
+                many.len(),
+                many.iter()
+                    .take(8)
+                    .map(|&k| describe(self.ops[k].1, self.ops[k].0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
         }
+    }
+
+    /// Reads `node` (described as `what`, with the one output `out`);
+    /// returns the value the chain continues from.
+    fn step(&mut self, node: &'a NodeProto, what: String, out: &'a str) -> Result<&'a str> {
         match node.op_type.as_str() {
-            "Gemm" => layers.push(gemm(node, &what, current, &constants)?),
-            "MatMul" => {
-                let mut layer = matmul(node, &what, current, &constants)?;
-                let mut next = out;
-                // The bias Add, if the MatMul's only consumer is one.
-                if let Some(&[a]) = consumers.get(out).map(Vec::as_slice)
-                    && ops[a].1.op_type == "Add"
-                {
-                    let (add_index, add) = ops[a];
-                    let add_what = describe(add, add_index);
-                    visited[a] = true;
-                    next = single_output(add, &add_what)?;
-                    layer.bias = add_bias(add, &add_what, out, &constants, layer.out)?;
-                }
-                layers.push(layer);
-                current = next;
-                continue;
-            }
-            "Relu" | "Tanh" => {
-                no_attributes(node, &what)?;
-                let activation = if node.op_type == "Relu" {
-                    Activation::Relu
-                } else {
-                    Activation::Tanh
-                };
-                let Some(last) = layers.last_mut() else {
-                    return Err(Error::Unsupported(format!(
-                        "{what} comes before the first linear layer. {SUPPORTED}"
-                    )));
-                };
-                if let Some((_, previous)) = &last.activation {
-                    return Err(Error::Unsupported(format!(
-                        "{what} directly follows the activation {previous}; exactly one \
-                         activation may follow a layer. {SUPPORTED}"
-                    )));
-                }
-                last.activation = Some((activation, what));
-            }
+            "Gemm" => self
+                .layers
+                .push(gemm(node, &what, self.current, self.constants)?),
+            "MatMul" => return self.matmul_layer(node, &what, out),
+            "Relu" | "Tanh" => self.activation(node, what)?,
             "Identity" => no_attributes(node, &what)?,
-            "Flatten" => {
-                let axis = int_attributes(node, &what, &[("axis", 1)])?[0];
-                if axis != 1 {
-                    return Err(Error::Unsupported(format!(
-                        "{what} has axis={axis}; only Flatten(axis=1), which keeps the batch \
-                         dimension, is supported"
-                    )));
-                }
-                if layers.is_empty() {
-                    flattened_first = true;
-                }
-            }
-            "Softmax" => {
-                let axis = int_attributes(node, &what, &[("axis", -1)])?[0];
-                if axis != -1 && axis != 1 {
-                    return Err(Error::Unsupported(format!(
-                        "{what} has axis={axis}; only a Softmax over the action logits \
-                         (axis -1 or 1) is supported"
-                    )));
-                }
-                match layers.last() {
-                    Some(last) if last.activation.is_none() => softmax = Some(what),
-                    _ => {
-                        return Err(Error::Unsupported(format!(
-                            "{what} does not directly follow the last linear layer. {SUPPORTED}"
-                        )));
-                    }
-                }
-            }
+            "Flatten" => self.flatten(node, &what)?,
+            "Softmax" => self.softmax(node, what)?,
             "Add" => {
                 return Err(Error::Unsupported(format!(
                     "{what} does not directly follow a MatMul; qforge reads Add only as the \
@@ -303,52 +337,117 @@ fn read_chain(model: &ModelProto) -> Result<Chain> {
                 )));
             }
         }
-        current = out;
+        Ok(out)
     }
 
-    if current != output.name {
-        return Err(Error::Format(format!(
-            "the chain from input `{}` ends at `{}`, which is not the graph output `{}`",
-            shown(&input.name),
-            shown(current),
-            shown(&output.name)
-        )));
+    /// A MatMul layer, with the Add that follows it as its bias when that
+    /// Add is the MatMul's only consumer (torch and Stable-Baselines3 write
+    /// `Linear` this way); returns the value after the bias.
+    fn matmul_layer(&mut self, node: &NodeProto, what: &str, out: &'a str) -> Result<&'a str> {
+        let mut layer = matmul(node, what, self.current, self.constants)?;
+        let mut next = out;
+        if let Some(&[a]) = self.consumers.get(out).map(Vec::as_slice)
+            && self.ops[a].1.op_type == "Add"
+        {
+            let (add_index, add) = self.ops[a];
+            let add_what = describe(add, add_index);
+            self.visited[a] = true;
+            next = single_output(add, &add_what)?;
+            layer.bias = add_bias(add, &add_what, out, self.constants, layer.out)?;
+        }
+        self.layers.push(layer);
+        Ok(next)
     }
-    if let Some(k) = visited.iter().position(|v| !v) {
-        let (index, node) = ops[k];
-        return Err(Error::Unsupported(format!(
-            "{} is not on the path from input `{}` to output `{}`; the graph is not a single \
-             chain. {SUPPORTED}",
-            describe(node, index),
-            shown(&input.name),
-            shown(&output.name)
-        )));
-    }
-    if layers.is_empty() {
-        return Err(Error::Unsupported(format!(
-            "the graph has no Gemm or MatMul layer. {SUPPORTED}"
-        )));
-    }
-    let input_features = match input_dims {
-        Some(dims) if dims.len() == 2 => Some(dims[1..].to_vec()),
-        Some(dims) if dims.len() > 2 && flattened_first => Some(dims[1..].to_vec()),
-        Some(dims) => {
+
+    /// Relu or Tanh: the activation of the layer before it, which must not
+    /// have one yet (a policy applies one activation per hidden layer).
+    fn activation(&mut self, node: &NodeProto, what: String) -> Result<()> {
+        no_attributes(node, &what)?;
+        let activation = if node.op_type == "Relu" {
+            Activation::Relu
+        } else {
+            Activation::Tanh
+        };
+        let Some(last) = self.layers.last_mut() else {
             return Err(Error::Unsupported(format!(
-                "input `{}` has rank {}; qforge policies take observations of shape \
-                 [batch, observation_dim] (a higher rank needs a Flatten(axis=1) before the \
-                 first layer)",
-                shown(&input.name),
-                dims.len()
+                "{what} comes before the first linear layer. {SUPPORTED}"
+            )));
+        };
+        if let Some((_, previous)) = &last.activation {
+            return Err(Error::Unsupported(format!(
+                "{what} directly follows the activation {previous}; exactly one \
+                 activation may follow a layer. {SUPPORTED}"
             )));
         }
-        None => None,
-    };
-    Ok(Chain {
-        layers,
-        softmax,
-        input_features,
-        input_name: input.name.clone(),
-    })
+        last.activation = Some((activation, what));
+        Ok(())
+    }
+
+    /// Flatten(axis=1) keeps the batch dimension, so it changes nothing for
+    /// a rank-2 value; before the first layer it admits a higher-rank input.
+    fn flatten(&mut self, node: &NodeProto, what: &str) -> Result<()> {
+        let axis = int_attributes(node, what, &[("axis", 1)])?[0];
+        if axis != 1 {
+            return Err(Error::Unsupported(format!(
+                "{what} has axis={axis}; only Flatten(axis=1), which keeps the batch \
+                 dimension, is supported"
+            )));
+        }
+        if self.layers.is_empty() {
+            self.flattened_first = true;
+        }
+        Ok(())
+    }
+
+    /// A Softmax over the logits right after the last layer; [`build_policy`]
+    /// decides whether the head lets it be dropped.
+    fn softmax(&mut self, node: &NodeProto, what: String) -> Result<()> {
+        let axis = int_attributes(node, &what, &[("axis", -1)])?[0];
+        if axis != -1 && axis != 1 {
+            return Err(Error::Unsupported(format!(
+                "{what} has axis={axis}; only a Softmax over the action logits \
+                 (axis -1 or 1) is supported"
+            )));
+        }
+        match self.layers.last() {
+            Some(last) if last.activation.is_none() => {
+                self.softmax = Some(what);
+                Ok(())
+            }
+            _ => Err(Error::Unsupported(format!(
+                "{what} does not directly follow the last linear layer. {SUPPORTED}"
+            ))),
+        }
+    }
+
+    /// After the walk: it must have reached the graph output through every
+    /// node, and read at least one layer.
+    fn check_complete(&self, input: &ValueInfoProto, output: &ValueInfoProto) -> Result<()> {
+        if self.current != output.name {
+            return Err(Error::Format(format!(
+                "the chain from input `{}` ends at `{}`, which is not the graph output `{}`",
+                shown(&input.name),
+                shown(self.current),
+                shown(&output.name)
+            )));
+        }
+        if let Some(k) = self.visited.iter().position(|v| !v) {
+            let (index, node) = self.ops[k];
+            return Err(Error::Unsupported(format!(
+                "{} is not on the path from input `{}` to output `{}`; the graph is not a single \
+                 chain. {SUPPORTED}",
+                describe(node, index),
+                shown(&input.name),
+                shown(&output.name)
+            )));
+        }
+        if self.layers.is_empty() {
+            return Err(Error::Unsupported(format!(
+                "the graph has no Gemm or MatMul layer. {SUPPORTED}"
+            )));
+        }
+        Ok(())
+    }
 }
 
 type Constants<'a> = HashMap<&'a str, &'a TensorProto>;
@@ -720,8 +819,29 @@ fn build_policy(chain: Chain, head: Head, env: Option<String>) -> Result<MlpPoli
         input_features,
         input_name,
     } = chain;
+    check_widths(&layers)?;
+    if let Some(features) = input_features {
+        check_input_features(&features, &input_name, &layers[0])?;
+    }
     let n = layers.len();
-    let observation_dim = layers[0].inp;
+    check_last_layer(&layers[n - 1], softmax.as_deref(), &head)?;
+    let activation = hidden_activation(&layers[..n - 1])?;
+    let config = PolicyConfig {
+        format: "qforge-mlp-policy".into(),
+        version: 1,
+        env,
+        observation_dim: layers[0].inp,
+        hidden: layers[..n - 1].iter().map(|l| l.out).collect(),
+        // A single-layer (linear) policy applies no activation; any will do.
+        activation: activation.unwrap_or(Activation::Tanh),
+        head,
+    };
+    policy_from_layers(config, layers)
+}
+
+/// Each layer must take as many inputs as the one before produces: the
+/// widths come from the weights alone, so nothing else ensures they chain.
+fn check_widths(layers: &[Layer]) -> Result<()> {
     for pair in layers.windows(2) {
         if pair[1].inp != pair[0].out {
             return Err(Error::Shape(format!(
@@ -730,30 +850,43 @@ fn build_policy(chain: Chain, head: Head, env: Option<String>) -> Result<MlpPoli
             )));
         }
     }
-    if let Some(features) = input_features
-        && features.iter().all(Option::is_some)
-    {
-        let declared = features
-            .iter()
-            .flatten()
-            .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
-        if declared != Some(observation_dim) {
-            return Err(Error::Shape(format!(
-                "input `{}` declares {:?} features per observation but the first layer ({}) \
-                 takes {observation_dim}",
-                shown(&input_name),
-                features.iter().flatten().collect::<Vec<_>>(),
-                layers[0].node
-            )));
-        }
+    Ok(())
+}
+
+/// Where the input declares all its feature dims, their product must be
+/// the first layer's width (a graph whose declared input disagrees with its
+/// weights would be fed observations of the wrong size).
+fn check_input_features(features: &[Option<i64>], input_name: &str, first: &Layer) -> Result<()> {
+    if !features.iter().all(Option::is_some) {
+        return Ok(());
     }
-    let last = &layers[n - 1];
+    let declared = features
+        .iter()
+        .flatten()
+        .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+    if declared != Some(first.inp) {
+        return Err(Error::Shape(format!(
+            "input `{}` declares {:?} features per observation but the first layer ({}) \
+             takes {}",
+            shown(input_name),
+            features.iter().flatten().collect::<Vec<_>>(),
+            first.node,
+            first.inp
+        )));
+    }
+    Ok(())
+}
+
+/// The last layer feeds the head: as many outputs as the head needs, no
+/// activation (heads are linear), and a final Softmax only for a discrete
+/// head, whose argmax it leaves unchanged.
+fn check_last_layer(last: &Layer, softmax: Option<&str>, head: &Head) -> Result<()> {
     if last.out != head.outputs() {
         return Err(Error::Shape(format!(
             "the last layer ({}) has {} outputs but the {} head needs {}",
             last.node,
             last.out,
-            head_kind(&head),
+            head_kind(head),
             head.outputs()
         )));
     }
@@ -763,17 +896,23 @@ fn build_policy(chain: Chain, head: Head, env: Option<String>) -> Result<MlpPoli
             last.node
         )));
     }
-    if let Some(sm) = &softmax
+    if let Some(sm) = softmax
         && !matches!(head, Head::Discrete { .. })
     {
         return Err(Error::Unsupported(format!(
             "{sm} ends the graph, but a {} head uses the raw outputs; only a discrete head's \
              argmax is unchanged by Softmax",
-            head_kind(&head)
+            head_kind(head)
         )));
     }
+    Ok(())
+}
+
+/// The one activation every hidden layer applies (an [`MlpPolicy`] has a
+/// single activation); `None` when there is no hidden layer.
+fn hidden_activation(hidden: &[Layer]) -> Result<Option<Activation>> {
     let mut activation: Option<(Activation, &str)> = None;
-    for (i, layer) in layers[..n - 1].iter().enumerate() {
+    for (i, layer) in hidden.iter().enumerate() {
         let Some((act, node)) = &layer.activation else {
             return Err(Error::Unsupported(format!(
                 "hidden layer {i} ({}) has no Relu or Tanh before the next layer. {SUPPORTED}",
@@ -791,16 +930,13 @@ fn build_policy(chain: Chain, head: Head, env: Option<String>) -> Result<MlpPoli
             Some(_) => {}
         }
     }
-    let config = PolicyConfig {
-        format: "qforge-mlp-policy".into(),
-        version: 1,
-        env,
-        observation_dim,
-        hidden: layers[..n - 1].iter().map(|l| l.out).collect(),
-        // A single-layer (linear) policy applies no activation; any will do.
-        activation: activation.map_or(Activation::Tanh, |(a, _)| a),
-        head,
-    };
+    Ok(activation.map(|(a, _)| a))
+}
+
+/// The policy `config` with the layers' weights, named as a policy
+/// directory names them, so [`MlpPolicy::new`] checks them as it checks a
+/// loaded one.
+fn policy_from_layers(config: PolicyConfig, layers: Vec<Layer>) -> Result<MlpPolicy> {
     let mut tensors = HashMap::new();
     for (i, layer) in layers.into_iter().enumerate() {
         let (out, inp) = (layer.out, layer.inp);

@@ -87,11 +87,20 @@ impl Format {
 
 /// Opens the model at `path`: a GGUF file, a Hugging Face directory, a
 /// policy directory or a native artifact (with its stored precisions).
+///
+/// This is the one place that sends a native artifact to its loader
+/// ([`crate::artifact`]): [`LanguageModel::load`] and
+/// [`MlpPolicy::from_dir`] read full-precision formats only, so the
+/// artifact module can build on them without depending on itself.
 pub fn open(path: &Path) -> Result<Model> {
-    Ok(if Format::is_policy(path)? {
-        Model::Policy(MlpPolicy::from_dir(path)?)
-    } else {
-        Model::Language(Box::new(LanguageModel::load(path)?))
+    let format = Format::detect(path)?;
+    Ok(match format {
+        Format::Artifact if Format::is_policy(path)? => {
+            Model::Policy(crate::artifact::load_policy(path)?)
+        }
+        Format::Artifact => Model::Language(Box::new(crate::artifact::load_language_model(path)?)),
+        Format::PolicyDir => Model::Policy(MlpPolicy::from_dir(path)?),
+        Format::Gguf | Format::HuggingFace => Model::Language(Box::new(LanguageModel::load(path)?)),
     })
 }
 

@@ -6,7 +6,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use qforge_model::artifact::{LayerPrecision, write_language_model, write_policy};
+use qforge_model::artifact::{
+    LayerPrecision, load_language_model, load_policy, write_language_model, write_policy,
+};
 use qforge_model::manifest::{verify, write_manifest};
 use qforge_model::{LanguageModel, Logits, MlpPolicy};
 
@@ -76,7 +78,7 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
     write_manifest(&dir, serde_json::json!({"test": true})).unwrap();
     verify(&dir).unwrap();
 
-    let loaded = MlpPolicy::from_dir(&dir).unwrap();
+    let loaded = load_policy(&dir).unwrap();
     let obs = observations();
     let want = quantized.forward(&obs, None).unwrap();
     assert_eq!(loaded.forward(&obs, None).unwrap(), want);
@@ -104,7 +106,7 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
 
     // Truncated tensors: a clear error naming the file, no panic.
     std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
-    let error = MlpPolicy::from_dir(&dir).unwrap_err().to_string();
+    let error = load_policy(&dir).unwrap_err().to_string();
     assert!(error.contains("model.safetensors"), "{error}");
 
     // A precision for a layer the model lacks, or none for one it has.
@@ -137,7 +139,7 @@ fn smollm2_written_from_gguf_loads_back_bit_identical() {
         .unwrap();
     let dir = fresh_dir("smollm2");
     write_language_model(&dir, &lm, &points).unwrap();
-    let loaded = LanguageModel::load(&dir).unwrap();
+    let loaded = load_language_model(&dir).unwrap();
 
     assert_eq!(loaded.model.config(), lm.model.config());
     assert_eq!(loaded.text.chat_template, lm.text.chat_template);

@@ -15,7 +15,9 @@
 //!    by bisection (O(log n) evaluations; it assumes demoting more never
 //!    hurts, and every evaluation it made is in the report). Demotions to FP
 //!    that would exceed the cap on FP layers are left out of the ladder; if
-//!    even the whole ladder fails the guard, the run is refused.
+//!    even the whole ladder fails the guard, the run is refused. The
+//!    sequence and the bisection live in `crate::ladder`, which sees the
+//!    noise ranking and the guard only as closures.
 
 use std::collections::BTreeMap;
 
@@ -27,6 +29,7 @@ use qforge_model::{Action, Activations, Linear, Llama, MlpPolicy};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::ladder::{Ladder, Rung, Search, Start};
 use crate::recipe::{ActivationScheme, LmHead, LowCoverage, QuantRecipe};
 
 /// The full-precision model to quantize.
@@ -183,36 +186,6 @@ const REPORTED_CALIBRATORS: [Calibrator; 5] = [
     Calibrator::Mse,
     Calibrator::Sigma { k: 3.0 },
 ];
-
-/// Where a point sits on the ladder.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Rung {
-    Static(f32),
-    Dynamic,
-    Fp,
-}
-
-impl Rung {
-    fn name(self) -> &'static str {
-        self.precision().name()
-    }
-
-    fn precision(self) -> LayerPrecision {
-        match self {
-            Rung::Static(input_scale) => LayerPrecision::Int8Static { input_scale },
-            Rung::Dynamic => LayerPrecision::Int8Dynamic,
-            Rung::Fp => LayerPrecision::Fp,
-        }
-    }
-
-    fn demoted(self) -> Option<Rung> {
-        match self {
-            Rung::Static(_) => Some(Rung::Dynamic),
-            Rung::Dynamic => Some(Rung::Fp),
-            Rung::Fp => None,
-        }
-    }
-}
 
 /// The guard: the FP reference measured once, configurations measured
 /// against it.
@@ -418,34 +391,161 @@ pub fn quantize(
 ) -> Result<Decision> {
     recipe.validate()?;
     let linears = model.linears();
+    let layers_of = layers_by_point(&linears);
+    let total_layers = linears.len();
+    let coverage = stats.provenance.coverage();
+    let static_allowed = coverage >= recipe.calibration.min_coverage;
+    let mut warnings: Vec<String> = coverage_warning(recipe, coverage, static_allowed)
+        .into_iter()
+        .collect();
+
+    // 1. The recipe's plan, and the report's view of every point.
+    let mut plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut warnings)?;
+
+    // 2. Sensitivity at both integer rungs.
+    progress("ranking layer sensitivity");
+    let mut noise = Noise::rank_sqnr(model, held_out, &plan.static_scales)?;
+    // The recipe's plan first: when the guard accepts it, no ladder (and no
+    // costly KL ranking) is needed.
+    let guard = Guard::new(model, reference, held_out, recipe)?;
+    let before = guard.measure(&plan.precisions())?;
+    if let (FpModel::Language(m), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
+    {
+        noise.rank_kl(m, tokens, &plan.rungs, progress)?;
+    }
+    noise.annotate(&mut plan.reports);
+
+    // 3. The ladder, worst rung first, within the FP cap.
+    let max_fp_layers = (recipe.guard.max_fp_fraction * total_layers as f64).floor() as usize;
+    let ladder = Ladder::build(&plan.starts(&layers_of), max_fp_layers, |point, rung| {
+        noise.at(point, rung)
+    });
+
+    // 4. The guard.
+    let verdict = run_guard(
+        &guard,
+        &ladder,
+        &before,
+        total_layers,
+        max_fp_layers,
+        progress,
+    )?;
+    let points = ladder.precisions_at(verdict.applied_steps);
+    let after = guard.measure(&points)?;
+    plan.settle(&points);
+    Ok(Decision {
+        accepted: verdict.accepted,
+        refusal: verdict.refusal,
+        points,
+        point_reports: plan.reports.into_values().collect(),
+        reference: guard.reference(),
+        before,
+        after,
+        ladder: noise.ladder_steps(&ladder),
+        applied_steps: verdict.applied_steps,
+        evaluations: verdict.evaluations,
+        fp_layers: ladder.fp_layers_at(verdict.applied_steps),
+        total_layers,
+        max_fp_layers,
+        coverage,
+        warnings,
+    })
+}
+
+/// The linear layers fed by each observation point (a fused group).
+fn layers_by_point(linears: &[(String, String, &Linear)]) -> BTreeMap<String, Vec<String>> {
     let mut layers_of: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (name, point, _) in &linears {
+    for (name, point, _) in linears {
         layers_of
             .entry(point.clone())
             .or_default()
             .push(name.clone());
     }
-    let total_layers = linears.len();
-    let coverage = stats.provenance.coverage();
-    let mut warnings = Vec::new();
-    let static_allowed = coverage >= recipe.calibration.min_coverage;
-    if recipe.quantize.activations == ActivationScheme::Static && !static_allowed {
-        warnings.push(format!(
-            "calibration covered {:.1} % of its batches, below the recipe's {:.1} %: static scales are not used ({})",
-            100.0 * coverage,
-            100.0 * recipe.calibration.min_coverage,
-            match recipe.calibration.low_coverage {
-                LowCoverage::Dynamic => "dynamic activations instead",
-                LowCoverage::Fp => "those layers stay in full precision",
-            }
-        ));
+    layers_of
+}
+
+/// The warning when the recipe asks for static scales but calibration
+/// covered too little of its plan for them to be trusted.
+fn coverage_warning(recipe: &QuantRecipe, coverage: f64, static_allowed: bool) -> Option<String> {
+    if recipe.quantize.activations != ActivationScheme::Static || static_allowed {
+        return None;
+    }
+    Some(format!(
+        "calibration covered {:.1} % of its batches, below the recipe's {:.1} %: static scales are not used ({})",
+        100.0 * coverage,
+        100.0 * recipe.calibration.min_coverage,
+        match recipe.calibration.low_coverage {
+            LowCoverage::Dynamic => "dynamic activations instead",
+            LowCoverage::Fp => "those layers stay in full precision",
+        }
+    ))
+}
+
+/// The recipe's plan before any fallback.
+struct Plan {
+    /// Every point's rung.
+    rungs: BTreeMap<String, Rung>,
+    /// The static scale of every point whose calibrator found a threshold
+    /// (whether or not the plan uses it: the SQNR ranking does).
+    static_scales: BTreeMap<String, f32>,
+    /// The report's view of every point, filled in as the run goes.
+    reports: BTreeMap<String, PointReport>,
+}
+
+impl Plan {
+    /// Every point's precision in the plan.
+    fn precisions(&self) -> BTreeMap<String, LayerPrecision> {
+        self.rungs
+            .iter()
+            .map(|(p, r)| (p.clone(), r.precision()))
+            .collect()
     }
 
-    // 1. The recipe's plan, and the report's view of every point.
-    let mut initial: BTreeMap<String, Rung> = BTreeMap::new();
-    let mut static_scales: BTreeMap<String, f32> = BTreeMap::new();
-    let mut reports: BTreeMap<String, PointReport> = BTreeMap::new();
-    for (point, layers) in &layers_of {
+    /// Where each point starts on the ladder.
+    fn starts(&self, layers_of: &BTreeMap<String, Vec<String>>) -> BTreeMap<String, Start> {
+        self.rungs
+            .iter()
+            .map(|(point, &rung)| {
+                let start = Start {
+                    rung,
+                    layers: layers_of[point].len(),
+                    ignored: self.reports[point].ignored,
+                };
+                (point.clone(), start)
+            })
+            .collect()
+    }
+
+    /// Records the chosen precisions in the reports.
+    fn settle(&mut self, points: &BTreeMap<String, LayerPrecision>) {
+        for (point, precision) in points {
+            let report = self
+                .reports
+                .get_mut(point)
+                .expect("every point has a report");
+            report.precision = precision.name();
+            if let LayerPrecision::Int8Static { input_scale } = precision {
+                report.input_scale = Some(*input_scale);
+            }
+        }
+    }
+}
+
+/// The recipe's plan for every point of `layers_of`, with the warnings it
+/// raises.
+fn initial_plan(
+    layers_of: &BTreeMap<String, Vec<String>>,
+    stats: &Stats,
+    recipe: &QuantRecipe,
+    static_allowed: bool,
+    warnings: &mut Vec<String>,
+) -> Result<Plan> {
+    let mut plan = Plan {
+        rungs: BTreeMap::new(),
+        static_scales: BTreeMap::new(),
+        reports: BTreeMap::new(),
+    };
+    for (point, layers) in layers_of {
         let tensor = stats.tensors.get(point).ok_or_else(|| {
             Error::Stats(format!(
                 "no statistics for {point}: were they calibrated on this model?"
@@ -453,271 +553,262 @@ pub fn quantize(
         })?;
         let histogram = tensor.histogram();
         let calibrator = recipe.calibrator_for(point);
-        let threshold = calibrator.threshold(histogram);
-        if let Some(t) = threshold {
-            static_scales.insert(point.clone(), QuantParams::symmetric(t).params.scale);
+        let scale = calibrator
+            .threshold(histogram)
+            .map(|t| QuantParams::symmetric(t).params.scale);
+        if let Some(scale) = scale {
+            plan.static_scales.insert(point.clone(), scale);
         }
         let ignored = recipe.ignores(point);
-        let rung = if ignored || (point == "lm_head" && recipe.quantize.lm_head == LmHead::Fp) {
-            Rung::Fp
-        } else if point == "lm_head" || recipe.quantize.activations == ActivationScheme::Dynamic {
-            Rung::Dynamic
-        } else if !static_allowed {
-            match recipe.calibration.low_coverage {
-                LowCoverage::Dynamic => Rung::Dynamic,
-                LowCoverage::Fp => Rung::Fp,
-            }
-        } else if let Some(&scale) = static_scales.get(point) {
-            Rung::Static(scale)
-        } else {
-            warnings.push(format!(
-                "{point} saw no finite value in calibration; it runs with dynamic activations"
-            ));
-            Rung::Dynamic
+        let rung = initial_rung(point, ignored, scale, recipe, static_allowed, warnings);
+        plan.rungs.insert(point.clone(), rung);
+        let report = PointReport {
+            point: point.clone(),
+            layers: layers.clone(),
+            precision: rung.name(),
+            input_scale: None,
+            calibrator: calibrator.to_string(),
+            thresholds: REPORTED_CALIBRATORS
+                .iter()
+                .map(|c| (c.to_string(), c.threshold(histogram)))
+                .collect(),
+            sqnr_static_db: None,
+            sqnr_dynamic_db: None,
+            kl_static: None,
+            kl_dynamic: None,
+            histogram: eighth_octaves(histogram),
+            count: histogram.count(),
+            ignored,
         };
-        initial.insert(point.clone(), rung);
-        reports.insert(
-            point.clone(),
-            PointReport {
-                point: point.clone(),
-                layers: layers.clone(),
-                precision: rung.name(),
-                input_scale: None,
-                calibrator: calibrator.to_string(),
-                thresholds: REPORTED_CALIBRATORS
-                    .iter()
-                    .map(|c| (c.to_string(), c.threshold(histogram)))
-                    .collect(),
-                sqnr_static_db: None,
-                sqnr_dynamic_db: None,
-                kl_static: None,
-                kl_dynamic: None,
-                histogram: eighth_octaves(histogram),
-                count: histogram.count(),
-                ignored,
-            },
-        );
+        plan.reports.insert(point.clone(), report);
+    }
+    Ok(plan)
+}
+
+/// The rung the recipe gives `point`: FP when ignored (or an `lm_head` the
+/// recipe keeps in FP), dynamic for `lm_head` and dynamic recipes, the
+/// low-coverage choice when static scales are not trusted, else static with
+/// `scale` (dynamic, with a warning, when calibration saw nothing finite).
+fn initial_rung(
+    point: &str,
+    ignored: bool,
+    scale: Option<f32>,
+    recipe: &QuantRecipe,
+    static_allowed: bool,
+    warnings: &mut Vec<String>,
+) -> Rung {
+    if ignored || (point == "lm_head" && recipe.quantize.lm_head == LmHead::Fp) {
+        Rung::Fp
+    } else if point == "lm_head" || recipe.quantize.activations == ActivationScheme::Dynamic {
+        Rung::Dynamic
+    } else if !static_allowed {
+        match recipe.calibration.low_coverage {
+            LowCoverage::Dynamic => Rung::Dynamic,
+            LowCoverage::Fp => Rung::Fp,
+        }
+    } else if let Some(scale) = scale {
+        Rung::Static(scale)
+    } else {
+        warnings.push(format!(
+            "{point} saw no finite value in calibration; it runs with dynamic activations"
+        ));
+        Rung::Dynamic
+    }
+}
+
+/// How noisy each point is at each integer rung: worst layer output SQNR
+/// (`None`: exact) and, for language models whose plan fails the guard, the
+/// output KL with only that point quantized.
+struct Noise {
+    is_language: bool,
+    static_sqnr: BTreeMap<String, Option<f64>>,
+    dynamic_sqnr: BTreeMap<String, Option<f64>>,
+    static_kl: BTreeMap<String, f64>,
+    dynamic_kl: BTreeMap<String, f64>,
+}
+
+impl Noise {
+    /// The SQNR ranking, at the static rung only where some point has a
+    /// static scale.
+    fn rank_sqnr(
+        model: FpModel<'_>,
+        held_out: &HeldOut,
+        static_scales: &BTreeMap<String, f32>,
+    ) -> Result<Self> {
+        let dynamic_sqnr = sensitivity(model, held_out, &|_| Ok(Activations::Dynamic))?;
+        let static_sqnr = if static_scales.is_empty() {
+            BTreeMap::new()
+        } else {
+            sensitivity(model, held_out, &|point| {
+                Ok(static_scales
+                    .get(point)
+                    .map_or(Activations::Dynamic, |&s| Activations::Static(s)))
+            })?
+        };
+        Ok(Self {
+            is_language: matches!(model, FpModel::Language(_)),
+            static_sqnr,
+            dynamic_sqnr,
+            static_kl: BTreeMap::new(),
+            dynamic_kl: BTreeMap::new(),
+        })
     }
 
-    // 2. Sensitivity at both integer rungs.
-    progress("ranking layer sensitivity");
-    let dynamic_sqnr = sensitivity(model, held_out, &|_| Ok(Activations::Dynamic))?;
-    let static_sqnr = if static_scales.is_empty() {
-        BTreeMap::new()
-    } else {
-        sensitivity(model, held_out, &|point| {
-            Ok(static_scales
-                .get(point)
-                .map_or(Activations::Dynamic, |&s| Activations::Static(s)))
-        })?
-    };
-    // The recipe's plan first: when the guard accepts it, no ladder (and no
-    // costly KL ranking) is needed.
-    let guard = Guard::new(model, reference, held_out, recipe)?;
-    let before = guard.measure(
-        &initial
-            .iter()
-            .map(|(p, r)| (p.clone(), r.precision()))
-            .collect(),
-    )?;
-    let (mut static_kl, mut dynamic_kl) = (BTreeMap::new(), BTreeMap::new());
-    if let (FpModel::Language(m), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
-    {
+    /// Adds the KL ranking: dynamic for every point, static for the points
+    /// `rungs` has static.
+    fn rank_kl(
+        &mut self,
+        model: &Llama,
+        tokens: &[u32],
+        rungs: &BTreeMap<String, Rung>,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<()> {
         progress("ranking layer inputs by output KL (dynamic activations)");
-        dynamic_kl = kl_sensitivity(m, tokens, &|_| Some(Activations::Dynamic), progress)?;
-        if initial.values().any(|r| matches!(r, Rung::Static(_))) {
+        self.dynamic_kl = kl_sensitivity(model, tokens, &|_| Some(Activations::Dynamic), progress)?;
+        if rungs.values().any(|r| matches!(r, Rung::Static(_))) {
             progress("ranking layer inputs by output KL (static scales)");
-            static_kl = kl_sensitivity(
-                m,
+            self.static_kl = kl_sensitivity(
+                model,
                 tokens,
-                &|p| match initial.get(p) {
+                &|p| match rungs.get(p) {
                     Some(Rung::Static(scale)) => Some(Activations::Static(*scale)),
                     _ => None,
                 },
                 progress,
             )?;
         }
-    }
-    for (point, report) in &mut reports {
-        report.sqnr_dynamic_db = dynamic_sqnr.get(point).copied().flatten();
-        report.sqnr_static_db = static_sqnr.get(point).copied().flatten();
-        report.kl_dynamic = dynamic_kl.get(point).copied();
-        report.kl_static = static_kl.get(point).copied();
+        Ok(())
     }
 
-    // 3. The ladder, worst rung first, within the FP cap: a point whose
-    //    demotion to FP would exceed the cap stays where it is, and the
-    //    ladder goes on with the others.
-    let max_fp_layers = (recipe.guard.max_fp_fraction * total_layers as f64).floor() as usize;
-    let fp_count = |rungs: &BTreeMap<String, Rung>| -> usize {
-        rungs
-            .iter()
-            .filter(|(_, r)| **r == Rung::Fp)
-            .map(|(p, _)| layers_of[p].len())
-            .sum()
-    };
-    let sqnr_at = |point: &str, rung: Rung| -> Option<f64> {
-        match rung {
-            Rung::Static(_) => static_sqnr.get(point).copied().flatten(),
-            Rung::Dynamic => dynamic_sqnr.get(point).copied().flatten(),
-            Rung::Fp => None,
+    /// Copies the rankings into the reports.
+    fn annotate(&self, reports: &mut BTreeMap<String, PointReport>) {
+        for (point, report) in reports {
+            report.sqnr_dynamic_db = self.dynamic_sqnr.get(point).copied().flatten();
+            report.sqnr_static_db = self.static_sqnr.get(point).copied().flatten();
+            report.kl_dynamic = self.dynamic_kl.get(point).copied();
+            report.kl_static = self.static_kl.get(point).copied();
         }
-    };
-    let kl_at = |point: &str, rung: Rung| -> Option<f64> {
-        match rung {
-            Rung::Static(_) => static_kl.get(point).copied(),
-            Rung::Dynamic => dynamic_kl.get(point).copied(),
-            Rung::Fp => None,
-        }
-    };
-    // How noisy a point is at a rung, higher worse: output KL for language
-    // models, −SQNR for policies (an exact layer is the least noisy).
-    let is_language = matches!(model, FpModel::Language(_));
-    let noise_at = |point: &str, rung: Rung| -> f64 {
-        if is_language {
-            kl_at(point, rung).unwrap_or(0.0)
-        } else {
-            sqnr_at(point, rung).map_or(f64::NEG_INFINITY, |db| -db)
-        }
-    };
-    let initial_fp = fp_count(&initial);
-    let mut rungs = initial.clone();
-    let mut ladder = Vec::new();
-    let mut fp_after = Vec::new();
-    loop {
-        let fp_now = fp_count(&rungs);
-        let next = rungs
-            .iter()
-            .filter(|(point, rung)| match rung.demoted() {
-                None => false,
-                Some(Rung::Fp) => {
-                    !reports[*point].ignored && fp_now + layers_of[*point].len() <= max_fp_layers
-                }
-                Some(_) => !reports[*point].ignored,
-            })
-            .max_by(|(pa, ra), (pb, rb)| {
-                noise_at(pa, **ra)
-                    .total_cmp(&noise_at(pb, **rb))
-                    .then_with(|| pb.cmp(pa))
-            })
-            .map(|(p, r)| (p.clone(), *r));
-        let Some((point, rung)) = next else { break };
-        let to = rung.demoted().expect("filtered above");
-        ladder.push(LadderStep {
-            point: point.clone(),
-            from: rung.name(),
-            to: to.name(),
-            sqnr_db: sqnr_at(&point, rung),
-            kl: kl_at(&point, rung),
-        });
-        rungs.insert(point, to);
-        fp_after.push(fp_count(&rungs));
     }
-    let max_steps = ladder.len();
-    let config_at = |steps: usize| -> BTreeMap<String, LayerPrecision> {
-        let mut rungs = initial.clone();
-        for step in &ladder[..steps] {
-            let rung = rungs[&step.point].demoted().expect("ladder demotes");
-            rungs.insert(step.point.clone(), rung);
-        }
-        rungs.into_iter().map(|(p, r)| (p, r.precision())).collect()
-    };
-    let fp_at = |steps: usize| {
-        if steps == 0 {
-            initial_fp
-        } else {
-            fp_after[steps - 1]
-        }
-    };
 
-    // 4. The guard.
+    fn sqnr_at(&self, point: &str, rung: Rung) -> Option<f64> {
+        match rung {
+            Rung::Static(_) => self.static_sqnr.get(point).copied().flatten(),
+            Rung::Dynamic => self.dynamic_sqnr.get(point).copied().flatten(),
+            Rung::Fp => None,
+        }
+    }
+
+    fn kl_at(&self, point: &str, rung: Rung) -> Option<f64> {
+        match rung {
+            Rung::Static(_) => self.static_kl.get(point).copied(),
+            Rung::Dynamic => self.dynamic_kl.get(point).copied(),
+            Rung::Fp => None,
+        }
+    }
+
+    /// How noisy `point` is at `rung`, higher worse: output KL for language
+    /// models, −SQNR for policies (an exact layer is the least noisy).
+    fn at(&self, point: &str, rung: Rung) -> f64 {
+        if self.is_language {
+            self.kl_at(point, rung).unwrap_or(0.0)
+        } else {
+            self.sqnr_at(point, rung)
+                .map_or(f64::NEG_INFINITY, |db| -db)
+        }
+    }
+
+    /// The report's view of the ladder: each step with the noise of the rung
+    /// it left.
+    fn ladder_steps(&self, ladder: &Ladder) -> Vec<LadderStep> {
+        ladder
+            .demotions()
+            .iter()
+            .map(|d| LadderStep {
+                point: d.point.clone(),
+                from: d.from.name(),
+                to: d.to.name(),
+                sqnr_db: self.sqnr_at(&d.point, d.from),
+                kl: self.kl_at(&d.point, d.from),
+            })
+            .collect()
+    }
+}
+
+/// What the guard settled on.
+struct Verdict {
+    accepted: bool,
+    refusal: Option<String>,
+    applied_steps: usize,
+    /// Every configuration measured, in order, the plan's (`before`) first.
+    evaluations: Vec<Evaluation>,
+}
+
+/// Runs the guard: the plan (`before`, already measured) when it is within
+/// the FP cap and passes, else the shortest passing prefix of `ladder`.
+fn run_guard(
+    guard: &Guard<'_>,
+    ladder: &Ladder,
+    before: &GuardMetrics,
+    total_layers: usize,
+    max_fp_layers: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Verdict> {
+    let initial_fp = ladder.fp_layers_at(0);
     progress(&format!(
-        "guard: 0 fallback steps, {} FP layers: {}",
-        fp_at(0),
-        describe(&before)
+        "guard: 0 fallback steps, {initial_fp} FP layers: {}",
+        describe(before)
     ));
-    let mut evaluations = vec![Evaluation {
-        steps: 0,
-        fp_layers: fp_at(0),
-        metrics: before.clone(),
-    }];
-    let mut evaluate = |steps: usize, progress: &mut dyn FnMut(&str)| -> Result<GuardMetrics> {
-        let metrics = guard.measure(&config_at(steps))?;
+    let mut verdict = Verdict {
+        accepted: false,
+        refusal: None,
+        applied_steps: 0,
+        evaluations: vec![Evaluation {
+            steps: 0,
+            fp_layers: initial_fp,
+            metrics: before.clone(),
+        }],
+    };
+    if initial_fp > max_fp_layers {
+        verdict.refusal = Some(format!(
+            "the recipe alone keeps {initial_fp} of {total_layers} linear layers in FP, above the cap of {max_fp_layers}."
+        ));
+        return Ok(verdict);
+    }
+    if before.passes {
+        verdict.accepted = true;
+        return Ok(verdict);
+    }
+    let evaluations = &mut verdict.evaluations;
+    let evaluate = |steps: usize| -> Result<GuardMetrics> {
+        let metrics = guard.measure(&ladder.precisions_at(steps))?;
+        let fp_layers = ladder.fp_layers_at(steps);
         progress(&format!(
-            "guard: {steps} fallback steps, {} FP layers: {}",
-            fp_at(steps),
+            "guard: {steps} fallback steps, {fp_layers} FP layers: {}",
             describe(&metrics)
         ));
         evaluations.push(Evaluation {
             steps,
-            fp_layers: fp_at(steps),
+            fp_layers,
             metrics: metrics.clone(),
         });
         Ok(metrics)
     };
-    let (accepted, applied_steps, refusal) = if initial_fp > max_fp_layers {
-        (
-            false,
-            0,
-            Some(format!(
-                "the recipe alone keeps {initial_fp} of {total_layers} linear layers in FP, above the cap of {max_fp_layers}."
-            )),
-        )
-    } else if before.passes {
-        (true, 0, None)
-    } else {
-        let most = evaluate(max_steps, progress)?;
-        if !most.passes {
-            (
-                false,
-                max_steps,
-                Some(format!(
-                    "the guard fails even after the whole fallback ladder, with {} of {total_layers} linear layers in FP (cap {max_fp_layers}, guard.max_fp_fraction = {}): {}.",
-                    fp_at(max_steps),
-                    recipe.guard.max_fp_fraction,
-                    describe(&most)
-                )),
-            )
-        } else {
-            // Invariant: `low` fails, `high` passes.
-            let (mut low, mut high) = (0, max_steps);
-            while high - low > 1 {
-                let mid = (low + high) / 2;
-                if evaluate(mid, progress)?.passes {
-                    high = mid;
-                } else {
-                    low = mid;
-                }
-            }
-            (true, high, None)
+    match ladder.shortest_passing(evaluate, |m| m.passes)? {
+        Search::Passes(steps) => {
+            verdict.accepted = true;
+            verdict.applied_steps = steps;
         }
-    };
-    let points = config_at(applied_steps);
-    let after = guard.measure(&points)?;
-    for (point, precision) in &points {
-        let report = reports.get_mut(point).expect("every point has a report");
-        report.precision = precision.name();
-        if let LayerPrecision::Int8Static { input_scale } = precision {
-            report.input_scale = Some(*input_scale);
+        Search::Exhausted(most) => {
+            verdict.applied_steps = ladder.len();
+            verdict.refusal = Some(format!(
+                "the guard fails even after the whole fallback ladder, with {} of {total_layers} linear layers in FP (cap {max_fp_layers}, guard.max_fp_fraction = {}): {}.",
+                ladder.fp_layers_at(ladder.len()),
+                guard.recipe.guard.max_fp_fraction,
+                describe(&most)
+            ));
         }
     }
-    Ok(Decision {
-        accepted,
-        refusal,
-        points,
-        point_reports: reports.into_values().collect(),
-        reference: guard.reference(),
-        before,
-        after,
-        ladder,
-        applied_steps,
-        evaluations,
-        fp_layers: fp_at(applied_steps),
-        total_layers,
-        max_fp_layers,
-        coverage,
-        warnings,
-    })
+    Ok(verdict)
 }
 
 /// |x| of `histogram` summed into bins [2^(k/8), 2^((k+1)/8)).

@@ -9,6 +9,8 @@
 //! * [`guard`]: the initial per-layer plan, sensitivity ranking, the
 //!   fallback ladder (static → dynamic → FP, whole fused groups) and the
 //!   accuracy guard on held-out data.
+//! * `ladder` (internal): the guard's demotion sequence within the FP cap
+//!   and the bisection for its shortest passing prefix.
 //! * [`held_out`]: the guard's data.
 //! * [`report`]: `report.json` and a self-contained `report.html`.
 //! * [`smoothing`]: SmoothQuant's per-channel factors.
@@ -22,6 +24,7 @@
 pub mod error;
 pub mod guard;
 pub mod held_out;
+mod ladder;
 pub mod pipeline;
 pub mod recipe;
 pub mod report;

@@ -115,6 +115,25 @@ impl Report {
     pub fn to_html(&self) -> Result<String> {
         let d = &self.decision;
         let mut html = String::new();
+        self.write_header(&mut html);
+        write_accuracy(&mut html, d);
+        write_fallback(&mut html, d);
+        html.push_str("<h2>Per-layer SQNR</h2><p>Output SQNR of each layer input's worst layer on held-out inputs: static scale (blue) and dynamic per-token (orange). Lower is noisier.</p>");
+        html.push_str(&sqnr_chart(&d.point_reports)?);
+        write_calibration(&mut html, &self.calibration)?;
+        write_histograms(&mut html, &d.point_reports)?;
+        let _ = writeln!(
+            html,
+            "<h2>Recipe</h2><pre>{}</pre></body></html>",
+            escape(&self.recipe.to_toml())
+        );
+        Ok(html)
+    }
+
+    /// The document's head, the title and the outcome, with the refusal and
+    /// the warnings.
+    fn write_header(&self, html: &mut String) {
+        let d = &self.decision;
         let outcome = if d.accepted {
             "<span class=ok>accepted</span>"
         } else {
@@ -140,119 +159,125 @@ impl Report {
         for warning in &d.warnings {
             let _ = write!(html, "<p class=warn>warning: {}</p>", escape(warning));
         }
+    }
+}
 
-        html.push_str("<h2>Accuracy</h2><table><tr><th></th><th>metric</th></tr>");
-        for (label, metrics) in [
-            ("full precision", &d.reference),
-            ("recipe, before fallback", &d.before),
-            ("chosen", &d.after),
-        ] {
-            let _ = write!(
-                html,
-                "<tr><td>{label}</td><td>{}</td></tr>",
-                escape(&metrics_text(metrics))
-            );
-        }
+/// "Accuracy": the reference, the plan and the chosen configuration, and how
+/// many layers stayed in FP.
+fn write_accuracy(html: &mut String, d: &Decision) {
+    html.push_str("<h2>Accuracy</h2><table><tr><th></th><th>metric</th></tr>");
+    for (label, metrics) in [
+        ("full precision", &d.reference),
+        ("recipe, before fallback", &d.before),
+        ("chosen", &d.after),
+    ] {
         let _ = write!(
             html,
-            "</table><p>{} of {} linear layers in full precision (cap {}); calibration coverage {:.1} %.</p>",
-            d.fp_layers,
-            d.total_layers,
-            d.max_fp_layers,
-            100.0 * d.coverage
+            "<tr><td>{label}</td><td>{}</td></tr>",
+            escape(&metrics_text(metrics))
         );
+    }
+    let _ = write!(
+        html,
+        "</table><p>{} of {} linear layers in full precision (cap {}); calibration coverage {:.1} %.</p>",
+        d.fp_layers,
+        d.total_layers,
+        d.max_fp_layers,
+        100.0 * d.coverage
+    );
+}
 
-        html.push_str("<h2>Fallback</h2><p>Guard evaluations, in order:</p><table><tr><th>steps</th><th>FP layers</th><th>metric</th></tr>");
-        for e in &d.evaluations {
-            let _ = write!(
-                html,
-                "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
-                e.steps,
-                e.fp_layers,
-                escape(&metrics_text(&e.metrics))
-            );
-        }
+/// "Fallback": every guard evaluation, then the whole ladder with its
+/// applied prefix highlighted.
+fn write_fallback(html: &mut String, d: &Decision) {
+    html.push_str("<h2>Fallback</h2><p>Guard evaluations, in order:</p><table><tr><th>steps</th><th>FP layers</th><th>metric</th></tr>");
+    for e in &d.evaluations {
         let _ = write!(
             html,
-            "</table><p>Demotions, noisiest rung first (language models: by the output KL with only that input quantized; policies: by SQNR); the first {} were applied:</p>\
-             <table><tr><th>#</th><th>layer input</th><th>from</th><th>to</th><th>SQNR dB</th><th>output KL</th></tr>",
-            d.applied_steps
+            "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+            e.steps,
+            e.fp_layers,
+            escape(&metrics_text(&e.metrics))
         );
-        for (i, step) in d.ladder.iter().enumerate() {
-            let class = if i < d.applied_steps {
-                " class=applied"
+    }
+    let _ = write!(
+        html,
+        "</table><p>Demotions, noisiest rung first (language models: by the output KL with only that input quantized; policies: by SQNR); the first {} were applied:</p>\
+         <table><tr><th>#</th><th>layer input</th><th>from</th><th>to</th><th>SQNR dB</th><th>output KL</th></tr>",
+        d.applied_steps
+    );
+    for (i, step) in d.ladder.iter().enumerate() {
+        let class = if i < d.applied_steps {
+            " class=applied"
+        } else {
+            ""
+        };
+        let _ = write!(
+            html,
+            "<tr{class}><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            i + 1,
+            escape(&step.point),
+            step.from,
+            step.to,
+            db(step.sqnr_db),
+            step.kl.map_or("–".into(), |kl| format!("{kl:.5}"))
+        );
+    }
+    html.push_str("</table>");
+}
+
+/// "Calibration": the run's totals and hashes, per-worker table, timeline.
+fn write_calibration(html: &mut String, c: &CalibrationSummary) -> Result<()> {
+    html.push_str("<h2>Calibration</h2>");
+    let _ = write!(
+        html,
+        "<p>{} backend: {}/{} batches merged, {} duplicates dropped, {} retries, {:.2} s. \
+         Model sha256 <code>{}</code>, data <code>{}</code>, calibration recipe <code>{}</code>.</p>",
+        escape(&c.backend),
+        c.merged,
+        c.planned,
+        c.duplicates,
+        c.retries,
+        c.seconds,
+        &c.model_sha256,
+        &c.data_sha256,
+        &c.recipe_sha256
+    );
+    html.push_str("<table><tr><th>worker</th><th>merged</th><th>duplicates</th><th>failures</th><th>busy s</th></tr>");
+    for w in &c.workers {
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.2}</td></tr>",
+            escape(&w.name),
+            w.merged,
+            w.duplicates,
+            w.failures,
+            w.busy_seconds
+        );
+    }
+    html.push_str("</table>");
+    html.push_str(&timeline_chart(&c.workers, &c.timeline)?);
+    Ok(())
+}
+
+/// "Activation histograms": one chart per layer input.
+fn write_histograms(html: &mut String, points: &[PointReport]) -> Result<()> {
+    html.push_str("<h2>Activation histograms</h2><p>|x| of every layer input (log–log), with each calibrator's threshold; the solid black line is the scale in use (static layers only).</p>");
+    for point in points {
+        let _ = write!(
+            html,
+            "<h3><code>{}</code> — {}{}</h3>",
+            escape(&point.point),
+            point.precision,
+            if point.ignored {
+                " (ignored by the recipe)"
             } else {
                 ""
-            };
-            let _ = write!(
-                html,
-                "<tr{class}><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                i + 1,
-                escape(&step.point),
-                step.from,
-                step.to,
-                db(step.sqnr_db),
-                step.kl.map_or("–".into(), |kl| format!("{kl:.5}"))
-            );
-        }
-        html.push_str("</table>");
-
-        html.push_str("<h2>Per-layer SQNR</h2><p>Output SQNR of each layer input's worst layer on held-out inputs: static scale (blue) and dynamic per-token (orange). Lower is noisier.</p>");
-        html.push_str(&sqnr_chart(&d.point_reports)?);
-
-        html.push_str("<h2>Calibration</h2>");
-        let c = &self.calibration;
-        let _ = write!(
-            html,
-            "<p>{} backend: {}/{} batches merged, {} duplicates dropped, {} retries, {:.2} s. \
-             Model sha256 <code>{}</code>, data <code>{}</code>, calibration recipe <code>{}</code>.</p>",
-            escape(&c.backend),
-            c.merged,
-            c.planned,
-            c.duplicates,
-            c.retries,
-            c.seconds,
-            &c.model_sha256,
-            &c.data_sha256,
-            &c.recipe_sha256
+            }
         );
-        html.push_str("<table><tr><th>worker</th><th>merged</th><th>duplicates</th><th>failures</th><th>busy s</th></tr>");
-        for w in &c.workers {
-            let _ = write!(
-                html,
-                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.2}</td></tr>",
-                escape(&w.name),
-                w.merged,
-                w.duplicates,
-                w.failures,
-                w.busy_seconds
-            );
-        }
-        html.push_str("</table>");
-        html.push_str(&timeline_chart(&c.workers, &c.timeline)?);
-
-        html.push_str("<h2>Activation histograms</h2><p>|x| of every layer input (log–log), with each calibrator's threshold; the solid black line is the scale in use (static layers only).</p>");
-        for point in &d.point_reports {
-            let _ = write!(
-                html,
-                "<h3><code>{}</code> — {}{}</h3>",
-                escape(&point.point),
-                point.precision,
-                if point.ignored {
-                    " (ignored by the recipe)"
-                } else {
-                    ""
-                }
-            );
-            html.push_str(&histogram_chart(point)?);
-        }
-        let _ = writeln!(
-            html,
-            "<h2>Recipe</h2><pre>{}</pre></body></html>",
-            escape(&self.recipe.to_toml())
-        );
-        Ok(html)
+        html.push_str(&histogram_chart(point)?);
     }
+    Ok(())
 }
 
 const STYLE: &str = "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}\

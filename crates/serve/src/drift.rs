@@ -188,12 +188,12 @@ impl DriftMonitor {
             self.alerting = alert;
             self.metrics.drift_alert.set(i64::from(alert));
             match worst {
-                Some((p, share)) if alert => eprintln!(
+                Some((p, share)) if alert => tracing::warn!(
                     "qforge serve: drift alert: {:.3} % more of the values reaching {p} lie outside the calibrated range than calibration's sample size explains (threshold {:.3} %); recalibrate on recent data",
                     share * 100.0,
                     self.options.threshold * 100.0
                 ),
-                _ => eprintln!("qforge serve: drift alert cleared"),
+                _ => tracing::info!("qforge serve: drift alert cleared"),
             }
         }
     }

@@ -4,11 +4,12 @@
 //! while the KV budget allows (a request reserves `prompt + max_tokens`
 //! positions up front, so an admitted sequence can never run out of cache
 //! half-way), runs each newcomer's prompt, then advances every running
-//! sequence by one token in a single batched step ([`Llama::step`]): the
-//! linear layers read their weights once for all sequences. A sequence
-//! leaves the batch the iteration it finishes (end of sequence, a stop
-//! string, `max_tokens`, or its client hanging up), and a waiting one takes
-//! its place at the next iteration, not when the whole batch is done.
+//! sequence by one token in a single batched step
+//! ([`Llama::step`](qforge_model::Llama::step)): the linear layers read
+//! their weights once for all sequences. A sequence leaves the batch the
+//! iteration it finishes (end of sequence, a stop string, `max_tokens`, or
+//! its client hanging up), and a waiting one takes its place at the next
+//! iteration, not when the whole batch is done.
 //!
 //! Prompts are not chunked: a long prompt delays the other sequences' next
 //! token by its prefill time.

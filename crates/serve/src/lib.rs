@@ -13,10 +13,12 @@ pub mod batcher;
 pub mod drift;
 pub mod engine;
 pub mod error;
+mod http;
 pub mod metrics;
 mod openai;
 pub mod rollout;
 pub mod server;
+mod state;
 
 pub use drift::DriftOptions;
 pub use engine::EngineLimits;

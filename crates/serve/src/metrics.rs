@@ -77,179 +77,186 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("qforge");
-        let requests = Family::<Labels, Counter>::default();
-        let latency =
-            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
-        let batch_rows = Histogram::new(exponential_buckets(1.0, 2.0, 10));
-        let queue_depth = Gauge::default();
-        let observations = Counter::default();
-        let resident_memory = Gauge::default();
+        let mut metrics = Self::unregistered();
+        // Registration order is the order of the text exposition.
+        metrics.register_serving();
+        metrics.register_rollout();
+        metrics.register_drift();
+        metrics.register_generation();
+        metrics
+    }
+}
+
+impl Metrics {
+    /// Every metric at zero, none registered yet.
+    fn unregistered() -> Self {
+        Self {
+            registry: Registry::with_prefix("qforge"),
+            requests: Family::default(),
+            latency: Family::new_with_constructor(latency_histogram),
+            batch_rows: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
+            queue_depth: Gauge::default(),
+            observations: Counter::default(),
+            resident_memory: Gauge::default(),
+            arm_requests: Family::default(),
+            rolled_back: Gauge::default(),
+            shadow_observations: Counter::default(),
+            shadow_agreement: FloatGauge::default(),
+            feedback_episodes: Family::default(),
+            mean_episode_reward: Family::default(),
+            reward_consistency: FloatGauge::default(),
+            drift_out_of_range: Family::default(),
+            drift_clipping: Family::default(),
+            drift_distance: Family::default(),
+            drift_windows: Family::default(),
+            drift_alert: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            generated_tokens: Counter::default(),
+            running_sequences: Gauge::default(),
+            kv_reserved_tokens: Gauge::default(),
+            time_to_first_token: latency_histogram(),
+            completion_duration: latency_histogram(),
+        }
+    }
+
+    /// Requests, latency, batching, memory.
+    fn register_serving(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "requests",
             "HTTP requests by endpoint and status",
-            requests.clone(),
+            self.requests.clone(),
         );
         registry.register(
             "request_duration_seconds",
             "Request latency by endpoint",
-            latency.clone(),
+            self.latency.clone(),
         );
         registry.register(
             "batch_rows",
             "Rows per batched forward: observations, or sequences in a decode step",
-            batch_rows.clone(),
+            self.batch_rows.clone(),
         );
         registry.register(
             "queue_depth",
             "Requests waiting for the batcher",
-            queue_depth.clone(),
+            self.queue_depth.clone(),
         );
         registry.register(
             "observations",
             "Observations answered",
-            observations.clone(),
+            self.observations.clone(),
         );
         registry.register(
             "resident_memory_bytes",
             "Resident memory of the server process",
-            resident_memory.clone(),
+            self.resident_memory.clone(),
         );
-        let arm_requests = Family::<Labels, Counter>::default();
-        let rolled_back = Gauge::default();
-        let shadow_observations = Counter::default();
-        let shadow_agreement = FloatGauge::default();
-        let feedback_episodes = Family::<Labels, Counter>::default();
-        let mean_episode_reward = Family::<Labels, FloatGauge>::default();
-        let reward_consistency = FloatGauge::default();
+    }
+
+    /// The A/B or shadow rollout against the FP reference.
+    fn register_rollout(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "arm_requests",
             "Requests answered, by arm",
-            arm_requests.clone(),
+            self.arm_requests.clone(),
         );
         registry.register(
             "rolled_back",
             "1 once traffic has rolled back to the FP reference",
-            rolled_back.clone(),
+            self.rolled_back.clone(),
         );
         registry.register(
             "shadow_observations",
             "Observations the FP reference shadowed",
-            shadow_observations.clone(),
+            self.shadow_observations.clone(),
         );
         registry.register(
             "shadow_agreement",
             "Action agreement of INT8 with the FP shadow over the rollout window",
-            shadow_agreement.clone(),
+            self.shadow_agreement.clone(),
         );
         registry.register(
             "feedback_episodes",
             "Episode rewards received on /v1/feedback, by arm",
-            feedback_episodes.clone(),
+            self.feedback_episodes.clone(),
         );
         registry.register(
             "mean_episode_reward",
             "Mean episode reward over the rollout window, by arm",
-            mean_episode_reward.clone(),
+            self.mean_episode_reward.clone(),
         );
         registry.register(
             "reward_consistency",
             "1 - |int8 - fp| / |fp - random| of mean episode rewards over full windows",
-            reward_consistency.clone(),
+            self.reward_consistency.clone(),
         );
-        let drift_out_of_range = Family::<Labels, FloatGauge>::default();
-        let drift_clipping = Family::<Labels, FloatGauge>::default();
-        let drift_distance = Family::<Labels, FloatGauge>::default();
-        let drift_windows = Family::<Labels, Counter>::default();
-        let drift_alert = Gauge::default();
+    }
+
+    /// The drift monitor's comparison of layer inputs with calibration.
+    fn register_drift(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "activation_out_of_range_ratio",
             "Share of sampled layer-input values beyond the calibrated range, last drift window",
-            drift_out_of_range.clone(),
+            self.drift_out_of_range.clone(),
         );
         registry.register(
             "activation_clipping_ratio",
             "Share of sampled layer-input values a static INT8 layer clips, last drift window",
-            drift_clipping.clone(),
+            self.drift_clipping.clone(),
         );
         registry.register(
             "activation_drift",
             "Total-variation distance of the |x| octave histogram from calibration's, last drift window",
-            drift_distance.clone(),
+            self.drift_distance.clone(),
         );
         registry.register(
             "drift_windows",
             "Drift windows judged, by point",
-            drift_windows.clone(),
+            self.drift_windows.clone(),
         );
         registry.register(
             "drift_alert",
             "1 while some point's out-of-range share exceeds the drift threshold",
-            drift_alert.clone(),
+            self.drift_alert.clone(),
         );
-        let prompt_tokens = Counter::default();
-        let generated_tokens = Counter::default();
-        let running_sequences = Gauge::default();
-        let kv_reserved_tokens = Gauge::default();
-        let time_to_first_token = latency_histogram();
-        let completion_duration = latency_histogram();
+    }
+
+    /// The language-model engine: tokens, sequences, KV cache, timings.
+    fn register_generation(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "prompt_tokens",
             "Prompt tokens run through the model",
-            prompt_tokens.clone(),
+            self.prompt_tokens.clone(),
         );
         registry.register(
             "generated_tokens",
             "Tokens generated",
-            generated_tokens.clone(),
+            self.generated_tokens.clone(),
         );
         registry.register(
             "running_sequences",
             "Sequences in the decode batch",
-            running_sequences.clone(),
+            self.running_sequences.clone(),
         );
         registry.register(
             "kv_reserved_tokens",
             "KV-cache positions reserved by running sequences",
-            kv_reserved_tokens.clone(),
+            self.kv_reserved_tokens.clone(),
         );
         registry.register(
             "time_to_first_token_seconds",
             "Seconds from admission to the first token",
-            time_to_first_token.clone(),
+            self.time_to_first_token.clone(),
         );
         registry.register(
             "completion_duration_seconds",
             "Seconds from admission to the last token",
-            completion_duration.clone(),
+            self.completion_duration.clone(),
         );
-        Self {
-            registry,
-            requests,
-            latency,
-            batch_rows,
-            queue_depth,
-            observations,
-            resident_memory,
-            arm_requests,
-            rolled_back,
-            shadow_observations,
-            shadow_agreement,
-            feedback_episodes,
-            mean_episode_reward,
-            reward_consistency,
-            drift_out_of_range,
-            drift_clipping,
-            drift_distance,
-            drift_windows,
-            drift_alert,
-            prompt_tokens,
-            generated_tokens,
-            running_sequences,
-            kv_reserved_tokens,
-            time_to_first_token,
-            completion_duration,
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! OpenAI-compatible text generation: `POST /v1/completions`,
 //! `POST /v1/chat/completions` (both with SSE streaming) and `GET
-//! /v1/models`, over the continuous-batching [`Engine`].
+//! /v1/models`, over the continuous-batching
+//! [`Engine`](crate::engine::Engine).
 //!
 //! Requests are checked before they reach the engine: fields this server
 //! does not implement (`n` > 1, `top_p` ≠ 1, anything unknown) are refused
@@ -11,110 +12,31 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
-use qforge_model::{ChatMessage, LanguageModel, TextSide};
+use qforge_model::ChatMessage;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::sync::oneshot;
 
-use crate::drift::DriftMonitor;
-use crate::engine::{Engine, EngineLimits, Event, FinishReason, Replay, Request};
-use crate::error::{Error, Result};
-use crate::metrics::Metrics;
-use crate::rollout::{Arm, Rollout};
-use crate::server::{
-    ARM_HEADER, AppState, Backend, ServeOptions, authorized, retry_later, session,
-};
+use crate::engine::{Event, FinishReason, Replay, Request};
+use crate::http::{authorized, session, timed_out, too_many_requests, with_arm, worker_stopped};
+use crate::rollout::Arm;
+use crate::state::{AppState, Backend, LanguageBackend};
 
 /// `max_tokens` of `/v1/completions` when the request gives none (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
 /// Most stop strings per request (OpenAI's limit).
 const MAX_STOP_STRINGS: usize = 4;
-
-/// A language model being served.
-pub(crate) struct LanguageBackend {
-    int8: Engine,
-    /// The FP reference's engine, when the rollout needs one.
-    fp: Option<Engine>,
-    pub(crate) rollout: Rollout,
-    name: String,
-    text: TextSide,
-    /// Positions the model attends over.
-    context: usize,
-    limits: EngineLimits,
-    /// Most tokens one request may generate.
-    max_tokens: usize,
-    /// Numbers request ids and default seeds.
-    requests: AtomicU64,
-}
-
-impl LanguageBackend {
-    /// Starts an engine for `lm` and one for its `reference` (each with
-    /// `limits`: the reference's KV cache is its own).
-    pub(crate) fn start(
-        lm: LanguageModel,
-        reference: Option<LanguageModel>,
-        name: String,
-        monitor: Option<DriftMonitor>,
-        limits: EngineLimits,
-        options: &ServeOptions,
-        metrics: &Arc<Metrics>,
-    ) -> Result<Self> {
-        if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 {
-            return Err(Error::Options(
-                "the engine needs at least 1 sequence and a KV budget of at least 2 tokens".into(),
-            ));
-        }
-        match (&reference, options.rollout.mode.needs_reference()) {
-            (None, true) => {
-                return Err(Error::Options(
-                    "A/B and shadow rollouts need the FP reference model".into(),
-                ));
-            }
-            (Some(fp), _) if fp.model.config().vocab_size != lm.model.config().vocab_size => {
-                return Err(Error::Options(format!(
-                    "the reference has a vocabulary of {} tokens, the model {}: they do not share a tokenizer",
-                    fp.model.config().vocab_size,
-                    lm.model.config().vocab_size
-                )));
-            }
-            _ => {}
-        }
-        let text = lm.text.clone();
-        let context = lm.model.config().max_position_embeddings;
-        Ok(Self {
-            int8: Engine::start(lm, monitor, limits, Arc::clone(metrics))?,
-            // The reference was not calibrated: nothing to watch.
-            fp: reference
-                .map(|r| Engine::start(r, None, limits, Arc::clone(metrics)))
-                .transpose()?,
-            rollout: Rollout::new(options.rollout, Arc::clone(metrics)),
-            name,
-            text,
-            context,
-            limits,
-            max_tokens: options.max_tokens,
-            requests: AtomicU64::new(0),
-        })
-    }
-
-    fn engine(&self, arm: Arm) -> &Engine {
-        match arm {
-            Arm::Int8 => &self.int8,
-            // `start` refuses a mode that can pick FP without a reference.
-            Arm::Fp => self.fp.as_ref().unwrap_or(&self.int8),
-        }
-    }
-}
 
 /// Runs the FP reference on a request INT8 is answering and counts, token
 /// by token, where the two continuations agree (same seed, so sampling
@@ -123,7 +45,7 @@ async fn shadow(
     lm: Arc<AppState>,
     replay: Replay,
     int8_tokens: oneshot::Receiver<Vec<u32>>,
-    timeout: std::time::Duration,
+    timeout: Duration,
 ) {
     let Backend::Language(backend) = &lm.backend else {
         return;
@@ -261,12 +183,7 @@ pub(crate) async fn chat_completions(
 
 pub(crate) async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if !authorized(&state, &headers) {
-        return api_error(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            None,
-            "missing or wrong bearer token".into(),
-        );
+        return unauthorized();
     }
     let data = match &state.backend {
         Backend::Language(lm) => vec![json!({
@@ -288,7 +205,31 @@ struct Checked {
     include_usage: bool,
 }
 
-fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<Checked, Refusal> {
+/// What [`check`] and its parts give: a value, or why the request is refused.
+type Checking<T> = std::result::Result<T, Refusal>;
+
+/// Checks a request in the order its errors are reported: the body, the
+/// prompt (or conversation), the sampling fields, the stop strings, then
+/// whether prompt and completion fit.
+fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> Checking<Checked> {
+    let mut sampling = parse(body)?;
+    let (text, max_tokens) = prompt_text(lm, &sampling, kind)?;
+    let temperature = check_sampling(lm, &sampling)?;
+    let stop = stop_strings(sampling.stop.take())?;
+    let (prompt, max_tokens) = fit(lm, &text, max_tokens, kind)?;
+    Ok(Checked {
+        prompt,
+        max_tokens,
+        temperature: (temperature > 0.0).then_some(temperature),
+        seed: sampling.seed,
+        stop,
+        stream: sampling.stream,
+        include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+/// The body, read, with a token limit of 0 refused.
+fn parse(body: &[u8]) -> Checking<Body> {
     let sampling: Body = serde_json::from_slice(body)
         .map_err(|e| invalid(None, format!("malformed request: {e}")))?;
     for (name, value) in [
@@ -299,17 +240,22 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<C
             return Err(invalid(Some(name), format!("{name} must be at least 1")));
         }
     }
-    let (text, max_tokens) = match (kind, &sampling.prompt, &sampling.messages) {
-        (Kind::Completion, Some(prompt), None) => (
+    Ok(sampling)
+}
+
+/// The text to continue (a chat renders its conversation through the
+/// model's template) and the token limit asked for: for a chat without
+/// one, `usize::MAX` (as many as the context leaves).
+fn prompt_text(lm: &LanguageBackend, sampling: &Body, kind: Kind) -> Checking<(String, usize)> {
+    match (kind, &sampling.prompt, &sampling.messages) {
+        (Kind::Completion, Some(prompt), None) => Ok((
             prompt.clone(),
             sampling.max_tokens.unwrap_or(DEFAULT_COMPLETION_TOKENS),
-        ),
-        (Kind::Completion, _, _) => {
-            return Err(invalid(
-                Some("prompt"),
-                "/v1/completions takes a \"prompt\" string (and no \"messages\")".into(),
-            ));
-        }
+        )),
+        (Kind::Completion, _, _) => Err(invalid(
+            Some("prompt"),
+            "/v1/completions takes a \"prompt\" string (and no \"messages\")".into(),
+        )),
         (Kind::Chat, None, Some(messages)) => {
             if messages.is_empty() {
                 return Err(invalid(Some("messages"), "messages is empty".into()));
@@ -323,15 +269,18 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<C
                 .max_completion_tokens
                 .or(sampling.max_tokens)
                 .unwrap_or(usize::MAX);
-            (text, max)
+            Ok((text, max))
         }
-        (Kind::Chat, _, _) => {
-            return Err(invalid(
-                Some("messages"),
-                "/v1/chat/completions takes \"messages\" (and no \"prompt\")".into(),
-            ));
-        }
-    };
+        (Kind::Chat, _, _) => Err(invalid(
+            Some("messages"),
+            "/v1/chat/completions takes \"messages\" (and no \"prompt\")".into(),
+        )),
+    }
+}
+
+/// Refuses another model's name and sampling this server does not
+/// implement; gives the temperature (1 by default).
+fn check_sampling(lm: &LanguageBackend, sampling: &Body) -> Checking<f64> {
     if let Some(model) = &sampling.model
         && *model != lm.name
     {
@@ -360,7 +309,12 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<C
             format!("temperature must be in [0, 2], got {temperature}"),
         ));
     }
-    let stop = match sampling.stop {
+    Ok(temperature)
+}
+
+/// The stop strings: at most [`MAX_STOP_STRINGS`], none empty.
+fn stop_strings(stop: Option<Stop>) -> Checking<Vec<String>> {
+    let stop = match stop {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s],
         Some(Stop::Many(v)) => v,
@@ -371,10 +325,21 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<C
             format!("stop takes at most {MAX_STOP_STRINGS} non-empty strings"),
         ));
     }
+    Ok(stop)
+}
+
+/// The prompt's tokens and the completion's token limit, once both are
+/// known to fit the context, the KV budget and the server's limit.
+fn fit(
+    lm: &LanguageBackend,
+    text: &str,
+    max_tokens: usize,
+    kind: Kind,
+) -> Checking<(Vec<u32>, usize)> {
     let prompt = lm
         .text
         .tokenizer
-        .encode(&text)
+        .encode(text)
         .map_err(|e| invalid(Some("prompt"), e.to_string()))?;
     if prompt.is_empty() {
         return Err(invalid(Some("prompt"), "the prompt has no tokens".into()));
@@ -414,25 +379,32 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> std::result::Result<C
             ),
         ));
     }
-    Ok(Checked {
-        prompt,
-        max_tokens,
-        temperature: (temperature > 0.0).then_some(temperature),
-        seed: sampling.seed,
-        stop,
-        stream: sampling.stream,
-        include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
-    })
+    Ok((prompt, max_tokens))
+}
+
+/// 401 in OpenAI's shape.
+fn unauthorized() -> Response {
+    api_error(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        None,
+        "missing or wrong bearer token".into(),
+    )
+}
+
+/// 500 in OpenAI's shape: the model failed on the request.
+fn server_error(message: String) -> Response {
+    api_error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        None,
+        message,
+    )
 }
 
 async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind: Kind) -> Response {
     if !authorized(state, headers) {
-        return api_error(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            None,
-            "missing or wrong bearer token".into(),
-        );
+        return unauthorized();
     }
     let Backend::Language(lm) = &state.backend else {
         return api_error(
@@ -443,10 +415,7 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         );
     };
     let Ok(permit) = Arc::clone(&state.in_flight).try_acquire_owned() else {
-        return retry_later(
-            StatusCode::TOO_MANY_REQUESTS,
-            "too many requests in flight; retry shortly",
-        );
+        return too_many_requests();
     };
     let checked = match check(lm, body, kind) {
         Ok(c) => c,
@@ -454,7 +423,30 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
     };
     let number = lm.requests.fetch_add(1, Ordering::Relaxed);
     let arm = lm.rollout.arm_for(session(headers));
-    let (events, mut receiver) = unbounded_channel();
+    let (stream, include_usage) = (checked.stream, checked.include_usage);
+    let Some(receiver) = submit(state, lm, checked, number, arm) else {
+        return worker_stopped();
+    };
+    let meta = Meta::new(kind, number, &lm.name);
+    let timeout = state.options.timeout;
+    if stream {
+        streamed(meta, receiver, timeout, include_usage, permit, arm).await
+    } else {
+        collected(meta, receiver, timeout, permit, arm).await
+    }
+}
+
+/// Hands a checked request to the engine of `arm` (with the FP shadow
+/// replaying it when the rollout says so) and counts the answer; gives the
+/// request's events, or `None` when the engine has stopped.
+fn submit(
+    state: &Arc<AppState>,
+    lm: &LanguageBackend,
+    checked: Checked,
+    number: u64,
+    arm: Arm,
+) -> Option<UnboundedReceiver<Event>> {
+    let (events, receiver) = unbounded_channel();
     let request = Request {
         prompt: checked.prompt,
         max_tokens: checked.max_tokens,
@@ -480,92 +472,93 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         request
     };
     if !lm.engine(arm).submit(request) {
-        return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
+        return None;
     }
     lm.rollout.count_answer(arm);
-    let meta = Meta {
-        id: match kind {
-            Kind::Completion => format!("cmpl-{number}"),
-            Kind::Chat => format!("chatcmpl-{number}"),
-        },
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        model: lm.name.clone(),
-        kind,
+    Some(receiver)
+}
+
+/// A streamed answer: SSE events as the engine produces them.
+async fn streamed(
+    meta: Meta,
+    mut receiver: UnboundedReceiver<Event>,
+    timeout: Duration,
+    include_usage: bool,
+    permit: OwnedSemaphorePermit,
+    arm: Arm,
+) -> Response {
+    // Wait for the first event under the timeout: once the stream's
+    // headers are out, the status can no longer say 503.
+    let first = match tokio::time::timeout(timeout, receiver.recv()).await {
+        Ok(Some(event)) => event,
+        Ok(None) => return worker_stopped(),
+        Err(_) => return timed_out(),
     };
-    let timeout = state.options.timeout;
-    if checked.stream {
-        // Wait for the first event under the timeout: once the stream's
-        // headers are out, the status can no longer say 503.
-        let first = match tokio::time::timeout(timeout, receiver.recv()).await {
-            Ok(Some(event)) => event,
-            Ok(None) => {
-                return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
-            }
-            Err(_) => {
-                return retry_later(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the request timed out waiting for the model",
-                );
-            }
-        };
-        if let Event::Failed(message) = first {
-            return api_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                None,
-                message,
-            );
-        }
-        // The permit travels with the stream: a streaming request counts
-        // as in flight until its last event.
-        let stream = sse_stream(meta, first, receiver, checked.include_usage, permit);
-        return with_arm(Sse::new(stream).into_response(), arm);
+    if let Event::Failed(message) = first {
+        return server_error(message);
     }
-    let collected = tokio::time::timeout(timeout, async {
-        let mut text = String::new();
-        while let Some(event) = receiver.recv().await {
-            match event {
-                Event::Text(piece) => text.push_str(&piece),
-                Event::Done {
-                    finish_reason,
-                    prompt_tokens,
-                    completion_tokens,
-                } => return Ok((text, finish_reason, prompt_tokens, completion_tokens)),
-                Event::Failed(message) => return Err(Some(message)),
-            }
-        }
-        Err(None)
-    })
-    .await;
+    // The permit travels with the stream: a streaming request counts
+    // as in flight until its last event.
+    let stream = sse_stream(meta, first, receiver, include_usage, permit);
+    with_arm(Sse::new(stream).into_response(), arm)
+}
+
+/// The whole completion, once the engine is done.
+struct Completion {
+    text: String,
+    finish: FinishReason,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+/// A whole answer: the completion in one response object.
+async fn collected(
+    meta: Meta,
+    mut receiver: UnboundedReceiver<Event>,
+    timeout: Duration,
+    permit: OwnedSemaphorePermit,
+    arm: Arm,
+) -> Response {
+    let collected = tokio::time::timeout(timeout, collect(&mut receiver)).await;
     drop(permit);
     match collected {
-        Ok(Ok((text, finish, prompt_tokens, completion_tokens))) => with_arm(
-            axum::Json(meta.full(&text, finish, prompt_tokens, completion_tokens)).into_response(),
+        Ok(Ok(c)) => with_arm(
+            axum::Json(meta.full(&c.text, c.finish, c.prompt_tokens, c.completion_tokens))
+                .into_response(),
             arm,
         ),
-        Ok(Err(Some(message))) => api_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            None,
-            message,
-        ),
-        Ok(Err(None)) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped"),
+        Ok(Err(Some(message))) => server_error(message),
+        Ok(Err(None)) => worker_stopped(),
         // Dropping the receiver cancels the sequence in the engine.
-        Err(_) => retry_later(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the request timed out waiting for the model",
-        ),
+        Err(_) => timed_out(),
     }
 }
 
-/// Names the arm that answered in a header (the body stays OpenAI's).
-fn with_arm(mut response: Response, arm: Arm) -> Response {
-    response
-        .headers_mut()
-        .insert(ARM_HEADER, HeaderValue::from_static(arm.name()));
-    response
+/// Reads a request's events to the end: the completion, or the engine's
+/// failure message (`None`: the engine stopped without one).
+async fn collect(
+    receiver: &mut UnboundedReceiver<Event>,
+) -> std::result::Result<Completion, Option<String>> {
+    let mut text = String::new();
+    while let Some(event) = receiver.recv().await {
+        match event {
+            Event::Text(piece) => text.push_str(&piece),
+            Event::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                return Ok(Completion {
+                    text,
+                    finish: finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                });
+            }
+            Event::Failed(message) => return Err(Some(message)),
+        }
+    }
+    Err(None)
 }
 
 /// What every response object of one request repeats.
@@ -585,6 +578,20 @@ fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 }
 
 impl Meta {
+    fn new(kind: Kind, number: u64, model: &str) -> Self {
+        Self {
+            id: match kind {
+                Kind::Completion => format!("cmpl-{number}"),
+                Kind::Chat => format!("chatcmpl-{number}"),
+            },
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: model.to_owned(),
+            kind,
+        }
+    }
+
     fn full(
         &self,
         text: &str,
@@ -651,7 +658,7 @@ fn sse_stream(
     first: Event,
     receiver: UnboundedReceiver<Event>,
     include_usage: bool,
-    permit: tokio::sync::OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
 ) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
     let opening = (meta.kind == Kind::Chat).then(|| {
         let mut role = meta.chunk(None, None);

@@ -301,7 +301,7 @@ impl Rollout {
     fn roll_back(&self, reason: &str) {
         if !self.rolled_back.swap(true, Ordering::SeqCst) {
             self.metrics.rolled_back.set(1);
-            eprintln!("qforge serve: rolled back to the FP reference: {reason}");
+            tracing::warn!("qforge serve: rolled back to the FP reference: {reason}");
         }
     }
 }

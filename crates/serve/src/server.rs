@@ -8,61 +8,35 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, MatchedPath, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use qforge_model::profile::CalibrationProfile;
-use qforge_model::{Head, LanguageModel, MlpPolicy};
+use qforge_model::{LanguageModel, MlpPolicy};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::batcher::{Batcher, Job};
-use crate::drift::{DriftMonitor, DriftOptions};
+use crate::batcher::Job;
+use crate::drift::DriftMonitor;
 use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
+use crate::http::{
+    authorized, error, session, timed_out, too_many_requests, with_arm, worker_stopped,
+};
 use crate::metrics::Metrics;
-use crate::openai::{self, LanguageBackend};
-use crate::rollout::{Arm, Rollout, RolloutMode, RolloutOptions};
+use crate::openai;
+use crate::rollout::{Arm, RolloutMode};
+use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 
-/// The request header a client names its session (episode) with: A/B
-/// splits are sticky by it, and `/v1/feedback` finds the session's arm by it.
-pub const SESSION_HEADER: &str = "x-session-id";
-/// The response header naming the arm that answered.
-pub const ARM_HEADER: &str = "x-qforge-arm";
-
-/// How the server runs.
-#[derive(Debug, Clone)]
-pub struct ServeOptions {
-    /// Address to bind (127.0.0.1 unless told otherwise; port 0 picks one).
-    pub addr: SocketAddr,
-    /// Most observations per batched forward.
-    pub max_batch: usize,
-    /// Longest a request waits for others to share its forward.
-    pub max_wait: Duration,
-    /// Largest request body, bytes.
-    pub max_body_bytes: usize,
-    /// Most observations in one request.
-    pub max_rows: usize,
-    /// Most tokens one completion may ask for.
-    pub max_tokens: usize,
-    /// Requests in flight beyond which new ones get 429.
-    pub max_concurrency: usize,
-    /// A request not answered within this gets 503.
-    pub timeout: Duration,
-    /// Required `Authorization: Bearer …` token, if any.
-    pub token: Option<String>,
-    /// How traffic is shared with the FP reference, and when it rolls back.
-    pub rollout: RolloutOptions,
-    /// How the served model's layer inputs are watched for drift.
-    pub drift: DriftOptions,
-}
+pub use crate::http::{ARM_HEADER, SESSION_HEADER};
+pub use crate::state::ServeOptions;
 
 /// What a server runs.
 // One value per process, moved once into `serve`: variant sizes do not matter.
@@ -101,43 +75,6 @@ pub struct Calibration {
     pub input_scales: BTreeMap<String, f32>,
 }
 
-pub(crate) struct AppState {
-    pub(crate) backend: Backend,
-    /// `/openapi.json`.
-    openapi: String,
-    pub(crate) metrics: Arc<Metrics>,
-    pub(crate) in_flight: Arc<Semaphore>,
-    pub(crate) options: ServeOptions,
-}
-
-/// The model side of a server.
-// One value per process, behind the shared state's `Arc`.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Backend {
-    Policy(PolicyBackend),
-    Language(LanguageBackend),
-}
-
-/// A policy, its optional reference, and the rollout between them.
-pub(crate) struct PolicyBackend {
-    int8: Batcher,
-    /// The FP reference, when the rollout needs one.
-    fp: Option<Batcher>,
-    head: Head,
-    rollout: Rollout,
-    observation_dim: usize,
-}
-
-impl PolicyBackend {
-    fn batcher(&self, arm: Arm) -> &Batcher {
-        match arm {
-            Arm::Int8 => &self.int8,
-            // `serve` refuses a mode that can pick FP without a reference.
-            Arm::Fp => self.fp.as_ref().unwrap_or(&self.int8),
-        }
-    }
-}
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ActRequest {
@@ -154,52 +91,13 @@ struct FeedbackRequest {
     arm: Option<Arm>,
 }
 
-pub(crate) fn session(headers: &HeaderMap) -> Option<&str> {
-    headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok())
-}
-
-pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, axum::Json(json!({ "error": message.into() }))).into_response()
-}
-
-pub(crate) fn retry_later(status: StatusCode, message: &str) -> Response {
-    let mut response = error(status, message);
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    response
-}
-
-pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
-    let Some(token) = &state.options.token else {
-        return true;
-    };
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| {
-            // Length-independent comparison: no early exit on the first
-            // differing byte.
-            given.len() == token.len()
-                && given
-                    .bytes()
-                    .zip(token.bytes())
-                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                    == 0
-        })
-}
-
 async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&state, &headers, &body[..]);
     if !authorized(state, headers) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
     let Ok(_permit) = Arc::clone(&state.in_flight).try_acquire_owned() else {
-        return retry_later(
-            StatusCode::TOO_MANY_REQUESTS,
-            "too many requests in flight; retry shortly",
-        );
+        return too_many_requests();
     };
     let Backend::Policy(policy) = &state.backend else {
         return error(
@@ -212,48 +110,11 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
     // From here until it is queued (or refused), a batch being collected
     // waits for this request.
     let arrival = batcher.announce();
-    let request: ActRequest = match serde_json::from_slice(body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("expected {{\"observations\": [[numbers], …]}}: {e}"),
-            );
-        }
-    };
-    let rows = request.observations.len();
-    let dim = policy.observation_dim;
-    if rows == 0 {
-        return error(StatusCode::BAD_REQUEST, "observations is empty");
-    }
-    if rows > state.options.max_rows {
-        return error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!(
-                "{rows} observations in one request; the limit is {}",
-                state.options.max_rows
-            ),
-        );
-    }
-    let mut observations = Vec::with_capacity(rows * dim);
-    for (i, row) in request.observations.iter().enumerate() {
-        if row.len() != dim {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "observation {i} has {} values; the policy takes {dim}",
-                    row.len()
-                ),
-            );
-        }
-        if let Some(v) = row.iter().find(|v| !v.is_finite()) {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("observation {i} holds {v}, which is not a finite number"),
-            );
-        }
-        observations.extend_from_slice(row);
-    }
+    let (observations, rows) =
+        match read_observations(body, policy.observation_dim, state.options.max_rows) {
+            Ok(read) => read,
+            Err((status, message)) => return error(status, message),
+        };
     let shadowed = (arm == Arm::Int8 && policy.rollout.shadow_this()).then(|| observations.clone());
     let (reply, answer) = oneshot::channel();
     if !batcher.submit(
@@ -264,7 +125,7 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
             reply,
         },
     ) {
-        return retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped");
+        return worker_stopped();
     }
     match tokio::time::timeout(state.options.timeout, answer).await {
         Ok(Ok(Ok(actions))) => {
@@ -274,19 +135,54 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
             if let Some(observations) = shadowed {
                 tokio::spawn(shadow(Arc::clone(state), observations, rows, actions));
             }
-            let mut response = axum::Json(body).into_response();
-            response
-                .headers_mut()
-                .insert(ARM_HEADER, HeaderValue::from_static(arm.name()));
-            response
+            with_arm(axum::Json(body).into_response(), arm)
         }
         Ok(Ok(Err(message))) => error(StatusCode::INTERNAL_SERVER_ERROR, message),
-        Ok(Err(_)) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "the model worker stopped"),
-        Err(_) => retry_later(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the request timed out waiting for the model",
-        ),
+        Ok(Err(_)) => worker_stopped(),
+        Err(_) => timed_out(),
     }
+}
+
+/// The observations of an `/v1/act` body, row after row, and how many
+/// rows: at least one, at most `max_rows`, each `dim` finite numbers. A
+/// refusal is the status and message to answer with.
+fn read_observations(
+    body: &[u8],
+    dim: usize,
+    max_rows: usize,
+) -> std::result::Result<(Vec<f32>, usize), (StatusCode, String)> {
+    let bad = |message: String| (StatusCode::BAD_REQUEST, message);
+    let request: ActRequest = serde_json::from_slice(body).map_err(|e| {
+        bad(format!(
+            "expected {{\"observations\": [[numbers], …]}}: {e}"
+        ))
+    })?;
+    let rows = request.observations.len();
+    if rows == 0 {
+        return Err(bad("observations is empty".into()));
+    }
+    if rows > max_rows {
+        return Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("{rows} observations in one request; the limit is {max_rows}"),
+        ));
+    }
+    let mut observations = Vec::with_capacity(rows * dim);
+    for (i, row) in request.observations.iter().enumerate() {
+        if row.len() != dim {
+            return Err(bad(format!(
+                "observation {i} has {} values; the policy takes {dim}",
+                row.len()
+            )));
+        }
+        if let Some(v) = row.iter().find(|v| !v.is_finite()) {
+            return Err(bad(format!(
+                "observation {i} holds {v}, which is not a finite number"
+            )));
+        }
+        observations.extend_from_slice(row);
+    }
+    Ok((observations, rows))
 }
 
 /// Runs the FP reference on observations INT8 already answered and counts
@@ -444,6 +340,33 @@ pub async fn serve(
     on_bound: impl FnOnce(SocketAddr),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    check_options(&options)?;
+    let metrics = Arc::new(Metrics::default());
+    let backend = start_backend(served, &options, &metrics)?;
+    let state = Arc::new(AppState {
+        openapi: openapi_document(&backend, &options),
+        backend,
+        metrics,
+        in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
+        options: options.clone(),
+    });
+    let app = router(state, options.max_body_bytes);
+    let listener = tokio::net::TcpListener::bind(options.addr)
+        .await
+        .map_err(|e| Error::Bind(options.addr, e))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::Bind(options.addr, e))?;
+    on_bound(bound);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(Error::Serve)
+}
+
+/// Refuses limits of zero, a rollback threshold or window out of range,
+/// and drift settings out of range.
+fn check_options(options: &ServeOptions) -> Result<()> {
     if options.max_batch == 0
         || options.max_rows == 0
         || options.max_tokens == 0
@@ -472,22 +395,37 @@ pub async fn serve(
                 .into(),
         ));
     }
-    let metrics = Arc::new(Metrics::default());
+    Ok(())
+}
+
+/// Starts the batchers or engines of the served model (and its
+/// reference), each with a drift monitor where there is a calibration.
+fn start_backend(
+    served: Served,
+    options: &ServeOptions,
+    metrics: &Arc<Metrics>,
+) -> Result<Backend> {
     let monitor = |calibration: Option<Calibration>| {
-        calibration
-            .map(|c| DriftMonitor::new(c.profile, &c.input_scales, drift, Arc::clone(&metrics)))
+        calibration.map(|c| {
+            DriftMonitor::new(
+                c.profile,
+                &c.input_scales,
+                options.drift,
+                Arc::clone(metrics),
+            )
+        })
     };
-    let backend = match served {
+    Ok(match served {
         Served::Policy {
             model,
             reference,
             calibration,
-        } => Backend::Policy(policy_backend(
+        } => Backend::Policy(PolicyBackend::start(
             model,
             reference,
             monitor(calibration),
-            &options,
-            &metrics,
+            options,
+            metrics,
         )?),
         Served::Language {
             model,
@@ -501,18 +439,15 @@ pub async fn serve(
             name,
             monitor(calibration),
             limits,
-            &options,
-            &metrics,
+            options,
+            metrics,
         )?),
-    };
-    let state = Arc::new(AppState {
-        openapi: openapi_document(&backend, &options),
-        backend,
-        metrics,
-        in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
-        options: options.clone(),
-    });
-    let app = Router::new()
+    })
+}
+
+/// The routes, the body limit, and the request metrics around them.
+fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    Router::new()
         .route("/v1/act", post(act))
         .route("/v1/feedback", post(feedback))
         .route("/v1/completions", post(openai::completions))
@@ -522,70 +457,7 @@ pub async fn serve(
         .route("/ready", get(health))
         .route("/metrics", get(render_metrics))
         .route("/openapi.json", get(openapi))
-        .layer(DefaultBodyLimit::max(options.max_body_bytes))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
         .route_layer(middleware::from_fn_with_state(Arc::clone(&state), track))
-        .with_state(state);
-    let listener = tokio::net::TcpListener::bind(options.addr)
-        .await
-        .map_err(|e| Error::Bind(options.addr, e))?;
-    let bound = listener
-        .local_addr()
-        .map_err(|e| Error::Bind(options.addr, e))?;
-    on_bound(bound);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(Error::Serve)
-}
-
-/// Checks the rollout against the models and starts their batchers.
-fn policy_backend(
-    policy: MlpPolicy,
-    reference: Option<MlpPolicy>,
-    monitor: Option<DriftMonitor>,
-    options: &ServeOptions,
-    metrics: &Arc<Metrics>,
-) -> Result<PolicyBackend> {
-    let rollout = options.rollout;
-    match (&reference, rollout.mode.needs_reference()) {
-        (None, true) => {
-            return Err(Error::Options(
-                "A/B and shadow rollouts need the FP reference model".into(),
-            ));
-        }
-        (Some(fp), _)
-            if fp.config().observation_dim != policy.config().observation_dim
-                || fp.config().head != policy.config().head =>
-        {
-            return Err(Error::Options(format!(
-                "the reference does not act like the model: it takes {} observation values and has head {:?}; the model takes {} and has {:?}",
-                fp.config().observation_dim,
-                fp.config().head,
-                policy.config().observation_dim,
-                policy.config().head
-            )));
-        }
-        _ => {}
-    }
-    let observation_dim = policy.config().observation_dim;
-    let head = policy.config().head.clone();
-    let start = |policy, monitor| {
-        Batcher::start(
-            policy,
-            monitor,
-            options.max_batch,
-            options.max_wait,
-            Arc::clone(metrics),
-        )
-    };
-    let int8 = start(policy, monitor);
-    // The reference was not calibrated: nothing to watch.
-    let fp = reference.map(|r| start(r, None));
-    Ok(PolicyBackend {
-        int8,
-        fp,
-        head,
-        rollout: Rollout::new(rollout, Arc::clone(metrics)),
-        observation_dim,
-    })
+        .with_state(state)
 }

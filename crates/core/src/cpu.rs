@@ -1,0 +1,59 @@
+//! The one CPU-feature probe. Every kernel tier (histogram observation here,
+//! the quantizers and the GEMM in `qforge-kernels`) asks it which
+//! instructions it may use, and `qforge info` prints what it found, so what
+//! a machine runs is stated in one place.
+
+use std::sync::OnceLock;
+
+/// The instruction-set extensions qforge's kernel tiers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuFeatures {
+    /// AVX2 (x86-64).
+    pub avx2: bool,
+    /// FMA3 (x86-64).
+    pub fma: bool,
+    /// AVX-512 Foundation (x86-64).
+    pub avx512f: bool,
+    /// AVX-512 byte and word instructions (x86-64).
+    pub avx512bw: bool,
+    /// AVX-512 VNNI, `vpdpbusd` (x86-64).
+    pub avx512vnni: bool,
+}
+
+impl CpuFeatures {
+    /// This CPU's features, probed once per process.
+    pub fn get() -> CpuFeatures {
+        static FEATURES: OnceLock<CpuFeatures> = OnceLock::new();
+        *FEATURES.get_or_init(probe)
+    }
+
+    /// The names of the features present, in a fixed order.
+    pub fn names(&self) -> Vec<&'static str> {
+        [
+            (self.avx2, "avx2"),
+            (self.fma, "fma"),
+            (self.avx512f, "avx512f"),
+            (self.avx512bw, "avx512bw"),
+            (self.avx512vnni, "avx512vnni"),
+        ]
+        .into_iter()
+        .filter_map(|(present, name)| present.then_some(name))
+        .collect()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn probe() -> CpuFeatures {
+    CpuFeatures {
+        avx2: std::is_x86_feature_detected!("avx2"),
+        fma: std::is_x86_feature_detected!("fma"),
+        avx512f: std::is_x86_feature_detected!("avx512f"),
+        avx512bw: std::is_x86_feature_detected!("avx512bw"),
+        avx512vnni: std::is_x86_feature_detected!("avx512vnni"),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn probe() -> CpuFeatures {
+    CpuFeatures::default()
+}

@@ -1,0 +1,536 @@
+//! The reduce step of a run, apart from any backend: merges each batch id
+//! exactly once, drops duplicates, retries and quarantines failures, keeps the
+//! per-worker accounting and the timeline, and says when a checkpoint is due.
+//! The coordinator drives it; keeping it free of I/O (but for writing the
+//! checkpoint it is handed) lets it be tested outcome by outcome.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use qforge_calib::{Job, Plan};
+use qforge_core::{BatchId, MergePolicy, Provenance, Stats};
+
+use crate::backend::{Next, Outcome};
+use crate::checkpoint::CheckpointStore;
+use crate::coordinator::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
+use crate::error::{Error, Result};
+
+/// The state of a run's reduce step.
+pub(crate) struct Merger<'p> {
+    plan: &'p Plan,
+    /// Batch id to its index in the plan: what a checkpoint is checked against.
+    ids: BTreeMap<BatchId, usize>,
+    started: Instant,
+    stats: Stats,
+    /// Ids merged, restored ones included.
+    done: BTreeSet<BatchId>,
+    /// Failures so far per batch index.
+    attempts: BTreeMap<usize, u32>,
+    quarantined: BTreeMap<BatchId, String>,
+    workers: BTreeMap<String, WorkerReport>,
+    timeline: Vec<Delivery>,
+    duplicates: usize,
+    retries: usize,
+    speculative: usize,
+    resumed: usize,
+    resumed_from: Option<PathBuf>,
+    warnings: Vec<String>,
+    /// Batches neither merged nor quarantined: at zero the run stops.
+    unresolved: usize,
+    checkpoint_every: usize,
+    since_checkpoint: usize,
+    checkpoints_written: usize,
+}
+
+impl<'p> Merger<'p> {
+    /// An empty merger for `plan` that wants a checkpoint after every
+    /// `checkpoint_every` newly merged batches.
+    pub(crate) fn new(plan: &'p Plan, checkpoint_every: usize) -> Self {
+        let ids = plan
+            .batches
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.id, i))
+            .collect();
+        Self {
+            plan,
+            ids,
+            started: Instant::now(),
+            stats: Stats::default(),
+            done: BTreeSet::new(),
+            attempts: BTreeMap::new(),
+            quarantined: BTreeMap::new(),
+            workers: BTreeMap::new(),
+            timeline: Vec::new(),
+            duplicates: 0,
+            retries: 0,
+            speculative: 0,
+            resumed: 0,
+            resumed_from: None,
+            warnings: Vec::new(),
+            unresolved: plan.batches.len(),
+            checkpoint_every,
+            since_checkpoint: 0,
+            checkpoints_written: 0,
+        }
+    }
+
+    /// Continues from the checkpoint at `path` holding `stats`, once it is
+    /// known to belong to this job and plan (merging a stranger's statistics
+    /// would silently corrupt the result).
+    pub(crate) fn restore(&mut self, job: &Job, path: PathBuf, stats: Stats) -> Result<()> {
+        check_checkpoint(&stats.provenance, job, &self.ids, &path)?;
+        self.resumed = stats.provenance.batches.len();
+        self.done = stats.provenance.batches.clone();
+        self.stats = stats;
+        self.resumed_from = Some(path);
+        self.unresolved = self.pending().len();
+        Ok(())
+    }
+
+    /// Adds warnings for the summary.
+    pub(crate) fn warn(&mut self, warnings: impl IntoIterator<Item = String>) {
+        self.warnings.extend(warnings);
+    }
+
+    /// Indices of the planned batches not merged yet.
+    pub(crate) fn pending(&self) -> Vec<usize> {
+        (0..self.plan.batches.len())
+            .filter(|&i| !self.done.contains(&self.plan.batches[i].id))
+            .collect()
+    }
+
+    /// Where the run stands, for `workers` workers.
+    pub(crate) fn progress(&self, workers: usize) -> Progress {
+        Progress {
+            merged: self.done.len(),
+            planned: self.plan.batches.len(),
+            retries: self.retries,
+            workers,
+        }
+    }
+
+    /// Takes one outcome and says what the backend should do next. A result
+    /// for a batch not in the plan (or not the one it was handed out as) is
+    /// an error: merging it would make the statistics wrong, not partial.
+    pub(crate) fn accept(&mut self, outcome: Outcome) -> Result<Next> {
+        match outcome {
+            Outcome::Done {
+                batch,
+                stats,
+                worker,
+                elapsed,
+                speculative,
+            } => self.accept_done(batch, &stats, worker, elapsed, speculative),
+            Outcome::Failed {
+                batch,
+                worker,
+                error,
+            } => Ok(self.accept_failure(batch, worker, error)),
+        }
+    }
+
+    fn accept_done(
+        &mut self,
+        batch: usize,
+        stats: &Stats,
+        worker: String,
+        elapsed: Duration,
+        speculative: bool,
+    ) -> Result<Next> {
+        self.speculative += usize::from(speculative);
+        let busy_seconds = elapsed.as_secs_f64();
+        let report = self.workers.entry(worker.clone()).or_default();
+        report.busy_seconds += busy_seconds;
+        let id = claimed_id(self.plan, batch, stats, &worker)?;
+        let merged = self.done.insert(id);
+        self.timeline.push(Delivery {
+            worker,
+            batch,
+            at_seconds: self.started.elapsed().as_secs_f64(),
+            busy_seconds,
+            merged,
+        });
+        if !merged {
+            // A retry or speculative copy that lost the race.
+            report.duplicates += 1;
+            self.duplicates += 1;
+            return Ok(Next::Continue);
+        }
+        self.stats.merge(stats, MergePolicy::Strict)?;
+        report.merged += 1;
+        self.unresolved -= 1;
+        self.since_checkpoint += 1;
+        Ok(self.next())
+    }
+
+    fn accept_failure(&mut self, batch: usize, worker: String, error: String) -> Next {
+        self.workers.entry(worker).or_default().failures += 1;
+        let id = self.plan.batches[batch].id;
+        // A late failure of a batch already settled changes nothing.
+        if self.done.contains(&id) || self.quarantined.contains_key(&id) {
+            return Next::Continue;
+        }
+        let tries = self.attempts.entry(batch).or_insert(0);
+        *tries += 1;
+        if *tries < MAX_ATTEMPTS {
+            self.retries += 1;
+            return Next::Retry(batch);
+        }
+        self.quarantined.insert(id, error);
+        self.unresolved -= 1;
+        self.next()
+    }
+
+    fn next(&self) -> Next {
+        if self.unresolved == 0 {
+            Next::Stop
+        } else {
+            Next::Continue
+        }
+    }
+
+    /// Batches were merged since the last checkpoint.
+    pub(crate) fn has_unsaved(&self) -> bool {
+        self.since_checkpoint > 0
+    }
+
+    /// Enough batches were merged since the last checkpoint to write one.
+    /// Only a merge makes one due, so duplicates and failures never write
+    /// (even with `checkpoint_every` 0).
+    pub(crate) fn checkpoint_due(&self) -> bool {
+        self.has_unsaved() && self.since_checkpoint >= self.checkpoint_every
+    }
+
+    /// Writes the merged statistics to `store`, if there is one, and starts
+    /// counting towards the next checkpoint.
+    pub(crate) fn checkpoint(&mut self, store: Option<&CheckpointStore>) -> Result<()> {
+        if let Some(store) = store {
+            store.write(self.done.len() as u64, &self.stats)?;
+            self.checkpoints_written += 1;
+        }
+        self.since_checkpoint = 0;
+        Ok(())
+    }
+
+    /// The summary, or an error naming the first missing batches if fewer
+    /// than `min_coverage` of the plan were merged.
+    pub(crate) fn finish(self, min_coverage: f64) -> Result<RunSummary> {
+        let planned = self.plan.batches.len();
+        let merged = self.done.len();
+        let coverage = if planned == 0 {
+            1.0
+        } else {
+            merged as f64 / planned as f64
+        };
+        if coverage < min_coverage {
+            return Err(Error::Coverage {
+                merged,
+                planned,
+                required: min_coverage,
+                missing: self.missing(8).join(", "),
+            });
+        }
+        Ok(RunSummary {
+            stats: self.stats,
+            planned,
+            merged,
+            coverage,
+            resumed: self.resumed,
+            resumed_from: self.resumed_from,
+            duplicates: self.duplicates,
+            retries: self.retries,
+            speculative: self.speculative,
+            quarantined: self.quarantined,
+            checkpoints_written: self.checkpoints_written,
+            warnings: self.warnings,
+            workers: self.workers,
+            seconds: self.started.elapsed().as_secs_f64(),
+            timeline: self.timeline,
+        })
+    }
+
+    /// The first `limit` batches not merged, with why when quarantined.
+    fn missing(&self, limit: usize) -> Vec<String> {
+        self.plan
+            .batches
+            .iter()
+            .filter(|b| !self.done.contains(&b.id))
+            .take(limit)
+            .map(|b| match self.quarantined.get(&b.id) {
+                Some(e) => format!("{} (quarantined: {e})", b.id),
+                None => b.id.to_string(),
+            })
+            .collect()
+    }
+}
+
+/// The one batch id `stats` claims, if it is the id of plan batch `batch`.
+fn claimed_id(plan: &Plan, batch: usize, stats: &Stats, worker: &str) -> Result<BatchId> {
+    let claimed = &stats.provenance.batches;
+    let expected = plan.batches.get(batch).map(|b| b.id);
+    match claimed.first() {
+        Some(&id) if claimed.len() == 1 && Some(id) == expected => Ok(id),
+        _ => Err(Error::ForeignResult {
+            worker: worker.to_owned(),
+            batch: claimed
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        }),
+    }
+}
+
+/// A checkpoint may only resume the run it was written by.
+fn check_checkpoint(
+    provenance: &Provenance,
+    job: &Job,
+    ids: &BTreeMap<BatchId, usize>,
+    path: &Path,
+) -> Result<()> {
+    let expected = Provenance::single(
+        Some(job.model),
+        job.data,
+        job.recipe.digest(),
+        job.recipe.pass.name(),
+        BatchId {
+            index: 0,
+            content: job.data,
+        },
+        job.planned,
+    );
+    let same_source = provenance.models == expected.models
+        && provenance.data == expected.data
+        && provenance.recipes == expected.recipes
+        && provenance.passes == expected.passes
+        && provenance.planned == expected.planned
+        && !provenance.forced;
+    if !same_source {
+        return Err(Error::Checkpoint {
+            path: path.display().to_string(),
+            reason: "it belongs to a different model, data or recipe; use another --checkpoint-dir or run name".into(),
+        });
+    }
+    if let Some(foreign) = provenance.batches.iter().find(|b| !ids.contains_key(b)) {
+        return Err(Error::Checkpoint {
+            path: path.display().to_string(),
+            reason: format!("it holds batch {foreign}, which is not in this run's plan"),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qforge_calib::{Batch, Recipe};
+    use qforge_core::codec::encode;
+    use qforge_core::{Digest, TensorStats};
+
+    /// A job and a plan of `n` empty batches: the merger never looks inside
+    /// a batch, only at its id.
+    fn setup(n: usize) -> (Job, Plan) {
+        let job = Job {
+            model: Digest::of(b"model"),
+            data: Digest::of(b"data"),
+            recipe: Recipe::default(),
+            planned: n as u64,
+            transforms: Vec::new(),
+        };
+        let batches = (0..n)
+            .map(|i| Batch {
+                id: BatchId {
+                    index: i as u64,
+                    content: Digest::of(format!("batch {i}").as_bytes()),
+                },
+                samples: Vec::new(),
+            })
+            .collect();
+        let plan = Plan {
+            batches,
+            samples: 0,
+            rows: 0,
+            strata: Vec::new(),
+        };
+        (job, plan)
+    }
+
+    /// Statistics of one batch `id` of `job`: one tensor that saw `values`.
+    fn stats(job: &Job, id: BatchId, values: &[f32]) -> Stats {
+        let mut tensor = TensorStats::new();
+        tensor.observe(values).unwrap();
+        Stats {
+            provenance: Provenance::single(
+                Some(job.model),
+                job.data,
+                job.recipe.digest(),
+                job.recipe.pass.name(),
+                id,
+                job.planned,
+            ),
+            tensors: BTreeMap::from([("layer.0".to_owned(), tensor)]),
+        }
+    }
+
+    fn done(batch: usize, stats: Stats, worker: &str, speculative: bool) -> Outcome {
+        Outcome::Done {
+            batch,
+            stats: Box::new(stats),
+            worker: worker.to_owned(),
+            elapsed: Duration::from_millis(10),
+            speculative,
+        }
+    }
+
+    fn failed(batch: usize, worker: &str, error: &str) -> Outcome {
+        Outcome::Failed {
+            batch,
+            worker: worker.to_owned(),
+            error: error.to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_batch_is_merged_once_and_the_last_one_stops_the_run() {
+        let (job, plan) = setup(2);
+        let first = stats(&job, plan.batches[0].id, &[1.0, -2.0]);
+        let second = stats(&job, plan.batches[1].id, &[0.5]);
+        let mut merger = Merger::new(&plan, 50);
+        assert_eq!(merger.pending(), vec![0, 1]);
+        let next = merger.accept(done(0, first.clone(), "w0", false));
+        assert_eq!(next.unwrap(), Next::Continue);
+        assert_eq!(merger.pending(), vec![1]);
+        assert_eq!(merger.progress(4).merged, 1);
+        let next = merger.accept(done(1, second.clone(), "w1", false));
+        assert_eq!(next.unwrap(), Next::Stop);
+
+        let summary = merger.finish(1.0).unwrap();
+        let mut expected = first;
+        expected.merge(&second, MergePolicy::Strict).unwrap();
+        assert_eq!(encode(&summary.stats), encode(&expected));
+        assert_eq!((summary.merged, summary.coverage), (2, 1.0));
+        assert_eq!((summary.duplicates, summary.retries), (0, 0));
+        assert_eq!(summary.workers["w0"].merged, 1);
+        assert_eq!(summary.workers["w1"].merged, 1);
+        assert!(summary.timeline.iter().all(|d| d.merged));
+    }
+
+    #[test]
+    fn a_duplicate_is_dropped_and_counted() {
+        let (job, plan) = setup(2);
+        let first = stats(&job, plan.batches[0].id, &[3.0]);
+        let mut merger = Merger::new(&plan, 50);
+        merger.accept(done(0, first.clone(), "w0", false)).unwrap();
+        let next = merger.accept(done(0, first.clone(), "w1", true));
+        assert_eq!(next.unwrap(), Next::Continue);
+
+        let summary = merger.finish(0.5).unwrap();
+        assert_eq!(encode(&summary.stats), encode(&first));
+        assert_eq!((summary.merged, summary.duplicates), (1, 1));
+        assert_eq!(summary.speculative, 1);
+        assert_eq!(summary.workers["w1"].duplicates, 1);
+        assert_eq!(summary.workers["w1"].merged, 0);
+        let merged: Vec<bool> = summary.timeline.iter().map(|d| d.merged).collect();
+        assert_eq!(merged, [true, false]);
+    }
+
+    #[test]
+    fn a_failure_is_retried_then_quarantined_after_max_attempts() {
+        let (_, plan) = setup(2);
+        let mut merger = Merger::new(&plan, 50);
+        for attempt in 1..MAX_ATTEMPTS {
+            let next = merger.accept(failed(1, "w0", &format!("boom {attempt}")));
+            assert_eq!(next.unwrap(), Next::Retry(1));
+        }
+        let next = merger.accept(failed(1, "w0", "boom last"));
+        assert_eq!(next.unwrap(), Next::Continue);
+        // Quarantined for good: a later failure is not retried again.
+        assert_eq!(
+            merger.accept(failed(1, "w1", "late")).unwrap(),
+            Next::Continue
+        );
+        assert_eq!(merger.progress(1).retries, (MAX_ATTEMPTS - 1) as usize);
+
+        let err = merger.finish(1.0).unwrap_err().to_string();
+        assert!(err.contains("0/2"), "{err}");
+        assert!(err.contains("(quarantined: boom last)"), "{err}");
+    }
+
+    #[test]
+    fn quarantining_the_last_unresolved_batch_stops_the_run() {
+        let (job, plan) = setup(2);
+        let mut merger = Merger::new(&plan, 50);
+        let first = stats(&job, plan.batches[0].id, &[1.0]);
+        merger.accept(done(0, first, "w0", false)).unwrap();
+        for _ in 1..MAX_ATTEMPTS {
+            merger.accept(failed(1, "w0", "boom")).unwrap();
+        }
+        assert_eq!(merger.accept(failed(1, "w0", "boom")).unwrap(), Next::Stop);
+
+        let summary = merger.finish(0.5).unwrap();
+        assert_eq!(summary.quarantined.len(), 1);
+        assert_eq!(summary.quarantined[&plan.batches[1].id], "boom");
+        assert_eq!(summary.workers["w0"].failures, MAX_ATTEMPTS as usize);
+    }
+
+    #[test]
+    fn a_result_for_a_batch_not_in_the_plan_is_rejected() {
+        let (job, plan) = setup(2);
+        let stranger = BatchId {
+            index: 0,
+            content: Digest::of(b"another data set"),
+        };
+        let mut merger = Merger::new(&plan, 50);
+        let err = merger.accept(done(0, stats(&job, stranger, &[1.0]), "w0", false));
+        assert!(
+            matches!(err, Err(Error::ForeignResult { ref worker, .. }) if worker == "w0"),
+            "{err:?}"
+        );
+        // Nor may it pass as another planned batch.
+        let other = stats(&job, plan.batches[1].id, &[1.0]);
+        let err = merger.accept(done(0, other, "w0", false));
+        assert!(matches!(err, Err(Error::ForeignResult { .. })), "{err:?}");
+        assert_eq!(merger.pending(), vec![0, 1]);
+    }
+
+    #[test]
+    fn a_checkpoint_is_restored_only_into_its_own_plan() {
+        let (job, plan) = setup(3);
+        let checkpoint = stats(&job, plan.batches[1].id, &[2.0]);
+        let mut merger = Merger::new(&plan, 50);
+        merger
+            .restore(&job, PathBuf::from("ckpt"), checkpoint.clone())
+            .unwrap();
+        assert_eq!(merger.pending(), vec![0, 2]);
+        // The restored batch counts as merged: its result again is a duplicate.
+        merger.accept(done(1, checkpoint, "w0", false)).unwrap();
+        let summary = merger.finish(0.0).unwrap();
+        assert_eq!((summary.resumed, summary.duplicates), (1, 1));
+
+        let (_, smaller) = setup(1);
+        let foreign = stats(&job, plan.batches[2].id, &[2.0]);
+        let mut merger = Merger::new(&smaller, 50);
+        let err = merger.restore(&job, PathBuf::from("ckpt"), foreign);
+        assert!(matches!(err, Err(Error::Checkpoint { .. })), "{err:?}");
+    }
+
+    #[test]
+    fn only_merges_make_a_checkpoint_due() {
+        let (job, plan) = setup(3);
+        let mut merger = Merger::new(&plan, 2);
+        let first = stats(&job, plan.batches[0].id, &[1.0]);
+        merger.accept(done(0, first.clone(), "w0", false)).unwrap();
+        assert!(merger.has_unsaved() && !merger.checkpoint_due());
+        merger.accept(done(0, first, "w1", true)).unwrap();
+        merger.accept(failed(2, "w0", "boom")).unwrap();
+        assert!(!merger.checkpoint_due());
+        let second = stats(&job, plan.batches[1].id, &[1.0]);
+        merger.accept(done(1, second, "w0", false)).unwrap();
+        assert!(merger.checkpoint_due());
+        merger.checkpoint(None).unwrap();
+        assert!(!merger.has_unsaved() && !merger.checkpoint_due());
+        assert_eq!(merger.finish(0.0).unwrap().checkpoints_written, 0);
+    }
+}
