@@ -34,6 +34,15 @@ const SUPPORTED: &str = "qforge imports plain MLPs: a chain of Gemm (alpha=1, be
      layer and none after the last, optionally Identity, Flatten(axis=1) and a final Softmax \
      (discrete heads only)";
 
+/// The first of `names`, quoted and shortened, for an error message.
+fn quoted_names<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    names
+        .take(8)
+        .map(|name| format!("`{}`", shown(name)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Names taken from the file are shown at most this long in error messages,
 /// so a garbage file cannot produce a megabyte-long message.
 const MAX_SHOWN: usize = 80;
@@ -183,11 +192,7 @@ fn single_output_value(graph: &GraphProto) -> Result<&ValueInfoProto> {
             "the graph has {} outputs ({}); export only the actor network (one output: \
              logits, action mean or value). {SUPPORTED}",
             many.len(),
-            many.iter()
-                .take(8)
-                .map(|v| format!("`{}`", shown(&v.name)))
-                .collect::<Vec<_>>()
-                .join(", ")
+            quoted_names(many.iter().map(|v| v.name.as_str()))
         ))),
     }
 }
@@ -518,11 +523,7 @@ fn single_input<'a>(
             "the graph has {} non-constant inputs ({}); qforge policies take one observation \
              input and constant weights. {SUPPORTED}",
             many.len(),
-            many.iter()
-                .take(8)
-                .map(|v| format!("`{}`", shown(&v.name)))
-                .collect::<Vec<_>>()
-                .join(", ")
+            quoted_names(many.iter().map(|v| v.name.as_str()))
         ))),
     }
 }

@@ -241,7 +241,6 @@ impl<'a> Pipeline<'a> {
         decision: Decision,
     ) -> Report {
         let first = &summaries[0];
-        let job = session.job(&self.recipe.calibration_recipe(), &[]);
         Report {
             qforge_version: env!("CARGO_PKG_VERSION").into(),
             model: session.model_path.display().to_string(),
@@ -276,8 +275,8 @@ impl<'a> Pipeline<'a> {
                         merged: d.merged,
                     })
                     .collect(),
-                model_sha256: job.model.to_hex(),
-                data_sha256: job.data.to_hex(),
+                model_sha256: session.model_digest.to_hex(),
+                data_sha256: session.data.digest.to_hex(),
                 recipe_sha256: session.recipe.digest().to_hex(),
                 passes: summaries
                     .iter()
@@ -355,9 +354,9 @@ impl Quantized {
     fn manifest_info(&self) -> Value {
         let session = &self.session;
         let d = &self.report.decision;
-        let job = session.job(&self.report.recipe.calibration_recipe(), &[]);
-        let smoothed = (!self.transforms.is_empty())
-            .then(|| qforge_calib::transformed_digest(job.model, &self.transforms).to_hex());
+        let smoothed = (!self.transforms.is_empty()).then(|| {
+            qforge_calib::transformed_digest(session.model_digest, &self.transforms).to_hex()
+        });
         json!({
             "kind": "native",
             "source_model": {
@@ -365,9 +364,9 @@ impl Quantized {
                     .unwrap_or(session.model_path.clone())
                     .display()
                     .to_string(),
-                "sha256": job.model.to_hex(),
+                "sha256": session.model_digest.to_hex(),
             },
-            "data_sha256": job.data.to_hex(),
+            "data_sha256": session.data.digest.to_hex(),
             "calibration_recipe_sha256": session.recipe.digest().to_hex(),
             "recipe": self.report.recipe,
             "smoothed_model_sha256": smoothed,
