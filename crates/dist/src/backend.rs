@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use qforge_calib::{Job, Plan, observe_batch};
+use qforge_calib::{Batch, Job, Plan, observe_batch};
 use qforge_core::Stats;
 use qforge_model::Model;
 
@@ -33,9 +33,58 @@ pub enum Outcome {
         batch: usize,
         /// The worker.
         worker: String,
-        /// The error.
-        error: String,
+        /// What went wrong.
+        error: Failure,
     },
+}
+
+/// Why a batch failed: the kind decides what the coordinator's report says
+/// and where to look, the message says what happened.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "kind", content = "message", rename_all = "kebab-case")]
+pub enum Failure {
+    /// The batch cannot be observed as it is (a record the model rejects,
+    /// non-finite activations): every worker would fail it the same way.
+    Data(String),
+    /// The worker failed (its forward panicked, its result did not decode,
+    /// it holds another plan): another worker may well succeed.
+    Worker(String),
+}
+
+impl Failure {
+    /// The name a Redis result entry carries it under (`kind` field).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Failure::Data(_) => "data",
+            Failure::Worker(_) => "worker",
+        }
+    }
+
+    /// The failure a result entry describes: `kind` as [`Failure::kind`]
+    /// names it (a worker before this field existed sent none: a worker
+    /// fault, the kind that does not blame the data).
+    pub fn from_parts(kind: Option<&str>, message: String) -> Self {
+        match kind {
+            Some("data") => Failure::Data(message),
+            _ => Failure::Worker(message),
+        }
+    }
+
+    /// What happened, without the kind.
+    pub fn message(&self) -> &str {
+        match self {
+            Failure::Data(m) | Failure::Worker(m) => m,
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Data(m) => write!(f, "bad data: {m}"),
+            Failure::Worker(m) => write!(f, "worker fault: {m}"),
+        }
+    }
 }
 
 /// What the coordinator tells a backend after each outcome.
@@ -136,17 +185,8 @@ impl Backend for Embedded {
                                 },
                             };
                             let started = Instant::now();
-                            // A panic inside the forward becomes a failed batch, so
-                            // the coordinator hears of it instead of waiting forever.
                             let observed =
-                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                    observe_batch(&self.target, &plan.batches[batch], &self.job)
-                                }))
-                                .unwrap_or_else(|_| {
-                                    Err(qforge_calib::Error::Data(
-                                        "the forward pass panicked".into(),
-                                    ))
-                                });
+                                observe_guarded(&self.target, &plan.batches[batch], &self.job);
                             let outcome = match observed {
                                 Ok(stats) => Outcome::Done {
                                     batch,
@@ -155,10 +195,10 @@ impl Backend for Embedded {
                                     elapsed: started.elapsed(),
                                     speculative: false,
                                 },
-                                Err(e) => Outcome::Failed {
+                                Err(error) => Outcome::Failed {
                                     batch,
                                     worker: name.clone(),
-                                    error: e.to_string(),
+                                    error,
                                 },
                             };
                             if tx.send(outcome).is_err() {
@@ -192,5 +232,43 @@ impl Backend for Embedded {
             }
             result
         })
+    }
+}
+
+/// Observes one batch; a panic inside the forward becomes a worker fault, so
+/// the coordinator hears of it instead of waiting forever, and an error of
+/// the batch's own a data failure.
+pub(crate) fn observe_guarded(
+    target: &Model,
+    batch: &Batch,
+    job: &Job,
+) -> std::result::Result<Stats, Failure> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| observe_batch(target, batch, job)))
+        .map_err(|_| Failure::Worker("the forward pass panicked".into()))?
+        .map_err(|e| Failure::Data(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Failure;
+
+    #[test]
+    fn a_failure_crosses_redis_with_its_kind() {
+        for failure in [
+            Failure::Data("activations of layers.3.mlp are NaN".into()),
+            Failure::Worker("the forward pass panicked".into()),
+        ] {
+            let back = Failure::from_parts(Some(failure.kind()), failure.message().to_owned());
+            assert_eq!(back, failure);
+        }
+        // A result entry from a worker that predates the kind field.
+        let legacy = Failure::from_parts(None, "boom".into());
+        assert_eq!(legacy, Failure::Worker("boom".into()));
+        assert_eq!(legacy.to_string(), "worker fault: boom");
+        assert_eq!(
+            Failure::Data("x".into()).to_string(),
+            "bad data: x",
+            "the report must tell a data problem from a worker's"
+        );
     }
 }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use qforge_calib::{Job, Plan};
 use qforge_core::{BatchId, Stats};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Failure};
 use crate::checkpoint::CheckpointStore;
 use crate::error::{Error, Result};
 use crate::merger::Merger;
@@ -54,8 +54,9 @@ pub struct Progress {
     pub workers: usize,
 }
 
-/// Per-worker accounting.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Per-worker accounting (`report.json` and `qforge calibrate --json` print it
+/// as it is, keyed by worker name).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct WorkerReport {
     /// Batches whose results were merged.
     pub merged: usize,
@@ -68,7 +69,7 @@ pub struct WorkerReport {
 }
 
 /// One result a worker delivered, in arrival order.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Delivery {
     /// The worker.
     pub worker: String,
@@ -104,7 +105,7 @@ pub struct RunSummary {
     /// Results of speculative re-executions received (merged or dropped).
     pub speculative: usize,
     /// Batches that failed `MAX_ATTEMPTS` times, with their last error.
-    pub quarantined: BTreeMap<BatchId, String>,
+    pub quarantined: BTreeMap<BatchId, Failure>,
     /// Checkpoints written.
     pub checkpoints_written: usize,
     /// Warnings (e.g. an unreadable checkpoint skipped).

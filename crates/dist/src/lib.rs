@@ -17,9 +17,9 @@ pub mod error;
 pub mod executor;
 mod merger;
 
-pub use backend::{Backend, Embedded, Next, Outcome};
+pub use backend::{Backend, Embedded, Failure, Next, Outcome};
 pub use checkpoint::CheckpointStore;
-pub use coordinator::{Delivery, Progress, RunOptions, RunSummary, run};
+pub use coordinator::{Delivery, Progress, RunOptions, RunSummary, WorkerReport, run};
 pub use error::{Error, Result};
 pub use executor::{
     ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition, RedisExecutor,

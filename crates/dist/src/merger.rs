@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use qforge_calib::{Job, Plan};
 use qforge_core::{BatchId, MergePolicy, Provenance, Stats};
 
-use crate::backend::{Next, Outcome};
+use crate::backend::{Failure, Next, Outcome};
 use crate::checkpoint::CheckpointStore;
 use crate::coordinator::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
 use crate::error::{Error, Result};
@@ -27,7 +27,7 @@ pub(crate) struct Merger<'p> {
     done: BTreeSet<BatchId>,
     /// Failures so far per batch index.
     attempts: BTreeMap<usize, u32>,
-    quarantined: BTreeMap<BatchId, String>,
+    quarantined: BTreeMap<BatchId, Failure>,
     workers: BTreeMap<String, WorkerReport>,
     timeline: Vec<Delivery>,
     duplicates: usize,
@@ -165,7 +165,7 @@ impl<'p> Merger<'p> {
         Ok(self.next())
     }
 
-    fn accept_failure(&mut self, batch: usize, worker: String, error: String) -> Next {
+    fn accept_failure(&mut self, batch: usize, worker: String, error: Failure) -> Next {
         self.workers.entry(worker).or_default().failures += 1;
         let id = self.plan.batches[batch].id;
         // A late failure of a batch already settled changes nothing.
@@ -388,7 +388,7 @@ mod tests {
         Outcome::Failed {
             batch,
             worker: worker.to_owned(),
-            error: error.to_owned(),
+            error: Failure::Worker(error.to_owned()),
         }
     }
 
@@ -455,7 +455,7 @@ mod tests {
 
         let err = merger.finish(1.0).unwrap_err().to_string();
         assert!(err.contains("0/2"), "{err}");
-        assert!(err.contains("(quarantined: boom last)"), "{err}");
+        assert!(err.contains("(quarantined: worker fault: boom last)"), "{err}");
     }
 
     #[test]
@@ -471,7 +471,10 @@ mod tests {
 
         let summary = merger.finish(0.5).unwrap();
         assert_eq!(summary.quarantined.len(), 1);
-        assert_eq!(summary.quarantined[&plan.batches[1].id], "boom");
+        assert_eq!(
+            summary.quarantined[&plan.batches[1].id],
+            Failure::Worker("boom".into())
+        );
         assert_eq!(summary.workers["w0"].failures, MAX_ATTEMPTS as usize);
     }
 

@@ -19,7 +19,7 @@ use qforge_dist::cluster::{
     ClusterOptions, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
 };
 use qforge_dist::{
-    Backend, CheckpointStore, Embedded, Error, Next, Outcome, RunOptions, RunSummary, run,
+    Backend, CheckpointStore, Embedded, Error, Failure, Next, Outcome, RunOptions, RunSummary, run,
 };
 use qforge_model::{MlpPolicy, Model};
 use redis_server::RedisServer;
@@ -227,7 +227,7 @@ impl Backend for Faulty<'_> {
                     Outcome::Failed {
                         batch,
                         worker,
-                        error: "injected failure".into(),
+                        error: Failure::Worker("injected failure".into()),
                     }
                 }
                 (o, _) => o,

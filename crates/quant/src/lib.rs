@@ -34,4 +34,4 @@ pub use error::{Error, Result};
 pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
 pub use pipeline::{Inputs, Listener, Pipeline, Quantized};
 pub use recipe::QuantRecipe;
-pub use report::{CalibrationSummary, DeliveryEntry, PassRecord, Report, WorkerSummary};
+pub use report::{CalibrationSummary, PassRecord, Report};

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::guard::{Decision, FpModel, quantize};
 use crate::held_out::held_out;
 use crate::recipe::QuantRecipe;
-use crate::report::{CalibrationSummary, DeliveryEntry, PassRecord, Report, WorkerSummary};
+use crate::report::{CalibrationSummary, PassRecord, Report};
 use crate::smoothing::smoothing_factors;
 
 /// What the pipeline reports while it runs. Every method has a default that
@@ -253,28 +253,8 @@ impl<'a> Pipeline<'a> {
                 duplicates: first.duplicates,
                 retries: first.retries,
                 seconds: first.seconds,
-                workers: first
-                    .workers
-                    .iter()
-                    .map(|(name, w)| WorkerSummary {
-                        name: name.clone(),
-                        merged: w.merged,
-                        duplicates: w.duplicates,
-                        failures: w.failures,
-                        busy_seconds: w.busy_seconds,
-                    })
-                    .collect(),
-                timeline: first
-                    .timeline
-                    .iter()
-                    .map(|d| DeliveryEntry {
-                        worker: d.worker.clone(),
-                        batch: d.batch,
-                        at_seconds: d.at_seconds,
-                        busy_seconds: d.busy_seconds,
-                        merged: d.merged,
-                    })
-                    .collect(),
+                workers: first.workers.clone(),
+                timeline: first.timeline.clone(),
                 model_sha256: session.model_digest.to_hex(),
                 data_sha256: session.data.digest.to_hex(),
                 recipe_sha256: session.recipe.digest().to_hex(),

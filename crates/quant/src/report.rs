@@ -4,42 +4,15 @@
 
 use std::fmt::Write as _;
 
+use std::collections::BTreeMap;
+
 use plotters::prelude::*;
+use qforge_dist::{Delivery, WorkerReport};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::guard::{Decision, GuardMetrics, PointReport};
 use crate::recipe::QuantRecipe;
-
-/// One worker's share of the calibration.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WorkerSummary {
-    /// Worker name.
-    pub name: String,
-    /// Batches it delivered that were merged.
-    pub merged: usize,
-    /// Batches it delivered that were dropped as duplicates.
-    pub duplicates: usize,
-    /// Batches that failed on it.
-    pub failures: usize,
-    /// Seconds it spent observing.
-    pub busy_seconds: f64,
-}
-
-/// One delivered result of the calibration run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DeliveryEntry {
-    /// The worker.
-    pub worker: String,
-    /// Batch index in the plan.
-    pub batch: usize,
-    /// Seconds from the start of the run to its arrival.
-    pub at_seconds: f64,
-    /// Seconds the worker spent observing it.
-    pub busy_seconds: f64,
-    /// Merged (false: a duplicate, dropped).
-    pub merged: bool,
-}
 
 /// The calibration run behind the statistics.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -56,10 +29,10 @@ pub struct CalibrationSummary {
     pub retries: usize,
     /// Wall seconds.
     pub seconds: f64,
-    /// Per worker.
-    pub workers: Vec<WorkerSummary>,
+    /// Per worker, by name.
+    pub workers: BTreeMap<String, WorkerReport>,
     /// Every delivered result, in arrival order.
-    pub timeline: Vec<DeliveryEntry>,
+    pub timeline: Vec<Delivery>,
     /// SHA-256 of the model, data and calibration recipe.
     pub model_sha256: String,
     /// SHA-256 of the data.
@@ -244,11 +217,11 @@ fn write_calibration(html: &mut String, c: &CalibrationSummary) -> Result<()> {
         &c.recipe_sha256
     );
     html.push_str("<table><tr><th>worker</th><th>merged</th><th>duplicates</th><th>failures</th><th>busy s</th></tr>");
-    for w in &c.workers {
+    for (name, w) in &c.workers {
         let _ = write!(
             html,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.2}</td></tr>",
-            escape(&w.name),
+            escape(name),
             w.merged,
             w.duplicates,
             w.failures,
@@ -371,14 +344,17 @@ fn sqnr_chart(points: &[PointReport]) -> Result<String> {
 
 /// Each delivered batch as a bar from (arrival − observation time) to its
 /// arrival, one row per worker: blue merged, red dropped as a duplicate.
-fn timeline_chart(workers: &[WorkerSummary], timeline: &[DeliveryEntry]) -> Result<String> {
+fn timeline_chart(
+    workers: &BTreeMap<String, WorkerReport>,
+    timeline: &[Delivery],
+) -> Result<String> {
     if timeline.is_empty() {
         return Ok("<p>(no batches were observed in this session: all resumed)</p>".into());
     }
-    let row: std::collections::BTreeMap<&str, usize> = workers
-        .iter()
+    let row: BTreeMap<&str, usize> = workers
+        .keys()
         .enumerate()
-        .map(|(i, w)| (w.name.as_str(), i))
+        .map(|(i, name)| (name.as_str(), i))
         .collect();
     let end = timeline
         .iter()

@@ -13,7 +13,7 @@ use redis::streams::{
 use super::keys::{ACTIVE, GROUP, RunKeys, entry_id};
 use super::link::Link;
 use super::spec::RunSpec;
-use crate::backend::{Backend, Next, Outcome};
+use crate::backend::{Backend, Failure, Next, Outcome};
 use crate::error::{Error, Result};
 
 /// How a cluster run is coordinated.
@@ -307,11 +307,12 @@ impl RedisBackend {
         if text("id") != plan.batches[batch].id.to_string() {
             return drop_as("has a batch id that differs from the plan's");
         }
-        if let Some(error) = entry.get::<String>("error") {
+        if let Some(message) = entry.get::<String>("error") {
+            let kind = entry.get::<String>("failure");
             return Ok(Some(Outcome::Failed {
                 batch,
                 worker,
-                error,
+                error: Failure::from_parts(kind.as_deref(), message),
             }));
         }
         if self.book.borrow().reference.is_none() {
@@ -332,7 +333,7 @@ impl RedisBackend {
                 return Ok(Some(Outcome::Failed {
                     batch,
                     worker,
-                    error: format!("the result does not decode: {e}"),
+                    error: Failure::Worker(format!("the result does not decode: {e}")),
                 }));
             }
         };

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use std::path::Path;
 
-use qforge_calib::{Job, Session as Calibration, Weights, observe_batch};
+use qforge_calib::{Job, Session as Calibration, Weights};
 use qforge_core::codec::encode;
 use qforge_model::Model;
 use redis::streams::{
@@ -16,6 +16,7 @@ use serde_json::json;
 use super::keys::{ACTIVE, GROUP, RunKeys};
 use super::link::Link;
 use super::spec::RunSpec;
+use crate::backend::{Failure, observe_guarded};
 use crate::error::{Error, Result};
 
 /// A task delivered this many times to workers that all died is reported as
@@ -554,10 +555,10 @@ impl Session {
                 self.publish(
                     link,
                     &entry,
-                    Err(format!(
+                    Err(Failure::Worker(format!(
                         "{} workers died while observing it (out of memory? a crash in the forward?)",
                         pending.times_delivered
-                    )),
+                    ))),
                     Duration::ZERO,
                     false,
                 )?;
@@ -635,17 +636,12 @@ impl Session {
         let started = Instant::now();
         let observed = match batches.get(batch) {
             Some(planned) if planned.id.to_string() == id => {
-                // A panic in the forward becomes a failed batch.
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    observe_batch(&self.prepared.target, planned, &self.prepared.job)
-                }))
-                .map_err(|_| "the forward pass panicked".to_owned())
-                .and_then(|r| r.map_err(|e| e.to_string()))
-                .map(|stats| encode(&stats))
+                observe_guarded(&self.prepared.target, planned, &self.prepared.job)
+                    .map(|stats| encode(&stats))
             }
-            _ => Err(format!(
+            _ => Err(Failure::Worker(format!(
                 "task names batch {batch} ({id}), which is not in this worker's plan"
-            )),
+            ))),
         };
         report.batches += 1;
         report.failed += usize::from(observed.is_err());
@@ -677,7 +673,7 @@ impl Session {
         &self,
         link: &mut Link,
         entry: &StreamId,
-        observed: std::result::Result<Vec<u8>, String>,
+        observed: std::result::Result<Vec<u8>, Failure>,
         elapsed: Duration,
         speculative: bool,
     ) -> Result<()> {
@@ -702,7 +698,11 @@ impl Session {
                 .arg(if speculative { "1" } else { "0" });
             match &observed {
                 Ok(bytes) => add.arg("stats").arg(&bytes[..]),
-                Err(error) => add.arg("error").arg(error),
+                Err(failure) => add
+                    .arg("error")
+                    .arg(failure.message())
+                    .arg("failure")
+                    .arg(failure.kind()),
             };
             add.query::<String>(c)
         })?;
