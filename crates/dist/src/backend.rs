@@ -243,9 +243,11 @@ pub(crate) fn observe_guarded(
     batch: &Batch,
     job: &Job,
 ) -> std::result::Result<Stats, Failure> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| observe_batch(target, batch, job)))
-        .map_err(|_| Failure::Worker("the forward pass panicked".into()))?
-        .map_err(|e| Failure::Data(e.to_string()))
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        observe_batch(target, batch, job)
+    }))
+    .map_err(|_| Failure::Worker("the forward pass panicked".into()))?
+    .map_err(|e| Failure::Data(e.to_string()))
 }
 
 #[cfg(test)]

@@ -455,7 +455,10 @@ mod tests {
 
         let err = merger.finish(1.0).unwrap_err().to_string();
         assert!(err.contains("0/2"), "{err}");
-        assert!(err.contains("(quarantined: worker fault: boom last)"), "{err}");
+        assert!(
+            err.contains("(quarantined: worker fault: boom last)"),
+            "{err}"
+        );
     }
 
     #[test]
