@@ -29,6 +29,11 @@ pub enum Transform {
         #[serde(with = "f32_bits")]
         factors: BTreeMap<String, Vec<f32>>,
     },
+    /// Every `down_proj` input rotated by the normalized Hadamard matrix of
+    /// the MLP's width, online in the forward and offline in the weights
+    /// (`Llama::rotated_down_proj`). It needs no statistics: a recipe asks
+    /// for it and every pass observes the rotated model.
+    RotateDownProj,
 }
 
 impl Transform {
@@ -55,6 +60,17 @@ impl Transform {
                 "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
                     .into(),
             )),
+            (Transform::RotateDownProj, Model::Language(lm)) => {
+                Ok(Model::Language(Box::new(LanguageModel {
+                    model: lm.model.rotated_down_proj()?,
+                    text: lm.text.clone(),
+                    source: lm.source.clone(),
+                })))
+            }
+            (Transform::RotateDownProj, Model::Policy(_)) => Err(Error::Data(
+                "the down_proj rotation applies to language models (a policy has no down_proj)"
+                    .into(),
+            )),
         }
     }
 
@@ -73,6 +89,7 @@ impl Transform {
                     }
                 }
             }
+            Transform::RotateDownProj => digest.update(b"qforge.hadamard.down_proj.v1"),
         }
         digest.finish()
     }
@@ -81,6 +98,7 @@ impl Transform {
     pub fn name(&self) -> &'static str {
         match self {
             Transform::Smooth { .. } => "smoothquant",
+            Transform::RotateDownProj => "hadamard",
         }
     }
 }

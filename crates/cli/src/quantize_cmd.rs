@@ -23,8 +23,6 @@ const BUNDLED_MODEL: &str = "fixtures/policies/cartpole";
 /// Its rollouts.
 const BUNDLED_DATA: &str = "fixtures/policies/cartpole/rollouts.jsonl";
 
-const SMOOTHING_NEEDS_NORMS: &str = "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies";
-
 /// `--activations`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ActivationsArg {
@@ -124,6 +122,10 @@ pub struct QuantizeArgs {
     /// [smoothing] migration strength α in [0, 1].
     #[arg(long, help_heading = "Recipe overrides")]
     alpha: Option<f64>,
+    /// [rotation] rotate every down_proj input by a Hadamard matrix (online
+    /// in qforge's engine; such an artifact does not export).
+    #[arg(long, help_heading = "Recipe overrides")]
+    hadamard: bool,
     /// [guard] largest relative perplexity increase (0.03 = +3 %).
     #[arg(long, help_heading = "Recipe overrides")]
     max_perplexity_increase: Option<f64>,
@@ -181,6 +183,7 @@ impl QuantizeArgs {
         }
         recipe.smoothing.enabled |= self.smoothquant;
         recipe.smoothing.alpha = self.alpha.unwrap_or(recipe.smoothing.alpha);
+        recipe.rotation.down_proj |= self.hadamard;
         let g = &mut recipe.guard;
         g.max_perplexity_increase = self
             .max_perplexity_increase
@@ -269,8 +272,10 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         )
         .into());
     }
-    if recipe.smoothing.enabled && is_policy {
-        return Err(UsageError(SMOOTHING_NEEDS_NORMS.into()).into());
+    if let Some(why) = recipe.needs_language_model()
+        && is_policy
+    {
+        return Err(UsageError(why.into()).into());
     }
     let executor = args.backend.executor(args.run.clone(), false)?;
     let pipeline = Pipeline::new(recipe, executor.as_ref())?;

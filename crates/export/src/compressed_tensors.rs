@@ -263,6 +263,16 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
                 .into(),
         ));
     }
+    if !config.online_rotations.is_empty() {
+        // vLLM would load the rotated weights and feed them unrotated inputs:
+        // a model that loads and answers garbage. qforge does not write
+        // compressed-tensors' transform configuration, so it refuses.
+        return Err(Error::Unsupported(format!(
+            "{} rotates the inputs of {} online (a Hadamard rotation qforge's engine applies), which a compressed-tensors checkpoint cannot carry here; quantize again without --hadamard to export to vLLM",
+            artifact.display(),
+            config.online_rotations.join(", ")
+        )));
+    }
     let mut hf = read_json(&artifact.join("config.json"))?;
     let llama = LlamaConfig::from_hf(&hf)?;
     let tied = hf["tie_word_embeddings"].as_bool().unwrap_or(false);

@@ -6,6 +6,9 @@
 //!   weights, prepacked once for the GEMM, and a fused epilogue that turns the
 //!   i32 accumulators into f32 (activation scale × channel scale, + bias).
 //!
+//! * [`Hadamard`]: the normalized Walsh–Hadamard rotation that spreads an
+//!   outlier channel over all channels before a layer's input is quantized.
+//!
 //! * [`gemm`]: the u8 × i8 → i32 GEMM on prepacked weights, with CPU tiers
 //!   (AVX-512 VNNI, AVX2, portable) chosen at run time.
 //!
@@ -14,12 +17,14 @@
 
 pub mod error;
 pub mod gemm;
+pub mod hadamard;
 pub mod linear;
 pub mod quantize;
 pub mod team;
 
 pub use error::{Error, Result};
 pub use gemm::{GemmTier, PackedWeights};
+pub use hadamard::{Hadamard, HadamardTier};
 pub use linear::{Activations, Int8Linear, Scratch, quantize_rows_symmetric, weight_qmax};
 pub use quantize::{QuantizeTier, ZERO_POINT};
 pub use team::Team;

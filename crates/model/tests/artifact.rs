@@ -118,6 +118,20 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
 #[test]
 fn smollm2_written_from_gguf_loads_back_bit_identical() {
     let lm = LanguageModel::load(&smollm2_path()).unwrap();
+    round_trip(&lm, "smollm2");
+    // With its down_proj inputs rotated: the weights hold the rotation, the
+    // artifact says so, and the loaded forward rotates online.
+    let rotated = LanguageModel {
+        model: lm.model.rotated_down_proj().unwrap(),
+        ..lm
+    };
+    let loaded = round_trip(&rotated, "smollm2-rotated");
+    assert!(loaded.model.rotates_down_proj());
+}
+
+/// Writes `lm` with a mix of precisions, loads it back, checks that it is
+/// the model that was written, and returns it.
+fn round_trip(lm: &LanguageModel, name: &str) -> LanguageModel {
     let points: BTreeMap<String, LayerPrecision> = lm
         .model
         .linears()
@@ -137,8 +151,8 @@ fn smollm2_written_from_gguf_loads_back_bit_identical() {
         .model
         .with_linears(|point, layer| points[point].apply(layer))
         .unwrap();
-    let dir = fresh_dir("smollm2");
-    write_language_model(&dir, &lm, &points).unwrap();
+    let dir = fresh_dir(name);
+    write_language_model(&dir, lm, &points).unwrap();
     let loaded = load_language_model(&dir).unwrap();
 
     assert_eq!(loaded.model.config(), lm.model.config());
@@ -171,4 +185,5 @@ fn smollm2_written_from_gguf_loads_back_bit_identical() {
     // Linear weights at int8: at most 27 % of their f32 bytes (one layer FP).
     let ratio = loaded.model.linear_weight_bytes() as f64 / lm.model.linear_weight_bytes() as f64;
     assert!(ratio < 0.27, "{ratio}");
+    loaded
 }

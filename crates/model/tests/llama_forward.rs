@@ -554,3 +554,53 @@ fn batched_steps_match_each_sequence_decoded_alone() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn the_down_proj_rotation_keeps_the_function_on_both_forwards() {
+    let dir = tiny_family("rotate", false);
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let rotated = model.rotated_down_proj().unwrap();
+    assert!(rotated.rotates_down_proj() && !model.rotates_down_proj());
+    let tokens = vec![(0..30).map(|i| (i * 7 % 96) as u32).collect::<Vec<_>>()];
+    let diff = max_diff(
+        &last_logits(&model, &tokens)[0],
+        &last_logits(&rotated, &tokens)[0],
+    );
+    assert!(diff < 1e-4, "full precision: max |Δ| {diff}");
+    assert!(rotated.rotated_down_proj().is_err(), "rotated twice");
+    assert!(
+        rotated
+            .smoothable_points()
+            .iter()
+            .all(|p| !p.ends_with("down_proj")),
+        "a rotated down_proj input cannot be smoothed into up_proj"
+    );
+
+    // The INT8 decoder rotates like the tensor forward it stands in for.
+    let int8 = rotated
+        .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+        .unwrap();
+    let prompt = vec![1u32, 5, 9, 33, 70, 11];
+    let mut cache = int8.new_cache();
+    int8.forward(
+        std::slice::from_ref(&prompt),
+        Some(&mut cache),
+        None,
+        Logits::Last,
+    )
+    .unwrap();
+    let mut decoder = qforge_model::Decoder::new(&int8, 64).unwrap().unwrap();
+    decoder.load_cache(&cache).unwrap();
+    for token in [3u32, 17, 42] {
+        let reference = int8
+            .forward(&[vec![token]], Some(&mut cache), None, Logits::Last)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let diff = max_diff(decoder.step(token).unwrap(), &reference);
+        assert!(diff < 1e-4, "int8 decoder: max |Δ| {diff}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

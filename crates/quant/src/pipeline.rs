@@ -10,6 +10,7 @@
 //! of that pass observes exactly the smoothed model, on any backend; the last
 //! pass's statistics choose the scales.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use qforge_calib::{Job, Pass, Session, Transform};
@@ -110,8 +111,11 @@ impl<'a> Pipeline<'a> {
     /// (`report.decision.accepted` is false), not an error.
     pub fn run(&self, inputs: &Inputs, listener: &mut dyn Listener) -> Result<Quantized> {
         let passes = self.passes();
-        if self.recipe.smoothing.enabled && qforge_model::Format::is_policy(&inputs.model)? {
-            return Err(smoothing_needs_norms());
+        let rotate = self.recipe.rotation.down_proj;
+        if let Some(why) = self.recipe.needs_language_model()
+            && qforge_model::Format::is_policy(&inputs.model)?
+        {
+            return Err(Error::Recipe(why.into()));
         }
         let first = qforge_calib::Recipe {
             pass: passes[0],
@@ -141,16 +145,22 @@ impl<'a> Pipeline<'a> {
                 pass,
                 ..first.clone()
             };
+            // The smoothing pass measures the unrotated model (a rotated
+            // down_proj input is not smoothable); the rotation comes after
+            // smoothing, before the pass that chooses the scales.
+            if rotate && pass == Pass::Activation {
+                transforms.push(Transform::RotateDownProj);
+            }
             let job = session.job(&recipe, &transforms);
             let summary = self.run_pass(&session, &job, position, listener)?;
             if pass == Pass::Smoothing {
-                let transform = self.smoothing(&mut session, &summary.stats)?;
+                let alpha = self.recipe.smoothing.alpha;
+                let factors = self.smoothing_factors(&mut session, &summary.stats)?;
                 listener.message(&format!(
-                    "smoothing {} layer inputs (alpha {}); calibrating the smoothed model",
-                    transform_points(&transform),
-                    self.recipe.smoothing.alpha
+                    "smoothing {} layer inputs (alpha {alpha}); calibrating the smoothed model",
+                    factors.len(),
                 ));
-                transforms.push(transform);
+                transforms.push(Transform::Smooth { alpha, factors });
             }
             summaries.push(summary);
         }
@@ -221,16 +231,18 @@ impl<'a> Pipeline<'a> {
         Ok(summary)
     }
 
-    /// SmoothQuant's transform from the smoothing pass's statistics.
-    fn smoothing(&self, session: &mut Session, stats: &Stats) -> Result<Transform> {
+    /// SmoothQuant's factors from the smoothing pass's statistics.
+    fn smoothing_factors(
+        &self,
+        session: &mut Session,
+        stats: &Stats,
+    ) -> Result<BTreeMap<String, Vec<f32>>> {
         let Model::Language(lm) = session.load_model()? else {
-            return Err(smoothing_needs_norms());
+            return Err(Error::Recipe(
+                "SmoothQuant folds its factors into RMSNorm weights: a policy has none".into(),
+            ));
         };
-        let alpha = self.recipe.smoothing.alpha;
-        Ok(Transform::Smooth {
-            alpha,
-            factors: smoothing_factors(&lm.model, stats, alpha)?,
-        })
+        smoothing_factors(&lm.model, stats, self.recipe.smoothing.alpha)
     }
 
     fn report(
@@ -273,20 +285,6 @@ impl<'a> Pipeline<'a> {
             },
             decision,
         }
-    }
-}
-
-fn smoothing_needs_norms() -> Error {
-    Error::Recipe(
-        "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
-            .into(),
-    )
-}
-
-/// Layer inputs a smoothing transform changes.
-fn transform_points(transform: &Transform) -> usize {
-    match transform {
-        Transform::Smooth { factors, .. } => factors.len(),
     }
 }
 

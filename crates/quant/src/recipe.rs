@@ -187,6 +187,17 @@ impl Default for SmoothingSection {
     }
 }
 
+/// Rotations (language models).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RotationSection {
+    /// Rotate every `down_proj` input by the normalized Hadamard matrix of
+    /// the MLP's width: offline in the weights, online in qforge's engine
+    /// (QuaRot). Spreads the SwiGLU product's outlier channels over all
+    /// channels; the artifact then exports to no other format.
+    pub down_proj: bool,
+}
+
 /// A quantization recipe.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -195,6 +206,8 @@ pub struct QuantRecipe {
     pub calibration: CalibrationSection,
     /// SmoothQuant.
     pub smoothing: SmoothingSection,
+    /// Rotations.
+    pub rotation: RotationSection,
     /// How layers are quantized.
     pub quantize: QuantizeSection,
     /// The accuracy guard.
@@ -282,6 +295,14 @@ impl QuantRecipe {
             .filter(|(key, _)| point_matches(point, key))
             .max_by_key(|(key, _)| key.len())
             .map_or(self.quantize.calibrator.0, |(_, c)| c.0)
+    }
+
+    /// Why the recipe cannot quantize a policy, if it cannot: SmoothQuant
+    /// folds into a decoder's norms and the rotation into its MLPs.
+    pub fn needs_language_model(&self) -> Option<&'static str> {
+        (self.smoothing.enabled || self.rotation.down_proj).then_some(
+            "SmoothQuant and the down_proj rotation change a decoder's norms and MLPs: they apply to language models, not policies",
+        )
     }
 
     /// Whether `point` is on the ignore list.

@@ -365,6 +365,9 @@ impl<'m> Decoder<'m> {
             for (g, &u) in self.gate.iter_mut().zip(&self.up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
+            if let Some(rotation) = &self.model.down_rotation {
+                rotation.rotate(&mut self.gate)?;
+            }
             let out = &mut self.out[..d];
             self.projector
                 .project(&self.gate, &[layer.down], &mut [out])?;
