@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use qforge_core::{Digest, DigestBuilder};
-use qforge_model::{LanguageModel, Model};
+use qforge_model::{LanguageModel, Model, RotatedInput};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -29,11 +29,14 @@ pub enum Transform {
         #[serde(with = "f32_bits")]
         factors: BTreeMap<String, Vec<f32>>,
     },
-    /// Every `down_proj` input rotated by the normalized Hadamard matrix of
-    /// the MLP's width, online in the forward and offline in the weights
-    /// (`Llama::rotated_down_proj`). It needs no statistics: a recipe asks
-    /// for it and every pass observes the rotated model.
-    RotateDownProj,
+    /// Linear inputs rotated by the normalized Hadamard matrix of their
+    /// width, online in the forward and offline in the weights
+    /// (`Llama::rotated`). It needs no statistics: a recipe asks for it and
+    /// every pass observes the rotated model.
+    Rotate {
+        /// The rotated inputs.
+        inputs: Vec<RotatedInput>,
+    },
 }
 
 impl Transform {
@@ -60,15 +63,15 @@ impl Transform {
                 "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
                     .into(),
             )),
-            (Transform::RotateDownProj, Model::Language(lm)) => {
+            (Transform::Rotate { inputs }, Model::Language(lm)) => {
                 Ok(Model::Language(Box::new(LanguageModel {
-                    model: lm.model.rotated_down_proj()?,
+                    model: lm.model.rotated(inputs)?,
                     text: lm.text.clone(),
                     source: lm.source.clone(),
                 })))
             }
-            (Transform::RotateDownProj, Model::Policy(_)) => Err(Error::Data(
-                "the down_proj rotation applies to language models (a policy has no down_proj)"
+            (Transform::Rotate { .. }, Model::Policy(_)) => Err(Error::Data(
+                "Hadamard rotations fold into a decoder's layers: they apply to language models, not policies"
                     .into(),
             )),
         }
@@ -89,7 +92,13 @@ impl Transform {
                     }
                 }
             }
-            Transform::RotateDownProj => digest.update(b"qforge.hadamard.down_proj.v1"),
+            Transform::Rotate { inputs } => {
+                digest.update(b"qforge.hadamard.v1");
+                for input in inputs {
+                    digest.update(input.name().as_bytes());
+                    digest.update(b"\0");
+                }
+            }
         }
         digest.finish()
     }
@@ -98,7 +107,7 @@ impl Transform {
     pub fn name(&self) -> &'static str {
         match self {
             Transform::Smooth { .. } => "smoothquant",
-            Transform::RotateDownProj => "hadamard",
+            Transform::Rotate { .. } => "hadamard",
         }
     }
 }

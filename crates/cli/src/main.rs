@@ -89,7 +89,7 @@ enum Command {
     /// held-out data (falling back to higher precision where needed), and write
     /// the native artifact with report.json, report.html and manifest.json.
     /// With no --model/--data it quantizes the bundled CartPole policy.
-    Quantize(quantize_cmd::QuantizeArgs),
+    Quantize(Box<quantize_cmd::QuantizeArgs>),
     /// Convert a native artifact to a serving format: compressed-tensors
     /// (vLLM, language models) or ONNX QDQ (policies).
     Export(export_cmd::ExportArgs),
@@ -186,7 +186,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Calibrate(args) => calibrate_cmd::calibrate(args),
         Command::Worker(args) => calibrate_cmd::worker(args),
-        Command::Quantize(args) => quantize_cmd::quantize_command(args),
+        Command::Quantize(args) => quantize_cmd::quantize_command(*args),
         Command::Verify(args) => quantize_cmd::verify_command(args),
         Command::Export(args) => export_cmd::export(args),
         Command::Serve(args) => serve_cmd::serve_command(args),

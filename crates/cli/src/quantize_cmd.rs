@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use qforge_dist::{PassEvent, PassPosition};
-use qforge_model::Format;
 use qforge_model::manifest::write_manifest;
+use qforge_model::{Format, RotatedInput};
 use qforge_quant::guard::describe;
 use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
 use qforge_quant::{Inputs, Listener, Pipeline, QuantRecipe};
@@ -122,10 +122,11 @@ pub struct QuantizeArgs {
     /// [smoothing] migration strength α in [0, 1].
     #[arg(long, help_heading = "Recipe overrides")]
     alpha: Option<f64>,
-    /// [rotation] rotate every down_proj input by a Hadamard matrix (online
-    /// in qforge's engine; such an artifact does not export).
-    #[arg(long, help_heading = "Recipe overrides")]
-    hadamard: bool,
+    /// [rotation] rotate these linear inputs by a Hadamard matrix, online in
+    /// qforge's engine (such an artifact does not export): comma-separated
+    /// among q_proj, o_proj, gate_proj, down_proj, lm_head, or `all`.
+    #[arg(long, value_name = "INPUTS", help_heading = "Recipe overrides")]
+    hadamard: Option<String>,
     /// [guard] largest relative perplexity increase (0.03 = +3 %).
     #[arg(long, help_heading = "Recipe overrides")]
     max_perplexity_increase: Option<f64>,
@@ -183,7 +184,9 @@ impl QuantizeArgs {
         }
         recipe.smoothing.enabled |= self.smoothquant;
         recipe.smoothing.alpha = self.alpha.unwrap_or(recipe.smoothing.alpha);
-        recipe.rotation.down_proj |= self.hadamard;
+        if let Some(list) = &self.hadamard {
+            recipe.rotation.inputs = rotated_inputs(list)?;
+        }
         let g = &mut recipe.guard;
         g.max_perplexity_increase = self
             .max_perplexity_increase
@@ -406,4 +409,19 @@ pub fn verify_command(args: VerifyArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--hadamard`'s list.
+fn rotated_inputs(list: &str) -> std::result::Result<Vec<RotatedInput>, UsageError> {
+    if list == "all" {
+        return Ok(RotatedInput::ALL.to_vec());
+    }
+    let mut inputs = list
+        .split(',')
+        .map(|name| RotatedInput::parse(name.trim()))
+        .collect::<qforge_model::Result<Vec<_>>>()
+        .map_err(|e| UsageError(format!("--hadamard: {e}")))?;
+    inputs.sort();
+    inputs.dedup();
+    Ok(inputs)
 }

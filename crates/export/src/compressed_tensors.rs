@@ -270,7 +270,12 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
         return Err(Error::Unsupported(format!(
             "{} rotates the inputs of {} online (a Hadamard rotation qforge's engine applies), which a compressed-tensors checkpoint cannot carry here; quantize again without --hadamard to export to vLLM",
             artifact.display(),
-            config.online_rotations.join(", ")
+            config
+                .online_rotations
+                .iter()
+                .map(|r| r.name())
+                .collect::<Vec<_>>()
+                .join(", ")
         )));
     }
     let mut hf = read_json(&artifact.join("config.json"))?;

@@ -5,20 +5,27 @@
 //! int8 scale no longer has to span one huge value (QuaRot, Ashkboos et al.
 //! 2024; SpinQuant, Liu et al. 2024).
 //!
-//! Sizes are `n = m · 2^k` with `m` ∈ {1, 12, 20, 28}: powers of two use the
-//! Sylvester construction alone (a fast transform in `n log n` additions);
-//! the others add one Paley Hadamard matrix of order 12, 20 or 28, applied
-//! across the `m` blocks of `2^k` (SmolLM2's MLP width 1536 = 12 · 128,
-//! Llama-3-8B's 14336 = 28 · 512).
+//! Sizes are `n = m · 2^k` with `m` ∈ {1, 12, 20, 28, 36}: powers of two use
+//! the Sylvester construction alone (a fast transform in `n log n`
+//! additions); the others add one Paley Hadamard matrix of order 12, 20, 28
+//! or 36, applied across the `m` blocks of `2^k` (SmolLM2's width 576 =
+//! 36 · 16 and MLP width 1536 = 12 · 128, Llama-3-8B's 14336 = 28 · 512).
 //!
 //! Tiers: one body compiled for AVX-512, for AVX2 and for the baseline. The
 //! transform only adds, subtracts and finally scales, in the same order on
 //! every tier, so all tiers give the same bits (tested).
 
+use std::cell::RefCell;
+
 use crate::error::{Error, Result};
 
+thread_local! {
+    // The blocks' mixed sums of one row, reused across calls.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 /// Orders of the non-power-of-two factor this module can build.
-pub const SMALL_ORDERS: [usize; 4] = [1, 12, 20, 28];
+pub const SMALL_ORDERS: [usize; 5] = [1, 12, 20, 28, 36];
 
 /// A CPU tier of the transform.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,21 +129,31 @@ impl Hadamard {
         if !tier.is_supported() {
             return Err(Error::UnsupportedTier(format!("{tier:?}")));
         }
-        let mut scratch = vec![0f32; self.small.len().min(1) * self.n];
+        SCRATCH.with_borrow_mut(|scratch| self.rotate_rows(tier, rows, scratch));
+        Ok(())
+    }
+
+    fn rotate_rows(&self, tier: HadamardTier, rows: &mut [f32], scratch: &mut Vec<f32>) {
+        // Grown once per thread to the widest rotation, so that a decode step
+        // does not allocate.
+        let width = self.small.len().min(1) * self.n;
+        if scratch.len() < width {
+            scratch.resize(width, 0.0);
+        }
+        let scratch = &mut scratch[..width];
         for row in rows.chunks_exact_mut(self.n) {
             match tier {
-                HadamardTier::Portable => self.row(row, &mut scratch),
+                HadamardTier::Portable => self.row(row, scratch),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the tier's features were checked above.
-                HadamardTier::Avx2 => unsafe { self.row_avx2(row, &mut scratch) },
+                HadamardTier::Avx2 => unsafe { self.row_avx2(row, scratch) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                HadamardTier::Avx512 => unsafe { self.row_avx512(row, &mut scratch) },
+                HadamardTier::Avx512 => unsafe { self.row_avx512(row, scratch) },
                 #[cfg(not(target_arch = "x86_64"))]
                 HadamardTier::Avx2 | HadamardTier::Avx512 => unreachable!("checked above"),
             }
         }
-        Ok(())
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -210,8 +227,8 @@ fn chi(a: usize, q: usize) -> i32 {
     }
 }
 
-/// A Hadamard matrix of order 12, 20 (Paley I, q = 11, 19: q ≡ 3 mod 4) or
-/// 28 (Paley II, q = 13: q ≡ 1 mod 4), row-major ±1.
+/// A Hadamard matrix of order 12, 20 (Paley I, q = 11, 19: q ≡ 3 mod 4), 28
+/// or 36 (Paley II, q = 13, 17: q ≡ 1 mod 4), row-major ±1.
 fn paley(m: usize) -> Vec<f32> {
     // The Jacobsthal matrix bordered by ones: C[0][j] = 1, C[i][0] = ±1,
     // C[i][j] = χ(i − j) for i, j ≥ 1.
@@ -239,10 +256,10 @@ fn paley(m: usize) -> Vec<f32> {
                 .map(|k| c[k] + i32::from(k / m == k % m))
                 .collect()
         }
-        28 => {
+        28 | 36 => {
             // Paley II: each entry of the symmetric C becomes a 2×2 block,
             // 0 → [[1, −1], [−1, −1]], ±1 → ±[[1, 1], [1, −1]].
-            let q = 13;
+            let q = m / 2 - 1;
             let c = conference(q, false);
             let n = q + 1;
             let mut h = vec![0i32; m * m];
@@ -281,7 +298,7 @@ mod tests {
 
     #[test]
     fn every_size_is_orthogonal() {
-        for n in [1, 2, 8, 12, 24, 20, 28, 56, 64, 1536] {
+        for n in [1, 2, 8, 12, 24, 20, 28, 36, 56, 64, 576, 1536] {
             let h = Hadamard::new(n).unwrap();
             let q = dense(&h);
             for i in 0..n {
@@ -299,7 +316,7 @@ mod tests {
 
     #[test]
     fn sizes_without_a_construction_are_refused() {
-        for n in [0, 3, 6, 36, 1000] {
+        for n in [0, 3, 6, 44, 1000] {
             let err = Hadamard::new(n).unwrap_err().to_string();
             assert!(err.contains("no Hadamard rotation"), "{n}: {err}");
         }

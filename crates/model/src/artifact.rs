@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::linear::Linear;
-use crate::llama::{Llama, LlamaConfig, WeightSource};
+use crate::llama::{Llama, LlamaConfig, RotatedInput, WeightSource};
 use crate::lm::{LanguageModel, TextSide};
 use crate::mlp::{MlpPolicy, PolicyConfig};
 
@@ -118,15 +118,12 @@ pub struct ArtifactConfig {
     pub weight_qmax: i8,
     /// Precision of every observation point.
     pub points: BTreeMap<String, LayerPrecision>,
-    /// Layer kinds whose inputs the forward rotates online, their weights
-    /// holding the rotation (`["mlp.down_proj"]`: a Hadamard rotation of the
-    /// MLP's width, see `Llama::rotated_down_proj`). Absent: none.
+    /// Linear inputs the forward rotates online by a Hadamard matrix, their
+    /// weights holding the rotation (`["mlp.down_proj", "lm_head"]`, see
+    /// `Llama::rotated`). Absent: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub online_rotations: Vec<String>,
+    pub online_rotations: Vec<RotatedInput>,
 }
-
-/// `online_rotations`' name for the rotated `down_proj` inputs.
-pub const DOWN_PROJ_ROTATION: &str = "mlp.down_proj";
 
 /// Whether `dir` holds a native artifact.
 pub fn is_artifact(dir: &Path) -> bool {
@@ -259,7 +256,7 @@ fn write_config(
     dir: &Path,
     kind: ModelKind,
     points: &BTreeMap<String, LayerPrecision>,
-    online_rotations: Vec<String>,
+    online_rotations: Vec<RotatedInput>,
 ) -> Result<()> {
     write_json(
         &dir.join(ARTIFACT_FILE),
@@ -344,12 +341,12 @@ pub fn write_language_model(
             "chat_template": lm.text.chat_template,
         }),
     )?;
-    let rotations = if lm.model.rotates_down_proj() {
-        vec![DOWN_PROJ_ROTATION.to_owned()]
-    } else {
-        Vec::new()
-    };
-    write_config(dir, ModelKind::LanguageModel, points, rotations)
+    write_config(
+        dir,
+        ModelKind::LanguageModel,
+        points,
+        lm.model.rotated_inputs(),
+    )
 }
 
 /// The tensors of an artifact, memory-mapped.
@@ -533,16 +530,9 @@ pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
     let llama_config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
     let point_of = Llama::linear_points(&llama_config).into_iter().collect();
     let tensors = ArtifactTensors::open(dir, &config, point_of)?;
-    let mut model = Llama::load(llama_config, &tensors).map_err(|e| e.in_file(dir))?;
-    for rotation in &config.online_rotations {
-        if rotation != DOWN_PROJ_ROTATION {
-            return Err(Error::Unsupported(format!(
-                "{}: online rotation of {rotation:?} (this qforge rotates only {DOWN_PROJ_ROTATION:?})",
-                dir.join(ARTIFACT_FILE).display()
-            )));
-        }
-        model = model.with_down_rotation().map_err(|e| e.in_file(dir))?;
-    }
+    let model = Llama::load(llama_config, &tensors)
+        .and_then(|m| m.with_rotations(&config.online_rotations))
+        .map_err(|e| e.in_file(dir))?;
     check_points(
         &config.points,
         model.linears().iter().map(|(_, point, _)| point.as_str()),

@@ -28,7 +28,7 @@ pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use linear::Linear;
-pub use llama::{Decoder, KvCache, Llama, LlamaConfig, Logits, Residency};
+pub use llama::{Decoder, KvCache, Llama, LlamaConfig, Logits, Residency, RotatedInput};
 pub use lm::{ChatMessage, GenerateOptions, Generation, LanguageModel, TextSide};
 pub use mlp::{Action, Head, MlpPolicy, PolicyConfig};
 pub use observe::{Observer, StatsObserver};

@@ -10,7 +10,7 @@ use qforge_model::artifact::{
     LayerPrecision, load_language_model, load_policy, write_language_model, write_policy,
 };
 use qforge_model::manifest::{verify, write_manifest};
-use qforge_model::{LanguageModel, Logits, MlpPolicy};
+use qforge_model::{LanguageModel, Logits, MlpPolicy, RotatedInput};
 
 fn fresh_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("qforge-artifact-{name}-{}", std::process::id()));
@@ -119,14 +119,14 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
 fn smollm2_written_from_gguf_loads_back_bit_identical() {
     let lm = LanguageModel::load(&smollm2_path()).unwrap();
     round_trip(&lm, "smollm2");
-    // With its down_proj inputs rotated: the weights hold the rotation, the
-    // artifact says so, and the loaded forward rotates online.
+    // With every input rotated: the weights hold the rotations, the artifact
+    // says so, and the loaded forward rotates online.
     let rotated = LanguageModel {
-        model: lm.model.rotated_down_proj().unwrap(),
+        model: lm.model.rotated(&RotatedInput::ALL).unwrap(),
         ..lm
     };
     let loaded = round_trip(&rotated, "smollm2-rotated");
-    assert!(loaded.model.rotates_down_proj());
+    assert_eq!(loaded.model.rotated_inputs(), RotatedInput::ALL.to_vec());
 }
 
 /// Writes `lm` with a mix of precisions, loads it back, checks that it is

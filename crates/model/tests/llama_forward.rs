@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::llama as peer;
-use qforge_model::{Llama, Logits, Observer, StatsObserver};
+use qforge_model::{Llama, Logits, Observer, RotatedInput, StatsObserver};
 
 const VOCAB: usize = 96;
 const HIDDEN: usize = 64;
@@ -556,25 +556,27 @@ fn batched_steps_match_each_sequence_decoded_alone() {
 }
 
 #[test]
-fn the_down_proj_rotation_keeps_the_function_on_both_forwards() {
+fn hadamard_rotations_keep_the_function_on_both_forwards() {
     let dir = tiny_family("rotate", false);
     let model = Llama::from_hf_dir(&dir).unwrap();
-    let rotated = model.rotated_down_proj().unwrap();
-    assert!(rotated.rotates_down_proj() && !model.rotates_down_proj());
+    let every = RotatedInput::ALL;
+    let rotated = model.rotated(&every).unwrap();
+    assert_eq!(rotated.rotated_inputs(), every.to_vec());
+    assert!(model.rotated_inputs().is_empty());
     let tokens = vec![(0..30).map(|i| (i * 7 % 96) as u32).collect::<Vec<_>>()];
     let diff = max_diff(
         &last_logits(&model, &tokens)[0],
         &last_logits(&rotated, &tokens)[0],
     );
     assert!(diff < 1e-4, "full precision: max |Δ| {diff}");
-    assert!(rotated.rotated_down_proj().is_err(), "rotated twice");
+    let twice = rotated.rotated(&[RotatedInput::Head]).unwrap_err();
+    assert!(twice.to_string().contains("rotated already"), "{twice}");
     assert!(
-        rotated
-            .smoothable_points()
-            .iter()
-            .all(|p| !p.ends_with("down_proj")),
-        "a rotated down_proj input cannot be smoothed into up_proj"
+        rotated.smoothable_points().is_empty(),
+        "a rotated input cannot be smoothed into the layer before it"
     );
+    let down_only = model.rotated(&[RotatedInput::MlpProduct]).unwrap();
+    assert_eq!(down_only.smoothable_points().len(), 2 * LAYERS);
 
     // The INT8 decoder rotates like the tensor forward it stands in for.
     let int8 = rotated

@@ -111,7 +111,7 @@ impl<'a> Pipeline<'a> {
     /// (`report.decision.accepted` is false), not an error.
     pub fn run(&self, inputs: &Inputs, listener: &mut dyn Listener) -> Result<Quantized> {
         let passes = self.passes();
-        let rotate = self.recipe.rotation.down_proj;
+        let rotation = &self.recipe.rotation.inputs;
         if let Some(why) = self.recipe.needs_language_model()
             && qforge_model::Format::is_policy(&inputs.model)?
         {
@@ -146,10 +146,12 @@ impl<'a> Pipeline<'a> {
                 ..first.clone()
             };
             // The smoothing pass measures the unrotated model (a rotated
-            // down_proj input is not smoothable); the rotation comes after
-            // smoothing, before the pass that chooses the scales.
-            if rotate && pass == Pass::Activation {
-                transforms.push(Transform::RotateDownProj);
+            // input is not smoothable); the rotation comes after smoothing,
+            // before the pass that chooses the scales.
+            if !rotation.is_empty() && pass == Pass::Activation {
+                transforms.push(Transform::Rotate {
+                    inputs: rotation.clone(),
+                });
             }
             let job = session.job(&recipe, &transforms);
             let summary = self.run_pass(&session, &job, position, listener)?;

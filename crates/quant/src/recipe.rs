@@ -9,6 +9,7 @@ use std::str::FromStr;
 
 use qforge_calib::Stratify;
 use qforge_core::Calibrator;
+use qforge_model::RotatedInput;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -191,11 +192,12 @@ impl Default for SmoothingSection {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RotationSection {
-    /// Rotate every `down_proj` input by the normalized Hadamard matrix of
-    /// the MLP's width: offline in the weights, online in qforge's engine
-    /// (QuaRot). Spreads the SwiGLU product's outlier channels over all
-    /// channels; the artifact then exports to no other format.
-    pub down_proj: bool,
+    /// Linear inputs rotated by the normalized Hadamard matrix of their
+    /// width (QuaRot): offline in the weights, online in qforge's engine.
+    /// Spreads outlier channels over all channels; such an artifact exports
+    /// to no other format. Names: `self_attn.q_proj`, `self_attn.o_proj`,
+    /// `mlp.gate_proj`, `mlp.down_proj`, `lm_head`.
+    pub inputs: Vec<RotatedInput>,
 }
 
 /// A quantization recipe.
@@ -300,8 +302,8 @@ impl QuantRecipe {
     /// Why the recipe cannot quantize a policy, if it cannot: SmoothQuant
     /// folds into a decoder's norms and the rotation into its MLPs.
     pub fn needs_language_model(&self) -> Option<&'static str> {
-        (self.smoothing.enabled || self.rotation.down_proj).then_some(
-            "SmoothQuant and the down_proj rotation change a decoder's norms and MLPs: they apply to language models, not policies",
+        (self.smoothing.enabled || !self.rotation.inputs.is_empty()).then_some(
+            "SmoothQuant and Hadamard rotations change a decoder's norms and layers: they apply to language models, not policies",
         )
     }
 

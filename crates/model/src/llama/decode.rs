@@ -10,7 +10,7 @@ use candle_core::{DType, Storage, Tensor};
 use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD, share};
 use qforge_kernels::{Int8Linear, Team};
 
-use super::{KvCache, Layer, Llama};
+use super::{KvCache, Layer, Llama, RotatedInput};
 use crate::error::{Error, Result};
 use crate::linear::Linear;
 
@@ -311,8 +311,17 @@ impl<'m> Decoder<'m> {
         let scale = 1.0 / (hd as f32).sqrt();
         let group = heads / kv_heads;
         let kv = kv_heads * hd;
+        let model = self.model;
+        let rotations = &model.rotations;
+        let rotate = |input: RotatedInput, x: &mut [f32]| -> Result<()> {
+            if let Some(rotation) = rotations.get(input) {
+                rotation.rotate(x)?;
+            }
+            Ok(())
+        };
         for layer in &mut self.layers {
             rms_norm(&self.x, &layer.input_norm, eps, &mut self.h);
+            rotate(RotatedInput::Attention, &mut self.h)?;
             self.projector.project(
                 &self.h,
                 &[layer.q, layer.k, layer.v],
@@ -352,11 +361,13 @@ impl<'m> Decoder<'m> {
                         }
                     });
                 });
+            rotate(RotatedInput::AttentionOutput, &mut self.attended)?;
             let out = &mut self.out[..d];
             self.projector
                 .project(&self.attended, &[layer.o], &mut [out])?;
             add(&mut self.x, out);
             rms_norm(&self.x, &layer.post_attention_norm, eps, &mut self.h);
+            rotate(RotatedInput::Mlp, &mut self.h)?;
             self.projector.project(
                 &self.h,
                 &[layer.gate, layer.up],
@@ -365,15 +376,14 @@ impl<'m> Decoder<'m> {
             for (g, &u) in self.gate.iter_mut().zip(&self.up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
-            if let Some(rotation) = &self.model.down_rotation {
-                rotation.rotate(&mut self.gate)?;
-            }
+            rotate(RotatedInput::MlpProduct, &mut self.gate)?;
             let out = &mut self.out[..d];
             self.projector
                 .project(&self.gate, &[layer.down], &mut [out])?;
             add(&mut self.x, out);
         }
         rms_norm(&self.x, &self.norm, eps, &mut self.h);
+        rotate(RotatedInput::Head, &mut self.h)?;
         self.projector
             .project(&self.h, &[self.lm_head], &mut [&mut self.logits])?;
         self.len += 1;

@@ -9,15 +9,16 @@
 
 mod config;
 mod decode;
+mod rotation;
 
 pub use config::{Family, LlamaConfig, RopeScaling};
 pub use decode::Decoder;
+pub use rotation::RotatedInput;
+use rotation::Rotations;
 
 use std::path::Path;
-use std::sync::Arc;
 
 use candle_core::{D, DType, Device, Tensor};
-use qforge_kernels::Hadamard;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -66,9 +67,9 @@ pub struct Llama {
     /// Cosine and sine tables, `[max_positions, head_dim / 2]`.
     cos: Tensor,
     sin: Tensor,
-    /// The Hadamard rotation every `down_proj` input gets online (its weights
-    /// hold the rotation offline): see [`Llama::rotated_down_proj`].
-    down_rotation: Option<Arc<Hadamard>>,
+    /// The inputs rotated online (their weights hold the rotation): see
+    /// [`Llama::rotated`].
+    rotations: Rotations,
 }
 
 /// Which positions' logits a forward returns.
@@ -381,7 +382,7 @@ impl Llama {
             norm,
             lm_head,
             tied_embeddings,
-            down_rotation: None,
+            rotations: Rotations::default(),
         })
     }
 
@@ -450,8 +451,8 @@ impl Llama {
     /// The layer inputs SmoothQuant can smooth: those whose scale folds
     /// exactly into the layer before (an RMSNorm weight, or `up_proj`'s
     /// output rows for the SwiGLU product `down_proj` takes).
-    /// A rotated `down_proj` input is not smoothable: its channels are
-    /// mixtures of `up_proj`'s rows.
+    /// A rotated input is not smoothable: its channels are mixtures of the
+    /// channels a factor would fold into.
     pub fn smoothable_points(&self) -> Vec<String> {
         (0..self.layers.len())
             .flat_map(|i| {
@@ -461,7 +462,7 @@ impl Llama {
                     format!("model.layers.{i}.mlp.down_proj"),
                 ]
             })
-            .filter(|point| !(self.rotates_down_proj() && point.ends_with("down_proj")))
+            .filter(|point| !self.rotated_inputs().iter().any(|r| r.is_point(point)))
             .collect()
     }
 
@@ -515,60 +516,6 @@ impl Llama {
             }
         }
         Ok(model)
-    }
-
-    /// The same function with every `down_proj` input rotated by the
-    /// normalized Hadamard matrix `Q` of the MLP's width (QuaRot, Ashkboos et
-    /// al. 2024): the weights become `W Q` offline and the forward rotates the
-    /// SwiGLU product online, `x Wᵀ = (x Q)(W Q)ᵀ`. The product's outlier
-    /// channels (SmolLM2's reach ~1000× their 99.99th percentile) are spread
-    /// over every channel, so one int8 scale per token or per tensor covers
-    /// them without flattening the rest. Needs full-precision `down_proj`s
-    /// and an MLP width with a Hadamard construction.
-    pub fn rotated_down_proj(&self) -> Result<Llama> {
-        if self.down_rotation.is_some() {
-            return Err(Error::Unsupported(
-                "the down_proj inputs of this model are rotated already".into(),
-            ));
-        }
-        let rotation = Arc::new(
-            Hadamard::new(self.config.intermediate_size)
-                .map_err(|e| Error::Unsupported(format!("rotating the down_proj inputs: {e}")))?,
-        );
-        let mut model = self.clone();
-        for layer in &mut model.layers {
-            let (weight, bias) = layer.down_proj.full_precision()?;
-            let shape = layer.down_proj.shape();
-            let mut rows = weight.flatten_all()?.to_vec1::<f32>()?;
-            rotation.rotate(&mut rows)?;
-            let weight = Tensor::from_vec(rows, shape, &Device::Cpu)?;
-            layer.down_proj = Linear::fp("down_proj", weight, bias, shape)?;
-        }
-        model.down_rotation = Some(rotation);
-        Ok(model)
-    }
-
-    /// Marks the `down_proj` weights as rotated already (an artifact's, which
-    /// stores `W Q`), so the forward rotates their inputs.
-    pub(crate) fn with_down_rotation(mut self) -> Result<Llama> {
-        self.down_rotation = Some(Arc::new(Hadamard::new(self.config.intermediate_size)?));
-        Ok(self)
-    }
-
-    /// Whether the forward rotates the `down_proj` inputs online.
-    pub fn rotates_down_proj(&self) -> bool {
-        self.down_rotation.is_some()
-    }
-
-    /// `x` rotated for `down_proj`, when the model rotates its inputs.
-    fn down_input(&self, x: Tensor) -> Result<Tensor> {
-        let Some(rotation) = &self.down_rotation else {
-            return Ok(x);
-        };
-        let shape = x.dims().to_vec();
-        let mut rows = x.flatten_all()?.to_vec1::<f32>()?;
-        rotation.rotate(&mut rows)?;
-        Ok(Tensor::from_vec(rows, shape, &Device::Cpu)?)
     }
 
     /// (name, observation point) of every linear layer of a model with
@@ -809,6 +756,7 @@ impl Llama {
         let eps = c.rms_norm_eps as f32;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
+            let h = self.rotate_input(RotatedInput::Attention, h)?;
             observe(
                 &mut observer,
                 &format!("model.layers.{i}.self_attn.q_proj"),
@@ -820,7 +768,8 @@ impl Llama {
             let v = self.heads(&layer.v_proj.forward(&h)?, c.num_kv_heads)?;
             let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
             let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
-            let attended = attend(i, &q, &k, &v)?;
+            let attended =
+                self.rotate_input(RotatedInput::AttentionOutput, attend(i, &q, &k, &v)?)?;
             observe(
                 &mut observer,
                 &format!("model.layers.{i}.self_attn.o_proj"),
@@ -829,13 +778,15 @@ impl Llama {
             )?;
             x = (x + layer.o_proj.forward(&attended)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.post_attention_norm, eps)?;
+            let h = self.rotate_input(RotatedInput::Mlp, h)?;
             observe(
                 &mut observer,
                 &format!("model.layers.{i}.mlp.gate_proj"),
                 &h,
                 lengths,
             )?;
-            let gated = self.down_input(
+            let gated = self.rotate_input(
+                RotatedInput::MlpProduct,
                 (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
                     * layer.up_proj.forward(&h)?)?,
             )?;
@@ -847,7 +798,10 @@ impl Llama {
             )?;
             x = (x + layer.down_proj.forward(&gated)?)?;
         }
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        let x = self.rotate_input(
+            RotatedInput::Head,
+            candle_nn::ops::rms_norm(&x, &self.norm, eps)?,
+        )?;
         // lm_head's input is observed at every real position, whichever
         // logits are asked for.
         observe(&mut observer, "lm_head", &x, lengths)?;
