@@ -268,3 +268,102 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     );
     json(&qforge_in(&dir, &["verify", "out", "--json"]));
 }
+
+/// Every linear input rotated online: the artifact records the rotations,
+/// runs as the guard measured it, still answers, and is not exported to a
+/// format whose loaders would feed it unrotated inputs.
+#[test]
+fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
+    let dir = temp("smollm2-rotated");
+    let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
+    let text = path("fixtures/text/eval.txt");
+    let result = json(&qforge_in(
+        &dir,
+        &[
+            "quantize",
+            "--model",
+            &gguf,
+            "--data",
+            &path("fixtures/episodes/arithmetic.jsonl"),
+            "--samples",
+            "8",
+            "--seq-len",
+            "64",
+            "--activations",
+            "dynamic",
+            "--hadamard",
+            "all",
+            "--eval-data",
+            &text,
+            "--ctx",
+            "128",
+            "-o",
+            "out",
+            "--json",
+        ],
+    ));
+    assert_eq!(result["accepted"], true, "{result}");
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("out/qforge.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["online_rotations"],
+        serde_json::json!([
+            "self_attn.q_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.down_proj",
+            "lm_head"
+        ])
+    );
+    let ppl = json(&qforge_in(
+        &dir,
+        &[
+            "eval",
+            "perplexity",
+            "--model",
+            "out",
+            "--text",
+            &text,
+            "--ctx",
+            "128",
+            "--json",
+        ],
+    ));
+    assert_eq!(
+        ppl["perplexity"].as_f64().unwrap(),
+        result["after"]["perplexity"].as_f64().unwrap()
+    );
+    let generated = json(&qforge_in(
+        &dir,
+        &[
+            "generate",
+            "--model",
+            "out",
+            "--prompt",
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+            "--max-tokens",
+            "8",
+            "--json",
+        ],
+    ));
+    assert!(
+        generated["text"].as_str().unwrap().contains("Paris"),
+        "{generated}"
+    );
+    let export = qforge_in(
+        &dir,
+        &[
+            "export",
+            "--model",
+            "out",
+            "--format",
+            "compressed-tensors",
+            "-o",
+            "ct",
+        ],
+    );
+    assert_eq!(export.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&export.stderr);
+    assert!(stderr.contains("rotates the inputs"), "{stderr}");
+    assert!(!dir.join("ct").exists());
+}

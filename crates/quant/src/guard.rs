@@ -431,7 +431,16 @@ pub fn quantize(
         progress,
     )?;
     let points = ladder.precisions_at(verdict.applied_steps);
-    let after = guard.measure(&points)?;
+    // The guard measured the chosen step already (a measurement depends on
+    // the precisions alone); only a refusal's "after" may be new.
+    let after = match verdict
+        .evaluations
+        .iter()
+        .find(|e| e.steps == verdict.applied_steps)
+    {
+        Some(evaluation) => evaluation.metrics.clone(),
+        None => guard.measure(&points)?,
+    };
     plan.settle(&points);
     Ok(Decision {
         accepted: verdict.accepted,

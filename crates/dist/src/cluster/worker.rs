@@ -360,6 +360,8 @@ impl Session {
         // Dropping `stop` wakes and ends the heartbeat thread at once.
         let (stop, stopped) = mpsc::channel::<()>();
         let heartbeat = self.start_heartbeat(current.clone(), stopped)?;
+        // `report` counts every run this worker served; the log line is this run's.
+        let before = (report.batches, report.speculative, report.reclaimed);
         let served = self.work(link, &current, report);
         drop(stop);
         let _ = heartbeat.join();
@@ -371,8 +373,11 @@ impl Session {
         let ending = served?;
         match ending {
             Ending::Finished { .. } => log(&format!(
-                "run {} finished; this worker observed {} batch(es) ({} speculative, {} reclaimed)",
-                self.spec.run, report.batches, report.speculative, report.reclaimed
+                "run {} finished; this worker observed {} batch(es) of it ({} speculative, {} reclaimed)",
+                self.spec.run,
+                report.batches - before.0,
+                report.speculative - before.1,
+                report.reclaimed - before.2
             )),
             Ending::Abandoned => log(&format!(
                 "run {} lost its coordinator and another run is active; moving on",
