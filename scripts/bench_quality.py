@@ -33,10 +33,11 @@ CALIBRATION = ["--data", CALIB, "--eval-data", GUARD_TEXT, "--samples", "32", "-
 # A budget of 1000 (= +100 000 %) accepts the recipe's plan as it is: no fallback.
 NO_FALLBACK = ["--max-perplexity-increase", "1000"]
 
-# (label, quantize flags); None: the GGUF itself with `eval --precision`.
+# (label, quantize flags); None: the GGUF itself in f32, the reference.
 METHODS = [
     ("f32 (the GGUF dequantized)", None),
-    ("W8A8 dynamic per-token, every linear (`--precision int8-dynamic`)", None),
+    ("dynamic per-token, every linear (as `--precision int8-dynamic`)",
+     ["--activations", "dynamic", *NO_FALLBACK]),
     ("dynamic + Hadamard on every linear input", ["--activations", "dynamic", "--hadamard", "all",
                                                   *NO_FALLBACK]),
     ("static per-tensor minmax + Hadamard on every input, no fallback",
@@ -63,19 +64,19 @@ def perplexity(model, extra=()):
     return json.loads(qforge(args))
 
 
-def mean_reward(model, extra=(), name="rollouts"):
+def mean_reward(model, name):
     path = f"{OUT}/{name}.jsonl"
     qforge(["rollouts", "--model", model, "--task", "arithmetic", "--episodes", EPISODES,
-            "--seed", SEED, "--temperature", "0", *extra, "-o", path, "--json"])
+            "--seed", SEED, "--temperature", "0", "-o", path, "--json"])
     with open(path) as f:
         rewards = [json.loads(line)["reward"] for line in f if line.strip()]
     return sum(rewards) / len(rewards)
 
 
-def decode_speed(model, extra=()):
+def decode_speed(model):
     out = json.loads(qforge(["generate", "--model", model, "--prompt",
                              "Once upon a time, in a small village by the sea,",
-                             "--max-tokens", "64", *extra, "--json"]))
+                             "--max-tokens", "64", "--json"]))
     return out["decode_tokens_per_s"]
 
 
@@ -84,15 +85,12 @@ def directory_bytes(path):
                for root, _, files in os.walk(path) for f in files)
 
 
-def measure_gguf(label, precision):
-    extra = ["--precision", precision]
-    ppl = perplexity(MODEL, extra)
+def measure_reference(label):
+    ppl = perplexity(MODEL)
     return {"method": label, "perplexity": ppl["perplexity"], "tokens": ppl["tokens"],
-            "reward": mean_reward(MODEL, extra, name=precision),
-            "decode_tokens_per_s": decode_speed(MODEL, extra),
-            "fp_layers": TOTAL_LAYERS if precision == "f32" else 0,
-            "command": f"qforge eval perplexity --model {MODEL} --text {TEXT} --ctx {CTX} "
-                       f"{' '.join(extra)}"}
+            "reward": mean_reward(MODEL, name="f32"), "decode_tokens_per_s": decode_speed(MODEL),
+            "fp_layers": TOTAL_LAYERS,
+            "command": f"qforge eval perplexity --model {MODEL} --text {TEXT} --ctx {CTX}"}
 
 
 def measure_quantized(label, flags, index):
@@ -128,7 +126,7 @@ def markdown(quality):
              "| method | perplexity | vs f32 | reward retention | FP linears | decode tok/s "
              "| artifact MB | quantize s |",
              "|---|---|---|---|---|---|---|---|"]
-    fp = quality["rows"][0]
+    fp = quality["rows"][0]  # the f32 reference
     for row in quality["rows"]:
         if row.get("refused"):
             lines.append(f"| {row['method']} | refused (exit 3) | | | | | | |")
@@ -151,16 +149,25 @@ def main():
             print(markdown(json.load(f)))
         return
     os.makedirs(OUT, exist_ok=True)
-    rows = []
-    for index, (label, flags) in enumerate(METHODS):
+    # `--rows 2,4` measures only those methods and keeps the other rows of an
+    # earlier run (the reference row 0 must exist or be among them).
+    chosen = range(len(METHODS))
+    rows = [None] * len(METHODS)
+    if "--rows" in sys.argv:
+        chosen = [int(i) for i in sys.argv[sys.argv.index("--rows") + 1].split(",")]
+        with open(f"{OUT}.json") as f:
+            earlier = {row["method"]: row for row in json.load(f)["rows"]}
+        rows = [earlier.get(label) for label, _ in METHODS]
+    for index in chosen:
+        label, flags = METHODS[index]
         if flags is None:
-            row = measure_gguf(label, "f32" if index == 0 else "int8-dynamic")
+            rows[index] = measure_reference(label)
         else:
-            row = measure_quantized(label, flags, index)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            rows[index] = measure_quantized(label, flags, index)
+        print(json.dumps(rows[index]), flush=True)
+        done = [row for row in rows if row is not None]
         with open(f"{OUT}.json", "w") as f:
-            json.dump({"tokens": rows[0]["tokens"], "rows": rows}, f, indent=2)
+            json.dump({"tokens": rows[0]["tokens"], "rows": done}, f, indent=2)
 
 
 if __name__ == "__main__":

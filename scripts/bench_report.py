@@ -6,6 +6,8 @@ import os
 import platform
 import subprocess
 
+from bench_quality import markdown as quality_markdown
+
 CRITERION = "target/criterion"
 ALL_M = (1, 16, 128, 512)
 
@@ -482,33 +484,9 @@ def main():
 
     try:
         with open("target/bench-quality.json") as f:
-            quality = json.load(f)
+            print(quality_markdown(json.load(f)))
     except OSError:
-        quality = None
-    if quality:
-        print("## Quantization quality (SmolLM2-135M-Instruct)\n")
-        print("Command: `python3 scripts/bench_quality.py` (run by `scripts/bench.sh`): perplexity on "
-              "`fixtures/text/eval.txt` at ctx 128 (378 scored tokens), llama.cpp's method. Static rows "
-              "share one statistics file (`qforge calibrate` on 32 arithmetic episodes, ≤ 128 tokens "
-              "each). The `qforge quantize` rows are what the guard accepted after its fallback ladder; "
-              "the guard ran on this same text, so they show the guard at work, not a held-out score. "
-              "SmoothQuant rows fold α = 0.5 factors into the norms (and `up_proj` rows) and recalibrate the smoothed model. The recipes issue quotes +0.38 % for llama.cpp Q8_0 on "
-              "this model (not re-measured here).\n")
-        print("| configuration | perplexity | vs f32 | linear layers in FP | KL | top-1 |")
-        print("|---|---|---|---|---|---|")
-        total = quality["total_layers"]
-        for row in quality["rows"]:
-            if "refused" in row:
-                print(f"| {row['config']} | refused (exit 3) | | | | |")
-                continue
-            kl = f"{row['kl']:.4f}" if row.get("kl") is not None else ""
-            top1 = f"{100 * row['top1']:.1f} %" if row.get("top1") is not None else ""
-            print(f"| {row['config']} | {row['perplexity']:.2f} | {100 * row['increase']:+.2f} % | "
-                  f"{row['fp_layers']} / {total} | {kl} | {top1} |")
-        print("\nCommands, in table order:\n")
-        for row in quality["rows"]:
-            print(f"- `{row['command']}`")
-        print()
+        pass
 
     try:
         with open("target/bench-serve.json") as f:

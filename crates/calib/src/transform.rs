@@ -176,4 +176,29 @@ mod tests {
         assert_eq!(back.digest(base), t.digest(base));
         assert_ne!(t.digest(base), base);
     }
+
+    #[test]
+    fn rotations_round_trip_and_each_set_is_its_own_model() {
+        let down = Transform::Rotate {
+            inputs: vec![RotatedInput::MlpProduct],
+        };
+        let json = serde_json::to_string(&down).unwrap();
+        assert!(json.contains("mlp.down_proj"), "{json}");
+        assert_eq!(serde_json::from_str::<Transform>(&json).unwrap(), down);
+        let every = Transform::Rotate {
+            inputs: RotatedInput::ALL.to_vec(),
+        };
+        let base = Digest::of(b"model");
+        let digests = [base, down.digest(base), every.digest(base)];
+        assert!(digests[0] != digests[1] && digests[1] != digests[2] && digests[0] != digests[2]);
+        // Smoothing then rotating is another model than rotating alone.
+        let smooth = Transform::Smooth {
+            alpha: 0.5,
+            factors: BTreeMap::new(),
+        };
+        assert_ne!(
+            transformed_digest(base, &[smooth, down.clone()]),
+            transformed_digest(base, &[down])
+        );
+    }
 }
