@@ -119,7 +119,11 @@ def markdown(quality):
              "`scripts/fetch-eval-text.sh`). Perplexity on the Debian Administrator's Handbook "
              f"evaluation text ({quality['tokens']} scored tokens, ctx {CTX}, llama.cpp's method); "
              f"reward retention = mean exact reward of {EPISODES} greedy arithmetic rollouts "
-             "(seed 1) / the f32 model's; decode = `qforge generate`, 64 tokens. Calibration: 32 "
+             "(seed 1) / the f32 model's; decode = one `qforge generate` run of 64 tokens (a "
+             "rough figure from one run; the f32 reference decodes on the tensor forward of the "
+             "Q4_1 GGUF, the INT8 rows on the INT8 decoder; the engine's speed section above is "
+             "the one to quote). Each quantized row's artifact then runs `eval perplexity`, "
+             "`rollouts` and `generate` with the flags above. Calibration: 32 "
              "handbook paragraphs (records after the guard text), the guard on its own text; "
              "neither overlaps the evaluation text. llama.cpp's Q8_0 costs +0.38 % on this model "
              "per the accuracy issue (not re-measured here: no llama.cpp build on this machine).\n",
