@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use qforge_core::{Digest, DigestBuilder};
-use qforge_model::{LanguageModel, Model, RotatedInput};
+use qforge_model::{LanguageModel, Llama, Model, RotatedInput};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -53,22 +53,14 @@ impl Transform {
                         "smoothing factors of {point} are not all finite and positive; the job is corrupt"
                     )));
                 }
-                Ok(Model::Language(Box::new(LanguageModel {
-                    model: lm.model.smoothed(factors)?,
-                    text: lm.text.clone(),
-                    source: lm.source.clone(),
-                })))
+                Ok(with_decoder(lm, lm.model.smoothed(factors)?))
             }
             (Transform::Smooth { .. }, Model::Policy(_)) => Err(Error::Data(
                 "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
                     .into(),
             )),
             (Transform::Rotate { inputs }, Model::Language(lm)) => {
-                Ok(Model::Language(Box::new(LanguageModel {
-                    model: lm.model.rotated(inputs)?,
-                    text: lm.text.clone(),
-                    source: lm.source.clone(),
-                })))
+                Ok(with_decoder(lm, lm.model.rotated(inputs)?))
             }
             (Transform::Rotate { .. }, Model::Policy(_)) => Err(Error::Data(
                 "Hadamard rotations fold into a decoder's layers: they apply to language models, not policies"
@@ -110,6 +102,15 @@ impl Transform {
             Transform::Rotate { .. } => "hadamard",
         }
     }
+}
+
+/// `lm` with its decoder replaced by `model` (same tokenizer and source).
+fn with_decoder(lm: &LanguageModel, model: Llama) -> Model {
+    Model::Language(Box::new(LanguageModel {
+        model,
+        text: lm.text.clone(),
+        source: lm.source.clone(),
+    }))
 }
 
 /// The digest of `base` after `transforms`, in order.

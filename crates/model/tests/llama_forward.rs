@@ -205,6 +205,24 @@ fn last_logits(model: &Llama, batch: &[Vec<u32>]) -> Vec<Vec<f32>> {
         .unwrap()
 }
 
+/// The largest logit difference between one INT8 decoder step and the
+/// tensor forward's step on `cache`, both continuing with `token`.
+fn step_difference(
+    model: &Llama,
+    cache: &mut qforge_model::KvCache,
+    decoder: &mut qforge_model::Decoder<'_>,
+    token: u32,
+) -> f32 {
+    let reference = model
+        .forward(&[vec![token]], Some(cache), None, Logits::Last)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    max_diff(decoder.step(token).unwrap(), &reference)
+}
+
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -416,14 +434,7 @@ fn int8_decoder_steps_match_the_tensor_forward() {
         decoder.load_cache(&cache).unwrap();
         for step in 0..12u32 {
             let token = (step * 37 + 3) % VOCAB as u32;
-            let reference = model
-                .forward(&[vec![token]], Some(&mut cache), None, Logits::Last)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let diff = max_diff(decoder.step(token).unwrap(), &reference);
+            let diff = step_difference(&model, &mut cache, &mut decoder, token);
             assert!(diff < 1e-4, "qwen2 {qwen2}, step {step}: max |Δ| {diff}");
         }
         assert!(
@@ -594,14 +605,7 @@ fn hadamard_rotations_keep_the_function_on_both_forwards() {
     let mut decoder = qforge_model::Decoder::new(&int8, 64).unwrap().unwrap();
     decoder.load_cache(&cache).unwrap();
     for token in [3u32, 17, 42] {
-        let reference = int8
-            .forward(&[vec![token]], Some(&mut cache), None, Logits::Last)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let diff = max_diff(decoder.step(token).unwrap(), &reference);
+        let diff = step_difference(&int8, &mut cache, &mut decoder, token);
         assert!(diff < 1e-4, "int8 decoder: max |Δ| {diff}");
     }
     std::fs::remove_dir_all(dir).unwrap();
