@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# A fresh clone builds once: incremental caches would only take disk (CI's is
+# shared and has run out before).
+if [ -n "${CI:-}" ]; then
+    export CARGO_INCREMENTAL=0
+fi
+
 step "python venv with test peers (tests/python/requirements.txt)"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv

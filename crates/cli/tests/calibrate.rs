@@ -8,7 +8,7 @@ mod support;
 
 use support::{json, path, qforge, root};
 
-fn temp(name: &str) -> std::path::PathBuf {
+fn temp(name: &str) -> tempfile::TempDir {
     support::temp("calibrate", name)
 }
 
@@ -38,6 +38,7 @@ fn policy_calibrate(out: &str, extra: &[&str]) -> Output {
 #[test]
 fn worker_count_does_not_change_a_byte() {
     let dir = temp("workers");
+    let dir = dir.path();
     let mut files = Vec::new();
     for workers in ["1", "4"] {
         let out = dir.join(format!("w{workers}.qstats"));
@@ -59,7 +60,6 @@ fn worker_count_does_not_change_a_byte() {
         files.push(std::fs::read(out).unwrap());
     }
     assert_eq!(files[0], files[1]);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -71,6 +71,7 @@ fn smollm2_episodes_calibrate_identically_on_one_and_two_workers() {
         model.display()
     );
     let dir = temp("smollm2");
+    let dir = dir.path();
     let mut files = Vec::new();
     for workers in ["1", "2"] {
         let out = dir.join(format!("w{workers}.qstats"));
@@ -111,12 +112,12 @@ fn smollm2_episodes_calibrate_identically_on_one_and_two_workers() {
         "every distinct linear input of 30 layers + lm_head"
     );
     assert!(tensors.contains_key("model.layers.29.mlp.down_proj"));
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
 fn bad_lines_are_reported_by_number_or_skipped_on_request() {
     let dir = temp("bad");
+    let dir = dir.path();
     let data = dir.join("bad.jsonl");
     let good =
         std::fs::read_to_string(root().join("fixtures/policies/pendulum/rollouts.jsonl")).unwrap();
@@ -161,12 +162,12 @@ fn bad_lines_are_reported_by_number_or_skipped_on_request() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad.jsonl:2: skipped"));
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
 fn a_finished_run_resumes_without_recomputing_and_gives_the_same_bytes() {
     let dir = temp("resume");
+    let dir = dir.path();
     let checkpoints = dir.join("ckpt");
     let first = dir.join("first.qstats");
     let summary = json(&policy_calibrate(
@@ -201,13 +202,13 @@ fn a_finished_run_resumes_without_recomputing_and_gives_the_same_bytes() {
         std::fs::read(first).unwrap(),
         std::fs::read(second).unwrap()
     );
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// Calibrates the CartPole policy on `samples` of its rollouts into a fresh
-/// folder; returns the statistics' path.
-fn calibrated_cartpole(name: &str, samples: &str) -> String {
-    let stats = temp(name).join("cartpole.qstats");
+/// folder; returns the folder (removed when dropped) and the statistics' path.
+fn calibrated_cartpole(name: &str, samples: &str) -> (tempfile::TempDir, String) {
+    let dir = temp(name);
+    let stats = dir.path().join("cartpole.qstats");
     let stats = stats.to_str().unwrap().to_owned();
     let out = qforge(&[
         "calibrate",
@@ -225,7 +226,7 @@ fn calibrated_cartpole(name: &str, samples: &str) -> String {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    stats
+    (dir, stats)
 }
 
 /// Calibration feeds the INT8 engine: static per-tensor activation scales
@@ -233,7 +234,7 @@ fn calibrated_cartpole(name: &str, samples: &str) -> String {
 /// another model, or none, are refused clearly.
 #[test]
 fn static_int8_runs_on_calibrated_scales_and_refuses_foreign_statistics() {
-    let stats = calibrated_cartpole("static-int8", "2000");
+    let (_dir, stats) = calibrated_cartpole("static-int8", "2000");
     let stats = stats.as_str();
     let cartpole = path("fixtures/policies/cartpole");
     let rollouts = path("fixtures/policies/cartpole/rollouts.jsonl");
@@ -294,7 +295,7 @@ fn static_int8_runs_on_calibrated_scales_and_refuses_foreign_statistics() {
 /// worst first, for dynamic and for calibrated static activations.
 #[test]
 fn eval_layers_ranks_every_layer_by_int8_sqnr() {
-    let stats = calibrated_cartpole("layers", "512");
+    let (_dir, stats) = calibrated_cartpole("layers", "512");
     let stats = stats.as_str();
     let cartpole = path("fixtures/policies/cartpole");
     let rollouts = path("fixtures/policies/cartpole/rollouts.jsonl");

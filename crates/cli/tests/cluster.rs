@@ -9,6 +9,7 @@
 
 #[path = "../../dist/tests/support/redis_server.rs"]
 mod redis_server;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -45,11 +46,8 @@ fn rollouts() -> String {
         .into_owned()
 }
 
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-cluster-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn temp(name: &str) -> tempfile::TempDir {
+    support::temp("cluster", name)
 }
 
 /// Writes a policy with two `width`-wide tanh layers and seeded weights.
@@ -133,7 +131,7 @@ impl Drop for Proc {
 
 /// One calibration setup: the model, the output folder, the reference bytes.
 struct Setup {
-    dir: PathBuf,
+    dir: tempfile::TempDir,
     model: String,
     reference: Vec<u8>,
     recipe: Vec<String>,
@@ -146,8 +144,8 @@ impl Setup {
 
     fn with_width(name: &str, samples: usize, width: usize) -> Self {
         let dir = temp(name);
-        wide_policy(&dir.join("policy"), width);
-        let model = dir.join("policy").to_string_lossy().into_owned();
+        wide_policy(&dir.path().join("policy"), width);
+        let model = dir.path().join("policy").to_string_lossy().into_owned();
         let recipe = vec![
             "--samples".to_owned(),
             samples.to_string(),
@@ -160,7 +158,7 @@ impl Setup {
             reference: Vec::new(),
             recipe,
         };
-        let out = setup.dir.join("reference.qstats");
+        let out = setup.dir.path().join("reference.qstats");
         let status = setup.calibrate(&["--workers", "1"], &out).0.wait().unwrap();
         assert!(status.success());
         setup.reference = std::fs::read(out).unwrap();
@@ -183,7 +181,7 @@ impl Setup {
     }
 
     fn worker(&self, url: &str, run: &str, name: &str) -> Proc {
-        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
+        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap();
         Proc(
             Command::new(env!("CARGO_BIN_EXE_qforge"))
                 .args(["worker", "--cluster", url, "--run", run, "--name", name])
@@ -249,7 +247,7 @@ fn one_and_four_workers_give_identical_bytes_behind_a_password() {
     let url = server.url();
     for workers in [1, 4] {
         let run = format!("auth-{workers}");
-        let out = setup.dir.join(format!("{run}.qstats"));
+        let out = setup.dir.path().join(format!("{run}.qstats"));
         let coordinator = setup.calibrate(&cluster_args(&url, &run), &out);
         let mut pool: Vec<Proc> = (0..workers)
             .map(|w| setup.worker(&url, &run, &format!("w{w}")))
@@ -292,7 +290,7 @@ fn twenty_seeded_runs_with_workers_sigkilled_give_identical_bytes() {
     for seed in 0..20u64 {
         let mut rng = StdRng::seed_from_u64(seed);
         let run = format!("chaos-{seed}");
-        let out = setup.dir.join(format!("{run}.qstats"));
+        let out = setup.dir.path().join(format!("{run}.qstats"));
         let mut coordinator = setup.calibrate(&cluster_args(&url, &run), &out);
         let mut pool: Vec<Proc> = (0..3)
             .map(|w| setup.worker(&url, &run, &format!("s{seed}-w{w}")))
@@ -313,7 +311,7 @@ fn twenty_seeded_runs_with_workers_sigkilled_give_identical_bytes() {
             assert!(worker.wait(Duration::from_secs(20), "a worker").success());
         }
         // Did some replacement redo a dead worker's batch?
-        reclaimed_somewhere |= std::fs::read_dir(&setup.dir).unwrap().any(|e| {
+        reclaimed_somewhere |= std::fs::read_dir(setup.dir.path()).unwrap().any(|e| {
             let text = std::fs::read_to_string(e.unwrap().path()).unwrap_or_default();
             text.contains("reclaimed)") && !text.contains(" 0 reclaimed)")
         });
@@ -331,8 +329,8 @@ fn a_sigkilled_coordinator_resumes_to_identical_bytes() {
     };
     let setup = Setup::new("coordinator", 2048);
     let url = server.url();
-    let checkpoints = setup.dir.join("checkpoints");
-    let out = setup.dir.join("resumed.qstats");
+    let checkpoints = setup.dir.path().join("checkpoints");
+    let out = setup.dir.path().join("resumed.qstats");
     let mut args = cluster_args(&url, "crash");
     let dir = checkpoints.to_str().unwrap();
     args.extend(["--checkpoint-dir", dir, "--checkpoint-every", "4"]);
@@ -369,8 +367,8 @@ fn redis_stopped_mid_run_by_sigterm_or_sigkill_loses_and_doubles_nothing() {
         };
         let setup = Setup::new(&name, 4000);
         let url = server.url();
-        let out = setup.dir.join("out.qstats");
-        let checkpoints = setup.dir.join("checkpoints");
+        let out = setup.dir.path().join("out.qstats");
+        let checkpoints = setup.dir.path().join("checkpoints");
         let mut args = cluster_args(&url, "outage");
         args.extend(["--checkpoint-dir", checkpoints.to_str().unwrap()]);
         args.extend(["--checkpoint-every", "4"]);
@@ -403,7 +401,7 @@ fn a_sigstopped_worker_loses_its_batch_and_its_late_result_is_dropped() {
     // and the stopped worker's late result arrives while it still runs.
     let setup = Setup::with_width("stop", 4000, 4096);
     let url = server.url();
-    let out = setup.dir.join("out.qstats");
+    let out = setup.dir.path().join("out.qstats");
     let mut args = cluster_args(&url, "stop");
     args.extend(["--speculation", "1"]);
     let coordinator = setup.calibrate(&args, &out);
@@ -463,7 +461,7 @@ fn a_sigstopped_worker_loses_its_batch_and_its_late_result_is_dropped() {
             .wait(Duration::from_secs(20), "the other worker")
             .success()
     );
-    let log = std::fs::read_to_string(setup.dir.join("other.log")).unwrap();
+    let log = std::fs::read_to_string(setup.dir.path().join("other.log")).unwrap();
     assert!(!log.contains(" 0 reclaimed)"), "{log}");
 }
 
@@ -482,6 +480,7 @@ fn smollm2_through_redis_equals_the_embedded_run() {
         model.display()
     );
     let dir = temp("smollm2");
+    let dir = dir.path();
     let common = |out: &Path| {
         let mut command = Command::new(env!("CARGO_BIN_EXE_qforge"));
         command
@@ -529,6 +528,7 @@ fn quantize_through_redis_writes_the_embedded_artifact() {
         return;
     };
     let dir = temp("quantize");
+    let dir = dir.path();
     let quantize = |extra: &[&str], out: &str| -> Proc {
         Proc(
             Command::new(env!("CARGO_BIN_EXE_qforge"))
@@ -587,6 +587,7 @@ fn smoothquant_on_three_workers_with_one_killed_writes_the_single_worker_artifac
         return;
     };
     let dir = temp("smoothquant");
+    let dir = dir.path();
     let model = root().join("models/smollm2-135m-instruct-q4_1.gguf");
     let quantize = |extra: &[&str], out: &str| -> Proc {
         Proc(

@@ -10,7 +10,7 @@ mod support;
 use serde_json::Value;
 use support::{json, path, qforge_in};
 
-fn temp(name: &str) -> std::path::PathBuf {
+fn temp(name: &str) -> tempfile::TempDir {
     support::temp("quantize", name)
 }
 
@@ -18,6 +18,7 @@ fn temp(name: &str) -> std::path::PathBuf {
 fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     // Run outside the checkout: the bundled policy is found all the same.
     let dir = temp("default");
+    let dir = dir.path();
     let result = json(&qforge_in(&dir, &["quantize", "--json"]));
     assert_eq!(result["accepted"], true);
     let agreement = result["after"]["agreement"].as_f64().unwrap();
@@ -144,6 +145,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
 #[test]
 fn a_refused_guard_exits_3_and_writes_no_artifact() {
     let dir = temp("refused");
+    let dir = dir.path();
     // Every observation must agree and no layer may fall back to FP: INT8
     // cannot promise that on this policy.
     let out = qforge_in(
@@ -193,6 +195,7 @@ fn a_refused_guard_exits_3_and_writes_no_artifact() {
 #[test]
 fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs() {
     let dir = temp("smollm2");
+    let dir = dir.path();
     let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
     let text = path("fixtures/text/eval.txt");
     let result = json(&qforge_in(
@@ -275,6 +278,7 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
 #[test]
 fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
     let dir = temp("smollm2-rotated");
+    let dir = dir.path();
     let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
     let text = path("fixtures/text/eval.txt");
     let result = json(&qforge_in(

@@ -6,7 +6,7 @@ mod support;
 
 use support::{json, path, qforge, root};
 
-fn temp(name: &str) -> std::path::PathBuf {
+fn temp(name: &str) -> tempfile::TempDir {
     support::temp("rollouts", name)
 }
 
@@ -75,6 +75,7 @@ fn expected_reward(completion: &str, finish: &str, result: i64) -> f64 {
 fn rewards_are_exact_and_stratified_calibration_draws_both_ends() {
     let model = smollm2();
     let dir = temp("smollm2");
+    let dir = dir.path();
     let episodes = dir.join("episodes.jsonl");
     let rollouts = |out: &std::path::Path, count: &str| {
         json(&qforge(&[
@@ -175,13 +176,13 @@ fn rewards_are_exact_and_stratified_calibration_draws_both_ends() {
         .map(|s| s["available"].as_u64().unwrap())
         .sum();
     assert_eq!(available, 16);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
 fn bad_input_is_refused_before_any_generation() {
     let model = smollm2();
     let dir = temp("bad");
+    let dir = dir.path();
     let out = dir.join("out.jsonl");
     let out = out.to_str().unwrap();
     let run = |model: &str, episodes: &str, extra: &[&str], output: &str| {
@@ -255,5 +256,4 @@ fn bad_input_is_refused_before_any_generation() {
     );
 
     assert!(!std::path::Path::new(out).exists());
-    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -152,6 +152,7 @@ fn observations(n: usize) -> Vec<Vec<f64>> {
 #[test]
 fn act_answers_like_qforge_act_batches_and_counts() {
     let dir = support::temp("serve", "act");
+    let dir = dir.path();
     json(&qforge_in(&dir, &["quantize", "--json"]));
     let artifact = dir.join("qforge-out");
     // A generous batching window, so concurrent requests surely share forwards.
@@ -366,6 +367,7 @@ fn qforge_act(dir: &Path, model: &str, rows: &[Vec<f64>]) -> Value {
 #[test]
 fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     let dir = support::temp("serve", "shadow");
+    let dir = dir.path();
     json(&qforge_in(&dir, &["quantize", "--json"]));
     // A genuinely bad INT8 model: every static scale clips at the 20th
     // percentile, and the guard is told to accept it (≈ 50 % agreement).
@@ -436,6 +438,7 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
 #[test]
 fn ab_split_is_sticky_by_session_and_reward_feedback_rolls_back() {
     let dir = support::temp("serve", "ab");
+    let dir = dir.path();
     json(&qforge_in(&dir, &["quantize", "--json"]));
     let server = Server::start(
         &dir.join("qforge-out"),
@@ -544,6 +547,7 @@ fn rollout_flags_are_checked() {
 #[test]
 fn the_drift_monitor_stays_quiet_on_rollouts_and_alerts_on_shifted_observations() {
     let dir = support::temp("serve", "drift");
+    let dir = dir.path();
     json(&qforge_in(&dir, &["quantize", "--json"]));
     let profile: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("qforge-out/calibration.json")).unwrap(),
@@ -891,6 +895,7 @@ fn a_client_that_hangs_up_frees_its_sequence() {
 #[test]
 fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
     let dir = support::temp("serve", "lm-rollout");
+    let dir = dir.path();
     // A genuinely bad INT8 model: every static scale clips at the 20th
     // percentile, and the guard is told to accept anything.
     let bad = json(&qforge_in(

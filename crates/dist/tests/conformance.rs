@@ -58,10 +58,12 @@ fn clean_bytes(target: &Model, job: &Job, plan: &Plan) -> Vec<u8> {
     encode(&summary.stats)
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-dist-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A scratch directory, removed when dropped.
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("qforge-dist-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 /// The backends every test runs on: embedded always, Redis when a server
@@ -329,7 +331,7 @@ fn a_crashed_coordinator_resumes_to_identical_bytes_even_past_a_corrupt_checkpoi
     for redis in backends("resume") {
         let dir = temp_dir(&format!("resume-{}", redis.is_some()));
         let options = RunOptions {
-            checkpoints: Some(CheckpointStore::new(&dir)),
+            checkpoints: Some(CheckpointStore::new(dir.path())),
             checkpoint_every: 3,
             ..RunOptions::default()
         };
@@ -338,7 +340,7 @@ fn a_crashed_coordinator_resumes_to_identical_bytes_even_past_a_corrupt_checkpoi
             ..Faults::none()
         };
         assert!(run_on(redis.as_ref(), "resume", 2, &options, &crash).is_err());
-        let mut files: Vec<_> = std::fs::read_dir(&dir)
+        let mut files: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().path())
             .collect();
@@ -367,7 +369,6 @@ fn a_crashed_coordinator_resumes_to_identical_bytes_even_past_a_corrupt_checkpoi
             "{:?}",
             summary.warnings
         );
-        std::fs::remove_dir_all(dir).unwrap();
     }
 }
 
@@ -376,7 +377,7 @@ fn a_checkpoint_of_another_recipe_is_refused() {
     let (target, job, plan) = setup();
     let dir = temp_dir("foreign");
     let options = RunOptions {
-        checkpoints: Some(CheckpointStore::new(&dir)),
+        checkpoints: Some(CheckpointStore::new(dir.path())),
         resume: true,
         ..RunOptions::default()
     };
@@ -410,7 +411,6 @@ fn a_checkpoint_of_another_recipe_is_refused() {
         err.to_string().contains("different model, data or recipe"),
         "{err}"
     );
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// A worker whose forward computes different activations (here: a policy

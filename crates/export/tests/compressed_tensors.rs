@@ -18,11 +18,12 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn fresh(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-export-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A scratch directory, removed when dropped.
+fn fresh(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("qforge-export-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn floats(bytes: &[u8]) -> Vec<f32> {
@@ -100,8 +101,10 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
         })
         .collect();
     let artifact = fresh("artifact");
-    write_language_model(&artifact, &lm, &points).unwrap();
+    let artifact = artifact.path();
+    write_language_model(artifact, &lm, &points).unwrap();
     let dest = fresh("ct");
+    let dest = dest.path();
     let summary = export_compressed_tensors(&artifact, &dest).unwrap();
     assert_eq!(summary.lm_head, "tied");
     assert_eq!(

@@ -12,11 +12,12 @@ use qforge_model::artifact::{
 use qforge_model::manifest::{verify, write_manifest};
 use qforge_model::{LanguageModel, Logits, MlpPolicy, RotatedInput};
 
-fn fresh_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-artifact-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A scratch directory, removed when dropped.
+fn fresh_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("qforge-artifact-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn fixture(path: &str) -> PathBuf {
@@ -74,6 +75,7 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
         .with_linears(|point, layer| points[point].apply(layer))
         .unwrap();
     let dir = fresh_dir("policy");
+    let dir = dir.path();
     write_policy(&dir, &fp, &points).unwrap();
     write_manifest(&dir, serde_json::json!({"test": true})).unwrap();
     verify(&dir).unwrap();
@@ -112,7 +114,7 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
     // A precision for a layer the model lacks, or none for one it has.
     let mut wrong = points.clone();
     wrong.remove("layers.2");
-    assert!(write_policy(&fresh_dir("policy-wrong"), &fp, &wrong).is_err());
+    assert!(write_policy(fresh_dir("policy-wrong").path(), &fp, &wrong).is_err());
 }
 
 #[test]
@@ -152,6 +154,7 @@ fn round_trip(lm: &LanguageModel, name: &str) -> LanguageModel {
         .with_linears(|point, layer| points[point].apply(layer))
         .unwrap();
     let dir = fresh_dir(name);
+    let dir = dir.path();
     write_language_model(&dir, lm, &points).unwrap();
     let loaded = load_language_model(&dir).unwrap();
 

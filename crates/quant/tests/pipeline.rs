@@ -10,11 +10,12 @@ fn cartpole() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-quant-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A scratch directory, removed when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("qforge-quant-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 /// One and three worker threads observe the batches in different orders;
@@ -23,7 +24,7 @@ fn scratch(name: &str) -> PathBuf {
 #[test]
 fn one_and_three_threads_write_identical_artifacts() {
     let inputs = Inputs::new(cartpole(), cartpole().join("rollouts.jsonl"));
-    let dirs: Vec<PathBuf> = [1, 3]
+    let dirs: Vec<tempfile::TempDir> = [1, 3]
         .into_iter()
         .map(|threads| {
             let executor = EmbeddedExecutor { threads };
@@ -35,7 +36,7 @@ fn one_and_three_threads_write_identical_artifacts() {
             assert!(decision.after.agreement.unwrap() >= 0.99, "{decision:?}");
             assert_eq!(quantized.report.calibration.passes.len(), 1);
             let dir = scratch(&format!("threads-{threads}"));
-            let manifest = quantized.write(&dir).unwrap();
+            let manifest = quantized.write(dir.path()).unwrap();
             assert_eq!(manifest["coverage"], 1.0);
             dir
         })
@@ -47,12 +48,12 @@ fn one_and_three_threads_write_identical_artifacts() {
         "calibration.json",
     ] {
         assert!(
-            std::fs::read(dirs[0].join(file)).unwrap()
-                == std::fs::read(dirs[1].join(file)).unwrap(),
+            std::fs::read(dirs[0].path().join(file)).unwrap()
+                == std::fs::read(dirs[1].path().join(file)).unwrap(),
             "{file} differs between 1 and 3 threads"
         );
     }
-    qforge_model::manifest::verify(&dirs[0]).unwrap();
+    qforge_model::manifest::verify(dirs[0].path()).unwrap();
 }
 
 /// SmoothQuant folds factors into RMSNorm gains; a policy has none, and the

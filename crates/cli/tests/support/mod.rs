@@ -45,10 +45,11 @@ pub fn json(out: &Output) -> Value {
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
-/// A fresh scratch directory, unique to this test process.
-pub fn temp(prefix: &str, name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("qforge-{prefix}-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh scratch directory, removed with everything in it when dropped
+/// (artifacts of SmolLM2 are hundreds of MB each; CI's disk is shared).
+pub fn temp(prefix: &str, name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("qforge-{prefix}-{name}-"))
+        .tempdir()
+        .expect("create a scratch directory")
 }
