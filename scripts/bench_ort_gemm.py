@@ -23,7 +23,7 @@ SHAPES = [("smollm2_q_proj_576x576", 576, 576, ALL_M),
 
 
 def session(n, k, rng):
-    # ±63, as the qforge benchmark's weights (any values cost ORT the same).
+    # ±63 (any values cost ORT the same).
     weight = rng.integers(-63, 64, size=(k, n), dtype=np.int8)
     graph = helper.make_graph(
         [helper.make_node("MatMulInteger", ["a", "w", "a_zero"], ["y"])], "gemm",

@@ -19,6 +19,6 @@ pub mod transform;
 pub use data::{Dataset, EpisodeContent, Record, load_jsonl};
 pub use error::{Error, Result};
 pub use observe::{Job, observe_batch};
-pub use plan::{Batch, Pass, Plan, Recipe, Sample, Stratify, Stratum, plan};
+pub use plan::{Batch, HessianPass, Pass, Plan, Recipe, Sample, Stratify, Stratum, plan};
 pub use session::{Session, Weights, episode_tokens};
 pub use transform::{Transform, apply_all, transformed_digest};

@@ -1,10 +1,10 @@
 //! Observing one batch: the map step of a pass.
 
 use qforge_core::{Digest, Provenance, Stats};
-use qforge_model::{Logits, Model, StatsObserver};
+use qforge_model::{Model, StatsObserver};
 
 use crate::error::{Error, Result};
-use crate::plan::{Batch, Pass, Recipe, Sample};
+use crate::plan::{Batch, Recipe, Sample};
 use crate::transform::Transform;
 
 /// What identifies a calibration pass: the hashes of model, data and recipe,
@@ -31,7 +31,7 @@ pub struct Job {
 /// every linear input's histogram (and per-channel abs-max for the smoothing
 /// pass), with the batch's id in the provenance.
 pub fn observe_batch(target: &Model, batch: &Batch, job: &Job) -> Result<Stats> {
-    let mut observer = StatsObserver::new(job.recipe.pass == Pass::Smoothing);
+    let mut observer = StatsObserver::new(job.recipe.pass.statistics());
     match target {
         Model::Language(lm) => {
             let sequences = batch
@@ -44,8 +44,7 @@ pub fn observe_batch(target: &Model, batch: &Batch, job: &Job) -> Result<Stats> 
                     )),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            lm.model
-                .forward(&sequences, None, Some(&mut observer), Logits::Last)?;
+            lm.model.observe(&sequences, &mut observer)?;
         }
         Model::Policy(policy) => {
             let dim = policy.config().observation_dim;

@@ -1,7 +1,10 @@
 //! The calibration recipe, hashed into provenance, and the plan: the samples it
 //! selects from the data, cut into batches with stable ids.
 
+use std::collections::BTreeMap;
+
 use qforge_core::{BatchId, Digest, DigestBuilder};
+use qforge_model::Statistics;
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Dataset, EpisodeContent, Record};
@@ -19,7 +22,7 @@ pub enum Stratify {
 }
 
 /// What a pass records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Pass {
     /// Histograms of every linear input (for activation scales).
@@ -27,14 +30,38 @@ pub enum Pass {
     /// Histograms plus per-channel abs-max of every linear input (for
     /// smoothing factors).
     Smoothing,
+    /// The exact Gram matrices `Σ x xᵀ` of some linear inputs (GPTQ's
+    /// Hessians).
+    Hessian(HessianPass),
+}
+
+/// The linear inputs a Hessian pass sums `Σ x xᵀ` of, each with the
+/// run-wide fixed-point exponent its integers use ([`qforge_core::Gram`]).
+/// A pipeline cuts a model's inputs into such passes so that one pass's
+/// matrices fit in memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HessianPass {
+    /// Observation point → exponent.
+    pub points: BTreeMap<String, i32>,
 }
 
 impl Pass {
     /// The name recorded in provenance.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             Pass::Activation => "activation",
             Pass::Smoothing => "smoothing",
+            Pass::Hessian(_) => "hessian",
+        }
+    }
+
+    /// What an observer records for this pass.
+    pub fn statistics(&self) -> Statistics {
+        match self {
+            Pass::Activation => Statistics::Histograms { per_channel: false },
+            Pass::Smoothing => Statistics::Histograms { per_channel: true },
+            Pass::Hessian(h) => Statistics::Grams(h.points.clone()),
         }
     }
 }

@@ -38,7 +38,6 @@ pub fn info(args: InfoArgs) -> Result<()> {
                 "arch": std::env::consts::ARCH,
                 "cpu_features": features,
                 "tiers": tiers,
-                "weight_qmax": GemmTier::detect().weight_qmax(),
                 "threads": threads,
             }))?
         );
@@ -53,10 +52,6 @@ pub fn info(args: InfoArgs) -> Result<()> {
     for (kernel, tier) in &tiers {
         println!("{kernel:<9} tier: {}", tier.to_lowercase());
     }
-    println!(
-        "int8 weights up to ±{} (the GEMM tier's exact range)",
-        GemmTier::detect().weight_qmax()
-    );
     println!("threads:  {threads}");
     Ok(())
 }

@@ -127,6 +127,14 @@ pub struct QuantizeArgs {
     /// among q_proj, o_proj, gate_proj, down_proj, lm_head, or `all`.
     #[arg(long, value_name = "INPUTS", help_heading = "Recipe overrides")]
     hadamard: Option<String>,
+    /// [gptq] round int8 weights with GPTQ: Hessian passes after the
+    /// activation pass sum each layer input's exact Σ x xᵀ (on any backend,
+    /// the same bytes), and weights are rounded with error compensation.
+    #[arg(long, help_heading = "Recipe overrides")]
+    gptq: bool,
+    /// [gptq] round columns in order of decreasing Hessian diagonal.
+    #[arg(long, help_heading = "Recipe overrides")]
+    gptq_act_order: bool,
     /// [guard] largest relative perplexity increase (0.03 = +3 %).
     #[arg(long, help_heading = "Recipe overrides")]
     max_perplexity_increase: Option<f64>,
@@ -187,6 +195,8 @@ impl QuantizeArgs {
         if let Some(list) = &self.hadamard {
             recipe.rotation.inputs = rotated_inputs(list)?;
         }
+        recipe.gptq.enabled |= self.gptq || self.gptq_act_order;
+        recipe.gptq.act_order |= self.gptq_act_order;
         let g = &mut recipe.guard;
         g.max_perplexity_increase = self
             .max_perplexity_increase

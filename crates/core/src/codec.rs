@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! magic    8 bytes  "QFSTATS\0"
-//! version  u32 LE   FORMAT_VERSION
+//! version  u32 LE   PLAIN_VERSION (2), or FORMAT_VERSION (3) with Gram matrices
 //! length   u64 LE   body length in bytes
 //! body     see below
 //! crc32    u32 LE   CRC-32 (IEEE) of everything before it
@@ -27,18 +27,32 @@
 //!   extremes               u8 0, or u8 1 + min f32 bits LE + max f32 bits LE
 //!   bins                   varint n, then n × (varint index delta, varint count)
 //!   channels               u8 0, or u8 1 + varint n + n × f32 bits LE
+//!   gram (version 3 only)  u8 0, or u8 1 + varint width + varint zigzag
+//!                          exponent + varint rows + width·(width+1)/2 entries
 //! ```
+//!
+//! A file with a Gram matrix is version 3; one without is written as version
+//! 2, so statistics without Gram matrices keep their bytes. A Gram entry `v`
+//! is `varint 0` for zero, else `varint (1 + (tz << 1 | sign))` then
+//! `varint128 ((|v| >> tz) >> 1)` with `tz` the trailing zero bits of `|v|`:
+//! a batch's partial sums are f64 values scaled by a power of two, so their
+//! integers carry at most 53 significant bits and take about 9 bytes, not 16.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
+use crate::gram::Gram;
 use crate::histogram::{Histogram, HistogramParts};
 use crate::stats::{BatchId, Digest, Provenance, Stats, TensorStats};
 
 /// Magic bytes that open every `.qstats` file.
 pub const MAGIC: &[u8; 8] = b"QFSTATS\0";
-/// Version of the format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version of the format this build writes for statistics with a Gram
+/// matrix; it reads this and [`PLAIN_VERSION`].
+pub const FORMAT_VERSION: u32 = 3;
+/// Version written for statistics without a Gram matrix (the layout before
+/// Gram matrices existed, byte for byte).
+pub const PLAIN_VERSION: u32 = 2;
 const HEADER_LEN: usize = 8 + 4 + 8;
 const TRAILER_LEN: usize = 4;
 
@@ -63,6 +77,7 @@ pub fn encode(stats: &Stats) -> Vec<u8> {
         body.extend_from_slice(&batch.content.0);
     }
     put_varint(&mut body, p.planned);
+    let with_grams = stats.tensors.values().any(|t| t.gram().is_some());
     put_varint(&mut body, stats.tensors.len() as u64);
     for (name, tensor) in &stats.tensors {
         put_str(&mut body, name);
@@ -95,11 +110,19 @@ pub fn encode(stats: &Stats) -> Vec<u8> {
             }
             None => body.push(0),
         }
+        if with_grams {
+            put_gram(&mut body, tensor.gram());
+        }
     }
 
+    let version = if with_grams {
+        FORMAT_VERSION
+    } else {
+        PLAIN_VERSION
+    };
     let mut out = Vec::with_capacity(HEADER_LEN + body.len() + TRAILER_LEN);
     out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
     out.extend_from_slice(&(body.len() as u64).to_le_bytes());
     out.extend_from_slice(&body);
     let crc = crc32fast::hash(&out);
@@ -127,7 +150,7 @@ pub fn decode(bytes: &[u8]) -> Result<Stats> {
         )));
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    if version != FORMAT_VERSION {
+    if version != FORMAT_VERSION && version != PLAIN_VERSION {
         return Err(Error::Version {
             found: version,
             supported: FORMAT_VERSION,
@@ -157,7 +180,7 @@ pub fn decode(bytes: &[u8]) -> Result<Stats> {
         bytes: &bytes[HEADER_LEN..body_end],
         offset: 0,
     };
-    let stats = read_body(&mut reader)?;
+    let stats = read_body(&mut reader, version == FORMAT_VERSION)?;
     if reader.offset != reader.bytes.len() {
         return Err(Error::Corrupt(format!(
             "{} unread bytes at the end of the body",
@@ -167,7 +190,7 @@ pub fn decode(bytes: &[u8]) -> Result<Stats> {
     Ok(stats)
 }
 
-fn read_body(r: &mut Reader<'_>) -> Result<Stats> {
+fn read_body(r: &mut Reader<'_>, with_grams: bool) -> Result<Stats> {
     let flags = r.byte("provenance flags")?;
     if flags > 0b11 {
         return Err(Error::Corrupt(format!(
@@ -225,8 +248,13 @@ fn read_body(r: &mut Reader<'_>) -> Result<Stats> {
                 "tensor {name:?} out of order or repeated"
             )));
         }
-        let tensor = read_tensor(r, &name)?;
+        let tensor = read_tensor(r, &name, with_grams)?;
         tensors.insert(name, tensor);
+    }
+    if with_grams && tensors.values().all(|t| t.gram().is_none()) {
+        return Err(Error::Corrupt(format!(
+            "a version {FORMAT_VERSION} body without a Gram matrix (such statistics are written as version {PLAIN_VERSION})"
+        )));
     }
     Ok(Stats {
         provenance,
@@ -234,7 +262,7 @@ fn read_body(r: &mut Reader<'_>) -> Result<Stats> {
     })
 }
 
-fn read_tensor(r: &mut Reader<'_>, name: &str) -> Result<TensorStats> {
+fn read_tensor(r: &mut Reader<'_>, name: &str, with_grams: bool) -> Result<TensorStats> {
     let context = |what: &str| format!("tensor {name:?}: {what}");
     let zero = r.varint(&context("zero count"))?;
     let nan = r.varint(&context("NaN count"))?;
@@ -294,7 +322,81 @@ fn read_tensor(r: &mut Reader<'_>, name: &str) -> Result<TensorStats> {
             ))));
         }
     };
-    TensorStats::from_parts(histogram, channels)
+    let gram = if with_grams {
+        read_gram(r, &context)?
+    } else {
+        None
+    };
+    TensorStats::from_parts(histogram, channels, gram)
+        .map_err(|e| Error::Corrupt(context(&e.to_string())))
+}
+
+fn put_gram(out: &mut Vec<u8>, gram: Option<&Gram>) {
+    let Some(gram) = gram else {
+        out.push(0);
+        return;
+    };
+    out.push(1);
+    put_varint(out, gram.width() as u64);
+    let e = i64::from(gram.exponent());
+    put_varint(out, ((e << 1) ^ (e >> 63)) as u64);
+    put_varint(out, gram.rows());
+    for &v in gram.upper() {
+        if v == 0 {
+            out.push(0);
+            continue;
+        }
+        let magnitude = v.unsigned_abs();
+        let tz = magnitude.trailing_zeros();
+        put_varint(out, 1 + (u64::from(tz) << 1 | u64::from(v < 0)));
+        put_varint128(out, (magnitude >> tz) >> 1);
+    }
+}
+
+fn read_gram(r: &mut Reader<'_>, context: &dyn Fn(&str) -> String) -> Result<Option<Gram>> {
+    match r.byte(&context("gram flag"))? {
+        0 => return Ok(None),
+        1 => {}
+        other => return Err(Error::Corrupt(context(&format!("bad gram flag {other}")))),
+    }
+    let width = r.varint(&context("gram width"))?;
+    let zigzag = r.varint(&context("gram exponent"))?;
+    let exponent = ((zigzag >> 1) as i64) ^ -((zigzag & 1) as i64);
+    let rows = r.varint(&context("gram rows"))?;
+    let entries = width
+        .checked_mul(width + 1)
+        .map(|n| n / 2)
+        .ok_or_else(|| Error::Corrupt(context("gram width out of range")))?;
+    // Each entry takes at least one byte, so a corrupt width cannot make the
+    // decoder allocate without bound.
+    let remaining = (r.bytes.len() - r.offset) as u64;
+    if width == 0 || entries > remaining {
+        return Err(Error::Corrupt(context(&format!(
+            "a {width}-wide Gram matrix cannot fit in the {remaining} bytes left"
+        ))));
+    }
+    let exponent = i32::try_from(exponent)
+        .map_err(|_| Error::Corrupt(context("gram exponent out of range")))?;
+    let mut upper = Vec::with_capacity(entries as usize);
+    for _ in 0..entries {
+        let head = r.varint(&context("gram entry"))?;
+        if head == 0 {
+            upper.push(0);
+            continue;
+        }
+        let (tz, negative) = ((head - 1) >> 1, (head - 1) & 1 == 1);
+        let rest = r.varint128(&context("gram entry"))?;
+        // |v| = (2·rest + 1) · 2^tz must stay below 2^127.
+        let odd = rest
+            .checked_mul(2)
+            .map(|x| x | 1)
+            .filter(|&x| tz < 127 && x.leading_zeros() as u64 > tz)
+            .ok_or_else(|| Error::Corrupt(context("gram entry out of range")))?;
+        let magnitude = (odd << tz) as i128;
+        upper.push(if negative { -magnitude } else { magnitude });
+    }
+    Gram::from_parts(width as usize, exponent, rows, upper)
+        .map(Some)
         .map_err(|e| Error::Corrupt(context(&e.to_string())))
 }
 
@@ -310,6 +412,14 @@ fn ascending<T: Ord + std::fmt::Debug>(previous: Option<&T>, next: &T, what: &st
 }
 
 fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+fn put_varint128(out: &mut Vec<u8>, mut value: u128) {
     while value >= 0x80 {
         out.push((value as u8) | 0x80);
         value >>= 7;
@@ -367,6 +477,28 @@ impl<'a> Reader<'a> {
             if byte & 0x80 == 0 {
                 // A final zero byte after the first would be a second encoding
                 // of the same number.
+                if byte == 0 && shift > 0 {
+                    break;
+                }
+                return Ok(value);
+            }
+        }
+        Err(Error::Corrupt(format!(
+            "{what}: malformed varint ending at body offset {}",
+            self.offset
+        )))
+    }
+
+    fn varint128(&mut self, what: &str) -> Result<u128> {
+        let mut value = 0u128;
+        for shift in (0..128).step_by(7) {
+            let byte = self.byte(what)?;
+            let bits = u128::from(byte & 0x7F);
+            if shift == 126 && bits > 3 {
+                break;
+            }
+            value |= bits << shift;
+            if byte & 0x80 == 0 {
                 if byte == 0 && shift > 0 {
                     break;
                 }
@@ -481,7 +613,7 @@ mod tests {
     /// checks behind it.
     fn seal(body: &[u8]) -> Vec<u8> {
         let mut out = MAGIC.to_vec();
-        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&PLAIN_VERSION.to_le_bytes());
         out.extend_from_slice(&(body.len() as u64).to_le_bytes());
         out.extend_from_slice(body);
         let crc = crc32fast::hash(&out);
@@ -517,6 +649,61 @@ mod tests {
         broken.extend_from_slice(&body[flag_at + 9..]);
         let err = decode(&seal(&broken)).unwrap_err();
         assert!(err.to_string().contains("inconsistent"), "{err}");
+    }
+
+    fn with_gram() -> Stats {
+        let mut stats = sample();
+        let exponent = Gram::exponent_for(3.0, 4).unwrap();
+        let mut gram = TensorStats::with_gram(Gram::new(3, exponent).unwrap());
+        gram.observe(&[1.0, -2.0, 0.0, 0.1, 3.0, -0.5]).unwrap();
+        stats.tensors.insert("model.layers.0.mlp.gate_proj".into(), gram);
+        stats
+    }
+
+    #[test]
+    fn gram_matrices_round_trip_in_version_3_and_plain_stats_stay_version_2() {
+        let plain = encode(&sample());
+        assert_eq!(plain[8..12], PLAIN_VERSION.to_le_bytes());
+        let stats = with_gram();
+        let bytes = encode(&stats);
+        assert_eq!(bytes[8..12], FORMAT_VERSION.to_le_bytes());
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back, stats);
+        assert_eq!(encode(&back), bytes);
+        let gram = back.tensors["model.layers.0.mlp.gate_proj"].gram().unwrap();
+        assert_eq!(gram.rows(), 2);
+        // (0, 0) = 1 + 0.01, (0, 2) = 0 + 0.1 · (-0.5), both at the exponent.
+        assert!(gram.upper()[0] > 0 && gram.upper()[2] < 0);
+        // Extreme integers survive the compact entry encoding.
+        let extremes = vec![i128::MAX >> 1, -(i128::MAX >> 1), 1, -1, 0, 1 << 100];
+        let mut big = Stats::default();
+        big.tensors.insert(
+            "x".into(),
+            TensorStats::from_parts(
+                Histogram::new(),
+                None,
+                Some(Gram::from_parts(3, -7, 9, extremes).unwrap()),
+            )
+            .unwrap(),
+        );
+        assert_eq!(decode(&encode(&big)).unwrap(), big);
+        // A version-3 body with no Gram matrix is not canonical.
+        let mut relabelled = plain.clone();
+        relabelled[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        let body_end = relabelled.len() - TRAILER_LEN;
+        let crc = crc32fast::hash(&relabelled[..body_end]);
+        relabelled[body_end..].copy_from_slice(&crc.to_le_bytes());
+        assert!(matches!(decode(&relabelled), Err(Error::Corrupt(_))));
+        // Gram matrices merge through Stats like every other statistic.
+        let mut a = with_gram();
+        let mut other = with_gram();
+        other.provenance.batches = BTreeSet::from([BatchId {
+            index: 4,
+            content: Digest::of(b"other"),
+        }]);
+        a.merge(&other, MergePolicy::Strict).unwrap();
+        let merged = a.tensors["model.layers.0.mlp.gate_proj"].gram().unwrap();
+        assert_eq!(merged.upper()[0], 2 * gram.upper()[0]);
     }
 
     #[test]

@@ -9,7 +9,7 @@ pub enum Error {
     NotStats,
     /// The file was written by an incompatible version of the format.
     #[error(
-        ".qstats format version {found} is not supported (this build reads version {supported}); use a qforge build that matches the writer"
+        ".qstats format version {found} is not supported (this build reads versions up to {supported}); use a qforge build that matches the writer"
     )]
     Version {
         /// Version found in the file.
@@ -45,6 +45,12 @@ pub enum Error {
     /// A textual argument could not be parsed.
     #[error("{0}")]
     Parse(String),
+    /// A value that must be finite is not (NaN or infinite activations).
+    #[error("{0}")]
+    NonFinite(String),
+    /// An exact integer sum would leave its range; it is refused, never wrapped.
+    #[error("{0}")]
+    Overflow(String),
     /// The requested kernel tier is not supported by this CPU.
     #[error("CPU tier {0} is not supported on this machine")]
     UnsupportedTier(String),

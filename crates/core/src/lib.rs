@@ -8,6 +8,9 @@
 //!   any sharding of the same data are identical bit for bit.
 //! - [`Stats`], [`Provenance`], [`BatchId`]: the merged statistics of a pass,
 //!   where they came from, and which batches they contain.
+//! - [`Gram`]: exact Gram matrices `Σ x xᵀ` of layer inputs (GPTQ's
+//!   Hessians), f64 partials rounded to a run-wide fixed point and merged as
+//!   `i128`.
 //! - [`Calibrator`]: minmax, percentile, entropy (KL), mse and sigma clipping.
 //! - [`QuantParams`]: int8 quantization parameters (symmetric, asymmetric)
 //!   and (de)quantization; the engine's per-row weight quantizer is
@@ -22,6 +25,7 @@ pub mod calibrate;
 pub mod codec;
 pub mod cpu;
 pub mod error;
+pub mod gram;
 pub mod histogram;
 pub mod metrics;
 pub mod params;
@@ -30,6 +34,7 @@ pub mod stats;
 pub use calibrate::Calibrator;
 pub use cpu::CpuFeatures;
 pub use error::{Error, Result};
+pub use gram::{Gram, GramTier};
 pub use histogram::{Histogram, ObserveTier};
 pub use metrics::{ErrorMetrics, error_metrics};
 pub use params::{Fit, QuantParams, RangeWarning};

@@ -8,17 +8,20 @@ use serde::Serialize;
 use sha2::{Digest as _, Sha256};
 
 use crate::error::{Error, Result};
+use crate::gram::Gram;
 use crate::histogram::Histogram;
 
 /// Statistics of one tensor: the value histogram (with exact min/max and
 /// special-value counts) and, optionally, the abs-max of each channel (the last
-/// axis), which smoothing needs. Every field merges exactly.
+/// axis), which smoothing needs, and the Gram matrix `Σ x xᵀ` of its rows,
+/// which GPTQ needs. Every field merges exactly.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TensorStats {
     histogram: Histogram,
     /// Bit patterns of per-channel abs-max over finite values. Non-negative
     /// floats order like their bit patterns, so an integer max is exact.
     channel_abs_max: Option<Vec<u32>>,
+    gram: Option<Gram>,
 }
 
 impl TensorStats {
@@ -30,15 +33,28 @@ impl TensorStats {
     /// Empty statistics that also track the abs-max of `channels` channels.
     pub fn with_channels(channels: usize) -> Self {
         Self {
-            histogram: Histogram::new(),
             channel_abs_max: Some(vec![0; channels]),
+            ..Self::default()
         }
     }
 
-    /// Records `values`. With per-channel tracking, `values` is a row-major
-    /// `[rows, channels]` block and its length must be a multiple of the channel
-    /// count.
+    /// Empty statistics that also sum the Gram matrix of rows of `gram`'s
+    /// width (at its exponent).
+    pub fn with_gram(gram: Gram) -> Self {
+        Self {
+            gram: Some(gram),
+            ..Self::default()
+        }
+    }
+
+    /// Records `values`. With per-channel tracking or a Gram matrix, `values`
+    /// is a row-major `[rows, channels]` block and its length must be a
+    /// multiple of the channel count; a refused Gram observation (non-finite
+    /// values, overflow) leaves the statistics unchanged.
     pub fn observe(&mut self, values: &[f32]) -> Result<()> {
+        if let Some(gram) = &mut self.gram {
+            gram.observe(values)?;
+        }
         if let Some(channels) = &mut self.channel_abs_max {
             let width = channels.len();
             if width == 0 || !values.len().is_multiple_of(width) {
@@ -71,12 +87,25 @@ impl TensorStats {
                 *x = (*x).max(*y);
             }
         }
+        if let (Some(a), Some(b)) = (&mut self.gram, &other.gram) {
+            a.merge(b)?;
+        }
         Ok(())
     }
 
     /// Fails if `other` cannot be merged into `self`: different channel
-    /// tracking, or counts that would overflow.
+    /// tracking or Gram matrices, or counts or sums that would overflow.
     pub fn check_merge(&self, other: &TensorStats) -> Result<()> {
+        match (&self.gram, &other.gram) {
+            (Some(a), Some(b)) => a.check_merge(b)?,
+            (None, None) => {}
+            _ => {
+                return Err(Error::Shape(
+                    "cannot merge statistics with a Gram matrix and statistics without one"
+                        .into(),
+                ));
+            }
+        }
         let (a, b) = (&self.channel_abs_max, &other.channel_abs_max);
         if a.as_ref().map(Vec::len) != b.as_ref().map(Vec::len) {
             return Err(Error::Shape(format!(
@@ -104,7 +133,16 @@ impl TensorStats {
         self.channel_abs_max.as_deref()
     }
 
-    pub(crate) fn from_parts(histogram: Histogram, channels: Option<Vec<u32>>) -> Result<Self> {
+    /// The Gram matrix of the rows, if summed.
+    pub fn gram(&self) -> Option<&Gram> {
+        self.gram.as_ref()
+    }
+
+    pub(crate) fn from_parts(
+        histogram: Histogram,
+        channels: Option<Vec<u32>>,
+        gram: Option<Gram>,
+    ) -> Result<Self> {
         if let Some(c) = &channels
             && let Some(bad) = c.iter().find(|&&b| b >= 0x7F80_0000)
         {
@@ -115,6 +153,7 @@ impl TensorStats {
         Ok(Self {
             histogram,
             channel_abs_max: channels,
+            gram,
         })
     }
 }

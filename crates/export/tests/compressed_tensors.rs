@@ -160,8 +160,8 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
             if point == "lm_head" || points[point] == LayerPrecision::Fp {
                 return Ok(layer.clone());
             }
-            let (weight, bias) = layer.full_precision()?;
-            let (values, scales) = Linear::quantize_weight(&weight)?;
+            let (_, bias) = layer.full_precision()?;
+            let (values, scales) = layer.int8_weight()?;
             let (out, inp) = layer.shape();
             let dequantized: Vec<f32> = values
                 .chunks_exact(inp)

@@ -11,13 +11,16 @@
 //! inputs contribute nothing whatever their bytes.
 //!
 //! Activations are symmetric int8 stored as `q + 128` in a u8 (the operand
-//! VNNI takes); the offset is removed afterwards with each channel's
-//! precomputed `128 · Σ w`, exact in i32.
+//! VNNI takes). The portable and VNNI tiers multiply the stored bytes and
+//! the epilogue removes the offset with each channel's precomputed
+//! `128 · Σ w`, exact in i32; the AVX2 tier recovers `q` itself (see
+//! [`PackedWeights::offsets`]).
 //!
-//! Tiers: AVX-512 VNNI (`vpdpbusd`), AVX2 (`vpmaddubsw` + `vpmaddwd`, which
-//! saturates a pair of products beyond i16: that tier takes 7-bit weights, see
-//! [`GemmTier::weight_qmax`]) and a portable scalar twin. Every tier computes
-//! the exact integer sums, so tests compare them for equality.
+//! Tiers: AVX-512 VNNI (`vpdpbusd`), AVX2 (`vpmaddubsw` + `vpmaddwd` on
+//! `|q|` and the weights carrying `q`'s sign, so that no pair of products
+//! saturates i16) and a portable scalar twin. Every tier takes full 8-bit
+//! weights ([`WEIGHT_QMAX`]) and computes the exact integer sums, so tests
+//! compare them for equality and an artifact runs the same on every tier.
 //!
 //! Why our own kernel instead of `rten-gemm` (the first choice when the
 //! engine was designed): on this machine's VNNI CPU rten's prepacked GEMM ran
@@ -38,6 +41,9 @@ const GROUP: usize = 4;
 
 /// Bytes of one group of a panel.
 const GROUP_BYTES: usize = PANEL * GROUP;
+
+/// Largest weight magnitude: int8 weights are symmetric in ±127 on every tier.
+pub const WEIGHT_QMAX: i8 = 127;
 
 /// Largest `k` whose sums cannot overflow i32: `k · 255 · 127 < 2³¹`.
 pub const MAX_INPUTS: usize = (i32::MAX as usize) / (255 * 127);
@@ -72,7 +78,7 @@ pub const SPLIT_CHANNELS_MIN_PANELS_PER_THREAD: usize = 16;
 pub enum GemmTier {
     /// Plain Rust loops, every target: the scalar twin.
     Portable,
-    /// AVX2 `vpmaddubsw` (x86-64), 7-bit weights.
+    /// AVX2 `vpmaddubsw` on signed activations (x86-64).
     Avx2,
     /// AVX-512 VNNI `vpdpbusd` (x86-64).
     Avx512Vnni,
@@ -98,17 +104,6 @@ impl GemmTier {
             Self::Portable => true,
             Self::Avx2 => cpu.avx2,
             Self::Avx512Vnni => cpu.avx512f && cpu.avx512bw && cpu.avx512vnni,
-        }
-    }
-
-    /// Largest weight magnitude the tier multiplies exactly: 127, or 63 on
-    /// AVX2, whose `vpmaddubsw` adds two u8 × i8 products into a saturating
-    /// i16 (2 · 255 · 63 = 32 130 fits, 2 · 255 · 127 does not; the 7-bit
-    /// remedy of ONNX Runtime's `reduce_range`).
-    pub fn weight_qmax(self) -> i8 {
-        match self {
-            Self::Avx2 => 63,
-            Self::Portable | Self::Avx512Vnni => 127,
         }
     }
 
@@ -140,7 +135,8 @@ struct Group([i8; GROUP_BYTES]);
 pub struct PackedWeights {
     tier: GemmTier,
     groups: Vec<Group>,
-    /// `128 · Σₖ w[c, k]` per channel, subtracted from the raw sums.
+    /// Per channel, what the epilogue subtracts from the raw sums (see
+    /// [`PackedWeights::offsets`]).
     offsets: Vec<i32>,
     n: usize,
     k: usize,
@@ -158,8 +154,8 @@ impl std::fmt::Debug for PackedWeights {
 
 impl PackedWeights {
     /// Packs `values` (`[n, k]` row-major) for `tier`. Errors if the tier is
-    /// missing, a value exceeds the tier's [`GemmTier::weight_qmax`], or `k`
-    /// exceeds [`MAX_INPUTS`].
+    /// missing, a value exceeds ±[`WEIGHT_QMAX`] (−128 has no symmetric
+    /// twin), or `k` exceeds [`MAX_INPUTS`].
     pub fn new(tier: GemmTier, values: &[i8], n: usize, k: usize) -> Result<Self> {
         if !tier.is_supported() {
             return Err(Error::UnsupportedTier(tier.name().into()));
@@ -175,11 +171,9 @@ impl PackedWeights {
                 "{k} inputs per channel: sums of more than {MAX_INPUTS} could overflow i32"
             )));
         }
-        let qmax = tier.weight_qmax().unsigned_abs();
-        if let Some(v) = values.iter().find(|v| v.unsigned_abs() > qmax) {
+        if let Some(v) = values.iter().find(|v| **v < -WEIGHT_QMAX) {
             return Err(Error::Shape(format!(
-                "weight {v} exceeds ±{qmax}, the most the {} GEMM multiplies exactly",
-                tier.name()
+                "weight {v} exceeds ±{WEIGHT_QMAX}: int8 weights are symmetric"
             )));
         }
         let panels = n.div_ceil(PANEL);
@@ -194,7 +188,12 @@ impl PackedWeights {
         }
         let offsets = values
             .chunks_exact(k)
-            .map(|row| 128 * row.iter().map(|&v| i32::from(v)).sum::<i32>())
+            .map(|row| match tier {
+                GemmTier::Avx2 => 0,
+                GemmTier::Portable | GemmTier::Avx512Vnni => {
+                    128 * row.iter().map(|&v| i32::from(v)).sum::<i32>()
+                }
+            })
             .collect();
         Ok(Self {
             tier,
@@ -275,10 +274,12 @@ impl PackedWeights {
         }
     }
 
-    /// Raw sums `Σₖ a[r, k] · w[c, k]` (activations as stored, offset not yet
-    /// removed) of `rows` rows of `a` (row stride [`Self::row_stride`]) over
+    /// Raw sums of `rows` rows of `a` (row stride [`Self::row_stride`]) over
     /// the panels `panels` and input groups `groups`, into `c` laid out
-    /// `[panel][row][PANEL]` for those panels.
+    /// `[panel][row][PANEL]` for those panels: `Σₖ a[r, k] · w[c, k]` with the
+    /// activations as stored, or, on AVX2, `Σₖ (a[r, k] − 128) · w[c, k]`.
+    /// On every tier, the raw sums of all input groups less
+    /// [`Self::offsets`] are the signed sums `Σₖ q[r, k] · w[c, k]`.
     pub fn raw_sums(
         &self,
         a: &[u8],
@@ -313,7 +314,9 @@ impl PackedWeights {
         }
     }
 
-    /// The per-channel offsets `128 · Σ w` (length `n`).
+    /// What the epilogue subtracts from each channel's raw sums (length `n`):
+    /// `128 · Σ w` where the kernel multiplied the stored `q + 128` bytes,
+    /// zero on AVX2, whose kernel multiplies `q` itself.
     pub fn offsets(&self) -> &[i32] {
         &self.offsets
     }
@@ -424,9 +427,13 @@ mod x86 {
         }
     }
 
-    /// Register tile of `R` rows × 16 channels (one line of each group): the
-    /// four u8 × i8 products of a lane are summed as two saturating i16 pairs
-    /// (`vpmaddubsw`; exact for |w| ≤ 63) and widened to i32 (`vpmaddwd` by 1).
+    /// Register tile of `R` rows × 16 channels (one line of each group), on
+    /// the signed activations `q = a ^ 0x80`: `vpmaddubsw` multiplies `|q|`
+    /// (unsigned) by the weights given `q`'s sign (`vpsignb`, which also
+    /// zeroes them where `q` is 0), so each i16 pair sum is at most
+    /// 2 · 128 · 127 = 32 512 and never saturates (the trick of ggml's AVX2
+    /// dot products; multiplying the stored `q + 128` would need 7-bit
+    /// weights). `vpmaddwd` by 1 widens the pairs to i32.
     #[target_feature(enable = "avx2")]
     unsafe fn tile_avx2_rows<const R: usize>(
         a: *const u8,
@@ -436,6 +443,7 @@ mod x86 {
         c: *mut i32,
     ) {
         let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(i8::MIN);
         let mut acc = [[_mm256_setzero_si256(); 2]; R];
         for (g, group) in b.iter().enumerate() {
             let w = group.0[line * 64..].as_ptr().cast::<__m256i>();
@@ -443,9 +451,11 @@ mod x86 {
             let w = unsafe { [_mm256_load_si256(w), _mm256_load_si256(w.add(1))] };
             for (r, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: row `r`, group `g` lies within the caller's rows.
-                let x = _mm256_set1_epi32(unsafe { broadcast4(a, r * lda + g * GROUP) });
+                let stored = _mm256_set1_epi32(unsafe { broadcast4(a, r * lda + g * GROUP) });
+                let q = _mm256_xor_si256(stored, flip);
+                let magnitude = _mm256_sign_epi8(q, q);
                 for (acc, &w) in acc.iter_mut().zip(&w) {
-                    let pairs = _mm256_maddubs_epi16(x, w);
+                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, q));
                     *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(pairs, ones));
                 }
             }
@@ -459,7 +469,7 @@ mod x86 {
     }
 
     /// # Safety
-    /// See [`super::tile`]; the CPU must have AVX2 and the weights |w| ≤ 63.
+    /// See [`super::tile`]; the CPU must have AVX2.
     pub(super) unsafe fn tile_avx2(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
         let (a, c) = (a.as_ptr(), c.as_mut_ptr());
         for line in 0..PANEL / 16 {

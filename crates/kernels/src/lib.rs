@@ -23,8 +23,8 @@ pub mod quantize;
 pub mod team;
 
 pub use error::{Error, Result};
-pub use gemm::{GemmTier, PackedWeights};
+pub use gemm::{GemmTier, PackedWeights, WEIGHT_QMAX};
 pub use hadamard::{Hadamard, HadamardTier};
-pub use linear::{Activations, Int8Linear, Scratch, quantize_rows_symmetric, weight_qmax};
+pub use linear::{Activations, Int8Linear, Scratch, quantize_rows_symmetric};
 pub use quantize::{QuantizeTier, ZERO_POINT};
 pub use team::Team;

@@ -1,14 +1,8 @@
 //! The INT8 linear layer: `y = x Wᵀ + b` with int8 weights and activations.
 
 use crate::error::{Error, Result};
-use crate::gemm::{GemmTier, PANEL, PackedWeights};
+use crate::gemm::{GemmTier, PANEL, PackedWeights, WEIGHT_QMAX};
 use crate::quantize::{ROUNDER, ZERO_POINT, quantize_per_token, quantize_static};
-
-/// Largest weight magnitude this CPU's GEMM tier multiplies exactly (see
-/// [`GemmTier::weight_qmax`]).
-pub fn weight_qmax() -> i8 {
-    GemmTier::detect().weight_qmax()
-}
 
 /// Quantizes the rows of `weight` (rows of `cols` values) symmetrically, each
 /// with its own scale `max|w| / qmax` (1 for an all-zero row), rounding half
@@ -86,7 +80,7 @@ impl Int8Linear {
                 weight.len()
             )));
         }
-        let (values, scales) = quantize_rows_symmetric(weight, in_features, weight_qmax());
+        let (values, scales) = quantize_rows_symmetric(weight, in_features, WEIGHT_QMAX);
         Self::from_quantized(
             &values,
             scales,
@@ -97,10 +91,7 @@ impl Int8Linear {
     }
 
     /// Prepacks weights quantized already (`values[o·in + i] × scales[o]`),
-    /// e.g. read back from an artifact. Values beyond what this CPU's GEMM
-    /// takes exactly ([`weight_qmax`]: an artifact written on a VNNI machine
-    /// and loaded on plain AVX2) are requantized to the narrower range from
-    /// their dequantized values.
+    /// e.g. read back from an artifact.
     pub fn from_quantized(
         values: &[i8],
         scales: Vec<f32>,
@@ -133,22 +124,6 @@ impl Int8Linear {
             )));
         }
         let tier = GemmTier::detect();
-        let qmax = tier.weight_qmax();
-        let narrowed;
-        let (values, scales) = if values
-            .iter()
-            .any(|v| v.unsigned_abs() > qmax.unsigned_abs())
-        {
-            let dequantized: Vec<f32> = values
-                .chunks_exact(in_features)
-                .zip(&scales)
-                .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
-                .collect();
-            narrowed = quantize_rows_symmetric(&dequantized, in_features, qmax);
-            (&narrowed.0[..], narrowed.1.clone())
-        } else {
-            (values, scales)
-        };
         let packed = PackedWeights::new(tier, values, out_features, in_features)?;
         Ok(Self {
             packed,

@@ -1,9 +1,10 @@
-//! Every GEMM tier against the scalar twin: raw sums equal exactly on random
-//! shapes (odd `n` and `k`, M = 1 and partial register tiles, split input
-//! ranges), on the worst-case operands of each tier, and a layer split over
+//! Every GEMM tier against the definition: the signed sums (raw sums less
+//! the tier's offsets) equal exactly on random shapes (odd `n` and `k`,
+//! M = 1 and partial register tiles, split input ranges) with full 8-bit
+//! weights, on the worst-case operands of each tier, and a layer split over
 //! two threads (by inputs and by channels) equals the same layer on one.
 
-use qforge_kernels::gemm::{GemmTier, MAX_INPUTS, PANEL, PackedWeights};
+use qforge_kernels::gemm::{GemmTier, MAX_INPUTS, PANEL, PackedWeights, WEIGHT_QMAX};
 use qforge_kernels::{Activations, Int8Linear, Scratch};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -16,22 +17,33 @@ fn supported(tier: GemmTier) -> bool {
     ok
 }
 
-/// Raw sums of `rows` rows over `groups`, every panel, on `tier`.
+/// Raw sums of `rows` rows over each range of `parts`, every panel, on
+/// `tier`, added up, less the tier's offsets: the signed sums.
 fn sums(
     tier: GemmTier,
     w: &[i8],
     (n, k): (usize, usize),
     a: &[u8],
     rows: usize,
-    groups: std::ops::Range<usize>,
+    parts: &[std::ops::Range<usize>],
 ) -> Vec<i32> {
     let packed = PackedWeights::new(tier, w, n, k).unwrap();
-    let mut c = vec![0; packed.panels() * rows * PANEL];
-    packed.raw_sums(a, rows, 0..packed.panels(), groups, &mut c);
-    c
+    let mut total = vec![0; packed.panels() * rows * PANEL];
+    for groups in parts {
+        let mut c = vec![0; total.len()];
+        packed.raw_sums(a, rows, 0..packed.panels(), groups.clone(), &mut c);
+        total.iter_mut().zip(&c).for_each(|(t, c)| *t += c);
+    }
+    for (i, t) in total.iter_mut().enumerate() {
+        let channel = (i / (rows * PANEL)) * PANEL + i % PANEL;
+        if channel < n {
+            *t -= packed.offsets()[channel];
+        }
+    }
+    total
 }
 
-/// The sums computed from the definition in i64, laid out as the kernels lay
+/// `Σ (a − 128) · w` from the definition in i64, laid out as the kernels lay
 /// them out (`[panel][row][PANEL]`, padded channels 0).
 fn definition(w: &[i8], (n, k): (usize, usize), a: &[u8], rows: usize, stride: usize) -> Vec<i32> {
     let panels = n.div_ceil(PANEL);
@@ -39,7 +51,7 @@ fn definition(w: &[i8], (n, k): (usize, usize), a: &[u8], rows: usize, stride: u
     for r in 0..rows {
         for ch in 0..n {
             let s: i64 = (0..k)
-                .map(|i| i64::from(a[r * stride + i]) * i64::from(w[ch * k + i]))
+                .map(|i| (i64::from(a[r * stride + i]) - 128) * i64::from(w[ch * k + i]))
                 .sum();
             c[((ch / PANEL) * rows + r) * PANEL + ch % PANEL] = i32::try_from(s).unwrap();
         }
@@ -66,7 +78,7 @@ fn every_tier_equals_the_definition_on_random_shapes() {
         if !supported(tier) {
             continue;
         }
-        let qmax = tier.weight_qmax();
+        let qmax = WEIGHT_QMAX;
         for &(rows, n, k) in &shapes {
             let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-qmax..=qmax)).collect();
             let stride = k.div_ceil(4) * 4;
@@ -74,59 +86,63 @@ fn every_tier_equals_the_definition_on_random_shapes() {
             // must not matter.
             let a: Vec<u8> = (0..rows * stride).map(|_| rng.random()).collect();
             let want = definition(&w, (n, k), &a, rows, stride);
-            let got = sums(tier, &w, (n, k), &a, rows, 0..stride / 4);
+            let got = sums(tier, &w, (n, k), &a, rows, &[0..stride / 4]);
             assert_eq!(got, want, "{} rows {rows} n {n} k {k}", tier.name());
             // Two input ranges add up to the whole.
             let mid = stride / 8;
-            let low = sums(tier, &w, (n, k), &a, rows, 0..mid);
-            let high = sums(tier, &w, (n, k), &a, rows, mid..stride / 4);
-            let added: Vec<i32> = low.iter().zip(&high).map(|(l, h)| l + h).collect();
-            assert_eq!(added, want, "{} split at group {mid}", tier.name());
+            let split = sums(tier, &w, (n, k), &a, rows, &[0..mid, mid..stride / 4]);
+            assert_eq!(split, want, "{} split at group {mid}", tier.name());
         }
     }
 }
 
 #[test]
 fn worst_case_operands_do_not_saturate_any_tier() {
-    // Every activation byte 255 against weights at ±qmax, same sign within
-    // each channel: the largest pair sums `vpmaddubsw` forms, and the
-    // largest i32 sums the longest allowed row reaches.
+    // Activations all at one byte against weights at ±127, same sign within
+    // each channel: 255 (q = 127) gives the largest raw sums the stored-byte
+    // tiers form, and reaches i32's limit on the longest allowed row; 0
+    // (q = −128, which the quantizer never writes) gives AVX2's largest pair
+    // sums, 2 · 128 · 127.
     for tier in GemmTier::ALL {
         if !supported(tier) {
             continue;
         }
-        let qmax = tier.weight_qmax();
         for (rows, n, k) in [(2usize, 4usize, 512usize), (1, 2, MAX_INPUTS)] {
             let w: Vec<i8> = (0..n * k)
-                .map(|i| if (i / k) % 2 == 0 { qmax } else { -qmax })
+                .map(|i| {
+                    if (i / k) % 2 == 0 {
+                        WEIGHT_QMAX
+                    } else {
+                        -WEIGHT_QMAX
+                    }
+                })
                 .collect();
             let stride = k.div_ceil(4) * 4;
-            let a = vec![255u8; rows * stride];
-            let got = sums(tier, &w, (n, k), &a, rows, 0..stride / 4);
-            assert_eq!(
-                got,
-                definition(&w, (n, k), &a, rows, stride),
-                "{}",
-                tier.name()
-            );
-            let extreme = 255 * i64::from(qmax) * k as i64;
-            assert_eq!(i64::from(got[0]), extreme, "{} k {k}", tier.name());
-            assert_eq!(i64::from(got[1]), -extreme, "{} k {k}", tier.name());
+            for byte in [255u8, 0, 1] {
+                let a = vec![byte; rows * stride];
+                let got = sums(tier, &w, (n, k), &a, rows, &[0..stride / 4]);
+                assert_eq!(
+                    got,
+                    definition(&w, (n, k), &a, rows, stride),
+                    "{} byte {byte}",
+                    tier.name()
+                );
+                let extreme = (i64::from(byte) - 128) * i64::from(WEIGHT_QMAX) * k as i64;
+                assert_eq!(i64::from(got[0]), extreme, "{} k {k}", tier.name());
+                assert_eq!(i64::from(got[1]), -extreme, "{} k {k}", tier.name());
+            }
         }
     }
 }
 
 #[test]
-fn weights_beyond_a_tier_and_rows_beyond_i32_are_refused() {
+fn asymmetric_weights_and_rows_beyond_i32_are_refused() {
     for tier in GemmTier::ALL {
         if !supported(tier) {
             continue;
         }
-        let too_wide = tier.weight_qmax().saturating_add(1);
-        if too_wide > tier.weight_qmax() {
-            let err = PackedWeights::new(tier, &[0, too_wide], 1, 2).unwrap_err();
-            assert!(err.to_string().contains("exceeds"), "{err}");
-        }
+        let err = PackedWeights::new(tier, &[0, i8::MIN], 1, 2).unwrap_err();
+        assert!(err.to_string().contains("exceeds"), "{err}");
         let k = MAX_INPUTS + 1;
         let err = PackedWeights::new(tier, &vec![0; k], 1, k).unwrap_err();
         assert!(err.to_string().contains("overflow"), "{err}");

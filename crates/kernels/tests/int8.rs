@@ -7,7 +7,7 @@
 use qforge_kernels::quantize::{quantize_per_token_reference, quantize_per_token_with};
 use qforge_kernels::{
     Activations, GemmTier, Int8Linear, QuantizeTier, Scratch, ZERO_POINT, quantize_rows_symmetric,
-    weight_qmax,
+    WEIGHT_QMAX,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -64,7 +64,7 @@ fn quantizer_tiers_equal_the_scalar_twin() {
 fn exact(x: &[f32], weight: &[f32], bias: &[f32], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
     let (mut qa, mut sa) = (vec![0u8; m * k], vec![0f32; m]);
     quantize_per_token_reference(x, k, &mut qa, &mut sa).unwrap();
-    let (qw, sw) = quantize_rows_symmetric(weight, k, weight_qmax());
+    let (qw, sw) = quantize_rows_symmetric(weight, k, WEIGHT_QMAX);
     let mut y = vec![0f32; m * n];
     for i in 0..m {
         for j in 0..n {
@@ -85,7 +85,7 @@ fn gemm_sums_are_exact_on_odd_shapes_and_worst_case_operands() {
     eprintln!(
         "GEMM kernel: {}, weight qmax {}",
         GemmTier::detect().name(),
-        weight_qmax()
+        WEIGHT_QMAX
     );
     let mut rng = StdRng::seed_from_u64(2);
     let mut scratch = Scratch::default();
@@ -140,7 +140,7 @@ fn int8_forward_matches_the_dequantized_simulation_within_the_rounding_bound() {
         let y = layer.forward(&x, m, &mut scratch).unwrap();
         let (mut qa, mut sa) = (vec![0u8; m * k], vec![0f32; m]);
         quantize_per_token_reference(&x, k, &mut qa, &mut sa).unwrap();
-        let (qw, sw) = quantize_rows_symmetric(&w, k, weight_qmax());
+        let (qw, sw) = quantize_rows_symmetric(&w, k, WEIGHT_QMAX);
         for i in 0..m {
             for j in 0..n {
                 let (mut sim, mut magnitude) = (0f32, 0f64);
@@ -222,43 +222,14 @@ fn prequantized_weights_load_as_the_layer_that_made_them() {
     let want = made.forward(&x, m, &mut scratch).unwrap();
 
     // What an artifact written on this CPU holds: the engine's own values.
-    let (values, scales) = quantize_rows_symmetric(&weight, k, weight_qmax());
+    let (values, scales) = quantize_rows_symmetric(&weight, k, WEIGHT_QMAX);
     let loaded =
         Int8Linear::from_quantized(&values, scales, (n, k), Some(&bias), Activations::Dynamic)
             .unwrap();
     assert_eq!(loaded.forward(&x, m, &mut scratch).unwrap(), want);
 
-    // Full 8-bit values (a VNNI machine's artifact) load on any tier: where
-    // the GEMM takes only 7 bits they are narrowed, and the layer then equals
-    // one made from the dequantized weights.
-    let (wide, wide_scales) = quantize_rows_symmetric(&weight, k, 127);
-    let dequantized: Vec<f32> = wide
-        .chunks_exact(k)
-        .zip(&wide_scales)
-        .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
-        .collect();
-    let expected = Int8Linear::new(&dequantized, (n, k), Some(&bias), Activations::Dynamic)
-        .unwrap()
-        .forward(&x, m, &mut scratch)
-        .unwrap();
-    let wide_layer = Int8Linear::from_quantized(
-        &wide,
-        wide_scales,
-        (n, k),
-        Some(&bias),
-        Activations::Dynamic,
-    )
-    .unwrap();
-    let got = wide_layer.forward(&x, m, &mut scratch).unwrap();
-    if weight_qmax() == 127 {
-        // Nothing to narrow: these are the values checked above, loaded as stored.
-        assert_eq!(got, want);
-    } else {
-        assert_eq!(got, expected);
-    }
-
     // Corrupt scales are refused, not multiplied through.
-    let (values, mut scales) = quantize_rows_symmetric(&weight, k, weight_qmax());
+    let (values, mut scales) = quantize_rows_symmetric(&weight, k, WEIGHT_QMAX);
     scales[3] = f32::NAN;
     assert!(
         Int8Linear::from_quantized(&values, scales, (n, k), None, Activations::Dynamic).is_err()

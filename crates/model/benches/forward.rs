@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
-use qforge_model::{Activations, Llama, Logits, StatsObserver};
+use qforge_model::{Activations, Llama, Logits, Statistics, StatsObserver};
 
 fn model() -> Llama {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -60,7 +60,7 @@ fn bench(c: &mut Criterion) {
     group.throughput(Throughput::Elements(prompt.len() as u64));
     group.bench_function("prefill_128_observed", |b| {
         b.iter(|| {
-            let mut observer = StatsObserver::new(true);
+            let mut observer = StatsObserver::new(Statistics::Histograms { per_channel: true });
             model
                 .forward(
                     black_box(std::slice::from_ref(&prompt)),

@@ -31,7 +31,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use qforge_kernels::{Activations, Int8Linear, weight_qmax};
+use qforge_kernels::{Activations, Int8Linear, WEIGHT_QMAX};
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
@@ -113,8 +113,9 @@ pub struct ArtifactConfig {
     pub version: u32,
     /// The model kind.
     pub kind: ModelKind,
-    /// Largest int8 weight magnitude (127, or 63 when written on a CPU whose
-    /// GEMM takes 7-bit weights).
+    /// Largest int8 weight magnitude: 127 ([`WEIGHT_QMAX`]; 63 in artifacts
+    /// written by builds whose AVX2 GEMM took 7-bit weights, which load as
+    /// they are).
     pub weight_qmax: i8,
     /// Precision of every observation point.
     pub points: BTreeMap<String, LayerPrecision>,
@@ -205,7 +206,7 @@ impl TensorsOut {
         match precision {
             LayerPrecision::Fp => self.f32(format!("{name}.weight"), &weight)?,
             LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. } => {
-                let (values, scales) = Linear::quantize_weight(&weight)?;
+                let (values, scales) = layer.int8_weight()?;
                 self.0.insert(
                     format!("{name}.weight"),
                     (
@@ -264,7 +265,7 @@ fn write_config(
             format: FORMAT.into(),
             version: VERSION,
             kind,
-            weight_qmax: weight_qmax(),
+            weight_qmax: WEIGHT_QMAX,
             points: points.clone(),
             online_rotations,
         },

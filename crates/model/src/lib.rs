@@ -27,11 +27,11 @@ pub mod sensitivity;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
-pub use linear::Linear;
+pub use linear::{Int8Weight, Linear};
 pub use llama::{Decoder, KvCache, Llama, LlamaConfig, Logits, Residency, RotatedInput};
 pub use lm::{ChatMessage, GenerateOptions, Generation, LanguageModel, TextSide};
 pub use mlp::{Action, Head, MlpPolicy, PolicyConfig};
-pub use observe::{Observer, StatsObserver};
+pub use observe::{Observer, Statistics, StatsObserver};
 pub use onnx::import_mlp;
 pub use open::{Format, Model, open};
 pub use qforge_kernels::Activations;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
-use qforge_kernels::{Activations, Int8Linear, Scratch, quantize_rows_symmetric, weight_qmax};
+use qforge_kernels::{Activations, Int8Linear, Scratch, WEIGHT_QMAX, quantize_rows_symmetric};
 
 use crate::error::{Error, Result};
 
@@ -23,6 +23,10 @@ pub enum Linear {
         weight: Tensor,
         /// Bias, `[out]`.
         bias: Option<Tensor>,
+        /// The int8 values chosen for `weight` by a rounding better than
+        /// nearest (GPTQ), used whenever the layer is quantized; `None`:
+        /// round to nearest.
+        int8: Option<Arc<Int8Weight>>,
     },
     /// Weights kept as a GGUF file stores them (quantized) and dequantized to
     /// f32 at every forward: the same values as [`Linear::Fp`] after a
@@ -39,6 +43,16 @@ pub enum Linear {
     /// activations quantized to int8 per token at run time or by a calibrated
     /// static scale, u8 × i8 → i32 GEMM, f32 out.
     Int8(Arc<Int8Linear>),
+}
+
+/// Int8 values and per-output-row scales chosen for a full-precision weight
+/// (`values[o·in + i] × scales[o]` approximates `weight[o][i]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Int8Weight {
+    /// `[out, in]`, row-major, within this CPU's weight range.
+    pub values: Vec<i8>,
+    /// One positive scale per output row.
+    pub scales: Vec<f32>,
 }
 
 thread_local! {
@@ -79,6 +93,38 @@ impl Linear {
         Ok(Linear::Fp {
             weight: weight.contiguous()?,
             bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
+            int8: None,
+        })
+    }
+
+    /// The layer with `int8` as the values it quantizes to (full-precision
+    /// layers only; a GGUF-block layer is widened to f32 first). Its
+    /// full-precision forward is unchanged.
+    pub fn with_int8_weight(&self, int8: Int8Weight) -> Result<Linear> {
+        let (out, inp) = self.shape();
+        let qmax = WEIGHT_QMAX.unsigned_abs();
+        if int8.values.len() != out * inp || int8.scales.len() != out {
+            return Err(Error::Shape(format!(
+                "{} int8 values and {} scales for a [{out}, {inp}] layer",
+                int8.values.len(),
+                int8.scales.len()
+            )));
+        }
+        if int8.values.iter().any(|v| v.unsigned_abs() > qmax)
+            || int8.scales.iter().any(|s| !(s.is_finite() && *s > 0.0))
+        {
+            return Err(Error::Shape(format!(
+                "int8 weights beyond ±{qmax} or scales that are not positive and finite"
+            )));
+        }
+        let (weight, bias) = self.full_precision()?;
+        Ok(Linear::Fp {
+            weight: match self {
+                Linear::Fp { weight, .. } => weight.clone(),
+                _ => weight,
+            },
+            bias,
+            int8: Some(Arc::new(int8)),
         })
     }
 
@@ -87,8 +133,8 @@ impl Linear {
         if let Linear::Int8(_) = self {
             return Ok(self.clone());
         }
-        let (weight, bias) = self.full_precision()?;
-        let (values, scales) = Self::quantize_weight(&weight)?;
+        let (_, bias) = self.full_precision()?;
+        let (values, scales) = self.int8_weight()?;
         let bias = bias.map(|b| b.to_vec1::<f32>()).transpose()?;
         Ok(Linear::Int8(Arc::new(Int8Linear::from_quantized(
             &values,
@@ -103,7 +149,7 @@ impl Linear {
     /// INT8 layer has no full-precision weights left: an error).
     pub fn full_precision(&self) -> Result<(Tensor, Option<Tensor>)> {
         match self {
-            Linear::Fp { weight, bias } => Ok((weight.to_dtype(DType::F32)?, bias.clone())),
+            Linear::Fp { weight, bias, .. } => Ok((weight.to_dtype(DType::F32)?, bias.clone())),
             Linear::Dequantizing { weight, bias } => {
                 Ok((weight.dequantize(&Device::Cpu)?, bias.clone()))
             }
@@ -113,9 +159,33 @@ impl Linear {
         }
     }
 
-    /// The int8 values and per-row scales the INT8 engine uses for `weight`
-    /// (`[out, in]`, f32): symmetric, at this CPU's weight range.
-    pub fn quantize_weight(weight: &Tensor) -> Result<(Vec<i8>, Vec<f32>)> {
+    /// The f32 weight and bias of a full-precision layer that a transform
+    /// (smoothing, rotation) is about to change: refused once an int8
+    /// rounding was chosen for the current weights, which the change would
+    /// make stale.
+    pub fn weights_to_transform(&self) -> Result<(Tensor, Option<Tensor>)> {
+        if let Linear::Fp { int8: Some(_), .. } = self {
+            return Err(Error::Unsupported(
+                "this layer's int8 rounding (GPTQ) was chosen for its current weights; transform the model before rounding it".into(),
+            ));
+        }
+        self.full_precision()
+    }
+
+    /// The int8 values and per-row scales this full-precision layer quantizes
+    /// to: the rounding chosen for it (GPTQ), or its weight rounded to
+    /// nearest, symmetric in ±[`WEIGHT_QMAX`].
+    pub fn int8_weight(&self) -> Result<(Vec<i8>, Vec<f32>)> {
+        if let Linear::Fp { int8: Some(int8), .. } = self {
+            return Ok((int8.values.clone(), int8.scales.clone()));
+        }
+        let (weight, _) = self.full_precision()?;
+        Self::quantize_weight(&weight)
+    }
+
+    /// The int8 values and per-row scales of `weight` (`[out, in]`, f32)
+    /// rounded to nearest: symmetric in ±[`WEIGHT_QMAX`].
+    fn quantize_weight(weight: &Tensor) -> Result<(Vec<i8>, Vec<f32>)> {
         let &[_, cols] = weight.dims() else {
             return Err(Error::Shape(format!(
                 "a weight of shape {:?} is not a matrix",
@@ -123,13 +193,13 @@ impl Linear {
             )));
         };
         let values = weight.flatten_all()?.to_vec1::<f32>()?;
-        Ok(quantize_rows_symmetric(&values, cols, weight_qmax()))
+        Ok(quantize_rows_symmetric(&values, cols, WEIGHT_QMAX))
     }
 
     /// The layer with input column `j` multiplied by `factors[j]` (f32; a
     /// full-precision layer only): `x W'ᵀ = (x · diag(factors)) Wᵀ`.
     pub fn scale_inputs(&self, factors: &[f32]) -> Result<Linear> {
-        let (weight, bias) = self.full_precision()?;
+        let (weight, bias) = self.weights_to_transform()?;
         let (out, inp) = self.shape();
         if factors.len() != inp {
             return Err(Error::Shape(format!(
@@ -144,7 +214,7 @@ impl Linear {
     /// The layer with output row `i` (and its bias) multiplied by
     /// `factors[i]` (f32; a full-precision layer only).
     pub fn scale_outputs(&self, factors: &[f32]) -> Result<Linear> {
-        let (weight, bias) = self.full_precision()?;
+        let (weight, bias) = self.weights_to_transform()?;
         let (out, inp) = self.shape();
         if factors.len() != out {
             return Err(Error::Shape(format!(
@@ -165,8 +235,10 @@ impl Linear {
     /// Applies the layer to `x` of shape `[..., in]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (weight, bias) = match self {
-            Linear::Fp { weight, bias } if weight.dtype() == DType::F32 => (weight.clone(), bias),
-            Linear::Fp { weight, bias } => (weight.to_dtype(DType::F32)?, bias),
+            Linear::Fp { weight, bias, .. } if weight.dtype() == DType::F32 => {
+                (weight.clone(), bias)
+            }
+            Linear::Fp { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias),
             Linear::Dequantizing { weight, bias } => (weight.dequantize(&Device::Cpu)?, bias),
             Linear::Int8(layer) => return int8_forward(layer, x),
         };

@@ -260,6 +260,26 @@ impl MlpPolicy {
         })
     }
 
+    /// The same policy with the int8 values `weights` (by layer name,
+    /// `layers.{i}`) chosen for those layers; see [`Linear::with_int8_weight`].
+    pub fn with_int8_weights(
+        &self,
+        weights: &std::collections::BTreeMap<String, crate::linear::Int8Weight>,
+    ) -> Result<Self> {
+        if let Some(unknown) = weights
+            .keys()
+            .find(|n| !self.linears().iter().any(|(name, _, _)| name == *n))
+        {
+            return Err(Error::Shape(format!(
+                "{unknown} is not a layer of this policy"
+            )));
+        }
+        self.with_linears(|name, layer| match weights.get(name) {
+            Some(w) => layer.with_int8_weight(w.clone()),
+            None => Ok(layer.clone()),
+        })
+    }
+
     /// Every layer as (name, observation point, layer); for a policy the two
     /// are the same, `layers.{i}`.
     pub fn linears(&self) -> Vec<(String, String, &Linear)> {

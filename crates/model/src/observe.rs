@@ -7,8 +7,9 @@
 //! `width` values. Padding positions are never handed over.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
-use qforge_core::TensorStats;
+use qforge_core::{Gram, TensorStats};
 
 use crate::error::Result;
 
@@ -16,39 +17,79 @@ use crate::error::Result;
 pub trait Observer {
     /// `rows` holds whole rows of `width` values of the input named `point`.
     fn observe(&mut self, point: &str, rows: &[f32], width: usize) -> Result<()>;
+
+    /// Whether the observer has what it wants, so that an observing pass
+    /// ([`crate::Llama::observe`]) may stop before the remaining layers.
+    fn finished(&self) -> bool {
+        false
+    }
 }
 
-/// An observer that accumulates exact statistics per observation point:
-/// histograms, and per-channel abs-max when `channels` is set (smoothing needs
-/// it).
-#[derive(Debug, Default)]
+/// What a [`StatsObserver`] records.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Statistics {
+    /// Every point's histogram; with `per_channel`, also each input
+    /// channel's abs-max (smoothing needs it).
+    Histograms {
+        /// Track per-channel abs-max.
+        per_channel: bool,
+    },
+    /// The histogram and Gram matrix `Σ x xᵀ` of the listed points only,
+    /// each at its fixed-point exponent ([`qforge_core::Gram`]); other points
+    /// are skipped, and the observer is finished once each listed point was
+    /// seen.
+    Grams(BTreeMap<String, i32>),
+}
+
+/// An observer that accumulates exact statistics per observation point.
+#[derive(Debug)]
 pub struct StatsObserver {
     /// Statistics per observation point.
     pub tensors: BTreeMap<String, TensorStats>,
-    per_channel: bool,
+    statistics: Statistics,
 }
 
 impl StatsObserver {
-    /// An observer; `per_channel` also tracks each input channel's abs-max.
-    pub fn new(per_channel: bool) -> Self {
+    /// An observer that records `statistics`.
+    pub fn new(statistics: Statistics) -> Self {
         Self {
             tensors: BTreeMap::new(),
-            per_channel,
+            statistics,
         }
     }
 }
 
 impl Observer for StatsObserver {
     fn observe(&mut self, point: &str, rows: &[f32], width: usize) -> Result<()> {
-        let per_channel = self.per_channel;
-        let stats = self.tensors.entry(point.to_owned()).or_insert_with(|| {
-            if per_channel {
-                TensorStats::with_channels(width)
-            } else {
-                TensorStats::new()
+        let stats = match &self.statistics {
+            Statistics::Histograms { per_channel } => {
+                let per_channel = *per_channel;
+                self.tensors.entry(point.to_owned()).or_insert_with(|| {
+                    if per_channel {
+                        TensorStats::with_channels(width)
+                    } else {
+                        TensorStats::new()
+                    }
+                })
             }
-        });
+            Statistics::Grams(points) => {
+                let Some(&exponent) = points.get(point) else {
+                    return Ok(());
+                };
+                match self.tensors.entry(point.to_owned()) {
+                    Entry::Occupied(e) => e.into_mut(),
+                    Entry::Vacant(e) => e.insert(TensorStats::with_gram(Gram::new(width, exponent)?)),
+                }
+            }
+        };
         stats.observe(rows)?;
         Ok(())
+    }
+
+    fn finished(&self) -> bool {
+        match &self.statistics {
+            Statistics::Histograms { .. } => false,
+            Statistics::Grams(points) => points.keys().all(|p| self.tensors.contains_key(p)),
+        }
     }
 }

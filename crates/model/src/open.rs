@@ -5,12 +5,14 @@
 //! pipeline, the server, the CLI) goes through here, so format detection is
 //! written once and every consumer sees the same two kinds of model.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use qforge_core::{Digest, DigestBuilder};
 
 use crate::error::{Error, Result};
 use crate::fingerprint::{llm_fingerprint, policy_fingerprint};
+use crate::linear::{Int8Weight, Linear};
 use crate::lm::LanguageModel;
 use crate::mlp::MlpPolicy;
 
@@ -120,6 +122,28 @@ impl Model {
             Model::Language(lm) => llm_fingerprint(&lm.model),
             Model::Policy(policy) => policy_fingerprint(policy),
         }
+    }
+
+    /// Every linear layer as (name, observation point, layer), in forward
+    /// order.
+    pub fn linears(&self) -> Vec<(String, String, &Linear)> {
+        match self {
+            Model::Language(lm) => lm.model.linears(),
+            Model::Policy(policy) => policy.linears(),
+        }
+    }
+
+    /// The same model with the int8 values `weights` (by layer name) chosen
+    /// for those layers ([`Linear::with_int8_weight`]).
+    pub fn with_int8_weights(&self, weights: &BTreeMap<String, Int8Weight>) -> Result<Model> {
+        Ok(match self {
+            Model::Language(lm) => Model::Language(Box::new(LanguageModel {
+                model: lm.model.with_int8_weights(weights)?,
+                text: lm.text.clone(),
+                source: lm.source.clone(),
+            })),
+            Model::Policy(policy) => Model::Policy(policy.with_int8_weights(weights)?),
+        })
     }
 
     /// The language model, or an error naming `path` as a policy.

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::llama as peer;
-use qforge_model::{Llama, Logits, Observer, RotatedInput, StatsObserver};
+use qforge_model::{Llama, Logits, Observer, RotatedInput, Statistics, StatsObserver};
 
 const VOCAB: usize = 96;
 const HIDDEN: usize = 64;
@@ -330,7 +330,7 @@ fn padding_kv_cache_and_observation_keep_their_contracts() {
     assert!(max_diff(&step, &last_logits(&model, std::slice::from_ref(&long))[0]) < 1e-4);
 
     // Every distinct linear input is observed, padding never.
-    let mut observer = StatsObserver::new(true);
+    let mut observer = StatsObserver::new(Statistics::Histograms { per_channel: true });
     model
         .forward(
             &[long.clone(), short.clone()],
@@ -476,11 +476,11 @@ fn smoothing_keeps_the_function_and_moves_the_activation_range() {
     assert!(diff < 1e-4, "max |Δ| {diff}");
 
     // The down_proj input channel j is divided by its factor.
-    let mut plain = StatsObserver::default();
+    let mut plain = StatsObserver::new(Statistics::Histograms { per_channel: false });
     model
         .forward(&tokens, None, Some(&mut plain), Logits::Last)
         .unwrap();
-    let mut moved = StatsObserver::default();
+    let mut moved = StatsObserver::new(Statistics::Histograms { per_channel: false });
     smoothed
         .forward(&tokens, None, Some(&mut moved), Logits::Last)
         .unwrap();
@@ -519,7 +519,7 @@ fn batched_steps_match_each_sequence_decoded_alone() {
                 .forward(std::slice::from_ref(p), Some(t), None, Logits::Last)
                 .unwrap();
         }
-        let mut observer = StatsObserver::new(false);
+        let mut observer = StatsObserver::new(Statistics::Histograms { per_channel: false });
         for step in 0..8u32 {
             let tokens: Vec<u32> = (0..3)
                 .map(|s| (step * 31 + s * 17 + 2) % VOCAB as u32)

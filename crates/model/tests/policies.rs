@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use qforge_model::{Action, MlpPolicy, StatsObserver};
+use qforge_model::{Action, MlpPolicy, Statistics, StatsObserver};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -74,7 +74,7 @@ fn pendulum_reproduces_every_recorded_action() {
 fn observer_sees_every_layer_input_by_name() {
     let policy = MlpPolicy::from_dir(&fixture("cartpole")).unwrap();
     let (observations, _) = rollouts("cartpole");
-    let mut observer = StatsObserver::new(true);
+    let mut observer = StatsObserver::new(Statistics::Histograms { per_channel: true });
     policy
         .forward(&observations[..400], Some(&mut observer))
         .unwrap();

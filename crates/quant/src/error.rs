@@ -21,6 +21,9 @@ pub enum Error {
     /// A calibration pass failed (a backend, the coordinator, coverage).
     #[error(transparent)]
     Dist(#[from] qforge_dist::Error),
+    /// GPTQ cannot round a layer (its Hessian or weights are unusable).
+    #[error("GPTQ: {0}")]
+    Gptq(String),
     /// Writing the report failed.
     #[error("report: {0}")]
     Report(String),

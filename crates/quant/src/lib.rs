@@ -11,6 +11,8 @@
 //!   accuracy guard on held-out data.
 //! * `ladder` (internal): the guard's demotion sequence within the FP cap
 //!   and the bisection for its shortest passing prefix.
+//! * [`gptq`]: GPTQ's rounding of int8 weights by each layer input's exact
+//!   Hessian.
 //! * [`held_out`]: the guard's data.
 //! * [`report`]: `report.json` and a self-contained `report.html`.
 //! * [`smoothing`]: SmoothQuant's per-channel factors.
@@ -22,6 +24,7 @@
 //! printing.
 
 pub mod error;
+pub mod gptq;
 pub mod guard;
 pub mod held_out;
 mod ladder;

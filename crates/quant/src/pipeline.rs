@@ -13,16 +13,18 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use qforge_calib::{Job, Pass, Session, Transform};
-use qforge_core::Stats;
+use qforge_calib::{HessianPass, Job, Pass, Session, Transform};
+use qforge_core::{Gram, Stats};
 use qforge_dist::{Executor, PassEvent, PassPosition, RunOptions, RunSummary};
-use qforge_model::Model;
+use qforge_model::{Int8Weight, Linear, Model};
+use rayon::prelude::*;
 use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
 use qforge_model::profile::CalibrationProfile;
 use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
+use crate::gptq::{Gptq, GptqOptions};
 use crate::guard::{Decision, FpModel, quantize};
 use crate::held_out::held_out;
 use crate::recipe::QuantRecipe;
@@ -98,7 +100,10 @@ impl<'a> Pipeline<'a> {
         Ok(Self { recipe, executor })
     }
 
-    /// The calibration passes of the recipe, in order.
+    /// The calibration passes of the recipe that run before any transform
+    /// is chosen, in order: SmoothQuant's (if enabled), then the activation
+    /// pass. GPTQ's Hessian passes follow them; how many depends on the
+    /// model ([`hessian_groups`]).
     pub fn passes(&self) -> Vec<Pass> {
         if self.recipe.smoothing.enabled {
             vec![Pass::Smoothing, Pass::Activation]
@@ -107,8 +112,9 @@ impl<'a> Pipeline<'a> {
         }
     }
 
-    /// Runs every pass, then the guard. A refused decision is a result
-    /// (`report.decision.accepted` is false), not an error.
+    /// Runs every pass, then GPTQ (if enabled), then the guard. A refused
+    /// decision is a result (`report.decision.accepted` is false), not an
+    /// error.
     pub fn run(&self, inputs: &Inputs, listener: &mut dyn Listener) -> Result<Quantized> {
         let passes = self.passes();
         let rotation = &self.recipe.rotation.inputs;
@@ -118,7 +124,7 @@ impl<'a> Pipeline<'a> {
             return Err(Error::Recipe(why.into()));
         }
         let first = qforge_calib::Recipe {
-            pass: passes[0],
+            pass: passes[0].clone(),
             ..self.recipe.calibration_recipe()
         };
         let mut session = Session::open(
@@ -134,16 +140,22 @@ impl<'a> Pipeline<'a> {
                 session.plan.samples, first.samples
             ));
         }
+        // The Hessian passes cut the model's inputs by their widths, so the
+        // count of passes is known before the first one runs.
+        let groups = if self.recipe.gptq.enabled {
+            let budget = self.recipe.gptq.hessian_memory_mib as u64 * (1 << 20);
+            hessian_groups(session.load_model()?, budget)
+        } else {
+            Vec::new()
+        };
+        let count = passes.len() + groups.len();
         let mut transforms = Vec::new();
-        let mut summaries = Vec::new();
-        for (i, &pass) in passes.iter().enumerate() {
+        let mut records = Vec::new();
+        let mut activation = None;
+        for (i, pass) in passes.into_iter().enumerate() {
             let position = PassPosition {
                 index: i + 1,
-                count: passes.len(),
-            };
-            let recipe = qforge_calib::Recipe {
-                pass,
-                ..first.clone()
+                count,
             };
             // The smoothing pass measures the unrotated model (a rotated
             // input is not smoothable); the rotation comes after smoothing,
@@ -153,22 +165,42 @@ impl<'a> Pipeline<'a> {
                     inputs: rotation.clone(),
                 });
             }
+            let recipe = qforge_calib::Recipe {
+                pass: pass.clone(),
+                ..first.clone()
+            };
             let job = session.job(&recipe, &transforms);
-            let summary = self.run_pass(&session, &job, position, listener)?;
-            if pass == Pass::Smoothing {
-                let alpha = self.recipe.smoothing.alpha;
-                let factors = self.smoothing_factors(&mut session, &summary.stats)?;
-                listener.message(&format!(
-                    "smoothing {} layer inputs (alpha {alpha}); calibrating the smoothed model",
-                    factors.len(),
-                ));
-                transforms.push(Transform::Smooth { alpha, factors });
+            let mut summary = self.run_pass(&session, &job, position, listener)?;
+            match pass {
+                Pass::Smoothing => {
+                    let alpha = self.recipe.smoothing.alpha;
+                    let factors = self.smoothing_factors(&mut session, &summary.stats)?;
+                    listener.message(&format!(
+                        "smoothing {} layer inputs (alpha {alpha}); calibrating the smoothed model",
+                        factors.len(),
+                    ));
+                    transforms.push(Transform::Smooth { alpha, factors });
+                }
+                Pass::Activation => activation = Some(std::mem::take(&mut summary.stats)),
+                Pass::Hessian(_) => unreachable!("Hessian passes follow the calibration passes"),
             }
-            summaries.push(summary);
+            records.push((pass.name(), summary));
         }
+        let stats = activation.expect("every recipe runs the activation pass");
         let original = session.load_model()?.clone();
-        let model = session.target(&transforms)?;
-        let last = summaries.last().expect("a recipe has at least one pass");
+        let mut model = session.target(&transforms)?;
+        if !groups.is_empty() {
+            let rounding = Rounding {
+                session: &session,
+                transforms: &transforms,
+                activation: &stats,
+                first: &first,
+                done: records.len(),
+                count,
+            };
+            let weights = self.gptq(&rounding, &model, &groups, &mut records, listener)?;
+            model = model.with_int8_weights(&weights)?;
+        }
         let (held, held_description) = held_out(
             &session,
             &original,
@@ -179,16 +211,12 @@ impl<'a> Pipeline<'a> {
         let decision = quantize(
             fp_model(&model),
             fp_model(&original),
-            &last.stats,
+            &stats,
             &held,
             &self.recipe,
             &mut |line| listener.message(line),
         )?;
-        let report = self.report(&session, &original, &summaries, decision);
-        let stats = summaries
-            .pop()
-            .expect("a recipe has at least one pass")
-            .stats;
+        let report = self.report(&session, &original, &records, decision);
         Ok(Quantized {
             session,
             model,
@@ -199,6 +227,70 @@ impl<'a> Pipeline<'a> {
         })
     }
 
+    /// GPTQ: one Hessian pass per group of layer inputs, each input's merged
+    /// Gram matrix rounding the weights of every layer that reads it; returns
+    /// the int8 weights by layer name. An input whose pass covered too few
+    /// batches, or whose activations were never finite, keeps rounding to
+    /// nearest (with a warning); the guard judges the result either way.
+    fn gptq(
+        &self,
+        rounding: &Rounding<'_>,
+        model: &Model,
+        groups: &[Vec<(String, usize)>],
+        records: &mut Vec<(&'static str, RunSummary)>,
+        listener: &mut dyn Listener,
+    ) -> Result<BTreeMap<String, Int8Weight>> {
+        let g = &self.recipe.gptq;
+        let options = GptqOptions {
+            block_size: g.block_size,
+            dampening: g.dampening,
+            act_order: g.act_order,
+        };
+        let rows = rounding.session.plan.rows as u64;
+        let mut weights = BTreeMap::new();
+        for (i, group) in groups.iter().enumerate() {
+            let mut points = BTreeMap::new();
+            for (point, _) in group {
+                match exponent(rounding.activation, point, rows) {
+                    Ok(e) => {
+                        points.insert(point.clone(), e);
+                    }
+                    Err(why) => listener.message(&format!(
+                        "warning: {point} rounds to nearest: {why}"
+                    )),
+                }
+            }
+            let recipe = qforge_calib::Recipe {
+                pass: Pass::Hessian(HessianPass { points }),
+                ..rounding.first.clone()
+            };
+            let job = rounding.session.job(&recipe, rounding.transforms);
+            let position = PassPosition {
+                index: rounding.done + i + 1,
+                count: rounding.count,
+            };
+            let mut summary = self.run_pass(rounding.session, &job, position, listener)?;
+            let started = std::time::Instant::now();
+            let stats = std::mem::take(&mut summary.stats);
+            if summary.coverage < self.recipe.calibration.min_coverage {
+                listener.message(&format!(
+                    "warning: the Hessian pass covered {:.1} % of its batches, below calibration.min_coverage; its {} inputs round to nearest",
+                    100.0 * summary.coverage,
+                    group.len()
+                ));
+            } else {
+                let rounded = round_group(model, &stats, group, &options)?;
+                listener.message(&format!(
+                    "gptq: {} layers rounded in {:.2} s",
+                    rounded.len(),
+                    started.elapsed().as_secs_f64()
+                ));
+                weights.extend(rounded);
+            }
+            records.push(("hessian", summary));
+        }
+        Ok(weights)
+    }
     fn run_pass(
         &self,
         session: &Session,
@@ -251,10 +343,10 @@ impl<'a> Pipeline<'a> {
         &self,
         session: &Session,
         model: &Model,
-        summaries: &[RunSummary],
+        records: &[(&'static str, RunSummary)],
         decision: Decision,
     ) -> Report {
-        let first = &summaries[0];
+        let first = &records[0].1;
         Report {
             qforge_version: env!("CARGO_PKG_VERSION").into(),
             model: session.model_path.display().to_string(),
@@ -272,11 +364,10 @@ impl<'a> Pipeline<'a> {
                 model_sha256: session.model_digest.to_hex(),
                 data_sha256: session.data.digest.to_hex(),
                 recipe_sha256: session.recipe.digest().to_hex(),
-                passes: summaries
+                passes: records
                     .iter()
-                    .zip(self.passes())
-                    .map(|(s, pass)| PassRecord {
-                        pass: pass.name().into(),
+                    .map(|(pass, s)| PassRecord {
+                        pass: (*pass).into(),
                         merged: s.merged,
                         planned: s.planned,
                         duplicates: s.duplicates,
@@ -288,6 +379,101 @@ impl<'a> Pipeline<'a> {
             decision,
         }
     }
+}
+
+/// What GPTQ's passes share with the calibration passes before them.
+struct Rounding<'a> {
+    session: &'a Session,
+    transforms: &'a [Transform],
+    /// The activation pass's statistics (the Gram exponents' bounds).
+    activation: &'a Stats,
+    /// The recipe of the first pass (the plan's sampling).
+    first: &'a qforge_calib::Recipe,
+    /// Passes run before the Hessian passes.
+    done: usize,
+    /// Passes of the pipeline.
+    count: usize,
+}
+
+/// The model's linear inputs (observation point, width) in forward order,
+/// cut into groups whose exact Hessians (16 bytes per entry of each upper
+/// triangle) fit in `budget` bytes; an input larger than the budget is a
+/// group of its own.
+pub fn hessian_groups(model: &Model, budget: u64) -> Vec<Vec<(String, usize)>> {
+    let mut inputs: Vec<(String, usize)> = Vec::new();
+    for (_, point, layer) in model.linears() {
+        if !inputs.iter().any(|(p, _)| *p == point) {
+            inputs.push((point, layer.shape().1));
+        }
+    }
+    let bytes = |width: usize| 16 * (width * (width + 1) / 2) as u64;
+    let mut groups: Vec<Vec<(String, usize)>> = Vec::new();
+    let mut used = 0;
+    for (point, width) in inputs {
+        let size = bytes(width);
+        match groups.last_mut() {
+            Some(group) if used + size <= budget => group.push((point, width)),
+            _ => {
+                groups.push(vec![(point, width)]);
+                used = 0;
+            }
+        }
+        used += size;
+    }
+    groups
+}
+
+/// The Gram exponent of `point` for a pass over `rows` rows: from the
+/// largest magnitude the activation pass saw there.
+fn exponent(stats: &Stats, point: &str, rows: u64) -> std::result::Result<i32, String> {
+    let tensor = stats
+        .tensors
+        .get(point)
+        .ok_or("the activation pass has no statistics for it")?;
+    let h = tensor.histogram();
+    if h.nan() + h.pos_inf() + h.neg_inf() > 0 {
+        return Err("its activations include NaN or infinite values".into());
+    }
+    let max = h.abs_max().ok_or("it saw no finite activation")?;
+    Gram::exponent_for(max, rows).map_err(|e| e.to_string())
+}
+
+/// GPTQ's int8 weights for every layer of `model` that reads an input of
+/// `group`, from the merged Hessians in `stats`; layers run in parallel.
+fn round_group(
+    model: &Model,
+    stats: &Stats,
+    group: &[(String, usize)],
+    options: &GptqOptions,
+) -> Result<BTreeMap<String, Int8Weight>> {
+    let mut out = BTreeMap::new();
+    for (point, width) in group {
+        let Some(gram) = stats.tensors.get(point).and_then(|t| t.gram()) else {
+            continue;
+        };
+        let solver = Gptq::new(&gram.to_matrix(), *width, options)
+            .map_err(|e| Error::Gptq(format!("{point}: {e}")))?;
+        let layers: Vec<(String, &Linear)> = model
+            .linears()
+            .into_iter()
+            .filter(|(_, p, _)| p == point)
+            .map(|(name, _, layer)| (name, layer))
+            .collect();
+        let rounded = layers
+            .into_par_iter()
+            .map(|(name, layer)| {
+                let (weight, _) = layer.full_precision()?;
+                let values = weight.flatten_all().map_err(qforge_model::Error::from)?;
+                let values = values.to_vec1::<f32>().map_err(qforge_model::Error::from)?;
+                let int8 = solver
+                    .round(&values, layer.shape().0)
+                    .map_err(|e| Error::Gptq(format!("{name}: {e}")))?;
+                Ok((name, int8))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.extend(rounded);
+    }
+    Ok(out)
 }
 
 fn fp_model(model: &Model) -> FpModel<'_> {

@@ -200,6 +200,39 @@ pub struct RotationSection {
     pub inputs: Vec<RotatedInput>,
 }
 
+/// GPTQ (Frantar et al. 2022) for the int8 weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptqSection {
+    /// Run it: after the activation pass, Hessian passes sum the exact
+    /// `Σ x xᵀ` of every linear input, and every int8 layer's weights are
+    /// rounded column by column with error compensation instead of to
+    /// nearest.
+    pub enabled: bool,
+    /// Columns per block of lazily applied updates.
+    pub block_size: usize,
+    /// Added to the Hessian's diagonal, as a fraction of its mean.
+    pub dampening: f64,
+    /// Round columns in order of decreasing Hessian diagonal (act-order).
+    pub act_order: bool,
+    /// Memory the Hessians of one pass may take, MiB (16 bytes per entry of
+    /// each input's upper triangle): the inputs are cut into as many passes
+    /// as needed, so memory holds one group of layers' Hessians.
+    pub hessian_memory_mib: usize,
+}
+
+impl Default for GptqSection {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            block_size: 128,
+            dampening: 0.01,
+            act_order: false,
+            hessian_memory_mib: 256,
+        }
+    }
+}
+
 /// A quantization recipe.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -210,6 +243,8 @@ pub struct QuantRecipe {
     pub smoothing: SmoothingSection,
     /// Rotations.
     pub rotation: RotationSection,
+    /// GPTQ.
+    pub gptq: GptqSection,
     /// How layers are quantized.
     pub quantize: QuantizeSection,
     /// The accuracy guard.
@@ -266,6 +301,18 @@ impl QuantRecipe {
             (
                 (0.0..=1.0).contains(&self.smoothing.alpha),
                 "smoothing.alpha must be in [0, 1]",
+            ),
+            (
+                self.gptq.block_size >= 1,
+                "gptq.block_size must be at least 1",
+            ),
+            (
+                self.gptq.dampening > 0.0 && self.gptq.dampening <= 1.0,
+                "gptq.dampening must be in (0, 1]",
+            ),
+            (
+                self.gptq.hessian_memory_mib >= 1,
+                "gptq.hessian_memory_mib must be at least 1",
             ),
         ];
         match checks.iter().find(|(ok, _)| !ok) {

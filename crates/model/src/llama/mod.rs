@@ -16,13 +16,14 @@ pub use decode::Decoder;
 pub use rotation::RotatedInput;
 use rotation::Rotations;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::linear::Linear;
+use crate::linear::{Int8Weight, Linear};
 use crate::observe::Observer;
 
 /// One decoder layer.
@@ -414,21 +415,45 @@ impl Llama {
     /// input, and `…mlp.gate_proj` for gate and up), so per-layer choices from
     /// calibration apply by name.
     pub fn with_linears(&self, convert: impl Fn(&str, &Linear) -> Result<Linear>) -> Result<Llama> {
+        self.map_linears(|_, point, layer| convert(point, layer))
+    }
+
+    /// The same model with the int8 values `weights` (by layer name, as
+    /// [`Llama::linears`] names them) chosen for those layers; see
+    /// [`Linear::with_int8_weight`].
+    pub fn with_int8_weights(&self, weights: &BTreeMap<String, Int8Weight>) -> Result<Llama> {
+        let names: Vec<String> = self.linears().into_iter().map(|(n, _, _)| n).collect();
+        if let Some(unknown) = weights.keys().find(|n| !names.contains(n)) {
+            return Err(Error::Shape(format!("{unknown} is not a linear layer of this model")));
+        }
+        self.map_linears(|name, _, layer| match weights.get(name) {
+            Some(w) => layer.with_int8_weight(w.clone()),
+            None => Ok(layer.clone()),
+        })
+    }
+
+    /// Every linear layer replaced by `convert(name, point, layer)`.
+    fn map_linears(
+        &self,
+        convert: impl Fn(&str, &str, &Linear) -> Result<Linear>,
+    ) -> Result<Llama> {
         let mut model = self.clone();
         for (i, layer) in model.layers.iter_mut().enumerate() {
             let attention = format!("model.layers.{i}.self_attn");
             let mlp = format!("model.layers.{i}.mlp");
             let qkv = format!("{attention}.q_proj");
             let gate_up = format!("{mlp}.gate_proj");
-            layer.q_proj = convert(&qkv, &layer.q_proj)?;
-            layer.k_proj = convert(&qkv, &layer.k_proj)?;
-            layer.v_proj = convert(&qkv, &layer.v_proj)?;
-            layer.o_proj = convert(&format!("{attention}.o_proj"), &layer.o_proj)?;
-            layer.gate_proj = convert(&gate_up, &layer.gate_proj)?;
-            layer.up_proj = convert(&gate_up, &layer.up_proj)?;
-            layer.down_proj = convert(&format!("{mlp}.down_proj"), &layer.down_proj)?;
+            let down = format!("{mlp}.down_proj");
+            let o = format!("{attention}.o_proj");
+            layer.q_proj = convert(&qkv, &qkv, &layer.q_proj)?;
+            layer.k_proj = convert(&format!("{attention}.k_proj"), &qkv, &layer.k_proj)?;
+            layer.v_proj = convert(&format!("{attention}.v_proj"), &qkv, &layer.v_proj)?;
+            layer.o_proj = convert(&o, &o, &layer.o_proj)?;
+            layer.gate_proj = convert(&gate_up, &gate_up, &layer.gate_proj)?;
+            layer.up_proj = convert(&format!("{mlp}.up_proj"), &gate_up, &layer.up_proj)?;
+            layer.down_proj = convert(&down, &down, &layer.down_proj)?;
         }
-        model.lm_head = convert("lm_head", &model.lm_head)?;
+        model.lm_head = convert("lm_head", "lm_head", &model.lm_head)?;
         Ok(model)
     }
 
@@ -580,41 +605,22 @@ impl Llama {
         observer: Option<&mut dyn Observer>,
         logits: Logits,
     ) -> Result<Tensor> {
-        let c = &self.config;
-        let lengths: Vec<usize> = batch.iter().map(Vec::len).collect();
-        let seq = lengths.iter().copied().max().unwrap_or(0);
-        if batch.is_empty() || lengths.contains(&0) {
-            return Err(Error::Shape(
-                "forward needs at least one token per sequence".into(),
-            ));
-        }
         let start = cache.as_ref().map_or(0, |k| k.len);
-        if cache.is_some() && lengths.iter().any(|&l| l != seq) {
+        if cache.is_some() && batch.iter().any(|s| s.len() != batch[0].len()) {
             return Err(Error::Shape(
                 "with a KV cache, every sequence of a batch must have the same length".into(),
             ));
         }
-        self.check_positions(start + seq)?;
-        self.check_vocabulary(batch.iter().flatten())?;
-        let b = batch.len();
-        let padded: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| {
-                s.iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(0, seq - s.len()))
-            })
-            .collect();
-        let ids = Tensor::from_vec(padded, (b, seq), &Device::Cpu)?;
-        let x = self
-            .embed_tokens
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, seq, c.hidden_size))?;
-        let mask = attention_mask(&lengths, seq, start)?;
-        let cos = self.cos.narrow(0, start, seq)?;
-        let sin = self.sin.narrow(0, start, seq)?;
+        let Embedded {
+            x,
+            mask,
+            cos,
+            sin,
+            lengths,
+        } = self.embedded(batch, start)?;
+        let seq = x.dim(1)?;
         let mut cache = cache;
-        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, |i, q, k, v| {
+        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, false, |i, q, k, v| {
             let (k, v) = match cache.as_deref_mut() {
                 Some(kv) => {
                     let (k, v) = match &kv.layers[i] {
@@ -643,6 +649,60 @@ impl Llama {
             }
         };
         self.lm_head.forward(&x)
+    }
+
+    /// Runs the decoder over `batch` only to hand every distinct linear input
+    /// to `observer`, as [`Llama::forward`] does, without logits. It stops
+    /// after the first layer at which the observer is
+    /// [finished](Observer::finished), so a pass that wants the inputs of the
+    /// first layers only does not pay for the rest.
+    pub fn observe(&self, batch: &[Vec<u32>], observer: &mut dyn Observer) -> Result<()> {
+        let Embedded {
+            x,
+            mask,
+            cos,
+            sin,
+            lengths,
+        } = self.embedded(batch, 0)?;
+        self.decoder_stack(x, &cos, &sin, &lengths, Some(observer), true, |_, q, k, v| {
+            self.attention(q, k, v, Some(&mask))
+        })?;
+        Ok(())
+    }
+
+    /// The embedded, right-padded batch at positions from `start`, with its
+    /// attention mask and rotary tables.
+    fn embedded(&self, batch: &[Vec<u32>], start: usize) -> Result<Embedded> {
+        let lengths: Vec<usize> = batch.iter().map(Vec::len).collect();
+        let seq = lengths.iter().copied().max().unwrap_or(0);
+        if batch.is_empty() || lengths.contains(&0) {
+            return Err(Error::Shape(
+                "forward needs at least one token per sequence".into(),
+            ));
+        }
+        self.check_positions(start + seq)?;
+        self.check_vocabulary(batch.iter().flatten())?;
+        let b = batch.len();
+        let padded: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| {
+                s.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0, seq - s.len()))
+            })
+            .collect();
+        let ids = Tensor::from_vec(padded, (b, seq), &Device::Cpu)?;
+        let x = self
+            .embed_tokens
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, seq, self.config.hidden_size))?;
+        Ok(Embedded {
+            x,
+            mask: attention_mask(&lengths, seq, start)?,
+            cos: self.cos.narrow(0, start, seq)?,
+            sin: self.sin.narrow(0, start, seq)?,
+            lengths,
+        })
     }
 
     /// One decoding step for several independent sequences: `tokens[i]`
@@ -693,7 +753,7 @@ impl Llama {
             .index_select(&positions, 0)?
             .reshape((n, 1, half))?;
         let lengths = vec![1; n];
-        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, |i, q, k, v| {
+        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, false, |i, q, k, v| {
             let mut attended = Vec::with_capacity(n);
             for (s, cache) in caches.iter_mut().enumerate() {
                 let (k, v) = (k.narrow(0, s, 1)?, v.narrow(0, s, 1)?);
@@ -750,6 +810,7 @@ impl Llama {
         sin: &Tensor,
         lengths: &[usize],
         mut observer: Option<&mut dyn Observer>,
+        stop_when_finished: bool,
         mut attend: impl FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let c = &self.config;
@@ -797,6 +858,11 @@ impl Llama {
                 lengths,
             )?;
             x = (x + layer.down_proj.forward(&gated)?)?;
+            if stop_when_finished && observer.as_ref().is_some_and(|o| o.finished()) {
+                // What follows is never observed: the hidden state is all an
+                // observing pass gets.
+                return Ok(x);
+            }
         }
         let x = self.rotate_input(
             RotatedInput::Head,
@@ -853,6 +919,18 @@ impl Llama {
 
 /// Additive mask `[batch, 1, seq, start + seq]`: a query at position `start+i`
 /// sees keys up to itself that are not padding.
+/// A batch ready for the decoder stack ([`Llama::embedded`]).
+struct Embedded {
+    /// `[b, seq, hidden]`.
+    x: Tensor,
+    /// Additive causal and padding mask.
+    mask: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    /// Each sequence's length before padding.
+    lengths: Vec<usize>,
+}
+
 fn attention_mask(lengths: &[usize], seq: usize, start: usize) -> Result<Tensor> {
     let keys = start + seq;
     let mut mask = Vec::with_capacity(lengths.len() * seq * keys);

@@ -104,7 +104,7 @@ impl Rotations {
 
 /// `rotation` applied to every row of `weight` (a full-precision layer).
 fn rotate_weight(layer: &Linear, rotation: &Hadamard) -> Result<Linear> {
-    let (weight, bias) = layer.full_precision()?;
+    let (weight, bias) = layer.weights_to_transform()?;
     let shape = layer.shape();
     let mut rows = weight.flatten_all()?.to_vec1::<f32>()?;
     rotation.rotate(&mut rows)?;
