@@ -11,7 +11,7 @@
 mod redis_server;
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use redis_server::RedisServer;
 use serde_json::Value;
+use support::root;
 
 /// Complete checkpoints in `dir` (not the temporary files being written).
 fn checkpoints_in(dir: &Path) -> usize {
@@ -34,10 +35,6 @@ fn checkpoints_in(dir: &Path) -> usize {
 
 /// Heartbeat settings of the tests: fast, so deaths are noticed quickly.
 const HEARTBEAT: [&str; 4] = ["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "500"];
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn rollouts() -> String {
     root()
@@ -614,14 +611,88 @@ fn smoothquant_on_three_workers_with_one_killed_writes_the_single_worker_artifac
                 .unwrap(),
         )
     };
+    let report = quantize_with_one_worker_killed(&server, dir, "smq", 2, &quantize);
+    let passes = report["calibration"]["passes"].as_array().unwrap();
+    assert_eq!(passes.len(), 2, "{report}");
+    for pass in passes {
+        assert_eq!(pass["merged"], pass["planned"], "{pass}");
+    }
+}
+
+/// GPTQ on three workers, one SIGKILLed while it sums a Hessian: the exact
+/// Gram matrices merge to the single-worker integers, so GPTQ rounds the
+/// same int8 weights. The policy is two 2048-wide layers, so each batch's
+/// result carries two 2048 × 2048 Hessians (tens of MB through Redis).
+#[test]
+fn gptq_on_three_workers_with_one_killed_writes_the_single_worker_artifact() {
+    let Some(server) = RedisServer::start("gptq", None) else {
+        return;
+    };
+    let dir = temp("gptq");
+    let dir = dir.path();
+    wide_policy(&dir.join("policy"), 2048);
+    let model = dir.join("policy");
+    let quantize = |extra: &[&str], out: &str| -> Proc {
+        Proc(
+            Command::new(env!("CARGO_BIN_EXE_qforge"))
+                .current_dir(dir)
+                .args(["quantize", "--model", model.to_str().unwrap()])
+                .args(["--data", &rollouts()])
+                // The output `nearest` is the same recipe without GPTQ.
+                .args(if out == "nearest" {
+                    &[][..]
+                } else {
+                    &["--gptq"]
+                })
+                .args(["--samples", "512", "--batch-size", "128"])
+                // The test is about bytes, not about this random policy's
+                // accuracy: any decision the guard reaches will do.
+                .args(["--min-agreement", "0", "--activations", "dynamic"])
+                .args(extra)
+                .args(["-o", out, "--json"])
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.join(format!("{out}.log"))).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let report = quantize_with_one_worker_killed(&server, dir, "gptq", 2, &quantize);
+    let passes: Vec<&str> = report["calibration"]["passes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pass"].as_str().unwrap())
+        .collect();
+    assert_eq!(passes, ["activation", "hessian"], "{report}");
+    assert_eq!(report["gptq"]["layers"], 3, "{report}");
+    // GPTQ chose other integers than rounding to nearest does.
+    let mut nearest = quantize(&["--workers", "1"], "nearest");
+    assert!(nearest.wait(Duration::from_secs(900), "quantize").success());
+    assert!(
+        std::fs::read(dir.join("nearest/model.safetensors")).unwrap()
+            != std::fs::read(dir.join("embedded/model.safetensors")).unwrap()
+    );
+}
+
+/// Runs `quantize --cluster` (run `run`) with three workers, SIGKILLs one as
+/// soon as its heartbeat names a task of pass `pass`, then `quantize
+/// --workers 1`, and asserts both wrote the same `model.safetensors` and
+/// `qforge.json`; returns the cluster run's report.
+fn quantize_with_one_worker_killed(
+    server: &RedisServer,
+    dir: &Path,
+    run: &str,
+    pass: usize,
+    quantize: &dyn Fn(&[&str], &str) -> Proc,
+) -> Value {
     let url = server.url();
-    let mut args = vec!["--cluster", &url, "--run", "smq"];
+    let mut args = vec!["--cluster", &url, "--run", run];
     args.extend(HEARTBEAT);
     let mut coordinator = quantize(&args, "cluster");
     let worker = |name: &str| {
         Proc(
             Command::new(env!("CARGO_BIN_EXE_qforge"))
-                .args(["worker", "--cluster", &url, "--run", "smq", "--name", name])
+                .args(["worker", "--cluster", &url, "--run", run, "--name", name])
                 .args(["--wait", "120"])
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
@@ -631,35 +702,37 @@ fn smoothquant_on_three_workers_with_one_killed_writes_the_single_worker_artifac
     };
     let victim = worker("victim");
     let mut survivors = [worker("a"), worker("b")];
-    // Kill the victim once its heartbeat names a task of the second pass.
-    let deadline = Instant::now() + Duration::from_secs(180);
+    let heartbeat = format!("qforge:{{{run}.pass{pass}}}:hb:victim");
+    let deadline = Instant::now() + Duration::from_secs(600);
     loop {
-        let beat = redis_get(&server, "qforge:{smq.pass2}:hb:victim");
+        let beat = redis_get(server, &heartbeat);
         if beat.is_some_and(|b| b != "-") {
             break;
         }
         assert!(
             !coordinator.finished() && Instant::now() < deadline,
-            "the victim never observed a batch of the second pass"
+            "the victim never observed a batch of pass {pass}"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
     victim.signal("KILL");
-    let status = coordinator.wait(Duration::from_secs(300), "quantize --cluster");
+    let status = coordinator.wait(Duration::from_secs(900), "quantize --cluster");
     let log = std::fs::read_to_string(dir.join("cluster.log")).unwrap();
     assert!(status.success(), "{log}");
     for (i, w) in survivors.iter_mut().enumerate() {
         assert!(
-            w.wait(Duration::from_secs(30), "a worker").success(),
+            w.wait(Duration::from_secs(60), "a worker").success(),
             "worker {i}"
         );
     }
     let followed = std::fs::read_to_string(dir.join("a.log")).unwrap();
-    assert!(followed.contains("joining run smq.pass2"), "{followed}");
-
+    assert!(
+        followed.contains(&format!("joining run {run}.pass{pass}")),
+        "{followed}"
+    );
     assert!(
         quantize(&["--workers", "1"], "embedded")
-            .wait(Duration::from_secs(300), "quantize --workers 1")
+            .wait(Duration::from_secs(900), "quantize --workers 1")
             .success()
     );
     for file in ["model.safetensors", "qforge.json"] {
@@ -669,11 +742,5 @@ fn smoothquant_on_three_workers_with_one_killed_writes_the_single_worker_artifac
             "{file} differs between the cluster and the single-worker run"
         );
     }
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(dir.join("cluster/report.json")).unwrap()).unwrap();
-    let passes = report["calibration"]["passes"].as_array().unwrap();
-    assert_eq!(passes.len(), 2, "{report}");
-    for pass in passes {
-        assert_eq!(pass["merged"], pass["planned"], "{pass}");
-    }
+    serde_json::from_slice(&std::fs::read(dir.join("cluster/report.json")).unwrap()).unwrap()
 }

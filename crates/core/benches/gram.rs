@@ -20,7 +20,9 @@ fn bench_gram(c: &mut Criterion) {
     for width in [576, 1536] {
         let values: Vec<f32> = (0..rows * width).map(|_| normal.sample(&mut rng)).collect();
         let exponent = Gram::exponent_for(8.0, 1 << 40).expect("finite");
-        group.throughput(Throughput::Elements((rows * width * (width + 1) / 2) as u64));
+        group.throughput(Throughput::Elements(
+            (rows * width * (width + 1) / 2) as u64,
+        ));
         for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
             if !tier.is_supported() {
                 eprintln!("SKIPPED: {tier:?} is not supported on this CPU");

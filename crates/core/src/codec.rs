@@ -656,7 +656,9 @@ mod tests {
         let exponent = Gram::exponent_for(3.0, 4).unwrap();
         let mut gram = TensorStats::with_gram(Gram::new(3, exponent).unwrap());
         gram.observe(&[1.0, -2.0, 0.0, 0.1, 3.0, -0.5]).unwrap();
-        stats.tensors.insert("model.layers.0.mlp.gate_proj".into(), gram);
+        stats
+            .tensors
+            .insert("model.layers.0.mlp.gate_proj".into(), gram);
         stats
     }
 

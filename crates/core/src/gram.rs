@@ -339,10 +339,7 @@ fn chunk_kernel(
             for pj in pi..panels {
                 let b_panel = panel(pj);
                 let mut acc = [[0f64; PANEL]; TILE_ROWS];
-                for (a_row, b_row) in a_panel
-                    .chunks_exact(PANEL)
-                    .zip(b_panel.chunks_exact(PANEL))
-                {
+                for (a_row, b_row) in a_panel.chunks_exact(PANEL).zip(b_panel.chunks_exact(PANEL)) {
                     let a: &[f64; TILE_ROWS] = a_row[offset..offset + TILE_ROWS]
                         .try_into()
                         .expect("a tile row");
@@ -414,8 +411,7 @@ mod tests {
                     for row in chunk.chunks_exact(width) {
                         sum += f64::from(row[i]) * f64::from(row[j]);
                     }
-                    out[upper_index(width, i, j)] +=
-                        to_fixed(sum * 2f64.powi(exponent)).unwrap();
+                    out[upper_index(width, i, j)] += to_fixed(sum * 2f64.powi(exponent)).unwrap();
                 }
             }
         }
@@ -461,12 +457,13 @@ mod tests {
         let width = 11;
         let v = values(700, width, 7);
         let exponent = Gram::exponent_for(4.0, 700).unwrap();
-        let shard = |parts: &[std::ops::Range<usize>]| {
+        // Each part is a (first row, end row) observation.
+        let shard = |parts: &[(usize, usize)]| {
             let grams: Vec<Gram> = parts
                 .iter()
-                .map(|r| {
+                .map(|&(start, end)| {
                     let mut g = Gram::new(width, exponent).unwrap();
-                    g.observe(&v[r.start * width..r.end * width]).unwrap();
+                    g.observe(&v[start * width..end * width]).unwrap();
                     g
                 })
                 .collect();
@@ -476,14 +473,14 @@ mod tests {
             }
             merged
         };
-        let a = shard(&[0..100, 100..700]);
-        let b = shard(&[0..100, 100..356, 356..700]);
-        let c = shard(&[100..356, 356..700, 0..100]);
+        let a = shard(&[(0, 100), (100, 700)]);
+        let b = shard(&[(0, 100), (100, 356), (356, 700)]);
+        let c = shard(&[(100, 356), (356, 700), (0, 100)]);
         // Different chunkings round differently, so compare shardings of the
         // same observations: every order and grouping of merges agrees.
         assert_eq!(b, c);
-        let mut d = shard(&[356..700]);
-        d.merge(&shard(&[0..100, 100..356])).unwrap();
+        let mut d = shard(&[(356, 700)]);
+        d.merge(&shard(&[(0, 100), (100, 356)])).unwrap();
         assert_eq!(b, d);
         assert_eq!(a.rows(), 700);
         // The matrix is the f64 Gram matrix up to the sums' rounding.

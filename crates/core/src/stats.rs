@@ -101,8 +101,7 @@ impl TensorStats {
             (None, None) => {}
             _ => {
                 return Err(Error::Shape(
-                    "cannot merge statistics with a Gram matrix and statistics without one"
-                        .into(),
+                    "cannot merge statistics with a Gram matrix and statistics without one".into(),
                 ));
             }
         }

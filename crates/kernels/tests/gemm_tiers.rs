@@ -17,21 +17,27 @@ fn supported(tier: GemmTier) -> bool {
     ok
 }
 
-/// Raw sums of `rows` rows over each range of `parts`, every panel, on
-/// `tier`, added up, less the tier's offsets: the signed sums.
+/// Raw sums of `rows` rows over every input group (as one range, or as two
+/// split at group `split_at`), every panel, on `tier`, added up, less the
+/// tier's offsets: the signed sums.
 fn sums(
     tier: GemmTier,
     w: &[i8],
     (n, k): (usize, usize),
     a: &[u8],
     rows: usize,
-    parts: &[std::ops::Range<usize>],
+    split_at: Option<usize>,
 ) -> Vec<i32> {
     let packed = PackedWeights::new(tier, w, n, k).unwrap();
+    let groups = packed.row_stride() / 4;
+    let bounds = match split_at {
+        None => vec![0, groups],
+        Some(mid) => vec![0, mid, groups],
+    };
     let mut total = vec![0; packed.panels() * rows * PANEL];
-    for groups in parts {
+    for groups in bounds.windows(2).map(|b| b[0]..b[1]) {
         let mut c = vec![0; total.len()];
-        packed.raw_sums(a, rows, 0..packed.panels(), groups.clone(), &mut c);
+        packed.raw_sums(a, rows, 0..packed.panels(), groups, &mut c);
         total.iter_mut().zip(&c).for_each(|(t, c)| *t += c);
     }
     for (i, t) in total.iter_mut().enumerate() {
@@ -86,11 +92,11 @@ fn every_tier_equals_the_definition_on_random_shapes() {
             // must not matter.
             let a: Vec<u8> = (0..rows * stride).map(|_| rng.random()).collect();
             let want = definition(&w, (n, k), &a, rows, stride);
-            let got = sums(tier, &w, (n, k), &a, rows, &[0..stride / 4]);
+            let got = sums(tier, &w, (n, k), &a, rows, None);
             assert_eq!(got, want, "{} rows {rows} n {n} k {k}", tier.name());
             // Two input ranges add up to the whole.
             let mid = stride / 8;
-            let split = sums(tier, &w, (n, k), &a, rows, &[0..mid, mid..stride / 4]);
+            let split = sums(tier, &w, (n, k), &a, rows, Some(mid));
             assert_eq!(split, want, "{} split at group {mid}", tier.name());
         }
     }
@@ -120,7 +126,7 @@ fn worst_case_operands_do_not_saturate_any_tier() {
             let stride = k.div_ceil(4) * 4;
             for byte in [255u8, 0, 1] {
                 let a = vec![byte; rows * stride];
-                let got = sums(tier, &w, (n, k), &a, rows, &[0..stride / 4]);
+                let got = sums(tier, &w, (n, k), &a, rows, None);
                 assert_eq!(
                     got,
                     definition(&w, (n, k), &a, rows, stride),

@@ -6,8 +6,8 @@
 
 use qforge_kernels::quantize::{quantize_per_token_reference, quantize_per_token_with};
 use qforge_kernels::{
-    Activations, GemmTier, Int8Linear, QuantizeTier, Scratch, ZERO_POINT, quantize_rows_symmetric,
-    WEIGHT_QMAX,
+    Activations, GemmTier, Int8Linear, QuantizeTier, Scratch, WEIGHT_QMAX, ZERO_POINT,
+    quantize_rows_symmetric,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -176,7 +176,10 @@ impl Linear {
     /// to: the rounding chosen for it (GPTQ), or its weight rounded to
     /// nearest, symmetric in ±[`WEIGHT_QMAX`].
     pub fn int8_weight(&self) -> Result<(Vec<i8>, Vec<f32>)> {
-        if let Linear::Fp { int8: Some(int8), .. } = self {
+        if let Linear::Fp {
+            int8: Some(int8), ..
+        } = self
+        {
             return Ok((int8.values.clone(), int8.scales.clone()));
         }
         let (weight, _) = self.full_precision()?;

@@ -78,7 +78,9 @@ impl Observer for StatsObserver {
                 };
                 match self.tensors.entry(point.to_owned()) {
                     Entry::Occupied(e) => e.into_mut(),
-                    Entry::Vacant(e) => e.insert(TensorStats::with_gram(Gram::new(width, exponent)?)),
+                    Entry::Vacant(e) => {
+                        e.insert(TensorStats::with_gram(Gram::new(width, exponent)?))
+                    }
                 }
             }
         };

@@ -67,7 +67,9 @@ impl Gptq {
             )));
         }
         if hessian.iter().any(|h| !h.is_finite()) {
-            return Err(Error::Gptq("the Hessian holds NaN or infinite values".into()));
+            return Err(Error::Gptq(
+                "the Hessian holds NaN or infinite values".into(),
+            ));
         }
         // Inputs never seen (zero diagonal) carry no information: their
         // weights are rounded to nearest and take no part in the solve.
@@ -91,7 +93,9 @@ impl Gptq {
             )));
         }
         if weight.iter().any(|w| !w.is_finite()) {
-            return Err(Error::Gptq("the weights hold NaN or infinite values".into()));
+            return Err(Error::Gptq(
+                "the weights hold NaN or infinite values".into(),
+            ));
         }
         let scales = row_scales(weight, n);
         let mut values = vec![0i8; out * n];
@@ -166,7 +170,11 @@ fn row_scales(weight: &[f32], inputs: usize) -> Vec<f32> {
 fn column_order(hessian: &[f64], n: usize, act_order: bool) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
     if act_order {
-        order.sort_by(|&a, &b| hessian[b * n + b].total_cmp(&hessian[a * n + a]).then(a.cmp(&b)));
+        order.sort_by(|&a, &b| {
+            hessian[b * n + b]
+                .total_cmp(&hessian[a * n + a])
+                .then(a.cmp(&b))
+        });
     }
     order
 }
@@ -344,7 +352,10 @@ mod tests {
                 ..GptqOptions::default()
             },
         ] {
-            let g = Gptq::new(&h, n, &options).unwrap().round(&weight, out).unwrap();
+            let g = Gptq::new(&h, n, &options)
+                .unwrap()
+                .round(&weight, out)
+                .unwrap();
             // Same grid as rounding to nearest.
             assert_eq!(g.scales, rtn_scales);
             assert!(g.values.iter().all(|v| v.unsigned_abs() <= 127));
@@ -370,11 +381,17 @@ mod tests {
         // An input never seen (zero row and column) changes nothing either.
         h[4 * n + 4] = 0.0;
         let options = GptqOptions::default();
-        let g = Gptq::new(&h, n, &options).unwrap().round(&weight, out).unwrap();
+        let g = Gptq::new(&h, n, &options)
+            .unwrap()
+            .round(&weight, out)
+            .unwrap();
         let (rtn, scales) = quantize_rows_symmetric(&weight, n, WEIGHT_QMAX);
         assert_eq!((g.values, g.scales), (rtn, scales));
         let nothing_seen = vec![0.0; n * n];
-        let g = Gptq::new(&nothing_seen, n, &options).unwrap().round(&weight, out).unwrap();
+        let g = Gptq::new(&nothing_seen, n, &options)
+            .unwrap()
+            .round(&weight, out)
+            .unwrap();
         assert_eq!(g.values, quantize_rows_symmetric(&weight, n, WEIGHT_QMAX).0);
     }
 

@@ -37,4 +37,4 @@ pub use error::{Error, Result};
 pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
 pub use pipeline::{Inputs, Listener, Pipeline, Quantized};
 pub use recipe::QuantRecipe;
-pub use report::{CalibrationSummary, PassRecord, Report};
+pub use report::{CalibrationSummary, GptqRecord, PassRecord, Report};

@@ -16,11 +16,11 @@ use std::path::{Path, PathBuf};
 use qforge_calib::{HessianPass, Job, Pass, Session, Transform};
 use qforge_core::{Gram, Stats};
 use qforge_dist::{Executor, PassEvent, PassPosition, RunOptions, RunSummary};
-use qforge_model::{Int8Weight, Linear, Model};
-use rayon::prelude::*;
 use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
 use qforge_model::profile::CalibrationProfile;
+use qforge_model::{Int8Weight, Linear, Model};
+use rayon::prelude::*;
 use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
@@ -28,7 +28,7 @@ use crate::gptq::{Gptq, GptqOptions};
 use crate::guard::{Decision, FpModel, quantize};
 use crate::held_out::held_out;
 use crate::recipe::QuantRecipe;
-use crate::report::{CalibrationSummary, PassRecord, Report};
+use crate::report::{CalibrationSummary, GptqRecord, PassRecord, Report};
 use crate::smoothing::smoothing_factors;
 
 /// What the pipeline reports while it runs. Every method has a default that
@@ -189,6 +189,7 @@ impl<'a> Pipeline<'a> {
         let stats = activation.expect("every recipe runs the activation pass");
         let original = session.load_model()?.clone();
         let mut model = session.target(&transforms)?;
+        let mut gptq = None;
         if !groups.is_empty() {
             let rounding = Rounding {
                 session: &session,
@@ -198,8 +199,13 @@ impl<'a> Pipeline<'a> {
                 done: records.len(),
                 count,
             };
-            let weights = self.gptq(&rounding, &model, &groups, &mut records, listener)?;
+            let (weights, seconds) =
+                self.gptq(&rounding, &model, &groups, &mut records, listener)?;
             model = model.with_int8_weights(&weights)?;
+            gptq = Some(GptqRecord {
+                layers: weights.len(),
+                seconds,
+            });
         }
         let (held, held_description) = held_out(
             &session,
@@ -216,7 +222,8 @@ impl<'a> Pipeline<'a> {
             &self.recipe,
             &mut |line| listener.message(line),
         )?;
-        let report = self.report(&session, &original, &records, decision);
+        let mut report = self.report(&session, &original, &records, decision);
+        report.gptq = gptq;
         Ok(Quantized {
             session,
             model,
@@ -229,7 +236,8 @@ impl<'a> Pipeline<'a> {
 
     /// GPTQ: one Hessian pass per group of layer inputs, each input's merged
     /// Gram matrix rounding the weights of every layer that reads it; returns
-    /// the int8 weights by layer name. An input whose pass covered too few
+    /// the int8 weights by layer name and the seconds spent solving. An
+    /// input whose pass covered too few
     /// batches, or whose activations were never finite, keeps rounding to
     /// nearest (with a warning); the guard judges the result either way.
     fn gptq(
@@ -239,7 +247,7 @@ impl<'a> Pipeline<'a> {
         groups: &[Vec<(String, usize)>],
         records: &mut Vec<(&'static str, RunSummary)>,
         listener: &mut dyn Listener,
-    ) -> Result<BTreeMap<String, Int8Weight>> {
+    ) -> Result<(BTreeMap<String, Int8Weight>, f64)> {
         let g = &self.recipe.gptq;
         let options = GptqOptions {
             block_size: g.block_size,
@@ -248,6 +256,7 @@ impl<'a> Pipeline<'a> {
         };
         let rows = rounding.session.plan.rows as u64;
         let mut weights = BTreeMap::new();
+        let mut solving = 0.0;
         for (i, group) in groups.iter().enumerate() {
             let mut points = BTreeMap::new();
             for (point, _) in group {
@@ -255,9 +264,9 @@ impl<'a> Pipeline<'a> {
                     Ok(e) => {
                         points.insert(point.clone(), e);
                     }
-                    Err(why) => listener.message(&format!(
-                        "warning: {point} rounds to nearest: {why}"
-                    )),
+                    Err(why) => {
+                        listener.message(&format!("warning: {point} rounds to nearest: {why}"))
+                    }
                 }
             }
             let recipe = qforge_calib::Recipe {
@@ -280,16 +289,17 @@ impl<'a> Pipeline<'a> {
                 ));
             } else {
                 let rounded = round_group(model, &stats, group, &options)?;
+                let seconds = started.elapsed().as_secs_f64();
+                solving += seconds;
                 listener.message(&format!(
-                    "gptq: {} layers rounded in {:.2} s",
-                    rounded.len(),
-                    started.elapsed().as_secs_f64()
+                    "gptq: {} layers rounded in {seconds:.2} s",
+                    rounded.len()
                 ));
                 weights.extend(rounded);
             }
             records.push(("hessian", summary));
         }
-        Ok(weights)
+        Ok((weights, solving))
     }
     fn run_pass(
         &self,
@@ -376,6 +386,7 @@ impl<'a> Pipeline<'a> {
                     })
                     .collect(),
             },
+            gptq: None,
             decision,
         }
     }

@@ -61,6 +61,17 @@ pub struct PassRecord {
     pub seconds: f64,
 }
 
+/// GPTQ's rounding, when the recipe ran it (its Hessian passes are in
+/// [`CalibrationSummary::passes`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GptqRecord {
+    /// Linear layers whose int8 weights GPTQ rounded; the others (inputs
+    /// without a usable Hessian) round to nearest.
+    pub layers: usize,
+    /// Seconds spent solving, after the passes.
+    pub seconds: f64,
+}
+
 /// `report.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -74,6 +85,9 @@ pub struct Report {
     pub recipe: QuantRecipe,
     /// The calibration run.
     pub calibration: CalibrationSummary,
+    /// GPTQ, if the recipe ran it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gptq: Option<GptqRecord>,
     /// What the guard decided.
     pub decision: Decision,
 }

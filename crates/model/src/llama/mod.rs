@@ -424,7 +424,9 @@ impl Llama {
     pub fn with_int8_weights(&self, weights: &BTreeMap<String, Int8Weight>) -> Result<Llama> {
         let names: Vec<String> = self.linears().into_iter().map(|(n, _, _)| n).collect();
         if let Some(unknown) = weights.keys().find(|n| !names.contains(n)) {
-            return Err(Error::Shape(format!("{unknown} is not a linear layer of this model")));
+            return Err(Error::Shape(format!(
+                "{unknown} is not a linear layer of this model"
+            )));
         }
         self.map_linears(|name, _, layer| match weights.get(name) {
             Some(w) => layer.with_int8_weight(w.clone()),
@@ -620,7 +622,7 @@ impl Llama {
         } = self.embedded(batch, start)?;
         let seq = x.dim(1)?;
         let mut cache = cache;
-        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, false, |i, q, k, v| {
+        let x = self.decoder_stack(x, (&cos, &sin), &lengths, observer, false, |i, q, k, v| {
             let (k, v) = match cache.as_deref_mut() {
                 Some(kv) => {
                     let (k, v) = match &kv.layers[i] {
@@ -664,9 +666,14 @@ impl Llama {
             sin,
             lengths,
         } = self.embedded(batch, 0)?;
-        self.decoder_stack(x, &cos, &sin, &lengths, Some(observer), true, |_, q, k, v| {
-            self.attention(q, k, v, Some(&mask))
-        })?;
+        self.decoder_stack(
+            x,
+            (&cos, &sin),
+            &lengths,
+            Some(observer),
+            true,
+            |_, q, k, v| self.attention(q, k, v, Some(&mask)),
+        )?;
         Ok(())
     }
 
@@ -753,7 +760,7 @@ impl Llama {
             .index_select(&positions, 0)?
             .reshape((n, 1, half))?;
         let lengths = vec![1; n];
-        let x = self.decoder_stack(x, &cos, &sin, &lengths, observer, false, |i, q, k, v| {
+        let x = self.decoder_stack(x, (&cos, &sin), &lengths, observer, false, |i, q, k, v| {
             let mut attended = Vec::with_capacity(n);
             for (s, cache) in caches.iter_mut().enumerate() {
                 let (k, v) = (k.narrow(0, s, 1)?, v.narrow(0, s, 1)?);
@@ -806,8 +813,7 @@ impl Llama {
     fn decoder_stack(
         &self,
         mut x: Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         lengths: &[usize],
         mut observer: Option<&mut dyn Observer>,
         stop_when_finished: bool,
