@@ -70,3 +70,49 @@ fn smoothquant_on_a_policy_is_refused_by_name() {
     assert!(matches!(err, Error::Recipe(_)), "{err}");
     assert!(err.to_string().contains("language models"), "{err}");
 }
+
+/// GPTQ from the library: the Hessian pass follows the activation pass, its
+/// exact Gram matrices give the same int8 weights on one and three threads,
+/// and every layer of the policy is rounded by GPTQ rather than to nearest.
+#[test]
+fn gptq_rounds_every_layer_the_same_on_one_and_three_threads() {
+    let inputs = Inputs::new(cartpole(), cartpole().join("rollouts.jsonl"));
+    let mut recipe = QuantRecipe::default();
+    recipe.gptq.enabled = true;
+    recipe.quantize.activations = qforge_quant::recipe::ActivationScheme::Dynamic;
+    let weights: Vec<Vec<u8>> = [1, 3]
+        .into_iter()
+        .map(|threads| {
+            let executor = EmbeddedExecutor { threads };
+            let pipeline = Pipeline::new(recipe.clone(), &executor).unwrap();
+            let quantized = pipeline.run(&inputs, &mut ()).unwrap();
+            let passes: Vec<&str> = quantized
+                .report
+                .calibration
+                .passes
+                .iter()
+                .map(|p| p.pass.as_str())
+                .collect();
+            assert_eq!(passes, ["activation", "hessian"]);
+            assert_eq!(quantized.report.gptq.as_ref().unwrap().layers, 3);
+            assert!(quantized.accepted(), "{:?}", quantized.report.decision);
+            let dir = scratch(&format!("gptq-{threads}"));
+            quantized.write(dir.path()).unwrap();
+            std::fs::read(dir.path().join("model.safetensors")).unwrap()
+        })
+        .collect();
+    assert!(
+        weights[0] == weights[1],
+        "GPTQ's weights differ between 1 and 3 threads"
+    );
+    // The same recipe without GPTQ rounds other integers.
+    recipe.gptq.enabled = false;
+    let executor = EmbeddedExecutor { threads: 1 };
+    let nearest = Pipeline::new(recipe, &executor)
+        .unwrap()
+        .run(&inputs, &mut ())
+        .unwrap();
+    let dir = scratch("nearest");
+    nearest.write(dir.path()).unwrap();
+    assert!(std::fs::read(dir.path().join("model.safetensors")).unwrap() != weights[0]);
+}
