@@ -148,8 +148,7 @@ impl QuantizeArgs {
     fn recipe(&self) -> Result<QuantRecipe> {
         let mut recipe = match &self.recipe {
             Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
+                let text = qforge_model::files::read_config_text(path)?;
                 QuantRecipe::from_toml(&text)
                     .map_err(|e| UsageError(format!("{}: {e}", path.display())))?
             }

@@ -127,13 +127,15 @@ pub struct ArtifactConfig {
 
 /// Whether `dir` holds a native artifact.
 pub fn is_artifact(dir: &Path) -> bool {
-    dir.join(ARTIFACT_FILE).is_file()
+    // `exists`, not `is_file`: a `qforge.json` that is a FIFO or a device
+    // still marks an artifact, whose loader then says what is wrong with it.
+    dir.join(ARTIFACT_FILE).exists()
 }
 
 /// Reads and checks `qforge.json`.
 pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
     let path = dir.join(ARTIFACT_FILE);
-    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let bytes = crate::files::read_config(&path)?;
     let config: ArtifactConfig = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
     if config.format != FORMAT || config.version != VERSION {
@@ -369,7 +371,7 @@ impl ArtifactTensors {
         point_of: HashMap<String, String>,
     ) -> Result<Self> {
         let path = dir.join(WEIGHTS_FILE);
-        let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let file = crate::files::open_regular(&path)?;
         // SAFETY: a read-only map of a file qforge does not modify while the
         // model is loaded (artifacts are written once, then renamed into place).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
@@ -498,7 +500,7 @@ impl WeightSource for ArtifactTensors {
 pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
     let config = read_config_of(dir, ModelKind::Policy)?;
     let policy_path = dir.join("policy.json");
-    let bytes = std::fs::read(&policy_path).map_err(|e| Error::io(&policy_path, e))?;
+    let bytes = crate::files::read_config(&policy_path)?;
     let policy: PolicyConfig = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", policy_path.display())))?;
     // A policy's layer names are its observation points.
@@ -524,8 +526,7 @@ pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
 pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
     let config = read_config_of(dir, ModelKind::LanguageModel)?;
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
+    let json: serde_json::Value = serde_json::from_slice(&crate::files::read_config(&config_path)?)
         .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
     let llama_config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
     let point_of = Llama::linear_points(&llama_config).into_iter().collect();

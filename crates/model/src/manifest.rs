@@ -75,7 +75,7 @@ fn files_under(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 }
 
 fn hash_file(path: &Path) -> Result<FileEntry> {
-    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut file = crate::files::open_regular(path)?;
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
@@ -115,7 +115,7 @@ pub fn write_manifest(dir: &Path, info: serde_json::Value) -> Result<Manifest> {
 /// Reads `dir/manifest.json`.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
-    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let bytes = crate::files::read_config(&path)?;
     let manifest: Manifest = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
     if manifest.format != FORMAT || manifest.version != VERSION {

@@ -71,7 +71,7 @@ const MAX_SHOWN: usize = 80;
 /// such a chain (naming the node and op), and [`Error::Shape`] for weights
 /// whose shapes do not chain.
 pub fn import_mlp(path: &Path, head: Head, env: Option<String>) -> Result<MlpPolicy> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::files::read_regular(path)?;
     import_mlp_bytes(&bytes, head, env).map_err(|e| e.in_file(path))
 }
 

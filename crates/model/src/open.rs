@@ -49,9 +49,11 @@ impl Format {
         if path.is_dir() {
             return if crate::artifact::is_artifact(path) {
                 Ok(Format::Artifact)
-            } else if path.join("policy.json").is_file() {
+            } else if path.join("policy.json").exists() {
+                // `exists`: a policy.json that is not a regular file is the
+                // loader's to refuse, with a message that says so.
                 Ok(Format::PolicyDir)
-            } else if path.join("config.json").is_file() {
+            } else if path.join("config.json").exists() {
                 Ok(Format::HuggingFace)
             } else {
                 Err(Error::Format(format!(
@@ -79,7 +81,7 @@ impl Format {
     pub fn is_policy(path: &Path) -> Result<bool> {
         Ok(match Self::detect(path)? {
             Format::PolicyDir => true,
-            Format::Artifact => path.join("policy.json").is_file(),
+            Format::Artifact => path.join("policy.json").exists(),
             Format::Gguf | Format::HuggingFace => false,
         })
     }
@@ -165,7 +167,7 @@ pub fn digest(path: &Path) -> Result<Digest> {
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];
     for file in files {
-        let mut reader = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
+        let mut reader = crate::files::open_regular(&file)?;
         digest.update(file.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
         loop {
             let n =

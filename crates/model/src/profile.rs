@@ -91,10 +91,10 @@ impl CalibrationProfile {
     /// plain model directory, or an artifact from before profiles).
     pub fn read(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join(PROFILE_FILE);
-        if !path.is_file() {
+        if !path.exists() {
             return Ok(None);
         }
-        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        let bytes = crate::files::read_config(&path)?;
         serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|e| Error::Format(format!("{}: {e}", path.display())))

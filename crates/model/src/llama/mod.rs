@@ -298,11 +298,16 @@ impl Llama {
     /// a sharded `model.safetensors.index.json`.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+        let json: serde_json::Value =
+            serde_json::from_slice(&crate::files::read_config(&config_path)?)
+                .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
         let config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
         let files = safetensors_files(dir)?;
+        // candle opens the shards itself: refuse a FIFO or device before it
+        // blocks on one.
+        for file in &files {
+            crate::files::open_regular(file)?;
+        }
         // SAFETY: read-only maps of model files that qforge does not modify.
         let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
             .map_err(|e| Error::Format(format!("{}: {e}", dir.display())))?;
@@ -897,9 +902,9 @@ fn observe(
 fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+        let json: serde_json::Value =
+            serde_json::from_slice(&crate::files::read_config(&index)?)
+                .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
         let map = json["weight_map"]
             .as_object()
             .ok_or_else(|| Error::Format(format!("{}: no weight_map", index.display())))?;
