@@ -1,19 +1,22 @@
 //! Reading the files of a model, which qforge did not necessarily write.
 //!
-//! Every loader reads through here, so two rules hold everywhere:
+//! Every loader reads through here, so three rules hold everywhere:
 //!
 //! * only regular files are read ([`open_regular`]): a FIFO in place of
 //!   `model.safetensors` blocked `serve` forever, and `policy.json` linked to
 //!   `/dev/zero` was read until memory ran out;
 //! * a JSON or TOML file is read only up to [`MAX_CONFIG_BYTES`]
-//!   ([`read_config`]).
+//!   ([`read_config`]);
+//! * a path named by a file (a manifest's entries, a shard index's weight
+//!   map) stays inside its directory ([`inside`]): `qforge verify` hashed
+//!   `/etc/passwd` when a manifest listed it.
 //!
 //! Data files (JSONL rollouts, evaluation text) are not models and are not
 //! read through here: a pipe is a fine source of data (`--data <(zcat …)`).
 
 use std::fs::File;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 use crate::error::{Error, Result};
 
@@ -122,4 +125,42 @@ pub fn read_config(path: &Path) -> Result<Vec<u8>> {
 pub fn read_config_text(path: &Path) -> Result<String> {
     String::from_utf8(read_config(path)?)
         .map_err(|e| Error::Format(format!("{}: not UTF-8 text ({e})", path.display())))
+}
+
+/// The file `name` inside `dir`, where `name` comes from `listed_in`, a
+/// file of `dir` (a manifest, a shard index): a relative path of plain
+/// components (`/`-separated) that resolves, symlinks followed, to a path
+/// inside `dir`. A name that does not exist is returned as it is, for the
+/// caller to report as missing.
+pub fn inside(dir: &Path, name: &str, listed_in: &Path) -> Result<PathBuf> {
+    let relative = Path::new(name);
+    let plain = !name.is_empty()
+        && relative
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+    if !plain {
+        return Err(Error::Format(format!(
+            "{} names {name:?}, which is not a relative path inside {} (it is empty or \
+             absolute, or has `.` or `..` in it); qforge reads only the directory's own files",
+            listed_in.display(),
+            dir.display()
+        )));
+    }
+    let path = dir.join(relative);
+    let real = match std::fs::canonicalize(&path) {
+        Ok(real) => real,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(path),
+        Err(e) => return Err(Error::io(&path, e)),
+    };
+    let root = std::fs::canonicalize(dir).map_err(|e| Error::io(dir, e))?;
+    if !real.starts_with(&root) {
+        return Err(Error::Format(format!(
+            "{} names {name}, which resolves to {}, outside {}; copy the file into the \
+             directory instead of linking to it",
+            listed_in.display(),
+            real.display(),
+            dir.display()
+        )));
+    }
+    Ok(path)
 }

@@ -5,6 +5,8 @@
 //! pipeline, the server, the CLI) goes through here, so format detection is
 //! written once and every consumer sees the same two kinds of model.
 
+use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use qforge_core::{Digest, DigestBuilder};
@@ -147,28 +149,41 @@ impl Model {
     }
 }
 
-/// SHA-256 over the files that make up the model at `path`: the file itself,
-/// or a directory's `.safetensors` and `.json` files in name order, each
-/// preceded by its name. Streamed: a model can be far larger than memory.
+/// SHA-256 over every file the loader of the model at `path` reads: the
+/// file itself, or a directory's `.safetensors` and `.json` files plus the
+/// shards its `model.safetensors.index.json` names (which may sit in
+/// subdirectories), in name order, each preceded by its name relative to
+/// the directory. Streamed: a model can be far larger than memory.
+///
+/// The index's shards used to be left out, so weights moved into a
+/// subdirectory (or, before [`crate::files::inside`], outside the model)
+/// could change without changing the hash.
 pub fn digest(path: &Path) -> Result<Digest> {
-    let mut files: Vec<PathBuf> = if path.is_dir() {
-        std::fs::read_dir(path)
-            .map_err(|e| Error::io(path, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                name.ends_with(".safetensors") || name.ends_with(".json")
-            })
-            .collect()
+    let mut files: BTreeMap<OsString, PathBuf> = BTreeMap::new();
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path).map_err(|e| Error::io(path, e))? {
+            let file = entry.map_err(|e| Error::io(path, e))?.path();
+            let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name.ends_with(".safetensors") || name.ends_with(".json") {
+                files.insert(name.into(), file);
+            }
+        }
+        if path.join(crate::llama::SHARD_INDEX).exists() {
+            for (name, file) in crate::llama::index_shards(path)? {
+                files.insert(name.into(), file);
+            }
+        }
     } else {
-        vec![path.to_owned()]
-    };
-    files.sort();
+        files.insert(
+            path.file_name().map(OsString::from).unwrap_or_default(),
+            path.to_owned(),
+        );
+    }
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];
-    for file in files {
+    for (name, file) in files {
         let mut reader = crate::files::open_regular(&file)?;
-        digest.update(file.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
+        digest.update(name.as_encoded_bytes());
         loop {
             let n =
                 std::io::Read::read(&mut reader, &mut buffer).map_err(|e| Error::io(&file, e))?;

@@ -1,12 +1,17 @@
 //! Loading files qforge did not write, or that changed since it wrote them:
-//! only regular files are read and JSON is read only up to a limit. (A FIFO
-//! blocks the process that opens it, so the FIFO cases run the CLI as a
-//! child with a deadline: `crates/cli/tests/loading.rs`.)
+//! only regular files are read, JSON only up to a limit, and only paths
+//! inside the model's directory. (A FIFO blocks the process that opens it,
+//! so the FIFO cases run the CLI as a child with a deadline:
+//! `crates/cli/tests/loading.rs`.)
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use qforge_model::MlpPolicy;
+use qforge_core::Digest;
+use qforge_model::artifact::{LayerPrecision, write_policy};
 use qforge_model::files::MAX_CONFIG_BYTES;
+use qforge_model::manifest::{FileEntry, Manifest, read_manifest, verify, write_manifest};
+use qforge_model::{Llama, MlpPolicy};
 
 /// A scratch directory, removed when dropped.
 fn fresh_dir(name: &str) -> tempfile::TempDir {
@@ -67,4 +72,120 @@ fn only_regular_files_are_read() {
         ),
         "{error}"
     );
+}
+
+/// The CartPole policy written as an artifact into `dir` (every layer
+/// int8-dynamic), with its manifest.
+fn cartpole_artifact(dir: &Path) {
+    let policy = MlpPolicy::from_dir(&fixture("fixtures/policies/cartpole")).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = policy
+        .linears()
+        .iter()
+        .map(|(_, point, _)| (point.clone(), LayerPrecision::Int8Dynamic))
+        .collect();
+    write_policy(dir, &policy, &points).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
+}
+
+fn write_manifest_as_is(dir: &Path, manifest: &Manifest) {
+    let text = serde_json::to_string_pretty(manifest).unwrap();
+    std::fs::write(dir.join("manifest.json"), text).unwrap();
+}
+
+#[test]
+fn verify_reads_no_file_outside_the_directory() {
+    let scratch = fresh_dir("outside");
+    let secret = scratch.path().join("secret.txt");
+    std::fs::write(&secret, "not the artifact's").unwrap();
+    let secret_sha = Digest::of(b"not the artifact's").to_hex();
+    let artifact = scratch.path().join("artifact");
+    std::fs::create_dir(&artifact).unwrap();
+    cartpole_artifact(&artifact);
+    let clean = read_manifest(&artifact).unwrap();
+    let absolute = secret.to_string_lossy().into_owned();
+    for (listed, expected) in [
+        ("../secret.txt", "not a relative path inside"),
+        (absolute.as_str(), "not a relative path inside"),
+        ("link", "outside"),
+    ] {
+        if listed == "link" {
+            std::os::unix::fs::symlink(&secret, artifact.join("link")).unwrap();
+        }
+        // Listed with its true hash, each passed before: verify read the
+        // file outside and found it unchanged.
+        let mut manifest = clean.clone();
+        manifest.files.insert(
+            listed.to_owned(),
+            FileEntry {
+                sha256: secret_sha.clone(),
+                bytes: 18,
+            },
+        );
+        write_manifest_as_is(&artifact, &manifest);
+        let error = verify(&artifact).unwrap_err().to_string();
+        assert!(
+            error.contains(listed) && error.contains(expected),
+            "{listed}: {error}"
+        );
+        // With a wrong hash, the error printed the outside file's hash.
+        manifest.files.get_mut(listed).unwrap().sha256 = "0".repeat(64);
+        write_manifest_as_is(&artifact, &manifest);
+        let error = verify(&artifact).unwrap_err().to_string();
+        assert!(!error.contains(&secret_sha), "{listed}: {error}");
+    }
+}
+
+/// A Hugging Face directory in `dir` whose config is valid and whose index
+/// names `shard` for its one tensor.
+fn hf_dir_naming(dir: &Path, shard: &str) {
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let index = serde_json::json!({"weight_map": {"model.embed_tokens.weight": shard}});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+#[test]
+fn shards_come_only_from_inside_the_model_directory_and_all_are_hashed() {
+    let scratch = fresh_dir("shards");
+    let model = scratch.path().join("model");
+    std::fs::create_dir_all(model.join("weights")).unwrap();
+    // A shard in a subdirectory is inside the model: loaded, so hashed. The
+    // hash used to cover only the directory's top level.
+    hf_dir_naming(&model, "weights/part-1.safetensors");
+    let shard = model.join("weights/part-1.safetensors");
+    std::fs::write(&shard, b"one version of the weights").unwrap();
+    let before = qforge_model::open::digest(&model).unwrap();
+    std::fs::write(&shard, b"another version of weights").unwrap();
+    assert_ne!(qforge_model::open::digest(&model).unwrap(), before);
+
+    std::fs::write(scratch.path().join("other.safetensors"), b"weights").unwrap();
+    std::os::unix::fs::symlink(
+        scratch.path().join("other.safetensors"),
+        model.join("linked.safetensors"),
+    )
+    .unwrap();
+    let absolute = scratch.path().join("other.safetensors");
+    let absolute = absolute.to_string_lossy();
+    for (shard, expected) in [
+        ("../other.safetensors", "not a relative path inside"),
+        (absolute.as_ref(), "not a relative path inside"),
+        ("linked.safetensors", "outside"),
+    ] {
+        hf_dir_naming(&model, shard);
+        // Before, the hash ignored such a shard and the loader read it.
+        for error in [
+            qforge_model::open::digest(&model).unwrap_err().to_string(),
+            Llama::from_hf_dir(&model).unwrap_err().to_string(),
+        ] {
+            assert!(
+                error.contains("model.safetensors.index.json names")
+                    && error.contains(shard)
+                    && error.contains(expected),
+                "{shard}: {error}"
+            );
+        }
+    }
 }
