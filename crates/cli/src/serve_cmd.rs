@@ -200,8 +200,11 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         },
         (None, false) => RolloutMode::Int8Only,
     };
+    // Open first: for an artifact that checks every file against the
+    // manifest, calibration.json included.
+    let model = qforge_model::open(&args.model)?;
     let calibration = calibration(&args.model)?;
-    let served = match qforge_model::open(&args.model)? {
+    let served = match model {
         Model::Policy(model) => Served::Policy {
             model,
             reference: reference_path(&args, mode)?

@@ -1,5 +1,6 @@
 //! What `qforge` loads: only regular files (a FIFO or `/dev/zero` in place of
-//! a model file is refused, not waited on or read forever).
+//! a model file is refused, not waited on or read forever), and an artifact
+//! only as its manifest says it was written, whichever command loads it.
 //!
 //! A loader that blocks would block the test with it, so every run here is a
 //! child process with a deadline ([`qforge_bounded`]): a regression fails
@@ -7,10 +8,15 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+
+use qforge_model::MlpPolicy;
+use qforge_model::artifact::{LayerPrecision, write_policy};
+use qforge_model::manifest::write_manifest;
 
 use support::{path, root};
 
@@ -83,6 +89,36 @@ fn cartpole_copy(dir: &Path) {
     }
 }
 
+/// The CartPole policy written as an artifact into `dir`, as `quantize`
+/// writes one (every layer int8-dynamic), with its manifest. Written through
+/// the library so that the test does not depend on the guard's verdict on
+/// this CPU.
+fn cartpole_artifact(dir: &Path) {
+    let policy = MlpPolicy::from_dir(&root().join("fixtures/policies/cartpole")).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = policy
+        .linears()
+        .iter()
+        .map(|(_, point, _)| (point.clone(), LayerPrecision::Int8Dynamic))
+        .collect();
+    write_policy(dir, &policy, &points).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
+}
+
+/// `qforge act` on `dir` under a 4 GiB address-space limit, so that a read
+/// that never ends fails an allocation instead of filling the machine.
+fn act_with_memory_limit(dir: &Path) -> Output {
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(r#"ulimit -v 4194304 && exec "$0" "$@""#)
+        .arg(env!("CARGO_BIN_EXE_qforge"))
+        .args(["act", "--model"])
+        .arg(dir)
+        .arg("--observations")
+        .arg(path("fixtures/policies/cartpole/rollouts.jsonl"));
+    bounded(command, "qforge act under a memory limit")
+}
+
 fn mkfifo(path: &Path) {
     let name = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: a NUL-terminated path that outlives the call.
@@ -113,17 +149,53 @@ fn a_policy_json_linked_to_dev_zero_is_refused_not_read_until_memory_runs_out() 
     cartpole_copy(policy);
     std::fs::remove_file(policy.join("policy.json")).unwrap();
     std::os::unix::fs::symlink("/dev/zero", policy.join("policy.json")).unwrap();
-    // Under a 4 GiB address-space limit, so that without the check the
-    // read ends in a failed allocation, not in the machine's memory.
-    let mut command = Command::new("sh");
-    command
-        .arg("-c")
-        .arg(r#"ulimit -v 4194304 && exec "$0" "$@""#)
-        .arg(env!("CARGO_BIN_EXE_qforge"))
-        .args(["act", "--model"])
-        .arg(policy)
-        .arg("--observations")
-        .arg(path("fixtures/policies/cartpole/rollouts.jsonl"));
-    let act = bounded(command, "qforge act on a policy.json linked to /dev/zero");
+    let act = act_with_memory_limit(policy);
     fails_with(&act, "policy.json is a character device");
+}
+
+#[test]
+fn a_changed_artifact_is_refused_by_every_command_that_loads_it() {
+    let dir = scratch("tampered");
+    let artifact = dir.path().join("artifact");
+    std::fs::create_dir(&artifact).unwrap();
+    cartpole_artifact(&artifact);
+    let model = artifact.to_string_lossy().into_owned();
+    let observations = path("fixtures/policies/cartpole/rollouts.jsonl");
+    let reference = path("fixtures/policies/cartpole");
+    let act = ["act", "--model", &model, "--observations", &observations];
+    assert!(qforge_bounded(&act).status.success());
+    // One flipped weight byte: before, every command loaded it and served
+    // the changed weights (`serve` answered 200).
+    let weights = artifact.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x10;
+    std::fs::write(&weights, &bytes).unwrap();
+    let agreement = [
+        "eval",
+        "agreement",
+        "--model",
+        &model,
+        "--reference",
+        &reference,
+        "--observations",
+        &observations,
+    ];
+    let serve = ["serve", "--model", &model, "--addr", "127.0.0.1:0"];
+    let fingerprint = ["fingerprint", "--model", &model];
+    for args in [&act[..], &agreement, &serve, &fingerprint] {
+        fails_with(&qforge_bounded(args), "model.safetensors changed");
+    }
+}
+
+#[test]
+fn an_artifact_whose_policy_json_links_to_dev_zero_is_refused() {
+    let dir = scratch("artifact-dev-zero");
+    let artifact = dir.path();
+    cartpole_artifact(artifact);
+    std::fs::remove_file(artifact.join("policy.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", artifact.join("policy.json")).unwrap();
+    // Before, the loader read /dev/zero until the allocation failed.
+    let act = act_with_memory_limit(artifact);
+    fails_with(&act, "policy.json, which resolves to /dev/zero, outside");
 }

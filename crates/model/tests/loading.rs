@@ -189,3 +189,159 @@ fn shards_come_only_from_inside_the_model_directory_and_all_are_hashed() {
         }
     }
 }
+
+#[test]
+fn an_artifact_is_checked_against_its_manifest_before_it_loads() {
+    let dir = fresh_dir("tampered");
+    let dir = dir.path();
+    cartpole_artifact(dir);
+    qforge_model::open(dir).unwrap();
+    // One flipped weight byte loaded and acted before.
+    let weights = dir.join("model.safetensors");
+    let clean = std::fs::read(&weights).unwrap();
+    let mut bytes = clean.clone();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x10;
+    std::fs::write(&weights, &bytes).unwrap();
+    let error = qforge_model::open(dir).unwrap_err().to_string();
+    assert!(error.contains("model.safetensors changed"), "{error}");
+    std::fs::write(&weights, &clean).unwrap();
+    // A file added since, or no manifest at all: refused too.
+    std::fs::write(dir.join("notes.txt"), "added").unwrap();
+    let error = qforge_model::open(dir).unwrap_err().to_string();
+    assert!(
+        error.contains("notes.txt is not in the manifest"),
+        "{error}"
+    );
+    std::fs::remove_file(dir.join("notes.txt")).unwrap();
+    std::fs::remove_file(dir.join("manifest.json")).unwrap();
+    let error = qforge_model::open(dir).unwrap_err().to_string();
+    assert!(error.contains("no manifest.json"), "{error}");
+}
+
+/// The CartPole policy as an artifact whose layers.0 has a static
+/// activation scale (`0.015625`, exact in JSON) and whose layers.2 is FP,
+/// with its manifest.
+fn cartpole_static_artifact(dir: &Path) {
+    let policy = MlpPolicy::from_dir(&fixture("fixtures/policies/cartpole")).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = [
+        (
+            "layers.0",
+            LayerPrecision::Int8Static {
+                input_scale: 0.015625,
+            },
+        ),
+        ("layers.1", LayerPrecision::Int8Dynamic),
+        ("layers.2", LayerPrecision::Fp),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    write_policy(dir, &policy, &points).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
+}
+
+/// Replaces `old` by `new` in `dir/file` and rewrites the manifest to
+/// match, as someone who edits an artifact can: the hashes pass, so what
+/// is refused is refused for its values.
+fn edit_consistently(dir: &Path, file: &str, old: &str, new: &str) {
+    let path = dir.join(file);
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(old), "{old} not in {file}");
+    std::fs::write(&path, text.replace(old, new)).unwrap();
+    let info = read_manifest(dir).unwrap().info;
+    write_manifest(dir, info).unwrap();
+}
+
+#[test]
+fn activation_scales_must_be_positive_and_finite() {
+    // 0 quantized every input to 0 and 1e39 (f32 infinity) saturated it:
+    // both loaded and served all-zero actions.
+    for scale in ["0", "-0.5", "1e39"] {
+        let dir = fresh_dir("input-scale");
+        let dir = dir.path();
+        cartpole_static_artifact(dir);
+        edit_consistently(
+            dir,
+            "qforge.json",
+            "\"input_scale\": 0.015625",
+            &format!("\"input_scale\": {scale}"),
+        );
+        let error = qforge_model::open(dir).unwrap_err().to_string();
+        assert!(
+            error.contains("qforge.json: layers.0 has input_scale")
+                && error.contains("positive finite"),
+            "{scale}: {error}"
+        );
+    }
+}
+
+/// `dir/model.safetensors` with the first value of tensor `name` (F32)
+/// replaced by `value`, and the manifest rewritten to match.
+fn set_first_value(dir: &Path, name: &str, value: f32) {
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let (header, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let start = 8 + header + metadata.info(name).unwrap().data_offsets.0;
+    bytes[start..start + 4].copy_from_slice(&value.to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let info = read_manifest(dir).unwrap().info;
+    write_manifest(dir, info).unwrap();
+}
+
+#[test]
+fn non_finite_weights_are_refused_at_load() {
+    // A policy directory: a NaN weight loaded and made every action 0.
+    let dir = fresh_dir("nan-policy");
+    let dir = dir.path();
+    cartpole_copy(dir);
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            (
+                name,
+                (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
+            )
+        })
+        .collect();
+    owned.get_mut("layers.1.weight").unwrap().2[12..16].copy_from_slice(&f32::NAN.to_le_bytes());
+    let views: Vec<_> = owned
+        .iter()
+        .map(|(name, (dtype, shape, data))| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    let error = qforge_model::open(dir).unwrap_err().to_string();
+    assert!(
+        error.contains("layers.1.weight holds NaN at index 3"),
+        "{error}"
+    );
+
+    // An artifact: an FP layer's bias and an INT8 layer's bias.
+    for (tensor, value) in [
+        ("layers.2.bias", f32::NAN),
+        ("layers.0.bias", f32::INFINITY),
+    ] {
+        let dir = fresh_dir("nan-artifact");
+        let dir = dir.path();
+        cartpole_static_artifact(dir);
+        set_first_value(dir, tensor, value);
+        let error = qforge_model::open(dir).unwrap_err().to_string();
+        assert!(
+            error.contains("model.safetensors")
+                && error.contains(&format!("{tensor} holds {value} at index 0")),
+            "{error}"
+        );
+    }
+}

@@ -324,6 +324,10 @@ impl Llama {
         let c = &config;
         let (d, kv) = (c.hidden_size, c.num_kv_heads * c.head_dim);
         let q_width = c.num_heads * c.head_dim;
+        // The norms' gains, checked finite: one NaN gain makes every logit
+        // NaN. (The linear weights of a GGUF or Hugging Face source are not
+        // scanned: that would mean dequantizing every block at load. An
+        // artifact's tensors are all checked as they are read.)
         let vector = |name: &str, len: usize| -> Result<Tensor> {
             let t = source.tensor(name)?.to_dtype(DType::F32)?;
             if t.dims() != [len] {
@@ -332,6 +336,7 @@ impl Llama {
                     t.dims()
                 )));
             }
+            crate::linear::check_finite_tensor(name, &t)?;
             Ok(t)
         };
         let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
