@@ -231,13 +231,10 @@ fn write_tensors(out: &BTreeMap<String, TensorOut<'_>>, dest: &Path) -> Result<(
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::Inconsistent(e.to_string()))?;
-    let target = dest.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &target).map_err(|e| match e {
-        safetensors::SafeTensorError::IoError(io) => {
-            Error::Model(qforge_model::Error::io(&target, io))
-        }
-        other => Error::Inconsistent(format!("{}: {other}", target.display())),
-    })
+    Ok(qforge_model::artifact::write_safetensors(
+        &dest.join("model.safetensors"),
+        views,
+    )?)
 }
 
 /// Writes `dest/config.json` (the artifact's, with `quantization_config`)

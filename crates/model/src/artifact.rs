@@ -257,11 +257,59 @@ impl TensorsOut {
             })
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
-        safetensors::serialize_to_file(views, None, path).map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
-            other => Error::Format(format!("{}: {other}", path.display())),
-        })
+        write_safetensors(path, views)
     }
+}
+
+/// Writes `tensors` as the safetensors file `path`, created like every
+/// other file qforge writes: with the user's umask.
+///
+/// `safetensors::serialize_to_file` writes a `tempfile` temporary, which is
+/// created 0600, and renames it into place: artifacts came out with
+/// `model.safetensors` 0600 and every other file 0644. qforge writes into a
+/// staging directory renamed into place whole, so it needs no temporary.
+/// The bytes are `serialize_to_file`'s: the same tensor order (alignment,
+/// then name), the same header padded with spaces to 8 bytes.
+pub fn write_safetensors(
+    path: &Path,
+    mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)>,
+) -> Result<()> {
+    use std::io::Write;
+    let malformed =
+        |e: safetensors::SafeTensorError| Error::Format(format!("{}: {e}", path.display()));
+    tensors.sort_by(|(left_name, left), (right_name, right)| {
+        right
+            .dtype()
+            .cmp(&left.dtype())
+            .then(left_name.cmp(right_name))
+    });
+    let mut offset = 0;
+    let mut infos = Vec::with_capacity(tensors.len());
+    for (name, view) in &tensors {
+        let end = offset + view.data().len();
+        infos.push((
+            name.clone(),
+            safetensors::tensor::TensorInfo {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data_offsets: (offset, end),
+            },
+        ));
+        offset = end;
+    }
+    let metadata = safetensors::tensor::Metadata::new(None, infos).map_err(malformed)?;
+    let mut header = serde_json::to_vec(&metadata).expect("a safetensors header serializes");
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let write = || -> std::io::Result<()> {
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
+        out.write_all(&(header.len() as u64).to_le_bytes())?;
+        out.write_all(&header)?;
+        for (_, view) in &tensors {
+            out.write_all(view.data())?;
+        }
+        out.flush()
+    };
+    write().map_err(|e| Error::io(path, e))
 }
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
@@ -599,4 +647,35 @@ pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
         text,
         source: dir.to_owned(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_safetensors_writes_the_bytes_safetensors_writes() {
+        let floats: Vec<u8> = [1.5f32, -2.0, 0.25]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let ints = [1u8, 255, 7, 0];
+        let views = vec![
+            (
+                "b.weight".to_owned(),
+                safetensors::tensor::TensorView::new(Dtype::I8, vec![2, 2], &ints).unwrap(),
+            ),
+            (
+                "a.bias".to_owned(),
+                safetensors::tensor::TensorView::new(Dtype::F32, vec![3], &floats).unwrap(),
+            ),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        write_safetensors(&path, views.clone()).unwrap();
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            safetensors::serialize(views, None).unwrap()
+        );
+    }
 }

@@ -207,3 +207,32 @@ fn round_trip(lm: &LanguageModel, name: &str) -> LanguageModel {
     assert!(error.contains("model.safetensors changed"), "{error}");
     loaded
 }
+
+#[test]
+fn every_file_of_an_artifact_gets_the_mode_the_umask_gives() {
+    let fp = MlpPolicy::from_dir(&fixture("fixtures/policies/cartpole")).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = fp
+        .linears()
+        .iter()
+        .map(|(_, point, _)| (point.clone(), LayerPrecision::Int8Dynamic))
+        .collect();
+    let dir = fresh_dir("modes");
+    let dir = dir.path();
+    write_policy(dir, &fp, &points).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
+    // A file created here as any other is: what the umask gives.
+    let probe = dir.join("probe");
+    std::fs::write(&probe, "").unwrap();
+    let mode = |path: &Path| {
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(path).unwrap().permissions())
+            & 0o777
+    };
+    let expected = mode(&probe);
+    std::fs::remove_file(&probe).unwrap();
+    // model.safetensors was 0600 (safetensors' temporary file) while the
+    // rest followed the umask (0644 under umask 022).
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        assert_eq!(mode(&path), expected, "{}", path.display());
+    }
+}
