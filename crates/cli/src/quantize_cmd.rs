@@ -35,8 +35,9 @@ enum ActivationsArg {
 /// Arguments of `qforge quantize`.
 #[derive(Args)]
 pub struct QuantizeArgs {
-    /// Model: GGUF file, Hugging Face directory or policy directory
-    /// (default: the bundled CartPole policy).
+    /// Model: GGUF file, Hugging Face directory, policy directory or ONNX
+    /// policy (NAME.onnx, its head in NAME.policy.json; default: the bundled
+    /// CartPole policy).
     #[arg(long, value_name = "PATH", requires = "data")]
     model: Option<PathBuf>,
     /// Calibration data, JSONL (default: the bundled CartPole rollouts).

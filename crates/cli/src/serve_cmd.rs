@@ -28,7 +28,8 @@ const TOKEN_VARIABLE: &str = "QFORGE_SERVE_TOKEN";
 #[derive(Args)]
 pub struct ServeArgs {
     /// The model: a native artifact (`qforge quantize`), a policy directory,
-    /// or a language model (GGUF file or Hugging Face directory).
+    /// an ONNX policy (NAME.onnx, its head in NAME.policy.json), or a
+    /// language model (GGUF file or Hugging Face directory).
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Address to listen on (loopback by default; port 0 picks a free one).

@@ -199,3 +199,126 @@ fn an_artifact_whose_policy_json_links_to_dev_zero_is_refused() {
     let act = act_with_memory_limit(artifact);
     fails_with(&act, "policy.json, which resolves to /dev/zero, outside");
 }
+
+/// `qforge act --json` on `model`: its actions.
+fn actions(model: &str) -> serde_json::Value {
+    let observations = path("fixtures/policies/cartpole/rollouts.jsonl");
+    let out = qforge_bounded(&[
+        "act",
+        "--model",
+        model,
+        "--observations",
+        &observations,
+        "--json",
+    ]);
+    support::json(&out)["actions"].clone()
+}
+
+/// Starts `qforge serve` on `model` and waits (at most [`DEADLINE`]) for it
+/// to listen; returns what it printed until then. The server is killed.
+fn serve_until_listening(model: &str) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qforge"))
+        .args(["serve", "--model", model, "--addr", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run qforge serve");
+    let stderr = child.stderr.take().unwrap();
+    let (line_tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr).lines() {
+            if line_tx.send(line.unwrap_or_default()).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = std::time::Instant::now() + DEADLINE;
+    let mut seen = String::new();
+    let listening = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => {
+                seen.push_str(&line);
+                seen.push('\n');
+                if line.contains("http://") {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(listening, "qforge serve did not listen: {seen}");
+    seen
+}
+
+#[test]
+fn an_onnx_policy_loads_wherever_a_policy_directory_does() {
+    let dir = scratch("onnx");
+    let dir = dir.path();
+    let onnx = dir.join("cartpole.onnx");
+    std::fs::copy(root().join("fixtures/onnx/cartpole_sb3.onnx"), &onnx).unwrap();
+    let model = onnx.to_string_lossy().into_owned();
+    let observations = path("fixtures/policies/cartpole/rollouts.jsonl");
+    // The graph ends in raw outputs: what they mean has to be written down,
+    // and the error says where and how. Before, every command refused any
+    // .onnx file ("import it with qforge_model::onnx::import_mlp").
+    let act = qforge_bounded(&["act", "--model", &model, "--observations", &observations]);
+    let stderr = fails_with(&act, "cartpole.policy.json");
+    assert!(
+        stderr.contains(r#"{"head": {"kind": "discrete", "actions": 2}}"#),
+        "{stderr}"
+    );
+    std::fs::write(
+        dir.join("cartpole.policy.json"),
+        r#"{"head": {"kind": "discrete", "actions": 2}, "env": "CartPole-v1"}"#,
+    )
+    .unwrap();
+    // The Stable-Baselines3 export holds the trained CartPole weights.
+    let fp = actions(&path("fixtures/policies/cartpole"));
+    assert_eq!(actions(&model), fp);
+    let stats = dir.join("cartpole.qstats").to_string_lossy().into_owned();
+    let calibrate = [
+        "calibrate",
+        "--model",
+        &model,
+        "--data",
+        &observations,
+        "-o",
+        &stats,
+    ];
+    assert!(qforge_bounded(&calibrate).status.success());
+    let artifact = dir.join("int8").to_string_lossy().into_owned();
+    let quantize = [
+        "quantize",
+        "--model",
+        &model,
+        "--data",
+        &observations,
+        "--min-agreement",
+        "0",
+        "-o",
+        &artifact,
+    ];
+    let out = qforge_bounded(&quantize);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let int8 = actions(&artifact);
+    assert_eq!(int8.as_array().unwrap().len(), fp.as_array().unwrap().len());
+    serve_until_listening(&model);
+
+    // A final Softmax says the head is discrete: no head file needed.
+    let softmax = dir.join("mixed.onnx");
+    std::fs::copy(
+        root().join("fixtures/onnx/relu_cartpole_mixed.onnx"),
+        &softmax,
+    )
+    .unwrap();
+    assert!(actions(&softmax.to_string_lossy()).is_array());
+}

@@ -85,8 +85,8 @@ pub fn open_regular(path: &Path) -> Result<File> {
     Ok(file)
 }
 
-/// The whole of the regular file `path` (weights, ONNX graphs, data): its
-/// size is bounded by what the file holds, unlike a device's.
+/// The whole of the regular file `path` (weights, ONNX graphs): its size is
+/// bounded by what the file holds, unlike a device's.
 pub fn read_regular(path: &Path) -> Result<Vec<u8>> {
     let mut file = open_regular(path)?;
     let mut bytes = Vec::new();

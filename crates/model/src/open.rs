@@ -34,6 +34,10 @@ pub enum Format {
     HuggingFace,
     /// A policy directory: `policy.json` and `model.safetensors`.
     PolicyDir,
+    /// An MLP policy exported to ONNX (`NAME.onnx`, the head in
+    /// `NAME.policy.json` or implied by a final Softmax; see
+    /// [`crate::onnx::open_policy`]).
+    Onnx,
     /// A native qforge artifact (`qforge.json`), either kind.
     Artifact,
 }
@@ -65,24 +69,33 @@ impl Format {
                 )))
             };
         }
+        // A GGUF file says so in its first bytes; an ONNX protobuf has no
+        // magic, so it goes by its name and the importer checks its content.
+        let mut magic = [0u8; 4];
+        let mut file = crate::files::open_regular(path)?;
+        let read = std::io::Read::read(&mut file, &mut magic).map_err(|e| Error::io(path, e))?;
+        if magic[..read] == *b"GGUF" {
+            return Ok(Format::Gguf);
+        }
         if path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
         {
-            return Err(Error::Unsupported(format!(
-                "{} is an ONNX graph; qforge needs to know its policy head: import it with \
-                 qforge_model::onnx::import_mlp and save it as a policy directory",
-                path.display()
-            )));
+            return Ok(Format::Onnx);
         }
-        Ok(Format::Gguf)
+        Err(Error::Format(format!(
+            "{} is neither a GGUF file (it does not start with the bytes GGUF) nor an ONNX \
+             policy (NAME.onnx); qforge opens those, Hugging Face and policy directories, and \
+             qforge artifacts",
+            path.display()
+        )))
     }
 
-    /// Whether the path holds a policy (a policy directory or a policy
-    /// artifact) rather than a language model.
+    /// Whether the path holds a policy (a policy directory, an ONNX policy
+    /// or a policy artifact) rather than a language model.
     pub fn is_policy(path: &Path) -> Result<bool> {
         Ok(match Self::detect(path)? {
-            Format::PolicyDir => true,
+            Format::PolicyDir | Format::Onnx => true,
             Format::Artifact => path.join("policy.json").exists(),
             Format::Gguf | Format::HuggingFace => false,
         })
@@ -90,7 +103,8 @@ impl Format {
 }
 
 /// Opens the model at `path`: a GGUF file, a Hugging Face directory, a
-/// policy directory or a native artifact (with its stored precisions).
+/// policy directory, an ONNX policy or a native artifact (with its stored
+/// precisions, after checking it against its manifest).
 ///
 /// This is the one place that sends a native artifact to its loader
 /// ([`crate::artifact`]): [`LanguageModel::load`] and
@@ -104,6 +118,7 @@ pub fn open(path: &Path) -> Result<Model> {
         }
         Format::Artifact => Model::Language(Box::new(crate::artifact::load_language_model(path)?)),
         Format::PolicyDir => Model::Policy(MlpPolicy::from_dir(path)?),
+        Format::Onnx => Model::Policy(crate::onnx::open_policy(path)?),
         Format::Gguf | Format::HuggingFace => Model::Language(Box::new(LanguageModel::load(path)?)),
     })
 }
@@ -142,7 +157,7 @@ impl Model {
         match self {
             Model::Policy(policy) => Ok(policy),
             Model::Language(_) => Err(Error::Unsupported(format!(
-                "{} is a language model; this needs a policy (a policy directory or a policy artifact)",
+                "{} is a language model; this needs a policy (a policy directory, an ONNX policy or a policy artifact)",
                 path.display()
             ))),
         }
@@ -150,7 +165,8 @@ impl Model {
 }
 
 /// SHA-256 over every file the loader of the model at `path` reads: the
-/// file itself, or a directory's `.safetensors` and `.json` files plus the
+/// file itself (with its head file, for an ONNX policy that has one), or a
+/// directory's `.safetensors` and `.json` files plus the
 /// shards its `model.safetensors.index.json` names (which may sit in
 /// subdirectories), in name order, each preceded by its name relative to
 /// the directory. Streamed: a model can be far larger than memory.
@@ -178,6 +194,13 @@ pub fn digest(path: &Path) -> Result<Digest> {
             path.file_name().map(OsString::from).unwrap_or_default(),
             path.to_owned(),
         );
+        let head = crate::onnx::head_file(path);
+        if Format::detect(path)? == Format::Onnx && head.exists() {
+            files.insert(
+                head.file_name().map(OsString::from).unwrap_or_default(),
+                head,
+            );
+        }
     }
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];

@@ -345,3 +345,40 @@ fn non_finite_weights_are_refused_at_load() {
         );
     }
 }
+
+#[test]
+fn an_onnx_policy_is_hashed_with_its_head_file() {
+    let dir = fresh_dir("onnx-head");
+    let dir = dir.path();
+    let onnx = dir.join("policy.onnx");
+    std::fs::copy(fixture("fixtures/onnx/cartpole_sb3.onnx"), &onnx).unwrap();
+    let alone = qforge_model::open::digest(&onnx).unwrap();
+    let head = dir.join("policy.policy.json");
+    std::fs::write(&head, r#"{"head": {"kind": "discrete", "actions": 2}}"#).unwrap();
+    let discrete = qforge_model::open::digest(&onnx).unwrap();
+    assert_ne!(discrete, alone);
+    let policy = qforge_model::open(&onnx)
+        .unwrap()
+        .into_policy(&onnx)
+        .unwrap();
+    assert_eq!(policy.config().observation_dim, 4);
+    // Another head is another model: the hash moves, and a head the graph
+    // does not fit is an error naming both.
+    std::fs::write(&head, r#"{"head": {"kind": "value"}}"#).unwrap();
+    assert_ne!(qforge_model::open::digest(&onnx).unwrap(), discrete);
+    let error = qforge_model::open(&onnx).unwrap_err().to_string();
+    assert!(
+        error.contains("policy.onnx") && error.contains("value head needs 1"),
+        "{error}"
+    );
+    std::fs::write(
+        &head,
+        r#"{"head": {"kind": "discrete", "actions": 2}, "extra": 1}"#,
+    )
+    .unwrap();
+    let error = qforge_model::open(&onnx).unwrap_err().to_string();
+    assert!(
+        error.contains("policy.policy.json") && error.contains("unknown field"),
+        "{error}"
+    );
+}
