@@ -322,3 +322,26 @@ fn an_onnx_policy_loads_wherever_a_policy_directory_does() {
     .unwrap();
     assert!(actions(&softmax.to_string_lossy()).is_array());
 }
+
+#[test]
+fn an_error_is_printed_once() {
+    let dir = scratch("printed-once");
+    let policy = dir.path();
+    cartpole_copy(policy);
+    std::fs::remove_file(policy.join("model.safetensors")).unwrap();
+    let out = qforge_bounded(&[
+        "act",
+        "--model",
+        &policy.to_string_lossy(),
+        "--observations",
+        &path("fixtures/policies/cartpole/rollouts.jsonl"),
+    ]);
+    // It read "…/model.safetensors: No such file or directory (os error 2):
+    // No such file or directory (os error 2)".
+    let stderr = fails_with(&out, "model.safetensors: No such file or directory");
+    assert_eq!(
+        stderr.matches("No such file or directory").count(),
+        1,
+        "{stderr}"
+    );
+}
