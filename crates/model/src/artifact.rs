@@ -581,9 +581,10 @@ impl WeightSource for ArtifactTensors {
 /// here, so `serve`, `eval`, `generate`, `act` and the rest all check.
 ///
 /// It re-hashes every file, once per load: SHA-256 runs at about 1 GB/s
-/// here (SHA-NI), so SmolLM2's 367 MB artifact takes 0.35 s more to open
-/// (`qforge generate` 1.1 s → 1.45 s). A file swapped between this check and
-/// its read is outside what it guards, as for any writer racing a loader.
+/// here (SHA-NI), so SmolLM2's 367 MB artifact takes about 0.35 s more to
+/// open (`qforge generate --max-tokens 1`: median 0.87 s → 1.23 s). A file
+/// swapped between this check and its read is outside what it guards, as
+/// for any writer racing a loader.
 fn verify_before_loading(dir: &Path) -> Result<()> {
     if !dir.join(MANIFEST_FILE).exists() {
         return Err(Error::Format(format!(
