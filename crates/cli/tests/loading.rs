@@ -104,19 +104,26 @@ fn cartpole_artifact(dir: &Path) {
     write_manifest(dir, serde_json::json!({"test": true})).unwrap();
 }
 
-/// `qforge act` on `dir` under a 4 GiB address-space limit, so that a read
+/// `qforge args… dir` under a 4 GiB address-space limit, so that a read
 /// that never ends fails an allocation instead of filling the machine.
-fn act_with_memory_limit(dir: &Path) -> Output {
+fn with_memory_limit(args: &[&str], dir: &Path) -> Output {
     let mut command = Command::new("sh");
     command
         .arg("-c")
         .arg(r#"ulimit -v 4194304 && exec "$0" "$@""#)
         .arg(env!("CARGO_BIN_EXE_qforge"))
-        .args(["act", "--model"])
-        .arg(dir)
-        .arg("--observations")
-        .arg(path("fixtures/policies/cartpole/rollouts.jsonl"));
-    bounded(command, "qforge act under a memory limit")
+        .args(args)
+        .arg(dir);
+    bounded(
+        command,
+        &format!("qforge {} under a memory limit", args.join(" ")),
+    )
+}
+
+/// `qforge act` on the policy `dir` under [`with_memory_limit`].
+fn act_with_memory_limit(dir: &Path) -> Output {
+    let observations = path("fixtures/policies/cartpole/rollouts.jsonl");
+    with_memory_limit(&["act", "--observations", &observations, "--model"], dir)
 }
 
 fn mkfifo(path: &Path) {
@@ -143,13 +150,31 @@ fn a_fifo_in_place_of_the_weights_is_refused_not_waited_on() {
 }
 
 #[test]
-fn a_policy_json_linked_to_dev_zero_is_refused_not_read_until_memory_runs_out() {
+fn files_linked_to_dev_zero_are_refused_not_read_until_memory_runs_out() {
+    // A shard index linked to /dev/zero was read until the allocation
+    // failed ("out of memory", or the machine's memory without a limit).
     let dir = scratch("dev-zero");
-    let policy = dir.path();
-    cartpole_copy(policy);
+    let hf = dir.path().join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10
+    });
+    std::fs::write(hf.join("config.json"), config.to_string()).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", hf.join("model.safetensors.index.json")).unwrap();
+    let generate = with_memory_limit(&["generate", "--prompt", "hi", "--model"], &hf);
+    fails_with(
+        &generate,
+        "model.safetensors.index.json is a character device",
+    );
+    // A policy.json linked to /dev/zero: the directory was "neither a policy
+    // directory nor …", now the file is named for what it is.
+    let policy = dir.path().join("policy");
+    std::fs::create_dir(&policy).unwrap();
+    cartpole_copy(&policy);
     std::fs::remove_file(policy.join("policy.json")).unwrap();
     std::os::unix::fs::symlink("/dev/zero", policy.join("policy.json")).unwrap();
-    let act = act_with_memory_limit(policy);
+    let act = act_with_memory_limit(&policy);
     fails_with(&act, "policy.json is a character device");
 }
 
@@ -195,7 +220,8 @@ fn an_artifact_whose_policy_json_links_to_dev_zero_is_refused() {
     cartpole_artifact(artifact);
     std::fs::remove_file(artifact.join("policy.json")).unwrap();
     std::os::unix::fs::symlink("/dev/zero", artifact.join("policy.json")).unwrap();
-    // Before, the loader read /dev/zero until the allocation failed.
+    // Before, the artifact was taken for a language model's ("holds a
+    // Policy artifact, not a LanguageModel one").
     let act = act_with_memory_limit(artifact);
     fails_with(&act, "policy.json, which resolves to /dev/zero, outside");
 }
