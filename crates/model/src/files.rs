@@ -3,7 +3,7 @@
 //! Every loader reads through here, so three rules hold everywhere:
 //!
 //! * only regular files are read ([`open_regular`]): a FIFO in place of
-//!   `model.safetensors` blocked `serve` forever, and `policy.json` linked to
+//!   `model.safetensors` blocked `serve` forever, and a shard index linked to
 //!   `/dev/zero` was read until memory ran out;
 //! * a JSON or TOML file is read only up to [`MAX_CONFIG_BYTES`]
 //!   ([`read_config`]);
