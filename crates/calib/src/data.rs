@@ -83,7 +83,11 @@ pub fn parse_jsonl(bytes: &[u8], name: &str, skip_invalid: bool) -> Result<Datas
     digest.update(bytes);
     let mut records = Vec::new();
     let mut skipped = Vec::new();
-    for (index, line) in bytes.split(|&b| b == b'\n').enumerate() {
+    // A UTF-8 byte-order mark, which Windows editors and some exporters
+    // write, is not part of line 1's record (it made line 1 "not valid
+    // JSON"). The digest above still covers the file's bytes as they are.
+    let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    for (index, line) in body.split(|&b| b == b'\n').enumerate() {
         let line_no = index + 1;
         let text = match std::str::from_utf8(line) {
             Ok(t) => t.trim(),
@@ -240,6 +244,29 @@ fn parse_record(text: &str) -> std::result::Result<Record, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_byte_order_mark_before_line_1_is_not_part_of_it() {
+        let plain = b"{\"text\": \"hello\"}\n{\"text\": \"world\"}\n";
+        let mut marked = b"\xEF\xBB\xBF".to_vec();
+        marked.extend_from_slice(plain);
+        let d = parse_jsonl(&marked, "bom.jsonl", false).unwrap();
+        assert_eq!(
+            d.records,
+            parse_jsonl(plain, "plain.jsonl", false).unwrap().records
+        );
+        assert_ne!(
+            d.digest,
+            parse_jsonl(plain, "plain.jsonl", false).unwrap().digest
+        );
+        // Only at the start of the file: elsewhere it is a bad line.
+        let mut inner = plain.to_vec();
+        inner.extend_from_slice(b"\xEF\xBB\xBF{\"text\": \"x\"}\n");
+        let err = parse_jsonl(&inner, "bom.jsonl", false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bom.jsonl:3"), "{err}");
+    }
 
     #[test]
     fn parses_every_shape_and_names_bad_lines() {

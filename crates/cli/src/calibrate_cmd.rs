@@ -40,7 +40,8 @@ pub enum PassArg {
 /// Arguments of `qforge calibrate`.
 #[derive(Args)]
 pub struct CalibrateArgs {
-    /// Model: GGUF file, Hugging Face directory or policy directory.
+    /// Model: GGUF file, Hugging Face directory, policy directory or ONNX
+    /// policy (NAME.onnx, its head in NAME.policy.json).
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Calibration data: JSONL episodes (LLM) or trajectories (policy).

@@ -68,7 +68,7 @@ pub fn export(args: ExportArgs) -> Result<()> {
     verify(&args.model)
         .context("the artifact does not match its manifest; re-run `qforge quantize`")?;
     let source = read_manifest(&args.model)?;
-    let source_manifest = std::fs::read(args.model.join("manifest.json"))?;
+    let source_manifest = qforge_model::files::read_config(&args.model.join("manifest.json"))?;
     if args.format == Format::Onnx {
         return export_onnx_command(&args, &source, &source_manifest);
     }
@@ -140,8 +140,9 @@ fn export_onnx_command(args: &ExportArgs, source: &Manifest, source_manifest: &[
         .into());
     }
     let policy_path = args.model.join("policy.json");
-    let policy: PolicyConfig = serde_json::from_slice(&std::fs::read(&policy_path)?)
-        .with_context(|| format!("{}", policy_path.display()))?;
+    let policy: PolicyConfig =
+        serde_json::from_slice(&qforge_model::files::read_config(&policy_path)?)
+            .with_context(|| format!("{}", policy_path.display()))?;
     let (weights, points) = match args.precision {
         OnnxPrecision::Int8 => (args.model.join(WEIGHTS_FILE), config.points.clone()),
         OnnxPrecision::F32 => {

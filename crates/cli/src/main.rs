@@ -156,6 +156,27 @@ pub struct OutputPath {
     pub output: PathBuf,
 }
 
+/// The error and its causes, each said once. The libraries' errors put
+/// their cause's text in their own message (`{path}: {source}`, so that
+/// callers formatting them with `{e}` lose nothing) and also return the cause
+/// as `source()`, so `{:#}` printed it twice ("No such file or directory (os
+/// error 2): No such file or directory (os error 2)"). A cause whose text is
+/// already in what has been printed is left out.
+fn message(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
+}
+
 fn main() -> ExitCode {
     // Die quietly on a closed pipe (`qforge stats show X | head`), as other
     // Unix tools do, instead of panicking in println!.
@@ -200,7 +221,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", message(&error));
             if error.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(EXIT_USAGE)
             } else if error.downcast_ref::<GuardRefusal>().is_some() {

@@ -169,13 +169,13 @@ pub fn recorded_source(manifest: &Manifest) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Loads a policy directory or policy artifact; a language model is a usage
-/// error.
+/// Loads a policy directory, ONNX policy or policy artifact; a language
+/// model is a usage error.
 pub fn load_policy(path: &Path) -> Result<MlpPolicy> {
     match qforge_model::open(path)? {
         Model::Policy(policy) => Ok(policy),
         Model::Language(_) => Err(UsageError(format!(
-            "{} is a language model; this command runs policies (a policy directory or a policy artifact)",
+            "{} is a language model; this command runs policies (a policy directory, an ONNX policy or a policy artifact)",
             path.display()
         ))
         .into()),
@@ -275,7 +275,8 @@ pub enum EvalCommand {
 /// Arguments of `qforge eval layers`.
 #[derive(Args)]
 pub struct LayersArgs {
-    /// Model: GGUF file, Hugging Face directory or policy directory.
+    /// Model: GGUF file, Hugging Face directory, policy directory or ONNX
+    /// policy (NAME.onnx, its head in NAME.policy.json).
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// UTF-8 text whose first --ctx tokens feed a language model.
@@ -338,10 +339,10 @@ pub struct CompareArgs {
 #[derive(Args)]
 pub struct AgreementArgs {
     /// Policy under test.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Reference policy.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "PATH")]
     reference: PathBuf,
     /// Trajectories as JSONL: {"observations": [[…], …], …} per line.
     #[arg(long, value_name = "FILE")]
@@ -564,7 +565,8 @@ fn read_observations(path: &Path, dim: usize) -> Result<Vec<f32>> {
 /// Arguments of `qforge fingerprint`.
 #[derive(Args)]
 pub struct FingerprintArgs {
-    /// Model: GGUF file, Hugging Face directory or policy directory.
+    /// Model: GGUF file, Hugging Face directory, policy directory or ONNX
+    /// policy (NAME.onnx, its head in NAME.policy.json).
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
     #[command(flatten)]
@@ -585,8 +587,9 @@ pub fn fingerprint(args: FingerprintArgs) -> Result<()> {
 /// Arguments of `qforge act`.
 #[derive(Args)]
 pub struct ActArgs {
-    /// Policy: a policy directory or a native artifact.
-    #[arg(long, value_name = "DIR")]
+    /// Policy: a policy directory, an ONNX policy (NAME.onnx, its head in
+    /// NAME.policy.json) or a native artifact.
+    #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Trajectories as JSONL: {"observations": [[…], …], …} per line.
     #[arg(long, value_name = "FILE")]

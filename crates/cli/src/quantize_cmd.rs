@@ -35,8 +35,9 @@ enum ActivationsArg {
 /// Arguments of `qforge quantize`.
 #[derive(Args)]
 pub struct QuantizeArgs {
-    /// Model: GGUF file, Hugging Face directory or policy directory
-    /// (default: the bundled CartPole policy).
+    /// Model: GGUF file, Hugging Face directory, policy directory or ONNX
+    /// policy (NAME.onnx, its head in NAME.policy.json; default: the bundled
+    /// CartPole policy).
     #[arg(long, value_name = "PATH", requires = "data")]
     model: Option<PathBuf>,
     /// Calibration data, JSONL (default: the bundled CartPole rollouts).
@@ -156,8 +157,7 @@ impl QuantizeArgs {
     fn recipe(&self) -> Result<QuantRecipe> {
         let mut recipe = match &self.recipe {
             Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
+                let text = qforge_model::files::read_config_text(path)?;
                 QuantRecipe::from_toml(&text)
                     .map_err(|e| UsageError(format!("{}: {e}", path.display())))?
             }

@@ -28,7 +28,8 @@ const TOKEN_VARIABLE: &str = "QFORGE_SERVE_TOKEN";
 #[derive(Args)]
 pub struct ServeArgs {
     /// The model: a native artifact (`qforge quantize`), a policy directory,
-    /// or a language model (GGUF file or Hugging Face directory).
+    /// an ONNX policy (NAME.onnx, its head in NAME.policy.json), or a
+    /// language model (GGUF file or Hugging Face directory).
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Address to listen on (loopback by default; port 0 picks a free one).
@@ -200,8 +201,11 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         },
         (None, false) => RolloutMode::Int8Only,
     };
+    // Open first: for an artifact that checks every file against the
+    // manifest, calibration.json included.
+    let model = qforge_model::open(&args.model)?;
     let calibration = calibration(&args.model)?;
-    let served = match qforge_model::open(&args.model)? {
+    let served = match model {
         Model::Policy(model) => Served::Policy {
             model,
             reference: reference_path(&args, mode)?

@@ -371,3 +371,34 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
     assert!(stderr.contains("rotates the inputs"), "{stderr}");
     assert!(!dir.join("ct").exists());
 }
+
+#[test]
+fn the_artifact_is_written_with_the_users_umask() {
+    let dir = temp("umask");
+    let dir = dir.path();
+    // The guard's verdict on CartPole depends on the CPU's GEMM tier (7-bit
+    // weights on AVX2); this test is about the files, so it accepts any.
+    let out = std::process::Command::new("sh")
+        .current_dir(dir)
+        .arg("-c")
+        .arg(r#"umask 027 && exec "$0" quantize --min-agreement 0 -o out"#)
+        .arg(env!("CARGO_BIN_EXE_qforge"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mode = |path: &std::path::Path| {
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(path).unwrap().permissions())
+            & 0o777
+    };
+    assert_eq!(mode(&dir.join("out")), 0o750);
+    // model.safetensors was 0600 whatever the umask (safetensors writes a
+    // 0600 temporary and renames it); the rest was 0640 here.
+    for entry in std::fs::read_dir(dir.join("out")).unwrap() {
+        let path = entry.unwrap().path();
+        assert_eq!(mode(&path), 0o640, "{}", path.display());
+    }
+}

@@ -44,8 +44,9 @@ pub struct CompressedTensors {
 type TensorOut<'a> = (Dtype, Vec<usize>, Cow<'a, [u8]>);
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| qforge_model::Error::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| Error::Inconsistent(format!("{}: {e}", path.display())))
+    let bytes = qforge_model::files::read_config(path)?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| Error::Inconsistent(format!("{}: {e}", path.display())))
 }
 
 fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
@@ -56,8 +57,7 @@ fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
 /// tensors are copied into the export as they are, so they need not be read
 /// into memory first.
 fn map_weights(weights_path: &Path) -> Result<memmap2::Mmap> {
-    let file =
-        std::fs::File::open(weights_path).map_err(|e| qforge_model::Error::io(weights_path, e))?;
+    let file = qforge_model::files::open_regular(weights_path)?;
     // SAFETY: a read-only map of an artifact file, which qforge writes once
     // and never modifies.
     let map = unsafe { memmap2::Mmap::map(&file) }
@@ -231,13 +231,10 @@ fn write_tensors(out: &BTreeMap<String, TensorOut<'_>>, dest: &Path) -> Result<(
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::Inconsistent(e.to_string()))?;
-    let target = dest.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &target).map_err(|e| match e {
-        safetensors::SafeTensorError::IoError(io) => {
-            Error::Model(qforge_model::Error::io(&target, io))
-        }
-        other => Error::Inconsistent(format!("{}: {other}", target.display())),
-    })
+    Ok(qforge_model::artifact::write_safetensors(
+        &dest.join("model.safetensors"),
+        views,
+    )?)
 }
 
 /// Writes `dest/config.json` (the artifact's, with `quantization_config`)

@@ -36,9 +36,10 @@ use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::linear::Linear;
+use crate::linear::{Linear, check_finite};
 use crate::llama::{Llama, LlamaConfig, RotatedInput, WeightSource};
 use crate::lm::{LanguageModel, TextSide};
+use crate::manifest::MANIFEST_FILE;
 use crate::mlp::{MlpPolicy, PolicyConfig};
 
 /// The file that marks a directory as a native artifact.
@@ -128,13 +129,15 @@ pub struct ArtifactConfig {
 
 /// Whether `dir` holds a native artifact.
 pub fn is_artifact(dir: &Path) -> bool {
-    dir.join(ARTIFACT_FILE).is_file()
+    // `exists`, not `is_file`: a `qforge.json` that is a FIFO or a device
+    // still marks an artifact, whose loader then says what is wrong with it.
+    dir.join(ARTIFACT_FILE).exists()
 }
 
 /// Reads and checks `qforge.json`.
 pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
     let path = dir.join(ARTIFACT_FILE);
-    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let bytes = crate::files::read_config(&path)?;
     let config: ArtifactConfig = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
     if config.format != FORMAT || config.version != VERSION {
@@ -151,6 +154,20 @@ pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
             path.display(),
             config.weight_qmax
         )));
+    }
+    // A scale of 0 or infinity (1e39 parses to f32 infinity) quantizes
+    // every activation to 0 or saturates it: the layer then answers garbage
+    // instead of failing.
+    for (point, precision) in &config.points {
+        if let LayerPrecision::Int8Static { input_scale } = precision
+            && !(input_scale.is_finite() && *input_scale > 0.0)
+        {
+            return Err(Error::Format(format!(
+                "{}: {point} has input_scale {input_scale}; an activation scale must be a \
+                 positive finite number (write the artifact again with `qforge quantize`)",
+                path.display()
+            )));
+        }
     }
     Ok(config)
 }
@@ -241,11 +258,59 @@ impl TensorsOut {
             })
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
-        safetensors::serialize_to_file(views, None, path).map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
-            other => Error::Format(format!("{}: {other}", path.display())),
-        })
+        write_safetensors(path, views)
     }
+}
+
+/// Writes `tensors` as the safetensors file `path`, created like every
+/// other file qforge writes: with the user's umask.
+///
+/// `safetensors::serialize_to_file` writes a `tempfile` temporary, which is
+/// created 0600, and renames it into place: artifacts came out with
+/// `model.safetensors` 0600 and every other file 0644. qforge writes into a
+/// staging directory renamed into place whole, so it needs no temporary.
+/// The bytes are `serialize_to_file`'s: the same tensor order (alignment,
+/// then name), the same header padded with spaces to 8 bytes.
+pub fn write_safetensors(
+    path: &Path,
+    mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)>,
+) -> Result<()> {
+    use std::io::Write;
+    let malformed =
+        |e: safetensors::SafeTensorError| Error::Format(format!("{}: {e}", path.display()));
+    tensors.sort_by(|(left_name, left), (right_name, right)| {
+        right
+            .dtype()
+            .cmp(&left.dtype())
+            .then(left_name.cmp(right_name))
+    });
+    let mut offset = 0;
+    let mut infos = Vec::with_capacity(tensors.len());
+    for (name, view) in &tensors {
+        let end = offset + view.data().len();
+        infos.push((
+            name.clone(),
+            safetensors::tensor::TensorInfo {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data_offsets: (offset, end),
+            },
+        ));
+        offset = end;
+    }
+    let metadata = safetensors::tensor::Metadata::new(None, infos).map_err(malformed)?;
+    let mut header = serde_json::to_vec(&metadata).expect("a safetensors header serializes");
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let write = || -> std::io::Result<()> {
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
+        out.write_all(&(header.len() as u64).to_le_bytes())?;
+        out.write_all(&header)?;
+        for (_, view) in &tensors {
+            out.write_all(view.data())?;
+        }
+        out.flush()
+    };
+    write().map_err(|e| Error::io(path, e))
 }
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
@@ -370,7 +435,7 @@ impl ArtifactTensors {
         point_of: HashMap<String, String>,
     ) -> Result<Self> {
         let path = dir.join(WEIGHTS_FILE);
-        let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let file = crate::files::open_regular(&path)?;
         // SAFETY: a read-only map of a file qforge does not modify while the
         // model is loaded (artifacts are written once, then renamed into place).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
@@ -413,11 +478,13 @@ impl ArtifactTensors {
                 view.shape()
             )));
         }
-        Ok(view
+        let values: Vec<f32> = view
             .data()
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+            .collect();
+        check_finite(name, values.iter().copied()).map_err(|e| e.in_file(&self.path))?;
+        Ok(values)
     }
 
     fn linear_layer(&self, name: &str, bias: bool, (out, inp): (usize, usize)) -> Result<Linear> {
@@ -453,7 +520,14 @@ impl ArtifactTensors {
                     )));
                 }
                 let values: Vec<i8> = view.data().iter().map(|&b| b as i8).collect();
-                let scales = self.f32_values(&format!("{name}.weight_scale"), &[out, 1])?;
+                let scale_name = format!("{name}.weight_scale");
+                let scales = self.f32_values(&scale_name, &[out, 1])?;
+                if let Some(bad) = scales.iter().find(|s| **s <= 0.0) {
+                    return Err(Error::Format(format!(
+                        "{}: {scale_name} holds {bad}; a weight scale must be positive",
+                        self.path.display()
+                    )));
+                }
                 Ok(Linear::Int8(Arc::new(Int8Linear::from_quantized(
                     &values,
                     scales,
@@ -478,6 +552,13 @@ impl WeightSource for ArtifactTensors {
                 )));
             }
         };
+        check_finite(
+            name,
+            view.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        )
+        .map_err(|e| e.in_file(&self.path))?;
         Ok(Tensor::from_raw_buffer(
             view.data(),
             dtype,
@@ -495,11 +576,33 @@ impl WeightSource for ArtifactTensors {
     }
 }
 
-/// Loads a policy artifact.
+/// Checks `dir` against its manifest before anything of it is loaded: a
+/// flipped weight byte or an edited `qforge.json` was otherwise served as
+/// if `qforge quantize` had written it. Every loader of an artifact starts
+/// here, so `serve`, `eval`, `generate`, `act` and the rest all check.
+///
+/// It re-hashes every file, once per load: SHA-256 runs at about 1 GB/s
+/// here (SHA-NI), so SmolLM2's 367 MB artifact takes about 0.35 s more to
+/// open (`qforge generate --max-tokens 1`: median 0.87 s → 1.23 s). A file
+/// swapped between this check and its read is outside what it guards, as
+/// for any writer racing a loader.
+fn verify_before_loading(dir: &Path) -> Result<()> {
+    if !dir.join(MANIFEST_FILE).exists() {
+        return Err(Error::Format(format!(
+            "{} has {ARTIFACT_FILE} but no {MANIFEST_FILE}, so its files cannot be checked \
+             before loading; write it again with `qforge quantize`",
+            dir.display()
+        )));
+    }
+    crate::manifest::verify(dir).map(drop)
+}
+
+/// Loads a policy artifact, after checking it against its manifest.
 pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
+    verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::Policy)?;
     let policy_path = dir.join("policy.json");
-    let bytes = std::fs::read(&policy_path).map_err(|e| Error::io(&policy_path, e))?;
+    let bytes = crate::files::read_config(&policy_path)?;
     let policy: PolicyConfig = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", policy_path.display())))?;
     // A policy's layer names are its observation points.
@@ -521,12 +624,13 @@ pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
     Ok(model)
 }
 
-/// Loads a language-model artifact.
+/// Loads a language-model artifact, after checking it against its
+/// manifest.
 pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
+    verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::LanguageModel)?;
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
+    let json: serde_json::Value = serde_json::from_slice(&crate::files::read_config(&config_path)?)
         .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
     let llama_config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
     let point_of = Llama::linear_points(&llama_config).into_iter().collect();
@@ -545,4 +649,35 @@ pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
         text,
         source: dir.to_owned(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_safetensors_writes_the_bytes_safetensors_writes() {
+        let floats: Vec<u8> = [1.5f32, -2.0, 0.25]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let ints = [1u8, 255, 7, 0];
+        let views = vec![
+            (
+                "b.weight".to_owned(),
+                safetensors::tensor::TensorView::new(Dtype::I8, vec![2, 2], &ints).unwrap(),
+            ),
+            (
+                "a.bias".to_owned(),
+                safetensors::tensor::TensorView::new(Dtype::F32, vec![3], &floats).unwrap(),
+            ),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        write_safetensors(&path, views.clone()).unwrap();
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            safetensors::serialize(views, None).unwrap()
+        );
+    }
 }

@@ -375,7 +375,7 @@ pub struct GgufFile {
 impl GgufFile {
     /// Opens and validates a GGUF file.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::files::open_regular(path)?;
         // SAFETY: the map is read-only; qforge does not modify model files while
         // they are loaded (a concurrent writer truncating the file is outside what
         // any loader can defend against).

@@ -12,6 +12,7 @@
 
 pub mod artifact;
 pub mod error;
+pub mod files;
 pub mod fingerprint;
 pub mod gguf;
 pub mod linear;

@@ -49,10 +49,35 @@ pub enum Linear {
 /// (`values[o·in + i] × scales[o]` approximates `weight[o][i]`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Int8Weight {
-    /// `[out, in]`, row-major, within this CPU's weight range.
+    /// `[out, in]`, row-major, within ±[`WEIGHT_QMAX`].
     pub values: Vec<i8>,
     /// One positive scale per output row.
     pub scales: Vec<f32>,
+}
+
+/// Refuses weights with a NaN or an infinity, naming the tensor `name`:
+/// such a weight loads, then makes every output NaN, which an argmax reads
+/// as action 0 (a CartPole policy with one NaN weight answered 0 to every
+/// observation).
+pub(crate) fn check_finite(name: &str, values: impl IntoIterator<Item = f32>) -> Result<()> {
+    match values.into_iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        None => Ok(()),
+        Some((index, value)) => Err(Error::Format(format!(
+            "{name} holds {value} at index {index}; weights must be finite numbers (is the file \
+             damaged, or did training diverge?)"
+        ))),
+    }
+}
+
+/// [`check_finite`] on a tensor of any float dtype.
+pub(crate) fn check_finite_tensor(name: &str, tensor: &Tensor) -> Result<()> {
+    check_finite(
+        name,
+        tensor
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+    )
 }
 
 thread_local! {

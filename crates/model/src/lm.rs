@@ -30,10 +30,9 @@ impl TextSide {
     pub fn load(path: &Path) -> Result<Self> {
         if path.is_dir() {
             let config_path = path.join("config.json");
-            let text =
-                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            let json: serde_json::Value =
+                serde_json::from_slice(&crate::files::read_config(&config_path)?)
+                    .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
             let c = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
             Self::from_hf_dir(path, &c)
         } else {
@@ -45,13 +44,11 @@ impl TextSide {
         let tokenizer = TextTokenizer::from_file(
             &dir.join("tokenizer.json"),
             c.bos_token_id,
-            hf_adds_bos(dir),
+            hf_adds_bos(dir)?,
             c.eos_token_ids.clone(),
         )?;
-        let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .and_then(|j| j["chat_template"].as_str().map(str::to_owned));
+        let chat_template =
+            tokenizer_config(dir)?.and_then(|j| j["chat_template"].as_str().map(str::to_owned));
         Ok(Self {
             tokenizer,
             chat_template,
@@ -231,13 +228,22 @@ impl LanguageModel {
     }
 }
 
+/// A Hugging Face directory's `tokenizer_config.json`: `None` when it is
+/// absent or not JSON (it is optional, and only a few of its keys are read);
+/// a file that cannot be read (not a regular file, too large) is an error.
+fn tokenizer_config(dir: &Path) -> Result<Option<serde_json::Value>> {
+    let path = dir.join("tokenizer_config.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    Ok(serde_json::from_slice(&crate::files::read_config(&path)?).ok())
+}
+
 /// Whether a Hugging Face tokenizer config asks for BOS.
-fn hf_adds_bos(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+fn hf_adds_bos(dir: &Path) -> Result<bool> {
+    Ok(tokenizer_config(dir)?
         .and_then(|j| j["add_bos_token"].as_bool())
-        .unwrap_or(false)
+        .unwrap_or(false))
 }
 
 /// How to generate.

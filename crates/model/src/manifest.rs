@@ -75,7 +75,7 @@ fn files_under(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 }
 
 fn hash_file(path: &Path) -> Result<FileEntry> {
-    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut file = crate::files::open_regular(path)?;
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
@@ -115,7 +115,7 @@ pub fn write_manifest(dir: &Path, info: serde_json::Value) -> Result<Manifest> {
 /// Reads `dir/manifest.json`.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
-    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let bytes = crate::files::read_config(&path)?;
     let manifest: Manifest = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
     if manifest.format != FORMAT || manifest.version != VERSION {
@@ -129,35 +129,59 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// What to do about a directory that no longer matches its manifest.
+const RESTORE: &str = "the directory is not as qforge wrote it: restore it, or write it again";
+
 /// Re-hashes every file `dir/manifest.json` lists; an error names the first
 /// file that changed, went missing or appeared since it was written.
+///
+/// Every listed name must be a file inside `dir` ([`crate::files::inside`]),
+/// checked before it is opened: a manifest listing `../x` or `/etc/passwd`
+/// made this read, and on a mismatch print the SHA-256 of, any readable
+/// file.
 pub fn verify(dir: &Path) -> Result<Manifest> {
     let manifest = read_manifest(dir)?;
+    let listed_in = dir.join(MANIFEST_FILE);
     let present = files_under(dir)?;
     if let Some((extra, _)) = present
         .iter()
         .find(|(name, _)| !manifest.files.contains_key(name))
     {
         return Err(Error::Format(format!(
-            "{}: {extra} is not in the manifest (added after the directory was written)",
+            "{}: {extra} is not in the manifest (added after the directory was written); {RESTORE}",
             dir.display()
         )));
     }
     for (name, entry) in &manifest.files {
-        let path = dir.join(name);
-        if !path.is_file() {
-            return Err(Error::Format(format!(
-                "{}: {name} is listed in the manifest but missing",
+        let path = crate::files::inside(dir, name, &listed_in)?;
+        let changed = |what: String| {
+            Error::Format(format!(
+                "{}: {name} changed since it was written ({what}); {RESTORE}",
                 dir.display()
+            ))
+        };
+        let bytes = match std::fs::metadata(&path) {
+            Ok(metadata) => metadata.len(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::Format(format!(
+                    "{}: {name} is listed in the manifest but missing; {RESTORE}",
+                    dir.display()
+                )));
+            }
+            Err(e) => return Err(Error::io(&path, e)),
+        };
+        // The size first: a file that grew is refused without reading it.
+        if bytes != entry.bytes {
+            return Err(changed(format!(
+                "{bytes} bytes, manifest says {}",
+                entry.bytes
             )));
         }
         let actual = hash_file(&path)?;
         if actual != *entry {
-            return Err(Error::Format(format!(
-                "{}: {name} changed since it was written (sha256 {}, manifest says {})",
-                dir.display(),
-                actual.sha256,
-                entry.sha256
+            return Err(changed(format!(
+                "sha256 {}, manifest says {}",
+                actual.sha256, entry.sha256
             )));
         }
     }

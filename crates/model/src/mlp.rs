@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::linear::Linear;
+use crate::linear::{Linear, check_finite_tensor};
 use crate::observe::Observer;
 
 /// Hidden-layer activation.
@@ -132,9 +132,9 @@ impl MlpPolicy {
     /// with [`crate::open()`].
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("policy.json");
-        let config = std::fs::read(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let config = crate::files::read_config(&config_path)?;
         let weights_path = dir.join("model.safetensors");
-        let weights = std::fs::read(&weights_path).map_err(|e| Error::io(&weights_path, e))?;
+        let weights = crate::files::read_regular(&weights_path)?;
         Self::parse(&config, &weights, &weights_path).map_err(|e| match e {
             Malformed::Config(e) => Error::Format(format!("{}: {e}", config_path.display())),
             Malformed::Weights(e) => Error::Format(format!("{}: {e}", weights_path.display())),
@@ -180,11 +180,17 @@ impl MlpPolicy {
         .map_err(Malformed::Policy)
     }
 
-    /// Builds a full-precision policy from its config and a tensor lookup.
+    /// Builds a full-precision policy from its config and a tensor lookup;
+    /// every weight and bias must be finite.
     pub fn new(config: PolicyConfig, tensor: impl Fn(&str) -> Result<Tensor>) -> Result<Self> {
         Self::from_linears(config, |name, shape| {
-            let weight = tensor(&format!("{name}.weight"))?;
-            let bias = tensor(&format!("{name}.bias"))?;
+            let load = |tensor_name: String| -> Result<Tensor> {
+                let values = tensor(&tensor_name)?;
+                check_finite_tensor(&tensor_name, &values)?;
+                Ok(values)
+            };
+            let weight = load(format!("{name}.weight"))?;
+            let bias = load(format!("{name}.bias"))?;
             Linear::fp(name, weight, Some(bias), shape)
         })
     }
@@ -211,10 +217,10 @@ impl MlpPolicy {
                 || low
                     .iter()
                     .zip(high)
-                    .any(|(l, h)| l.partial_cmp(h) != Some(std::cmp::Ordering::Less)))
+                    .any(|(l, h)| !(l.is_finite() && h.is_finite() && l < h)))
         {
             return Err(Error::Format(format!(
-                "gaussian head: low {low:?} and high {high:?} must both have {action_dim} entries with low < high"
+                "gaussian head: low {low:?} and high {high:?} must both have {action_dim} finite entries with low < high"
             )));
         }
         let mut widths = vec![config.observation_dim];

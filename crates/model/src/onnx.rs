@@ -8,12 +8,18 @@
 //! Anything else is refused with an error that names the node and says what
 //! qforge supports: importing a graph we only half understand would make
 //! every downstream accuracy check compare against the wrong reference.
+//!
+//! [`open_policy`] is how [`crate::open()`] loads an `.onnx` file: a graph
+//! says how wide its output is but not what it means (discrete logits, a
+//! Gaussian mean with its bounds, a value), so the head comes from a
+//! [`HeadFile`] beside it, or from a final `Softmax` (a discrete head).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use prost::Message;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::mlp::{Activation, Head, MlpPolicy, PolicyConfig};
@@ -71,8 +77,79 @@ const MAX_SHOWN: usize = 80;
 /// such a chain (naming the node and op), and [`Error::Shape`] for weights
 /// whose shapes do not chain.
 pub fn import_mlp(path: &Path, head: Head, env: Option<String>) -> Result<MlpPolicy> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::files::read_regular(path)?;
     import_mlp_bytes(&bytes, head, env).map_err(|e| e.in_file(path))
+}
+
+/// `NAME.policy.json` beside an ONNX policy `NAME.onnx`: what the graph's
+/// output means, which the graph cannot say.
+///
+/// ```json
+/// {"head": {"kind": "discrete", "actions": 2}, "env": "CartPole-v1"}
+/// ```
+///
+/// `head` is written as in `policy.json`; `env` is optional.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeadFile {
+    /// The policy head.
+    pub head: Head,
+    /// The environment the policy acts in, if known.
+    #[serde(default)]
+    pub env: Option<String>,
+}
+
+/// Where the [`HeadFile`] of the ONNX policy `path` is: `NAME.policy.json`
+/// beside `NAME.onnx`.
+pub fn head_file(path: &Path) -> PathBuf {
+    path.with_extension("policy.json")
+}
+
+/// Opens the ONNX policy at `path`, as [`crate::open()`] does: with the head
+/// its [`HeadFile`] gives or, where there is none, the discrete head a final
+/// `Softmax` implies. A graph with neither is refused with an error that
+/// shows the head file to write.
+pub fn open_policy(path: &Path) -> Result<MlpPolicy> {
+    let bytes = crate::files::read_regular(path)?;
+    let head_path = head_file(path);
+    let given = if head_path.exists() {
+        let file: HeadFile = serde_json::from_slice(&crate::files::read_config(&head_path)?)
+            .map_err(|e| Error::Format(format!("{}: {e}", head_path.display())))?;
+        Some(file)
+    } else {
+        None
+    };
+    let chain = decode_chain(&bytes).map_err(|e| e.in_file(path))?;
+    let (head, env) = match given {
+        Some(HeadFile { head, env }) => (head, env),
+        None => match (&chain.softmax, chain.layers.last()) {
+            (Some(_), Some(last)) => (Head::Discrete { actions: last.out }, None),
+            (_, last) => {
+                let n = last.map_or(1, |l| l.out);
+                return Err(Error::Unsupported(format!(
+                    "{}: the graph's {n} outputs could be discrete logits, a Gaussian mean or a \
+                     value, and it does not say which; write {} beside it, e.g. \
+                     {{\"head\": {{\"kind\": \"discrete\", \"actions\": {n}}}}}, \
+                     {{\"head\": {{\"kind\": \"gaussian\", \"action_dim\": {n}, \
+                     \"low\": [...], \"high\": [...]}}}} or \
+                     {{\"head\": {{\"kind\": \"value\"}}}}, optionally with \"env\"",
+                    path.display(),
+                    head_path.display()
+                )));
+            }
+        },
+    };
+    build_policy(chain, head, env).map_err(|e| e.in_file(path))
+}
+
+/// The chain of layers in the bytes of an ONNX model.
+fn decode_chain(bytes: &[u8]) -> Result<Chain> {
+    let model = ModelProto::decode(bytes).map_err(|e| {
+        Error::Format(format!(
+            "not a valid ONNX model: protobuf decoding failed ({e}); is the file complete?"
+        ))
+    })?;
+    read_chain(&model)
 }
 
 /// [`import_mlp`] on the bytes of an ONNX file.
@@ -84,13 +161,7 @@ pub fn import_mlp(path: &Path, head: Head, env: Option<String>) -> Result<MlpPol
 /// The constant is not 1: a crafted file of empty messages (two bytes each)
 /// decodes to structs of up to ~200 bytes each.
 pub fn import_mlp_bytes(bytes: &[u8], head: Head, env: Option<String>) -> Result<MlpPolicy> {
-    let model = ModelProto::decode(bytes).map_err(|e| {
-        Error::Format(format!(
-            "not a valid ONNX model: protobuf decoding failed ({e}); is the file complete?"
-        ))
-    })?;
-    let chain = read_chain(&model)?;
-    build_policy(chain, head, env)
+    build_policy(decode_chain(bytes)?, head, env)
 }
 
 /// One linear layer read from the graph, in qforge's layout.

@@ -6,6 +6,7 @@
 //! written once and every consumer sees the same two kinds of model.
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use qforge_core::{Digest, DigestBuilder};
@@ -34,6 +35,10 @@ pub enum Format {
     HuggingFace,
     /// A policy directory: `policy.json` and `model.safetensors`.
     PolicyDir,
+    /// An MLP policy exported to ONNX (`NAME.onnx`, the head in
+    /// `NAME.policy.json` or implied by a final Softmax; see
+    /// [`crate::onnx::open_policy`]).
+    Onnx,
     /// A native qforge artifact (`qforge.json`), either kind.
     Artifact,
 }
@@ -51,9 +56,11 @@ impl Format {
         if path.is_dir() {
             return if crate::artifact::is_artifact(path) {
                 Ok(Format::Artifact)
-            } else if path.join("policy.json").is_file() {
+            } else if path.join("policy.json").exists() {
+                // `exists`: a policy.json that is not a regular file is the
+                // loader's to refuse, with a message that says so.
                 Ok(Format::PolicyDir)
-            } else if path.join("config.json").is_file() {
+            } else if path.join("config.json").exists() {
                 Ok(Format::HuggingFace)
             } else {
                 Err(Error::Format(format!(
@@ -63,32 +70,42 @@ impl Format {
                 )))
             };
         }
+        // A GGUF file says so in its first bytes; an ONNX protobuf has no
+        // magic, so it goes by its name and the importer checks its content.
+        let mut magic = [0u8; 4];
+        let mut file = crate::files::open_regular(path)?;
+        let read = std::io::Read::read(&mut file, &mut magic).map_err(|e| Error::io(path, e))?;
+        if magic[..read] == *b"GGUF" {
+            return Ok(Format::Gguf);
+        }
         if path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
         {
-            return Err(Error::Unsupported(format!(
-                "{} is an ONNX graph; qforge needs to know its policy head: import it with \
-                 qforge_model::onnx::import_mlp and save it as a policy directory",
-                path.display()
-            )));
+            return Ok(Format::Onnx);
         }
-        Ok(Format::Gguf)
+        Err(Error::Format(format!(
+            "{} is neither a GGUF file (it does not start with the bytes GGUF) nor an ONNX \
+             policy (NAME.onnx); qforge opens those, Hugging Face and policy directories, and \
+             qforge artifacts",
+            path.display()
+        )))
     }
 
-    /// Whether the path holds a policy (a policy directory or a policy
-    /// artifact) rather than a language model.
+    /// Whether the path holds a policy (a policy directory, an ONNX policy
+    /// or a policy artifact) rather than a language model.
     pub fn is_policy(path: &Path) -> Result<bool> {
         Ok(match Self::detect(path)? {
-            Format::PolicyDir => true,
-            Format::Artifact => path.join("policy.json").is_file(),
+            Format::PolicyDir | Format::Onnx => true,
+            Format::Artifact => path.join("policy.json").exists(),
             Format::Gguf | Format::HuggingFace => false,
         })
     }
 }
 
 /// Opens the model at `path`: a GGUF file, a Hugging Face directory, a
-/// policy directory or a native artifact (with its stored precisions).
+/// policy directory, an ONNX policy or a native artifact (with its stored
+/// precisions, after checking it against its manifest).
 ///
 /// This is the one place that sends a native artifact to its loader
 /// ([`crate::artifact`]): [`LanguageModel::load`] and
@@ -102,6 +119,7 @@ pub fn open(path: &Path) -> Result<Model> {
         }
         Format::Artifact => Model::Language(Box::new(crate::artifact::load_language_model(path)?)),
         Format::PolicyDir => Model::Policy(MlpPolicy::from_dir(path)?),
+        Format::Onnx => Model::Policy(crate::onnx::open_policy(path)?),
         Format::Gguf | Format::HuggingFace => Model::Language(Box::new(LanguageModel::load(path)?)),
     })
 }
@@ -162,35 +180,56 @@ impl Model {
         match self {
             Model::Policy(policy) => Ok(policy),
             Model::Language(_) => Err(Error::Unsupported(format!(
-                "{} is a language model; this needs a policy (a policy directory or a policy artifact)",
+                "{} is a language model; this needs a policy (a policy directory, an ONNX policy or a policy artifact)",
                 path.display()
             ))),
         }
     }
 }
 
-/// SHA-256 over the files that make up the model at `path`: the file itself,
-/// or a directory's `.safetensors` and `.json` files in name order, each
-/// preceded by its name. Streamed: a model can be far larger than memory.
+/// SHA-256 over every file the loader of the model at `path` reads: the
+/// file itself (with its head file, for an ONNX policy that has one), or a
+/// directory's `.safetensors` and `.json` files plus the
+/// shards its `model.safetensors.index.json` names (which may sit in
+/// subdirectories), in name order, each preceded by its name relative to
+/// the directory. Streamed: a model can be far larger than memory.
+///
+/// The index's shards used to be left out, so weights moved into a
+/// subdirectory (or, before [`crate::files::inside`], outside the model)
+/// could change without changing the hash.
 pub fn digest(path: &Path) -> Result<Digest> {
-    let mut files: Vec<PathBuf> = if path.is_dir() {
-        std::fs::read_dir(path)
-            .map_err(|e| Error::io(path, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                name.ends_with(".safetensors") || name.ends_with(".json")
-            })
-            .collect()
+    let mut files: BTreeMap<OsString, PathBuf> = BTreeMap::new();
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path).map_err(|e| Error::io(path, e))? {
+            let file = entry.map_err(|e| Error::io(path, e))?.path();
+            let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name.ends_with(".safetensors") || name.ends_with(".json") {
+                files.insert(name.into(), file);
+            }
+        }
+        if path.join(crate::llama::SHARD_INDEX).exists() {
+            for (name, file) in crate::llama::index_shards(path)? {
+                files.insert(name.into(), file);
+            }
+        }
     } else {
-        vec![path.to_owned()]
-    };
-    files.sort();
+        files.insert(
+            path.file_name().map(OsString::from).unwrap_or_default(),
+            path.to_owned(),
+        );
+        let head = crate::onnx::head_file(path);
+        if Format::detect(path)? == Format::Onnx && head.exists() {
+            files.insert(
+                head.file_name().map(OsString::from).unwrap_or_default(),
+                head,
+            );
+        }
+    }
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];
-    for file in files {
-        let mut reader = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
-        digest.update(file.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
+    for (name, file) in files {
+        let mut reader = crate::files::open_regular(&file)?;
+        digest.update(name.as_encoded_bytes());
         loop {
             let n =
                 std::io::Read::read(&mut reader, &mut buffer).map_err(|e| Error::io(&file, e))?;

@@ -91,13 +91,32 @@ impl CalibrationProfile {
     /// plain model directory, or an artifact from before profiles).
     pub fn read(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join(PROFILE_FILE);
-        if !path.is_file() {
+        if !path.exists() {
             return Ok(None);
         }
-        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))
+        let bytes = crate::files::read_config(&path)?;
+        let profile: Self = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+        // The drift monitor divides by these: out of range, it would alert
+        // on everything or on nothing.
+        let share = |s: f64| (0.0..=1.0).contains(&s);
+        let bad = profile.points.iter().find(|(_, p)| {
+            let in_range = p.abs_max.is_finite()
+                && p.abs_max >= 0.0
+                && share(p.zero_share)
+                && p.octave_shares
+                    .iter()
+                    .all(|(&class, &s)| class < OCTAVES && share(s));
+            !in_range
+        });
+        if let Some((point, _)) = bad {
+            return Err(Error::Format(format!(
+                "{}: {point} has an abs_max that is not a finite number ≥ 0, or a share outside \
+                 [0, 1] or an octave class ≥ {OCTAVES}",
+                path.display()
+            )));
+        }
+        Ok(Some(profile))
     }
 }
 
@@ -130,10 +149,19 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("qforge-profile-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         profile.write(&dir).unwrap();
-        assert_eq!(CalibrationProfile::read(&dir).unwrap(), Some(profile));
+        assert_eq!(
+            CalibrationProfile::read(&dir).unwrap(),
+            Some(profile.clone())
+        );
         std::fs::write(dir.join(PROFILE_FILE), "{\"points\": 3}").unwrap();
         let e = CalibrationProfile::read(&dir).unwrap_err().to_string();
         assert!(e.contains(PROFILE_FILE), "{e}");
+        // Well-formed but out of range: the drift monitor would divide by it.
+        let mut bad = profile.clone();
+        bad.points.get_mut("x").unwrap().zero_share = 2.0;
+        bad.write(&dir).unwrap();
+        let e = CalibrationProfile::read(&dir).unwrap_err().to_string();
+        assert!(e.contains("x has an abs_max"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -54,7 +54,7 @@ impl TextTokenizer {
     /// Loads a Hugging Face `tokenizer.json`. Special tokens are taken from the
     /// model's config: `bos`, whether to add it, and `eos`.
     pub fn from_file(path: &Path, bos: Option<u32>, add_bos: bool, eos: Vec<u32>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
+        let inner = tokenizers::Tokenizer::from_bytes(crate::files::read_config(path)?)
             .map_err(|e| tk_error(&path.display().to_string(), e))?;
         Ok(Self {
             inner,

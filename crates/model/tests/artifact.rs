@@ -106,8 +106,14 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
     let error = verify(dir).unwrap_err().to_string();
     assert!(error.contains("model.safetensors changed"), "{error}");
 
-    // Truncated tensors: a clear error naming the file, no panic.
+    // ... and the artifact no longer loads.
+    let error = load_policy(dir).unwrap_err().to_string();
+    assert!(error.contains("model.safetensors changed"), "{error}");
+
+    // Truncated tensors, the manifest rewritten to match: the parser gives
+    // a clear error naming the file, no panic.
     std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
     let error = load_policy(dir).unwrap_err().to_string();
     assert!(error.contains("model.safetensors"), "{error}");
 
@@ -156,6 +162,7 @@ fn round_trip(lm: &LanguageModel, name: &str) -> LanguageModel {
     let dir = fresh_dir(name);
     let dir = dir.path();
     write_language_model(dir, lm, &points).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
     let loaded = load_language_model(dir).unwrap();
 
     assert_eq!(loaded.model.config(), lm.model.config());
@@ -188,5 +195,44 @@ fn round_trip(lm: &LanguageModel, name: &str) -> LanguageModel {
     // Linear weights at int8: at most 27 % of their f32 bytes (one layer FP).
     let ratio = loaded.model.linear_weight_bytes() as f64 / lm.model.linear_weight_bytes() as f64;
     assert!(ratio < 0.27, "{ratio}");
+
+    // One flipped weight byte: the artifact no longer loads (it used to,
+    // and generated from the changed weight).
+    let weights = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&weights, &bytes).unwrap();
+    let error = load_language_model(dir).unwrap_err().to_string();
+    assert!(error.contains("model.safetensors changed"), "{error}");
     loaded
+}
+
+#[test]
+fn every_file_of_an_artifact_gets_the_mode_the_umask_gives() {
+    let fp = MlpPolicy::from_dir(&fixture("fixtures/policies/cartpole")).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = fp
+        .linears()
+        .iter()
+        .map(|(_, point, _)| (point.clone(), LayerPrecision::Int8Dynamic))
+        .collect();
+    let dir = fresh_dir("modes");
+    let dir = dir.path();
+    write_policy(dir, &fp, &points).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
+    // A file created here as any other is: what the umask gives.
+    let probe = dir.join("probe");
+    std::fs::write(&probe, "").unwrap();
+    let mode = |path: &Path| {
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(path).unwrap().permissions())
+            & 0o777
+    };
+    let expected = mode(&probe);
+    std::fs::remove_file(&probe).unwrap();
+    // model.safetensors was 0600 (safetensors' temporary file) while the
+    // rest followed the umask (0644 under umask 022).
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        assert_eq!(mode(&path), expected, "{}", path.display());
+    }
 }

@@ -122,6 +122,45 @@ impl LlamaConfig {
                 self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size, self.vocab_size
             )));
         }
+        // Out of range, these loaded and made every logit NaN: perplexity
+        // came out null with exit 0.
+        let positive = |value: f64| value.is_finite() && value > 0.0;
+        let out_of_range = if !positive(self.rms_norm_eps) {
+            Some(format!("rms_norm_eps {}", self.rms_norm_eps))
+        } else if !positive(self.rope_theta) {
+            Some(format!("rope_theta {}", self.rope_theta))
+        } else if self.max_position_embeddings == 0 {
+            Some("a context length (max_position_embeddings) of 0".to_owned())
+        } else if let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = self.rope_scaling
+            && !([
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            ]
+            .into_iter()
+            .all(positive)
+                && low_freq_factor < high_freq_factor)
+        {
+            Some(format!(
+                "llama3 rope scaling factor {factor}, low_freq_factor {low_freq_factor}, \
+                 high_freq_factor {high_freq_factor}, original_max_position_embeddings \
+                 {original_max_position_embeddings}"
+            ))
+        } else {
+            None
+        };
+        if let Some(what) = out_of_range {
+            return Err(Error::Format(format!(
+                "{what} is out of range: epsilon, RoPE base, context length and scaling factors \
+                 must be positive and finite (and low_freq_factor < high_freq_factor)"
+            )));
+        }
         Ok(self)
     }
 
@@ -368,6 +407,47 @@ mod tests {
         bad["architectures"] = serde_json::json!(["GPTNeoXForCausalLM"]);
         let err = LlamaConfig::from_hf(&bad).unwrap_err().to_string();
         assert!(err.contains("GPTNeoXForCausalLM"), "{err}");
+    }
+
+    #[test]
+    fn epsilon_rope_base_context_and_scaling_must_be_in_range() {
+        let base = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100
+        });
+        LlamaConfig::from_hf(&base).unwrap();
+        let scaling = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192});
+        // Each loaded before and made every logit NaN (perplexity `null`).
+        for (key, value, expected) in [
+            ("rms_norm_eps", serde_json::json!(0.0), "rms_norm_eps 0"),
+            (
+                "rms_norm_eps",
+                serde_json::json!(-1e-5),
+                "rms_norm_eps -0.00001",
+            ),
+            ("rope_theta", serde_json::json!(0.0), "rope_theta 0"),
+            (
+                "rope_theta",
+                serde_json::json!(-10000.0),
+                "rope_theta -10000",
+            ),
+            (
+                "max_position_embeddings",
+                serde_json::json!(0),
+                "context length",
+            ),
+            ("rope_scaling", scaling, "llama3 rope scaling"),
+        ] {
+            let mut json = base.clone();
+            json[key] = value;
+            let error = LlamaConfig::from_hf(&json).unwrap_err().to_string();
+            assert!(
+                error.contains(expected) && error.contains("out of range"),
+                "{key}: {error}"
+            );
+        }
     }
 
     #[test]

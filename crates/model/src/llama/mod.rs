@@ -299,11 +299,19 @@ impl Llama {
     /// a sharded `model.safetensors.index.json`.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+        let json: serde_json::Value =
+            serde_json::from_slice(&crate::files::read_config(&config_path)?)
+                .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
         let config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
-        let files = safetensors_files(dir)?;
+        let files: Vec<_> = safetensors_files(dir)?
+            .into_iter()
+            .map(|(_, path)| path)
+            .collect();
+        // candle opens the shards itself: refuse a FIFO or device before it
+        // blocks on one.
+        for file in &files {
+            crate::files::open_regular(file)?;
+        }
         // SAFETY: read-only maps of model files that qforge does not modify.
         let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
             .map_err(|e| Error::Format(format!("{}: {e}", dir.display())))?;
@@ -317,6 +325,10 @@ impl Llama {
         let c = &config;
         let (d, kv) = (c.hidden_size, c.num_kv_heads * c.head_dim);
         let q_width = c.num_heads * c.head_dim;
+        // The norms' gains, checked finite: one NaN gain makes every logit
+        // NaN. (The linear weights of a GGUF or Hugging Face source are not
+        // scanned: that would mean dequantizing every block at load. An
+        // artifact's tensors are all checked as they are read.)
         let vector = |name: &str, len: usize| -> Result<Tensor> {
             let t = source.tensor(name)?.to_dtype(DType::F32)?;
             if t.dims() != [len] {
@@ -325,6 +337,7 @@ impl Llama {
                     t.dims()
                 )));
             }
+            crate::linear::check_finite_tensor(name, &t)?;
             Ok(t)
         };
         let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
@@ -977,32 +990,39 @@ fn observe(
     Ok(())
 }
 
-/// The safetensors files of a Hugging Face directory.
-fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
-    let index = dir.join("model.safetensors.index.json");
-    if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
-        let map = json["weight_map"]
-            .as_object()
-            .ok_or_else(|| Error::Format(format!("{}: no weight_map", index.display())))?;
-        let mut files: Vec<_> = map
-            .values()
-            .filter_map(serde_json::Value::as_str)
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .map(|f| dir.join(f))
-            .collect();
-        files.dedup();
-        return Ok(files);
+/// The shard index of a sharded Hugging Face directory.
+pub(crate) const SHARD_INDEX: &str = "model.safetensors.index.json";
+
+/// The shards `dir/model.safetensors.index.json` names, as (name in the
+/// index, path), each inside `dir` ([`crate::files::inside`]): a weight map
+/// naming `../other.safetensors` loaded weights from outside the model,
+/// which the model's hash did not cover.
+pub(crate) fn index_shards(dir: &Path) -> Result<Vec<(String, std::path::PathBuf)>> {
+    let index = dir.join(SHARD_INDEX);
+    let json: serde_json::Value = serde_json::from_slice(&crate::files::read_config(&index)?)
+        .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+    let map = json["weight_map"]
+        .as_object()
+        .ok_or_else(|| Error::Format(format!("{}: no weight_map", index.display())))?;
+    map.values()
+        .filter_map(serde_json::Value::as_str)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .map(|name| Ok((name.to_owned(), crate::files::inside(dir, name, &index)?)))
+        .collect()
+}
+
+/// The safetensors files of a Hugging Face directory, as (name, path).
+fn safetensors_files(dir: &Path) -> Result<Vec<(String, std::path::PathBuf)>> {
+    if dir.join(SHARD_INDEX).exists() {
+        return index_shards(dir);
     }
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return Ok(vec![single]);
+        return Ok(vec![("model.safetensors".to_owned(), single)]);
     }
     Err(Error::Format(format!(
-        "{}: no model.safetensors or model.safetensors.index.json",
+        "{}: no model.safetensors or {SHARD_INDEX}",
         dir.display()
     )))
 }
