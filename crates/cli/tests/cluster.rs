@@ -532,7 +532,7 @@ fn quantize_through_redis_writes_the_embedded_artifact() {
     let quantize = |extra: &[&str], out: &str| -> Proc {
         Proc(
             Command::new(env!("CARGO_BIN_EXE_qforge"))
-                .current_dir(&dir)
+                .current_dir(dir)
                 .args(["quantize", "-o", out, "--json"])
                 .args(extra)
                 .stdout(Stdio::null())
@@ -592,7 +592,7 @@ fn smoothquant_on_three_workers_with_one_killed_writes_the_single_worker_artifac
     let quantize = |extra: &[&str], out: &str| -> Proc {
         Proc(
             Command::new(env!("CARGO_BIN_EXE_qforge"))
-                .current_dir(&dir)
+                .current_dir(dir)
                 .args(["quantize", "--model", model.to_str().unwrap()])
                 .args([
                     "--data",

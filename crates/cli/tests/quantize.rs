@@ -19,7 +19,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     // Run outside the checkout: the bundled policy is found all the same.
     let dir = temp("default");
     let dir = dir.path();
-    let result = json(&qforge_in(&dir, &["quantize", "--json"]));
+    let result = json(&qforge_in(dir, &["quantize", "--json"]));
     assert_eq!(result["accepted"], true);
     let agreement = result["after"]["agreement"].as_f64().unwrap();
     assert!(agreement >= 0.99, "{result}");
@@ -71,7 +71,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
             &observations,
         ];
         args.extend_from_slice(extra);
-        qforge_in(&dir, &args)
+        qforge_in(dir, &args)
     };
     let eval = json(&agreement(&["--json"]));
     assert!(eval["agreement"].as_f64().unwrap() >= 0.99, "{eval}");
@@ -79,16 +79,16 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     let asked = agreement(&["--precision", "int8-dynamic"]);
     assert_eq!(asked.status.code(), Some(2));
 
-    let verified = json(&qforge_in(&dir, &["verify", "qforge-out", "--json"]));
+    let verified = json(&qforge_in(dir, &["verify", "qforge-out", "--json"]));
     assert_eq!(verified["files"], 6);
 
     // Quantizing again replaces the earlier output.
-    json(&qforge_in(&dir, &["quantize", "--json"]));
+    json(&qforge_in(dir, &["quantize", "--json"]));
     assert!(out.join("qforge.json").is_file());
 
     // compressed-tensors is for language models; a policy is refused.
     let ct = qforge_in(
-        &dir,
+        dir,
         &[
             "export",
             "--model",
@@ -103,7 +103,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     assert!(String::from_utf8_lossy(&ct.stderr).contains("language models"));
     // A directory that is not an artifact is a usage error.
     let not_artifact = qforge_in(
-        &dir,
+        dir,
         &[
             "export",
             "--model",
@@ -120,13 +120,13 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     let policy = out.join("policy.json");
     let text = std::fs::read_to_string(&policy).unwrap();
     std::fs::write(&policy, text.replace("CartPole", "CartP0le")).unwrap();
-    let tampered = qforge_in(&dir, &["verify", "qforge-out"]);
+    let tampered = qforge_in(dir, &["verify", "qforge-out"]);
     assert_eq!(tampered.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&tampered.stderr);
     assert!(stderr.contains("policy.json changed"), "{stderr}");
     // … and nothing is exported from a tampered artifact.
     let export = qforge_in(
-        &dir,
+        dir,
         &[
             "export",
             "--model",
@@ -149,7 +149,7 @@ fn a_refused_guard_exits_3_and_writes_no_artifact() {
     // Every observation must agree and no layer may fall back to FP: INT8
     // cannot promise that on this policy.
     let out = qforge_in(
-        &dir,
+        dir,
         &[
             "quantize",
             "--min-agreement",
@@ -177,7 +177,7 @@ fn a_refused_guard_exits_3_and_writes_no_artifact() {
     let foreign = dir.join("mine");
     std::fs::create_dir_all(&foreign).unwrap();
     std::fs::write(foreign.join("notes.txt"), "keep me").unwrap();
-    let out = qforge_in(&dir, &["quantize", "-o", "mine"]);
+    let out = qforge_in(dir, &["quantize", "-o", "mine"]);
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(
         std::fs::read_to_string(foreign.join("notes.txt")).unwrap(),
@@ -187,7 +187,7 @@ fn a_refused_guard_exits_3_and_writes_no_artifact() {
     // Bad recipes are usage errors that name the field.
     let recipe = dir.join("bad.toml");
     std::fs::write(&recipe, "[guard]\nmin_agreemnt = 0.9\n").unwrap();
-    let out = qforge_in(&dir, &["quantize", "--recipe", recipe.to_str().unwrap()]);
+    let out = qforge_in(dir, &["quantize", "--recipe", recipe.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("min_agreemnt"));
 }
@@ -199,7 +199,7 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
     let text = path("fixtures/text/eval.txt");
     let result = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "quantize",
             "--model",
@@ -236,7 +236,7 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
 
     // `eval perplexity` on the artifact reproduces the guard's figure.
     let ppl = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "eval",
             "perplexity",
@@ -253,7 +253,7 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     assert_eq!(ppl["perplexity"].as_f64().unwrap(), guard_ppl);
 
     let generated = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "generate",
             "--model",
@@ -269,7 +269,7 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
         generated["text"].as_str().unwrap().contains("Paris"),
         "{generated}"
     );
-    json(&qforge_in(&dir, &["verify", "out", "--json"]));
+    json(&qforge_in(dir, &["verify", "out", "--json"]));
 }
 
 /// Every linear input rotated online: the artifact records the rotations,
@@ -282,7 +282,7 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
     let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
     let text = path("fixtures/text/eval.txt");
     let result = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "quantize",
             "--model",
@@ -320,7 +320,7 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
         ])
     );
     let ppl = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "eval",
             "perplexity",
@@ -338,7 +338,7 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
         result["after"]["perplexity"].as_f64().unwrap()
     );
     let generated = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "generate",
             "--model",
@@ -355,7 +355,7 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
         "{generated}"
     );
     let export = qforge_in(
-        &dir,
+        dir,
         &[
             "export",
             "--model",

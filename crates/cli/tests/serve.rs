@@ -153,7 +153,7 @@ fn observations(n: usize) -> Vec<Vec<f64>> {
 fn act_answers_like_qforge_act_batches_and_counts() {
     let dir = support::temp("serve", "act");
     let dir = dir.path();
-    json(&qforge_in(&dir, &["quantize", "--json"]));
+    json(&qforge_in(dir, &["quantize", "--json"]));
     let artifact = dir.join("qforge-out");
     // A generous batching window, so concurrent requests surely share forwards.
     let server = Server::start(&artifact, &["--max-wait-ms", "50"], None);
@@ -169,7 +169,7 @@ fn act_answers_like_qforge_act_batches_and_counts() {
     let file = dir.join("obs.jsonl");
     std::fs::write(&file, serde_json::json!({"observations": rows}).to_string()).unwrap();
     let expected = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "act",
             "--model",
@@ -368,11 +368,11 @@ fn qforge_act(dir: &Path, model: &str, rows: &[Vec<f64>]) -> Value {
 fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     let dir = support::temp("serve", "shadow");
     let dir = dir.path();
-    json(&qforge_in(&dir, &["quantize", "--json"]));
+    json(&qforge_in(dir, &["quantize", "--json"]));
     // A genuinely bad INT8 model: every static scale clips at the 20th
     // percentile, and the guard is told to accept it (≈ 50 % agreement).
     let bad = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "quantize",
             "-o",
@@ -403,7 +403,7 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     // The good artifact: the reference (found through the manifest) shadows
     // every request; agreement stays high; INT8 keeps answering.
     let good = Server::start(&dir.join("qforge-out"), &shadow, None);
-    let int8 = qforge_act(&dir, "qforge-out", &rows);
+    let int8 = qforge_act(dir, "qforge-out", &rows);
     for _ in 0..10 {
         let (status, v) = good.act(&body);
         assert_eq!(status, 200, "{v}");
@@ -418,7 +418,7 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     // The bad one: once 200 shadowed observations agree < 95 %, traffic
     // rolls back and the FP reference answers.
     let fp_dir = path("fixtures/policies/cartpole");
-    let fp = qforge_act(&dir, &fp_dir, &rows);
+    let fp = qforge_act(dir, &fp_dir, &rows);
     let server = Server::start(&dir.join("bad"), &shadow, None);
     for _ in 0..5 {
         assert_eq!(server.act(&body).1["arm"], "int8");
@@ -439,7 +439,7 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
 fn ab_split_is_sticky_by_session_and_reward_feedback_rolls_back() {
     let dir = support::temp("serve", "ab");
     let dir = dir.path();
-    json(&qforge_in(&dir, &["quantize", "--json"]));
+    json(&qforge_in(dir, &["quantize", "--json"]));
     let server = Server::start(
         &dir.join("qforge-out"),
         &["--ab", "int8=0.5,fp=0.5", "--reward-window", "3"],
@@ -548,7 +548,7 @@ fn rollout_flags_are_checked() {
 fn the_drift_monitor_stays_quiet_on_rollouts_and_alerts_on_shifted_observations() {
     let dir = support::temp("serve", "drift");
     let dir = dir.path();
-    json(&qforge_in(&dir, &["quantize", "--json"]));
+    json(&qforge_in(dir, &["quantize", "--json"]));
     let profile: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("qforge-out/calibration.json")).unwrap(),
     )
@@ -899,7 +899,7 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
     // A genuinely bad INT8 model: every static scale clips at the 20th
     // percentile, and the guard is told to accept anything.
     let bad = json(&qforge_in(
-        &dir,
+        dir,
         &[
             "quantize",
             "--model",

@@ -105,7 +105,7 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
     write_language_model(artifact, &lm, &points).unwrap();
     let dest = fresh("ct");
     let dest = dest.path();
-    let summary = export_compressed_tensors(&artifact, &dest).unwrap();
+    let summary = export_compressed_tensors(artifact, dest).unwrap();
     assert_eq!(summary.lm_head, "tied");
     assert_eq!(
         summary.ignored,
@@ -133,7 +133,7 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
     let peer_config: peer::LlamaConfig = serde_json::from_value(config.clone()).unwrap();
     let peer_config = peer_config.into_config(false);
     let vb =
-        candle_nn::VarBuilder::from_tensors(dequantized_tensors(&dest), DType::F32, &Device::Cpu);
+        candle_nn::VarBuilder::from_tensors(dequantized_tensors(dest), DType::F32, &Device::Cpu);
     let model = peer::Llama::load(vb, &peer_config).unwrap();
     let tokens = lm
         .text

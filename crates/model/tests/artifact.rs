@@ -76,11 +76,11 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
         .unwrap();
     let dir = fresh_dir("policy");
     let dir = dir.path();
-    write_policy(&dir, &fp, &points).unwrap();
-    write_manifest(&dir, serde_json::json!({"test": true})).unwrap();
-    verify(&dir).unwrap();
+    write_policy(dir, &fp, &points).unwrap();
+    write_manifest(dir, serde_json::json!({"test": true})).unwrap();
+    verify(dir).unwrap();
 
-    let loaded = load_policy(&dir).unwrap();
+    let loaded = load_policy(dir).unwrap();
     let obs = observations();
     let want = quantized.forward(&obs, None).unwrap();
     assert_eq!(loaded.forward(&obs, None).unwrap(), want);
@@ -103,12 +103,12 @@ fn a_policy_artifact_loads_as_the_model_that_was_written() {
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
     std::fs::write(&weights, &bytes).unwrap();
-    let error = verify(&dir).unwrap_err().to_string();
+    let error = verify(dir).unwrap_err().to_string();
     assert!(error.contains("model.safetensors changed"), "{error}");
 
     // Truncated tensors: a clear error naming the file, no panic.
     std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
-    let error = load_policy(&dir).unwrap_err().to_string();
+    let error = load_policy(dir).unwrap_err().to_string();
     assert!(error.contains("model.safetensors"), "{error}");
 
     // A precision for a layer the model lacks, or none for one it has.
@@ -155,8 +155,8 @@ fn round_trip(lm: &LanguageModel, name: &str) -> LanguageModel {
         .unwrap();
     let dir = fresh_dir(name);
     let dir = dir.path();
-    write_language_model(&dir, lm, &points).unwrap();
-    let loaded = load_language_model(&dir).unwrap();
+    write_language_model(dir, lm, &points).unwrap();
+    let loaded = load_language_model(dir).unwrap();
 
     assert_eq!(loaded.model.config(), lm.model.config());
     assert_eq!(loaded.text.chat_template, lm.text.chat_template);
