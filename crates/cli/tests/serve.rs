@@ -34,6 +34,11 @@ struct Server {
 
 impl Server {
     fn start(model: &Path, extra: &[&str], token: Option<&str>) -> Server {
+        Server::launch(Server::command(model, extra, token))
+    }
+
+    /// `qforge serve` of `model` on a free loopback port.
+    fn command(model: &Path, extra: &[&str], token: Option<&str>) -> Command {
         let mut command = Command::new(env!("CARGO_BIN_EXE_qforge"));
         command
             .args([
@@ -55,6 +60,11 @@ impl Server {
         if let Some(token) = token {
             command.env("QFORGE_SERVE_TOKEN", token);
         }
+        command
+    }
+
+    /// Starts `command` and waits until it listens.
+    fn launch(mut command: Command) -> Server {
         let mut child = command.spawn().unwrap();
         let mut stderr = BufReader::new(child.stderr.take().unwrap());
         let mut seen = String::new();
@@ -988,4 +998,312 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
     });
     assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
     assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));
+}
+
+/// The CartPole policy directory, which serves without quantizing.
+fn cartpole() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole")
+}
+
+/// How long a test waits for the server to act on a connection before it
+/// calls the server stuck: generous, for a machine whose cores are busy.
+const CONNECTION_DEADLINE: Duration = Duration::from_secs(120);
+
+impl Server {
+    fn connect(&self) -> TcpStream {
+        let stream = TcpStream::connect(&self.addr).unwrap();
+        // Short reads, so a waiting test checks its deadline often.
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        stream
+    }
+
+    /// Waits until the process exits; its status.
+    fn wait_exit(&mut self, what: &str) -> std::process::ExitStatus {
+        let mut status = None;
+        wait_until(what, || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        });
+        status.unwrap()
+    }
+}
+
+/// Reads `stream` until the server closes it; what it sent before. Panics
+/// when the server keeps it open past the deadline.
+fn read_until_closed(stream: &mut TcpStream, what: &str) -> String {
+    let deadline = std::time::Instant::now() + CONNECTION_DEADLINE;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{what}: the server kept the connection open; it sent {:?}",
+                    String::from_utf8_lossy(&got)
+                );
+            }
+            // A reset is a close too.
+            Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Reads `stream` until what arrived contains `needle`; what arrived.
+fn read_until(stream: &mut TcpStream, needle: &str, what: &str) -> String {
+    let deadline = std::time::Instant::now() + CONNECTION_DEADLINE;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains(needle) {
+        match stream.read(&mut buf) {
+            Ok(0) => panic!(
+                "{what}: closed before {needle:?}; it sent {:?}",
+                String::from_utf8_lossy(&got)
+            ),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{what}: no {needle:?} yet; it sent {:?}",
+                    String::from_utf8_lossy(&got)
+                );
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// A slowloris client: sends a request line, then one byte of a header
+/// that never ends every 100 ms, until the server closes the connection.
+/// (The pace is the attack's, not a wait the test decides on.)
+fn trickle(mut stream: TcpStream) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        if stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Trickle: ")
+            .is_err()
+        {
+            return;
+        }
+        while stream.write_all(b"a").is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+}
+
+/// Sends the head of a POST to /v1/act with `Expect: 100-continue` and the
+/// first bytes of a 100-byte body, and waits for the server's `100
+/// Continue`: from then on the request is in flight on the server.
+fn start_slow_act(server: &Server) -> TcpStream {
+    let mut stream = server.connect();
+    stream
+        .write_all(
+            b"POST /v1/act HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n",
+        )
+        .unwrap();
+    read_until(&mut stream, "100 Continue\r\n\r\n", "a request in flight");
+    stream.write_all(b"{\"observations\": ").unwrap();
+    stream
+}
+
+#[test]
+fn a_client_trickling_its_head_is_cut_off_at_the_header_timeout() {
+    let server = Server::start(
+        &cartpole(),
+        &[
+            "--header-timeout-ms",
+            "1000",
+            "--keep-alive-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    let mut stream = server.connect();
+    let client = trickle(stream.try_clone().unwrap());
+    read_until_closed(&mut stream, "a client trickling its head");
+    client.join().unwrap();
+    assert_eq!(
+        server.metric("qforge_connections_closed_total{reason=\"header_timeout\"}"),
+        Some(1.0)
+    );
+    assert_eq!(server.request("GET", "/health", &[], "").0, 200);
+}
+
+#[test]
+fn idle_connections_are_closed_after_the_keep_alive_timeout() {
+    let server = Server::start(
+        &cartpole(),
+        &[
+            "--keep-alive-timeout-ms",
+            "500",
+            "--header-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    // A connection that never sends anything.
+    let mut silent = server.connect();
+    read_until_closed(&mut silent, "a connection that never sent a byte");
+    // A keep-alive connection after its answer.
+    let mut kept = server.connect();
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    read_until(&mut kept, "{\"status\":\"ok\"}", "the answer");
+    read_until_closed(&mut kept, "a keep-alive connection after its answer");
+    assert_eq!(
+        server.metric("qforge_connections_closed_total{reason=\"idle_timeout\"}"),
+        Some(2.0)
+    );
+}
+
+#[test]
+fn a_body_that_does_not_arrive_in_time_gets_408() {
+    let server = Server::start(&cartpole(), &["--body-timeout-ms", "1000"], None);
+    let mut stream = server.connect();
+    stream
+        .write_all(
+            b"POST /v1/act HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"observations\": ",
+        )
+        .unwrap();
+    let answer = read_until_closed(&mut stream, "a body that stopped half-way");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive within 1000 ms"), "{answer}");
+}
+
+#[test]
+fn at_the_connection_cap_idle_connections_make_room_and_busy_ones_refuse() {
+    let server = Server::start(
+        &cartpole(),
+        &[
+            "--max-connections",
+            "4",
+            "--body-timeout-ms",
+            "600000",
+            "--keep-alive-timeout-ms",
+            "600000",
+            "--header-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    // Four idle connections fill the cap; a fifth closes the oldest and is
+    // answered (the kernel hands connections over in the order they came).
+    let mut idle: Vec<TcpStream> = (0..4).map(|_| server.connect()).collect();
+    assert_eq!(server.request("GET", "/health", &[], "").0, 200);
+    read_until_closed(&mut idle[0], "the oldest idle connection");
+    drop(idle);
+
+    // Four requests in flight: nothing to close, so a fifth gets 503.
+    let server = Server::start(
+        &cartpole(),
+        &["--max-connections", "4", "--body-timeout-ms", "600000"],
+        None,
+    );
+    let busy: Vec<TcpStream> = (0..4).map(|_| start_slow_act(&server)).collect();
+    let mut refused = server.connect();
+    refused
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let answer = read_until_closed(&mut refused, "a connection beyond the cap");
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 503"),
+        "{answer}"
+    );
+    // Every request in flight still finishes.
+    let observation = b"[[0.0, 0.1, 0.0, -0.1]]}";
+    for mut stream in busy {
+        let pad = 100 - b"{\"observations\": ".len() - observation.len();
+        stream.write_all(observation).unwrap();
+        stream.write_all(&vec![b' '; pad]).unwrap();
+        let answer = read_until(&mut stream, "\"actions\"", "a request in flight");
+        assert!(answer.contains("200 OK"), "{answer}");
+    }
+    assert_eq!(
+        server.metric("qforge_connections_closed_total{reason=\"refused\"}"),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn a_flood_of_idle_connections_at_a_low_descriptor_limit_locks_nobody_out() {
+    use std::os::unix::process::CommandExt;
+    let mut command = Server::command(&cartpole(), &[], None);
+    // SAFETY: setrlimit is async-signal-safe and touches only the child.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 256,
+                rlim_max: 256,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let server = Server::launch(command);
+    // More idle connections than the server may hold descriptors.
+    let flood: Vec<TcpStream> = (0..320).map(|_| server.connect()).collect();
+    let (status, _, body) = server.request("GET", "/health", &[], "");
+    assert_eq!(status, 200, "{body}");
+    let (status, v) = server.act(r#"{"observations": [[0.0, 0.1, 0.0, -0.1]]}"#);
+    assert_eq!(status, 200, "{v}");
+    drop(flood);
+}
+
+#[test]
+fn sigterm_stops_the_server_within_the_drain_bound_while_clients_trickle() {
+    let mut server = Server::start(
+        &cartpole(),
+        &[
+            "--shutdown-timeout-ms",
+            "3000",
+            "--header-timeout-ms",
+            "600000",
+            "--body-timeout-ms",
+            "600000",
+            "--keep-alive-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    let tricklers: Vec<_> = (0..3).map(|_| trickle(server.connect())).collect();
+    // One request in flight that will finish, one that never will.
+    let mut finishing = start_slow_act(&server);
+    let mut stuck = start_slow_act(&server);
+    Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    // The request in flight still gets its answer.
+    let observation = b"[[0.0, 0.1, 0.0, -0.1]]}";
+    let pad = 100 - b"{\"observations\": ".len() - observation.len();
+    finishing.write_all(observation).unwrap();
+    finishing.write_all(&vec![b' '; pad]).unwrap();
+    let answer = read_until_closed(&mut finishing, "a request in flight at SIGTERM");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // The one that never finishes is cut at the drain bound, the trickling
+    // clients at once, and the server exits.
+    let status = server.wait_exit("the server to exit after SIGTERM");
+    assert!(status.success(), "{status}");
+    read_until_closed(&mut stuck, "a request still in flight at the drain bound");
+    for t in tricklers {
+        t.join().unwrap();
+    }
 }

@@ -1,8 +1,15 @@
 //! HTTP pieces every handler uses: the headers this server reads and
-//! writes, the bearer-token check, and the plain error answers.
+//! writes, the bearer-token check, reading a body under its limits, and
+//! the error answers (plain, or in OpenAI's shape).
 
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::json;
 
 use crate::rollout::Arm;
@@ -30,6 +37,105 @@ pub(crate) fn with_arm(mut response: Response, arm: Arm) -> Response {
 /// `{"error": message}` with `status`.
 pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, axum::Json(json!({ "error": message.into() }))).into_response()
+}
+
+/// Which shape an endpoint's errors take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// `{"error": message}` (the policy endpoints, metrics, the document).
+    Plain,
+    /// OpenAI's `{"error": {"message", "type", "param", "code"}}`, so its
+    /// clients show the message.
+    OpenAi,
+}
+
+/// An OpenAI-shaped error.
+pub(crate) fn api_error(
+    status: StatusCode,
+    kind: &str,
+    param: Option<&str>,
+    message: String,
+) -> Response {
+    (
+        status,
+        axum::Json(json!({
+            "error": {"message": message, "type": kind, "param": param, "code": null}
+        })),
+    )
+        .into_response()
+}
+
+/// An error in `shape`.
+fn refusal(shape: Shape, status: StatusCode, message: String) -> Response {
+    match shape {
+        Shape::Plain => error(status, message),
+        Shape::OpenAi => api_error(status, "invalid_request_error", None, message),
+    }
+}
+
+/// An answer after which the connection closes: the request's body was
+/// not (fully) read, so nothing after it on the connection can be trusted
+/// to be a request.
+fn closing(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// Reads the request body before the handler runs, under the body limit
+/// (a declared length over it is refused before a byte is read) and the
+/// body timeout (a client trickling its body is cut off with 408).
+pub(crate) async fn read_body(
+    State((state, shape)): State<(Arc<AppState>, Shape)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let limit = state.options.max_body_bytes;
+    let (parts, body) = request.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared.filter(|&l| l > limit as u64) {
+        return closing(refusal(
+            shape,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is {length} bytes; this server takes at most {limit}"),
+        ));
+    }
+    let timeout = state.options.connections.body_timeout;
+    let read = tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await;
+    let bytes = match read {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return closing(refusal(
+                shape,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body is over the limit of {limit} bytes"),
+            ));
+        }
+        Ok(Err(e)) => {
+            return closing(refusal(
+                shape,
+                StatusCode::BAD_REQUEST,
+                format!("the body could not be read: {e}"),
+            ));
+        }
+        Err(_) => {
+            return closing(refusal(
+                shape,
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the body did not arrive within {} ms of the request head",
+                    timeout.as_millis()
+                ),
+            ));
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }
 
 /// An error the client may retry after a second (`Retry-After: 1`).

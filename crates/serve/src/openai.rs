@@ -29,7 +29,9 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::sync::oneshot;
 
 use crate::engine::{Event, FinishReason, Replay, Request};
-use crate::http::{authorized, session, timed_out, too_many_requests, with_arm, worker_stopped};
+use crate::http::{
+    api_error, authorized, session, timed_out, too_many_requests, with_arm, worker_stopped,
+};
 use crate::rollout::Arm;
 use crate::state::{AppState, Backend, LanguageBackend};
 
@@ -66,17 +68,6 @@ async fn shadow(
             .collect();
         backend.rollout.record_agreement(&agreements);
     }
-}
-
-/// An OpenAI-shaped error.
-fn api_error(status: StatusCode, kind: &str, param: Option<&str>, message: String) -> Response {
-    (
-        status,
-        axum::Json(json!({
-            "error": {"message": message, "type": kind, "param": param, "code": null}
-        })),
-    )
-        .into_response()
 }
 
 /// Why [`check`] refused a request.

@@ -1,14 +1,15 @@
 //! The HTTP server: `POST /v1/act`, `POST /v1/feedback`, `GET /health`,
-//! `GET /ready`, `GET /metrics`, `GET /openapi.json`, with a body limit, an
-//! optional bearer token, a concurrency limit (429 + Retry-After), a request
-//! timeout (503 + Retry-After), graceful shutdown (in-flight requests
-//! finish), and the A/B rollout of [`crate::rollout`].
+//! `GET /ready`, `GET /metrics`, `GET /openapi.json`, with a body limit and
+//! deadline, an optional bearer token, a concurrency limit (429 +
+//! Retry-After), a request timeout (503 + Retry-After), the connection
+//! handling of [`crate::conn`] (read deadlines, a cap, a bounded drain on
+//! shutdown), and the A/B rollout of [`crate::rollout`].
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -24,11 +25,13 @@ use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batcher::Job;
+use crate::conn;
 use crate::drift::DriftMonitor;
 use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::http::{
-    authorized, error, session, timed_out, too_many_requests, with_arm, worker_stopped,
+    Shape, authorized, error, read_body, session, timed_out, too_many_requests, with_arm,
+    worker_stopped,
 };
 use crate::metrics::Metrics;
 use crate::openai;
@@ -332,8 +335,8 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// Serves `served` until `shutdown` completes, then lets in-flight requests
-/// finish. `on_bound` hears the bound address (port 0 resolved) once the
-/// socket listens.
+/// finish for at most the drain timeout. `on_bound` hears the bound address
+/// (port 0 resolved) once the socket listens.
 pub async fn serve(
     served: Served,
     options: ServeOptions,
@@ -346,11 +349,11 @@ pub async fn serve(
     let state = Arc::new(AppState {
         openapi: openapi_document(&backend, &options),
         backend,
-        metrics,
+        metrics: Arc::clone(&metrics),
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
         options: options.clone(),
     });
-    let app = router(state, options.max_body_bytes);
+    let app = router(state);
     let listener = tokio::net::TcpListener::bind(options.addr)
         .await
         .map_err(|e| Error::Bind(options.addr, e))?;
@@ -358,10 +361,8 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| Error::Bind(options.addr, e))?;
     on_bound(bound);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(Error::Serve)
+    conn::run(listener, app, options.connections, metrics, shutdown).await;
+    Ok(())
 }
 
 /// Refuses limits of zero, a rollback threshold or window out of range,
@@ -371,9 +372,20 @@ fn check_options(options: &ServeOptions) -> Result<()> {
         || options.max_rows == 0
         || options.max_tokens == 0
         || options.max_concurrency == 0
+        || options.connections.max_connections == 0
     {
         return Err(Error::Options(
-            "max batch, max rows, max tokens and max concurrency must be at least 1".into(),
+            "max batch, max rows, max tokens, max concurrency and max connections must be at least 1"
+                .into(),
+        ));
+    }
+    let c = options.connections;
+    if [c.header_timeout, c.body_timeout, c.keep_alive_timeout]
+        .iter()
+        .any(Duration::is_zero)
+    {
+        return Err(Error::Options(
+            "the header, body and keep-alive timeouts must be longer than 0".into(),
         ));
     }
     let rollout = options.rollout;
@@ -445,19 +457,31 @@ fn start_backend(
     })
 }
 
-/// The routes, the body limit, and the request metrics around them.
-fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
-    Router::new()
+/// The routes, the body reading (limit and deadline) of those that take
+/// one, and the request metrics around them all.
+fn router(state: Arc<AppState>) -> Router {
+    let reading = |routes: Router<Arc<AppState>>, shape: Shape| {
+        routes.route_layer(middleware::from_fn_with_state(
+            (Arc::clone(&state), shape),
+            read_body,
+        ))
+    };
+    let policy = Router::new()
         .route("/v1/act", post(act))
         .route("/v1/feedback", post(feedback))
+        .route("/metrics", get(render_metrics))
+        .route("/openapi.json", get(openapi));
+    let completions = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/models", get(openai::models))
+        .route("/v1/models", get(openai::models));
+    Router::new()
         .route("/health", get(health))
         .route("/ready", get(health))
-        .route("/metrics", get(render_metrics))
-        .route("/openapi.json", get(openapi))
-        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .merge(reading(policy, Shape::Plain))
+        .merge(reading(completions, Shape::OpenAi))
+        // `read_body` enforces the limit; the extractors take what it read.
+        .layer(DefaultBodyLimit::disable())
         .route_layer(middleware::from_fn_with_state(Arc::clone(&state), track))
         .with_state(state)
 }

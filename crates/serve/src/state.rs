@@ -14,6 +14,7 @@ use qforge_model::{Head, LanguageModel, MlpPolicy, TextSide};
 use tokio::sync::Semaphore;
 
 use crate::batcher::Batcher;
+use crate::conn::ConnectionLimits;
 use crate::drift::{DriftMonitor, DriftOptions};
 use crate::engine::{Engine, EngineLimits};
 use crate::error::{Error, Result};
@@ -37,6 +38,8 @@ pub struct ServeOptions {
     pub max_tokens: usize,
     /// Requests in flight beyond which new ones get 429.
     pub max_concurrency: usize,
+    /// Read deadlines and the connection cap (see [`crate::conn`]).
+    pub connections: ConnectionLimits,
     /// A request not answered within this gets 503.
     pub timeout: Duration,
     /// Required `Authorization: Bearer …` token, if any.
