@@ -296,11 +296,54 @@ fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
     let big = format!(r#"{{"observations": [[{}]]}}"#, vec!["0.5"; 1000].join(","));
     assert_eq!(server.request("POST", "/v1/act", &[auth], &big).0, 413);
     // Refusals before the handler runs are counted too.
-    let (_, _, metrics) = server.request("GET", "/metrics", &[], "");
+    let (_, _, metrics) = server.request("GET", "/metrics", &[auth], "");
     assert!(
         metrics.contains("qforge_requests_total{endpoint=\"/v1/act\",status=\"413\"} 2"),
         "{metrics}"
     );
+}
+
+#[test]
+fn the_token_guards_all_but_the_probes_and_is_checked_before_the_body() {
+    let server = Server::start(&cartpole(), &[], Some("s3cret"));
+    // The probes stay open; everything else needs the token.
+    for target in ["/health", "/ready"] {
+        assert_eq!(server.request("GET", target, &[], "").0, 200, "{target}");
+    }
+    for target in ["/metrics", "/openapi.json"] {
+        let (status, head, _) = server.request("GET", target, &[], "");
+        assert_eq!(status, 401, "{target}");
+        assert!(
+            head.to_lowercase().contains("www-authenticate: bearer"),
+            "{head}"
+        );
+        assert_eq!(
+            server
+                .request("GET", target, &["Authorization: Bearer s3cre"], "")
+                .0,
+            401,
+            "{target}"
+        );
+        // RFC 7235: the scheme's name is case-insensitive.
+        for auth in [
+            "Authorization: bearer s3cret",
+            "Authorization: BEARER s3cret",
+        ] {
+            assert_eq!(server.request("GET", target, &[auth], "").0, 200, "{auth}");
+        }
+    }
+    let ok = r#"{"reward": 1}"#;
+    assert_eq!(server.post("/v1/feedback", &[], ok).0, 401);
+    // A request without the token is refused on its head: the server
+    // neither reads nor waits for the 1 000 bytes it announces.
+    let mut stream = server.connect();
+    stream
+        .write_all(
+            b"POST /v1/act HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+        )
+        .unwrap();
+    let answer = read_until_closed(&mut stream, "a request with the wrong token");
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
 }
 
 #[test]

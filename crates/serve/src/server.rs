@@ -30,8 +30,8 @@ use crate::drift::DriftMonitor;
 use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::http::{
-    Shape, authorized, error, read_body, session, timed_out, too_many_requests, with_arm,
-    worker_stopped,
+    Shape, error, read_body, require_token, session, timed_out, token_digest, too_many_requests,
+    with_arm, worker_stopped,
 };
 use crate::metrics::Metrics;
 use crate::openai;
@@ -96,9 +96,6 @@ struct FeedbackRequest {
 
 async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&state, &headers, &body[..]);
-    if !authorized(state, headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
-    }
     let Ok(_permit) = Arc::clone(&state.in_flight).try_acquire_owned() else {
         return too_many_requests();
     };
@@ -225,9 +222,6 @@ async fn shadow(
 
 async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&*state, &headers, &body[..]);
-    if !authorized(state, headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
-    }
     let rollout = match &state.backend {
         Backend::Policy(policy) => &policy.rollout,
         Backend::Language(lm) => &lm.rollout,
@@ -349,6 +343,7 @@ pub async fn serve(
     let state = Arc::new(AppState {
         openapi: openapi_document(&backend, &options),
         backend,
+        token: options.token.as_deref().map(token_digest),
         metrics: Arc::clone(&metrics),
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
         options: options.clone(),
@@ -457,14 +452,23 @@ fn start_backend(
     })
 }
 
-/// The routes, the body reading (limit and deadline) of those that take
-/// one, and the request metrics around them all.
+/// The routes; the bearer token (when the server requires one) and then
+/// the body reading (limit and deadline) on all but the probes; and the
+/// request metrics around them all. `/health` and `/ready` stay open, so
+/// an orchestrator's probes need no secret: they tell only whether the
+/// process and its model are up.
 fn router(state: Arc<AppState>) -> Router {
-    let reading = |routes: Router<Arc<AppState>>, shape: Shape| {
-        routes.route_layer(middleware::from_fn_with_state(
-            (Arc::clone(&state), shape),
-            read_body,
-        ))
+    let guarded = |routes: Router<Arc<AppState>>, shape: Shape| {
+        routes
+            .route_layer(middleware::from_fn_with_state(
+                (Arc::clone(&state), shape),
+                read_body,
+            ))
+            // Added last, so it runs first: before the body is read.
+            .route_layer(middleware::from_fn_with_state(
+                (Arc::clone(&state), shape),
+                require_token,
+            ))
     };
     let policy = Router::new()
         .route("/v1/act", post(act))
@@ -478,8 +482,8 @@ fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/ready", get(health))
-        .merge(reading(policy, Shape::Plain))
-        .merge(reading(completions, Shape::OpenAi))
+        .merge(guarded(policy, Shape::Plain))
+        .merge(guarded(completions, Shape::OpenAi))
         // `read_body` enforces the limit; the extractors take what it read.
         .layer(DefaultBodyLimit::disable())
         .route_layer(middleware::from_fn_with_state(Arc::clone(&state), track))

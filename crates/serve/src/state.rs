@@ -18,6 +18,7 @@ use crate::conn::ConnectionLimits;
 use crate::drift::{DriftMonitor, DriftOptions};
 use crate::engine::{Engine, EngineLimits};
 use crate::error::{Error, Result};
+use crate::http::TokenDigest;
 use crate::metrics::Metrics;
 use crate::rollout::{Arm, Rollout, RolloutOptions};
 
@@ -52,6 +53,8 @@ pub struct ServeOptions {
 
 pub(crate) struct AppState {
     pub(crate) backend: Backend,
+    /// The digest of the required bearer token (`options.token`).
+    pub(crate) token: Option<TokenDigest>,
     /// `/openapi.json`.
     pub(crate) openapi: String,
     pub(crate) metrics: Arc<Metrics>,
