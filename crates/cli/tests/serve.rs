@@ -287,6 +287,13 @@ fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
             413,
             "limit is 8",
         ),
+        // The limit is checked while parsing: nothing after the ninth row
+        // is read (here it is not even JSON).
+        (
+            r#"{"observations": [[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0], !!!"#,
+            413,
+            "limit is 8",
+        ),
     ] {
         let (got, _, text) = server.request("POST", "/v1/act", &[auth], body);
         assert_eq!(got, status, "{body}: {text}");
@@ -298,7 +305,7 @@ fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
     // Refusals before the handler runs are counted too.
     let (_, _, metrics) = server.request("GET", "/metrics", &[auth], "");
     assert!(
-        metrics.contains("qforge_requests_total{endpoint=\"/v1/act\",status=\"413\"} 2"),
+        metrics.contains("qforge_requests_total{endpoint=\"/v1/act\",status=\"413\"} 3"),
         "{metrics}"
     );
 }
@@ -884,6 +891,20 @@ fn completion_requests_are_checked_and_the_kv_budget_queues_them() {
             .as_str()
             .unwrap()
             .contains("KV budget 64"),
+        "{v}"
+    );
+    // A prompt far beyond what 63 tokens can hold is refused on its length
+    // in bytes, before it is tokenized.
+    let huge = "word ".repeat(60_000);
+    let (status, v) = server.post(
+        "/v1/completions",
+        &[],
+        &serde_json::json!({ "prompt": huge }).to_string(),
+    );
+    assert_eq!(status, 400);
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("the prompt is 300000 bytes") && message.contains("KV budget 64"),
         "{v}"
     );
     let (status, v) = server.post(

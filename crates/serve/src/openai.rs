@@ -322,6 +322,24 @@ fn fit(
     max_tokens: usize,
     kind: Kind,
 ) -> Checking<(Vec<u32>, usize)> {
+    let room = lm.context.min(lm.limits.kv_budget_tokens);
+    // A prompt of more bytes than `room - 1` tokens can stand for has at
+    // least `room` tokens: refused before it costs a tokenization (a
+    // 1 MiB prompt was tokenized whole to be refused).
+    if let Some(per_token) = lm.bytes_per_token
+        && text.len() > room.saturating_sub(1).saturating_mul(per_token)
+    {
+        return Err(invalid(
+            Some("prompt"),
+            format!(
+                "the prompt is {} bytes, more than {} tokens can hold (a token stands for at most {per_token} bytes); this server fits {room} positions per sequence (context {}, KV budget {})",
+                text.len(),
+                room.saturating_sub(1),
+                lm.context,
+                lm.limits.kv_budget_tokens
+            ),
+        ));
+    }
     let prompt = lm
         .text
         .tokenizer
@@ -330,7 +348,6 @@ fn fit(
     if prompt.is_empty() {
         return Err(invalid(Some("prompt"), "the prompt has no tokens".into()));
     }
-    let room = lm.context.min(lm.limits.kv_budget_tokens);
     if prompt.len() >= room {
         return Err(invalid(
             Some("prompt"),

@@ -152,6 +152,9 @@ pub(crate) struct LanguageBackend {
     pub(crate) text: TextSide,
     /// Positions the model attends over.
     pub(crate) context: usize,
+    /// The most prompt bytes one token can stand for, where the tokenizer
+    /// makes that provable: a longer prompt is refused untokenized.
+    pub(crate) bytes_per_token: Option<usize>,
     pub(crate) limits: EngineLimits,
     /// Most tokens one request may generate.
     pub(crate) max_tokens: usize,
@@ -193,6 +196,7 @@ impl LanguageBackend {
         }
         let text = lm.text.clone();
         let context = lm.model.config().max_position_embeddings;
+        let bytes_per_token = text.tokenizer.max_bytes_per_token();
         Ok(Self {
             int8: Engine::start(lm, monitor, limits, Arc::clone(metrics))?,
             // The reference was not calibrated: nothing to watch.
@@ -203,6 +207,7 @@ impl LanguageBackend {
             name,
             text,
             context,
+            bytes_per_token,
             limits,
             max_tokens: options.max_tokens,
             requests: AtomicU64::new(0),
