@@ -69,7 +69,10 @@ pub struct ServeArgs {
     /// Requests in flight beyond which new ones get 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_concurrency: usize,
-    /// Requests unanswered after this get 503 with Retry-After (milliseconds).
+    /// Requests the model has not started on after this get 503 with
+    /// Retry-After: a policy's answer, a completion's admission into the
+    /// engine (queued for a sequence slot and KV budget). An admitted
+    /// completion runs to its end, which max_tokens bounds (milliseconds).
     #[arg(long, default_value_t = 10_000, value_name = "MS")]
     timeout_ms: u64,
     /// A request head must be complete this long after its connection
@@ -122,6 +125,11 @@ pub struct ServeArgs {
     /// Episodes per arm (from /v1/feedback) reward consistency is judged over.
     #[arg(long, default_value_t = 20, value_name = "EPISODES")]
     reward_window: usize,
+    /// Least time between two rewards one session (X-Session-Id) reports on
+    /// /v1/feedback; sooner ones get 429. An episode reports its return
+    /// once; 0 lifts the limit (milliseconds).
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    feedback_interval_ms: u64,
     /// A random policy's episode return: reward consistency is
     /// 1 − |int8 − fp| / |fp − random| (0: relative to FP).
     #[arg(
@@ -335,6 +343,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_concurrency: args.max_concurrency,
         connections,
         timeout: Duration::from_millis(args.timeout_ms),
+        feedback_interval: Duration::from_millis(args.feedback_interval_ms),
         token,
         rollout: RolloutOptions {
             mode,

@@ -502,7 +502,15 @@ fn ab_split_is_sticky_by_session_and_reward_feedback_rolls_back() {
     json(&qforge_in(dir, &["quantize", "--json"]));
     let server = Server::start(
         &dir.join("qforge-out"),
-        &["--ab", "int8=0.5,fp=0.5", "--reward-window", "3"],
+        // Sessions report several rewards in a row here.
+        &[
+            "--ab",
+            "int8=0.5,fp=0.5",
+            "--reward-window",
+            "3",
+            "--feedback-interval-ms",
+            "0",
+        ],
         None,
     );
     let body = serde_json::json!({"observations": observations(2)}).to_string();
@@ -1370,4 +1378,110 @@ fn sigterm_stops_the_server_within_the_drain_bound_while_clients_trickle() {
     for t in tricklers {
         t.join().unwrap();
     }
+}
+
+#[test]
+fn unknown_paths_get_404_and_are_counted() {
+    let server = Server::start(&cartpole(), &[], None);
+    for target in ["/nope", "/v1/act/../../etc/passwd", "/v1/%00", "/v2/act"] {
+        let (status, _, body) = server.request("GET", target, &[], "");
+        assert_eq!(status, 404, "{target}: {body}");
+        assert!(body.contains("no such endpoint"), "{body}");
+    }
+    // One fixed label, whatever the path: a scanner cannot grow the metrics.
+    assert_eq!(
+        server.metric("qforge_requests_total{endpoint=\"unmatched\",status=\"404\"}"),
+        Some(4.0)
+    );
+}
+
+#[test]
+fn one_session_cannot_force_a_rollback_through_feedback() {
+    let cartpole = cartpole();
+    let reference = cartpole.to_str().unwrap();
+    let server = Server::start(
+        &cartpole,
+        &["--ab", "int8=0.5,fp=0.5", "--reference", reference],
+        None,
+    );
+    // The attack: 20 terrible INT8 episodes and 20 perfect FP ones (the
+    // default window), all from one session.
+    let started = std::time::Instant::now();
+    let mut accepted = 0;
+    for i in 0..40 {
+        let (arm, reward) = if i % 2 == 0 {
+            ("int8", 0.0)
+        } else {
+            ("fp", 500.0)
+        };
+        let body = serde_json::json!({"reward": reward, "arm": arm}).to_string();
+        let (status, head, text) =
+            server.request("POST", "/v1/feedback", &["X-Session-Id: attacker"], &body);
+        match status {
+            200 => accepted += 1,
+            429 => {
+                assert!(head.to_lowercase().contains("retry-after: 1"), "{head}");
+                assert!(
+                    text.contains("an episode reports its return once"),
+                    "{text}"
+                );
+            }
+            other => panic!("{other}: {text}"),
+        }
+    }
+    // One reward per second at most, however slow this machine is.
+    let seconds = started.elapsed().as_secs_f64();
+    assert!(
+        (1..=1 + seconds as usize).contains(&accepted),
+        "{accepted} rewards accepted in {seconds:.1} s"
+    );
+    assert_eq!(server.metric("qforge_rolled_back"), Some(0.0));
+    // Other sessions still report.
+    let (status, v) = server.post(
+        "/v1/feedback",
+        &["X-Session-Id: episode-7"],
+        r#"{"reward": 480, "arm": "int8"}"#,
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn a_completion_outlasting_the_timeout_finishes_and_queued_ones_wait_at_most_the_timeout() {
+    let server = Server::start(
+        Path::new(&path(SMOLLM2)),
+        &["--timeout-ms", "1000", "--max-batch", "1"],
+        None,
+    );
+    // 100 tokens take this model seconds on a CPU: longer than the timeout,
+    // which bounds the wait for the engine, not the generation. (Counting
+    // never reaches an end of sequence.)
+    let body =
+        serde_json::json!({"prompt": "Count: 1, 2, 3,", "max_tokens": 100, "temperature": 0});
+    let (status, v) = server.post("/v1/completions", &[], &body.to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 100, "{v}");
+
+    // A long stream holds the only sequence slot; a request behind it waits
+    // the timeout in the queue, then gets 503 saying so.
+    let long = serde_json::json!({"prompt": "Count: 1, 2, 3,", "max_tokens": 1000, "temperature": 0, "stream": true}).to_string();
+    let mut stream = server.connect();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{long}",
+        long.len()
+    )
+    .unwrap();
+    read_until(&mut stream, "data: ", "the first event of the long stream");
+    let short = serde_json::json!({"prompt": "Hi", "max_tokens": 2}).to_string();
+    let (status, head, text) = server.request("POST", "/v1/completions", &[], &short);
+    assert_eq!(status, 503, "{text}");
+    assert!(head.to_lowercase().contains("retry-after: 1"), "{head}");
+    assert!(text.contains("not admitted within 1000 ms"), "{text}");
+    // Once the stream's client hangs up, the slot frees and requests run.
+    drop(stream);
+    wait_until("the hung-up stream's sequence to be freed", || {
+        server.metric("qforge_running_sequences") == Some(0.0)
+    });
+    let (status, v) = server.post("/v1/completions", &[], &short);
+    assert_eq!(status, 200, "{v}");
 }

@@ -21,6 +21,8 @@ mod openai;
 pub mod rollout;
 pub mod server;
 mod state;
+#[cfg(test)]
+mod testing;
 
 pub use conn::ConnectionLimits;
 pub use drift::DriftOptions;

@@ -36,7 +36,7 @@ use crate::http::{
 };
 use crate::metrics::Metrics;
 use crate::openai;
-use crate::rollout::{Arm, RolloutMode};
+use crate::rollout::{Arm, FeedbackLimit, RolloutMode};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 
 pub use crate::http::{ARM_HEADER, SESSION_HEADER};
@@ -374,6 +374,22 @@ async fn shadow(
 
 async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&*state, &headers, &body[..]);
+    let session = session(headers);
+    if let Err(wait) = state.feedback.admit(session, std::time::Instant::now()) {
+        let mut response = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "this session reported a reward less than {} ms ago: an episode reports its return once (retry in {} ms)",
+                state.options.feedback_interval.as_millis(),
+                wait.as_millis().max(1)
+            ),
+        );
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, seconds.max(1).into());
+        return response;
+    }
     let rollout = match &state.backend {
         Backend::Policy(policy) => &policy.rollout,
         Backend::Language(lm) => &lm.rollout,
@@ -390,7 +406,6 @@ async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
     if !request.reward.is_finite() {
         return error(StatusCode::BAD_REQUEST, "reward must be a finite number");
     }
-    let session = session(headers);
     let arm = match (request.arm, session, rollout.options().mode) {
         (Some(arm), _, _) => arm,
         (None, None, RolloutMode::Split { .. }) => {
@@ -446,9 +461,28 @@ async fn health() -> Response {
     axum::Json(json!({ "status": "ok" })).into_response()
 }
 
-/// Counts every request to a route by its path pattern and status — the
-/// handler's own answers and the ones the layers give before it runs (a
-/// body over the limit: 413).
+/// 200 while every model thread runs; 503 once one has ended, so an
+/// orchestrator stops sending traffic to a server that can only refuse it.
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.backend.alive() {
+        health().await
+    } else {
+        worker_stopped()
+    }
+}
+
+/// 404 for a path no route serves (counted in the metrics as
+/// `endpoint="unmatched"`: a fixed label, whatever the path).
+async fn not_found() -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "no such endpoint; /openapi.json lists them",
+    )
+}
+
+/// Counts every request by its route's path pattern and status — the
+/// handler's own answers, the ones the layers give before it runs (a body
+/// over the limit: 413), and paths no route serves (`unmatched`, 404).
 async fn track(
     State(state): State<Arc<AppState>>,
     request: axum::extract::Request,
@@ -498,6 +532,7 @@ pub async fn serve(
         token: options.token.as_deref().map(token_digest),
         metrics: Arc::clone(&metrics),
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
+        feedback: FeedbackLimit::new(options.feedback_interval),
         options: options.clone(),
     });
     let app = router(state);
@@ -633,12 +668,14 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(openai::models));
     Router::new()
         .route("/health", get(health))
-        .route("/ready", get(health))
+        .route("/ready", get(ready))
         .merge(guarded(policy, Shape::Plain))
         .merge(guarded(completions, Shape::OpenAi))
+        .fallback(not_found)
         // `read_body` enforces the limit; the extractors take what it read.
         .layer(DefaultBodyLimit::disable())
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&state), track))
+        // A layer, not a route layer: the fallback's 404s are counted too.
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), track))
         .with_state(state)
 }
 

@@ -20,7 +20,7 @@ use crate::engine::{Engine, EngineLimits};
 use crate::error::{Error, Result};
 use crate::http::TokenDigest;
 use crate::metrics::Metrics;
-use crate::rollout::{Arm, Rollout, RolloutOptions};
+use crate::rollout::{Arm, FeedbackLimit, Rollout, RolloutOptions};
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -41,8 +41,13 @@ pub struct ServeOptions {
     pub max_concurrency: usize,
     /// Read deadlines and the connection cap (see [`crate::conn`]).
     pub connections: ConnectionLimits,
-    /// A request not answered within this gets 503.
+    /// A request the model has not started on within this gets 503: a
+    /// policy's answer, a completion's admission into the engine (an
+    /// admitted completion runs to its end, which `max_tokens` bounds).
     pub timeout: Duration,
+    /// Least time between two rewards one session reports on
+    /// `/v1/feedback` (0: no limit).
+    pub feedback_interval: Duration,
     /// Required `Authorization: Bearer …` token, if any.
     pub token: Option<String>,
     /// How traffic is shared with the FP reference, and when it rolls back.
@@ -59,6 +64,7 @@ pub(crate) struct AppState {
     pub(crate) openapi: String,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) in_flight: Arc<Semaphore>,
+    pub(crate) feedback: FeedbackLimit,
     pub(crate) options: ServeOptions,
 }
 
@@ -68,6 +74,16 @@ pub(crate) struct AppState {
 pub(crate) enum Backend {
     Policy(PolicyBackend),
     Language(LanguageBackend),
+}
+
+impl Backend {
+    /// Whether every model thread the server needs still runs.
+    pub(crate) fn alive(&self) -> bool {
+        match self {
+            Backend::Policy(p) => p.int8.alive() && p.fp.as_ref().is_none_or(Batcher::alive),
+            Backend::Language(l) => l.int8.alive() && l.fp.as_ref().is_none_or(Engine::alive),
+        }
+    }
 }
 
 /// A policy, its optional reference, and the rollout between them.
