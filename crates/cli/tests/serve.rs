@@ -1436,7 +1436,13 @@ fn one_session_cannot_force_a_rollback_through_feedback() {
         "{accepted} rewards accepted in {seconds:.1} s"
     );
     assert_eq!(server.metric("qforge_rolled_back"), Some(0.0));
-    // Other sessions still report.
+    // Other sessions still report, and a malformed report spends no turn.
+    let (status, v) = server.post(
+        "/v1/feedback",
+        &["X-Session-Id: episode-7"],
+        r#"{"reward": "high"}"#,
+    );
+    assert_eq!(status, 400, "{v}");
     let (status, v) = server.post(
         "/v1/feedback",
         &["X-Session-Id: episode-7"],

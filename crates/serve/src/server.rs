@@ -375,21 +375,6 @@ async fn shadow(
 async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&*state, &headers, &body[..]);
     let session = session(headers);
-    if let Err(wait) = state.feedback.admit(session, std::time::Instant::now()) {
-        let mut response = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            format!(
-                "this session reported a reward less than {} ms ago: an episode reports its return once (retry in {} ms)",
-                state.options.feedback_interval.as_millis(),
-                wait.as_millis().max(1)
-            ),
-        );
-        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, seconds.max(1).into());
-        return response;
-    }
     let rollout = match &state.backend {
         Backend::Policy(policy) => &policy.rollout,
         Backend::Language(lm) => &lm.rollout,
@@ -417,6 +402,22 @@ async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
         // Outside a split every session plays INT8 (until a rollback).
         (None, session, _) => rollout.assigned_arm(session),
     };
+    // Checked last, so a malformed report does not spend the session's turn.
+    if let Err(wait) = state.feedback.admit(session, std::time::Instant::now()) {
+        let mut response = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "this session reported a reward less than {} ms ago: an episode reports its return once (retry in {} ms)",
+                state.options.feedback_interval.as_millis(),
+                wait.as_millis().max(1)
+            ),
+        );
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, seconds.max(1).into());
+        return response;
+    }
     axum::Json(rollout.record_reward(arm, request.reward)).into_response()
 }
 
