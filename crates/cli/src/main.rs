@@ -98,7 +98,7 @@ enum Command {
     /// (continuous batching, SSE); A/B or shadow rollout against the FP
     /// reference with automatic rollback; drift monitor; /health, /ready,
     /// /metrics (Prometheus), /openapi.json. Set QFORGE_SERVE_TOKEN to
-    /// require a bearer token.
+    /// require a bearer token on all but /health and /ready.
     Serve(serve_cmd::ServeArgs),
     /// Check a directory qforge wrote against its manifest.json: every file's
     /// SHA-256; names the file that changed, went missing or appeared.

@@ -12,8 +12,8 @@ use qforge_model::artifact::{LayerPrecision, is_artifact, read_config};
 use qforge_model::manifest::read_manifest;
 use qforge_model::profile::CalibrationProfile;
 use qforge_serve::{
-    Calibration, DriftOptions, EngineLimits, RolloutMode, RolloutOptions, ServeOptions, Served,
-    serve,
+    Calibration, ConnectionLimits, DriftOptions, EngineLimits, RolloutMode, RolloutOptions,
+    ServeOptions, Served, serve,
 };
 
 use crate::UsageError;
@@ -70,9 +70,36 @@ pub struct ServeArgs {
     /// Requests in flight beyond which new ones get 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_concurrency: usize,
-    /// Requests unanswered after this get 503 with Retry-After (milliseconds).
+    /// Requests the model has not started on after this get 503 with
+    /// Retry-After: a policy's answer, a completion's admission into the
+    /// engine (queued for a sequence slot and KV budget). An admitted
+    /// completion runs to its end, which max_tokens bounds (milliseconds).
     #[arg(long, default_value_t = 10_000, value_name = "MS")]
     timeout_ms: u64,
+    /// A request head must be complete this long after its connection
+    /// opened or its previous answer was sent; a client trickling its head
+    /// (slowloris) is cut off (milliseconds).
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    header_timeout_ms: u64,
+    /// A request body must arrive this long after its head; a slower one
+    /// gets 408 and the connection closes (milliseconds).
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    body_timeout_ms: u64,
+    /// A connection with no request in flight is closed after this long
+    /// without a byte of a next request (milliseconds).
+    #[arg(long, default_value_t = 5_000, value_name = "MS")]
+    keep_alive_timeout_ms: u64,
+    /// Most connections open at once (default: the descriptor limit, `ulimit
+    /// -n`, less 64 for the server's own files). At the cap a new connection
+    /// closes the oldest one without a request in flight; when every one has
+    /// a request in flight, the newcomer gets 503.
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// On SIGTERM or Ctrl-C: how long requests in flight get to finish
+    /// before their connections are closed and the server exits
+    /// (milliseconds).
+    #[arg(long, default_value_t = 20_000, value_name = "MS")]
+    shutdown_timeout_ms: u64,
     /// The full-precision reference for --ab and --shadow (default: the
     /// source recorded in the artifact's manifest).
     #[arg(long, value_name = "DIR")]
@@ -99,6 +126,11 @@ pub struct ServeArgs {
     /// Episodes per arm (from /v1/feedback) reward consistency is judged over.
     #[arg(long, default_value_t = 20, value_name = "EPISODES")]
     reward_window: usize,
+    /// Least time between two rewards one session (X-Session-Id) reports on
+    /// /v1/feedback; sooner ones get 429. An episode reports its return
+    /// once; 0 lifts the limit (milliseconds).
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    feedback_interval_ms: u64,
     /// A random policy's episode return: reward consistency is
     /// 1 − |int8 − fp| / |fp − random| (0: relative to FP).
     #[arg(
@@ -150,7 +182,57 @@ fn parse_ab(text: &str) -> std::result::Result<f64, String> {
     Ok(int8 / (int8 + fp))
 }
 
-async fn shutdown_signal() {
+/// Descriptors `serve` keeps for itself beyond its connections: the
+/// model's files, the runtime's, stdio, a refused connection's.
+const RESERVED_DESCRIPTORS: u64 = 64;
+/// The default connection cap where descriptors do not bound it.
+const DEFAULT_MAX_CONNECTIONS: u64 = 65_536;
+
+/// This process's open-file limit (the soft one, which is what `accept`
+/// runs into), if it has one.
+fn descriptor_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes the struct it is given, which we own.
+        let read = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+        (read && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+/// `--max-connections`, or the default the descriptor limit leaves room
+/// for; refused when the limit cannot hold it.
+fn max_connections(asked: Option<usize>) -> Result<usize> {
+    let limit = descriptor_limit();
+    let room = limit.map_or(DEFAULT_MAX_CONNECTIONS, |l| {
+        l.saturating_sub(RESERVED_DESCRIPTORS)
+    });
+    let raise = |l: u64| {
+        format!(
+            "this process may open {l} descriptors and the server keeps {RESERVED_DESCRIPTORS} of them for itself; raise the limit (ulimit -n)"
+        )
+    };
+    match (asked, limit) {
+        (Some(0), _) => Err(UsageError("--max-connections must be ≥ 1".into()).into()),
+        (Some(n), Some(l)) if n as u64 > room => Err(UsageError(format!(
+            "--max-connections {n} does not fit: {}, or lower --max-connections to {room}",
+            raise(l)
+        ))
+        .into()),
+        (Some(n), _) => Ok(n),
+        (None, Some(l)) if room == 0 => {
+            Err(UsageError(format!("no room for connections: {}", raise(l))).into())
+        }
+        (None, _) => Ok(room.min(DEFAULT_MAX_CONNECTIONS) as usize),
+    }
+}
+
+async fn shutdown_signal(drain: Duration) {
     let interrupt = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -169,7 +251,10 @@ async fn shutdown_signal() {
         () = interrupt => {},
         () = terminate => {},
     }
-    eprintln!("qforge serve: shutting down; finishing requests in flight");
+    eprintln!(
+        "qforge serve: shutting down; finishing requests in flight (for at most {} ms)",
+        drain.as_millis()
+    );
 }
 
 /// `qforge serve`.
@@ -245,6 +330,13 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         }
     };
     let token = std::env::var(TOKEN_VARIABLE).ok().filter(|t| !t.is_empty());
+    let connections = ConnectionLimits {
+        header_timeout: positive_ms(args.header_timeout_ms, "--header-timeout-ms")?,
+        body_timeout: positive_ms(args.body_timeout_ms, "--body-timeout-ms")?,
+        keep_alive_timeout: positive_ms(args.keep_alive_timeout_ms, "--keep-alive-timeout-ms")?,
+        max_connections: max_connections(args.max_connections)?,
+        drain_timeout: Duration::from_millis(args.shutdown_timeout_ms),
+    };
     let options = ServeOptions {
         addr: args.addr,
         max_batch: args.max_batch,
@@ -253,7 +345,9 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_rows: args.max_rows,
         max_tokens: args.max_tokens,
         max_concurrency: args.max_concurrency,
+        connections,
         timeout: Duration::from_millis(args.timeout_ms),
+        feedback_interval: Duration::from_millis(args.feedback_interval_ms),
         token,
         rollout: RolloutOptions {
             mode,
@@ -278,10 +372,19 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         served,
         options,
         |addr| eprintln!("qforge serve: {model} listening on http://{addr}"),
-        shutdown_signal(),
+        shutdown_signal(connections.drain_timeout),
     ))?;
     eprintln!("qforge serve: stopped");
     Ok(())
+}
+
+/// `ms` milliseconds, refused when 0 (a timeout of 0 would close every
+/// connection at once).
+fn positive_ms(ms: u64, flag: &str) -> Result<Duration> {
+    if ms == 0 {
+        return Err(UsageError(format!("{flag} must be ≥ 1")).into());
+    }
+    Ok(Duration::from_millis(ms))
 }
 
 /// Where the FP reference of a rollout is: `--reference`, or the source the

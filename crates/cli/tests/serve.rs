@@ -34,6 +34,11 @@ struct Server {
 
 impl Server {
     fn start(model: &Path, extra: &[&str], token: Option<&str>) -> Server {
+        Server::launch(Server::command(model, extra, token))
+    }
+
+    /// `qforge serve` of `model` on a free loopback port.
+    fn command(model: &Path, extra: &[&str], token: Option<&str>) -> Command {
         let mut command = Command::new(env!("CARGO_BIN_EXE_qforge"));
         command
             .args([
@@ -55,6 +60,11 @@ impl Server {
         if let Some(token) = token {
             command.env("QFORGE_SERVE_TOKEN", token);
         }
+        command
+    }
+
+    /// Starts `command` and waits until it listens.
+    fn launch(mut command: Command) -> Server {
         let mut child = command.spawn().unwrap();
         let mut stderr = BufReader::new(child.stderr.take().unwrap());
         let mut seen = String::new();
@@ -277,6 +287,13 @@ fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
             413,
             "limit is 8",
         ),
+        // The limit is checked while parsing: nothing after the ninth row
+        // is read (here it is not even JSON).
+        (
+            r#"{"observations": [[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0],[0,0,0,0], !!!"#,
+            413,
+            "limit is 8",
+        ),
     ] {
         let (got, _, text) = server.request("POST", "/v1/act", &[auth], body);
         assert_eq!(got, status, "{body}: {text}");
@@ -286,11 +303,54 @@ fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
     let big = format!(r#"{{"observations": [[{}]]}}"#, vec!["0.5"; 1000].join(","));
     assert_eq!(server.request("POST", "/v1/act", &[auth], &big).0, 413);
     // Refusals before the handler runs are counted too.
-    let (_, _, metrics) = server.request("GET", "/metrics", &[], "");
+    let (_, _, metrics) = server.request("GET", "/metrics", &[auth], "");
     assert!(
-        metrics.contains("qforge_requests_total{endpoint=\"/v1/act\",status=\"413\"} 2"),
+        metrics.contains("qforge_requests_total{endpoint=\"/v1/act\",status=\"413\"} 3"),
         "{metrics}"
     );
+}
+
+#[test]
+fn the_token_guards_all_but_the_probes_and_is_checked_before_the_body() {
+    let server = Server::start(&cartpole(), &[], Some("s3cret"));
+    // The probes stay open; everything else needs the token.
+    for target in ["/health", "/ready"] {
+        assert_eq!(server.request("GET", target, &[], "").0, 200, "{target}");
+    }
+    for target in ["/metrics", "/openapi.json"] {
+        let (status, head, _) = server.request("GET", target, &[], "");
+        assert_eq!(status, 401, "{target}");
+        assert!(
+            head.to_lowercase().contains("www-authenticate: bearer"),
+            "{head}"
+        );
+        assert_eq!(
+            server
+                .request("GET", target, &["Authorization: Bearer s3cre"], "")
+                .0,
+            401,
+            "{target}"
+        );
+        // RFC 7235: the scheme's name is case-insensitive.
+        for auth in [
+            "Authorization: bearer s3cret",
+            "Authorization: BEARER s3cret",
+        ] {
+            assert_eq!(server.request("GET", target, &[auth], "").0, 200, "{auth}");
+        }
+    }
+    let ok = r#"{"reward": 1}"#;
+    assert_eq!(server.post("/v1/feedback", &[], ok).0, 401);
+    // A request without the token is refused on its head: the server
+    // neither reads nor waits for the 1 000 bytes it announces.
+    let mut stream = server.connect();
+    stream
+        .write_all(
+            b"POST /v1/act HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+        )
+        .unwrap();
+    let answer = read_until_closed(&mut stream, "a request with the wrong token");
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
 }
 
 #[test]
@@ -442,7 +502,15 @@ fn ab_split_is_sticky_by_session_and_reward_feedback_rolls_back() {
     json(&qforge_in(dir, &["quantize", "--json"]));
     let server = Server::start(
         &dir.join("qforge-out"),
-        &["--ab", "int8=0.5,fp=0.5", "--reward-window", "3"],
+        // Sessions report several rewards in a row here.
+        &[
+            "--ab",
+            "int8=0.5,fp=0.5",
+            "--reward-window",
+            "3",
+            "--feedback-interval-ms",
+            "0",
+        ],
         None,
     );
     let body = serde_json::json!({"observations": observations(2)}).to_string();
@@ -833,6 +901,20 @@ fn completion_requests_are_checked_and_the_kv_budget_queues_them() {
             .contains("KV budget 64"),
         "{v}"
     );
+    // A prompt far beyond what 63 tokens can hold is refused on its length
+    // in bytes, before it is tokenized.
+    let huge = "word ".repeat(60_000);
+    let (status, v) = server.post(
+        "/v1/completions",
+        &[],
+        &serde_json::json!({ "prompt": huge }).to_string(),
+    );
+    assert_eq!(status, 400);
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("the prompt is 300000 bytes") && message.contains("KV budget 64"),
+        "{v}"
+    );
     let (status, v) = server.post(
         "/v1/completions",
         &[],
@@ -988,4 +1070,424 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
     });
     assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
     assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));
+}
+
+/// The CartPole policy directory, which serves without quantizing.
+fn cartpole() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole")
+}
+
+/// How long a test waits for the server to act on a connection before it
+/// calls the server stuck: generous, for a machine whose cores are busy.
+const CONNECTION_DEADLINE: Duration = Duration::from_secs(120);
+
+impl Server {
+    fn connect(&self) -> TcpStream {
+        let stream = TcpStream::connect(&self.addr).unwrap();
+        // Short reads, so a waiting test checks its deadline often.
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        stream
+    }
+
+    /// Waits until the process exits; its status.
+    fn wait_exit(&mut self, what: &str) -> std::process::ExitStatus {
+        let mut status = None;
+        wait_until(what, || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        });
+        status.unwrap()
+    }
+}
+
+/// Reads `stream` until the server closes it; what it sent before. Panics
+/// when the server keeps it open past the deadline.
+fn read_until_closed(stream: &mut TcpStream, what: &str) -> String {
+    let deadline = std::time::Instant::now() + CONNECTION_DEADLINE;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{what}: the server kept the connection open; it sent {:?}",
+                    String::from_utf8_lossy(&got)
+                );
+            }
+            // A reset is a close too.
+            Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Reads `stream` until what arrived contains `needle`; what arrived.
+fn read_until(stream: &mut TcpStream, needle: &str, what: &str) -> String {
+    let deadline = std::time::Instant::now() + CONNECTION_DEADLINE;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains(needle) {
+        match stream.read(&mut buf) {
+            Ok(0) => panic!(
+                "{what}: closed before {needle:?}; it sent {:?}",
+                String::from_utf8_lossy(&got)
+            ),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{what}: no {needle:?} yet; it sent {:?}",
+                    String::from_utf8_lossy(&got)
+                );
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// A slowloris client: sends a request line, then one byte of a header
+/// that never ends every 100 ms, until the server closes the connection.
+/// (The pace is the attack's, not a wait the test decides on.)
+fn trickle(mut stream: TcpStream) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        if stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Trickle: ")
+            .is_err()
+        {
+            return;
+        }
+        while stream.write_all(b"a").is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+}
+
+/// Sends the head of a POST to /v1/act with `Expect: 100-continue` and the
+/// first bytes of a 100-byte body, and waits for the server's `100
+/// Continue`: from then on the request is in flight on the server.
+fn start_slow_act(server: &Server) -> TcpStream {
+    let mut stream = server.connect();
+    stream
+        .write_all(
+            b"POST /v1/act HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n",
+        )
+        .unwrap();
+    read_until(&mut stream, "100 Continue\r\n\r\n", "a request in flight");
+    stream.write_all(b"{\"observations\": ").unwrap();
+    stream
+}
+
+#[test]
+fn a_client_trickling_its_head_is_cut_off_at_the_header_timeout() {
+    let server = Server::start(
+        &cartpole(),
+        &[
+            "--header-timeout-ms",
+            "1000",
+            "--keep-alive-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    let mut stream = server.connect();
+    let client = trickle(stream.try_clone().unwrap());
+    read_until_closed(&mut stream, "a client trickling its head");
+    client.join().unwrap();
+    assert_eq!(
+        server.metric("qforge_connections_closed_total{reason=\"header_timeout\"}"),
+        Some(1.0)
+    );
+    assert_eq!(server.request("GET", "/health", &[], "").0, 200);
+}
+
+#[test]
+fn idle_connections_are_closed_after_the_keep_alive_timeout() {
+    let server = Server::start(
+        &cartpole(),
+        &[
+            "--keep-alive-timeout-ms",
+            "500",
+            "--header-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    // A connection that never sends anything.
+    let mut silent = server.connect();
+    read_until_closed(&mut silent, "a connection that never sent a byte");
+    // A keep-alive connection after its answer.
+    let mut kept = server.connect();
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    read_until(&mut kept, "{\"status\":\"ok\"}", "the answer");
+    read_until_closed(&mut kept, "a keep-alive connection after its answer");
+    assert_eq!(
+        server.metric("qforge_connections_closed_total{reason=\"idle_timeout\"}"),
+        Some(2.0)
+    );
+}
+
+#[test]
+fn a_body_that_does_not_arrive_in_time_gets_408() {
+    let server = Server::start(&cartpole(), &["--body-timeout-ms", "1000"], None);
+    let mut stream = server.connect();
+    stream
+        .write_all(
+            b"POST /v1/act HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"observations\": ",
+        )
+        .unwrap();
+    let answer = read_until_closed(&mut stream, "a body that stopped half-way");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive within 1000 ms"), "{answer}");
+}
+
+#[test]
+fn at_the_connection_cap_idle_connections_make_room_and_busy_ones_refuse() {
+    let server = Server::start(
+        &cartpole(),
+        &[
+            "--max-connections",
+            "4",
+            "--body-timeout-ms",
+            "600000",
+            "--keep-alive-timeout-ms",
+            "600000",
+            "--header-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    // Four idle connections fill the cap; a fifth closes the oldest and is
+    // answered (the kernel hands connections over in the order they came).
+    let mut idle: Vec<TcpStream> = (0..4).map(|_| server.connect()).collect();
+    assert_eq!(server.request("GET", "/health", &[], "").0, 200);
+    read_until_closed(&mut idle[0], "the oldest idle connection");
+    drop(idle);
+
+    // Four requests in flight: nothing to close, so a fifth gets 503.
+    let server = Server::start(
+        &cartpole(),
+        &["--max-connections", "4", "--body-timeout-ms", "600000"],
+        None,
+    );
+    let busy: Vec<TcpStream> = (0..4).map(|_| start_slow_act(&server)).collect();
+    let mut refused = server.connect();
+    refused
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let answer = read_until_closed(&mut refused, "a connection beyond the cap");
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 503"),
+        "{answer}"
+    );
+    // Every request in flight still finishes.
+    let observation = b"[[0.0, 0.1, 0.0, -0.1]]}";
+    for mut stream in busy {
+        let pad = 100 - b"{\"observations\": ".len() - observation.len();
+        stream.write_all(observation).unwrap();
+        stream.write_all(&vec![b' '; pad]).unwrap();
+        let answer = read_until(&mut stream, "\"actions\"", "a request in flight");
+        assert!(answer.contains("200 OK"), "{answer}");
+    }
+    assert_eq!(
+        server.metric("qforge_connections_closed_total{reason=\"refused\"}"),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn a_flood_of_idle_connections_at_a_low_descriptor_limit_locks_nobody_out() {
+    use std::os::unix::process::CommandExt;
+    let mut command = Server::command(&cartpole(), &[], None);
+    // SAFETY: setrlimit is async-signal-safe and touches only the child.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 256,
+                rlim_max: 256,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let server = Server::launch(command);
+    // More idle connections than the server may hold descriptors.
+    let flood: Vec<TcpStream> = (0..320).map(|_| server.connect()).collect();
+    let (status, _, body) = server.request("GET", "/health", &[], "");
+    assert_eq!(status, 200, "{body}");
+    let (status, v) = server.act(r#"{"observations": [[0.0, 0.1, 0.0, -0.1]]}"#);
+    assert_eq!(status, 200, "{v}");
+    drop(flood);
+}
+
+#[test]
+fn sigterm_stops_the_server_within_the_drain_bound_while_clients_trickle() {
+    let mut server = Server::start(
+        &cartpole(),
+        &[
+            "--shutdown-timeout-ms",
+            "3000",
+            "--header-timeout-ms",
+            "600000",
+            "--body-timeout-ms",
+            "600000",
+            "--keep-alive-timeout-ms",
+            "600000",
+        ],
+        None,
+    );
+    let tricklers: Vec<_> = (0..3).map(|_| trickle(server.connect())).collect();
+    // One request in flight that will finish, one that never will.
+    let mut finishing = start_slow_act(&server);
+    let mut stuck = start_slow_act(&server);
+    Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    // The request in flight still gets its answer.
+    let observation = b"[[0.0, 0.1, 0.0, -0.1]]}";
+    let pad = 100 - b"{\"observations\": ".len() - observation.len();
+    finishing.write_all(observation).unwrap();
+    finishing.write_all(&vec![b' '; pad]).unwrap();
+    let answer = read_until_closed(&mut finishing, "a request in flight at SIGTERM");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // The one that never finishes is cut at the drain bound, the trickling
+    // clients at once, and the server exits.
+    let status = server.wait_exit("the server to exit after SIGTERM");
+    assert!(status.success(), "{status}");
+    read_until_closed(&mut stuck, "a request still in flight at the drain bound");
+    for t in tricklers {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn unknown_paths_get_404_and_are_counted() {
+    let server = Server::start(&cartpole(), &[], None);
+    for target in ["/nope", "/v1/act/../../etc/passwd", "/v1/%00", "/v2/act"] {
+        let (status, _, body) = server.request("GET", target, &[], "");
+        assert_eq!(status, 404, "{target}: {body}");
+        assert!(body.contains("no such endpoint"), "{body}");
+    }
+    // One fixed label, whatever the path: a scanner cannot grow the metrics.
+    assert_eq!(
+        server.metric("qforge_requests_total{endpoint=\"unmatched\",status=\"404\"}"),
+        Some(4.0)
+    );
+}
+
+#[test]
+fn one_session_cannot_force_a_rollback_through_feedback() {
+    let cartpole = cartpole();
+    let reference = cartpole.to_str().unwrap();
+    let server = Server::start(
+        &cartpole,
+        &["--ab", "int8=0.5,fp=0.5", "--reference", reference],
+        None,
+    );
+    // The attack: 20 terrible INT8 episodes and 20 perfect FP ones (the
+    // default window), all from one session.
+    let started = std::time::Instant::now();
+    let mut accepted = 0;
+    for i in 0..40 {
+        let (arm, reward) = if i % 2 == 0 {
+            ("int8", 0.0)
+        } else {
+            ("fp", 500.0)
+        };
+        let body = serde_json::json!({"reward": reward, "arm": arm}).to_string();
+        let (status, head, text) =
+            server.request("POST", "/v1/feedback", &["X-Session-Id: attacker"], &body);
+        match status {
+            200 => accepted += 1,
+            429 => {
+                assert!(head.to_lowercase().contains("retry-after: 1"), "{head}");
+                assert!(
+                    text.contains("an episode reports its return once"),
+                    "{text}"
+                );
+            }
+            other => panic!("{other}: {text}"),
+        }
+    }
+    // One reward per second at most, however slow this machine is.
+    let seconds = started.elapsed().as_secs_f64();
+    assert!(
+        (1..=1 + seconds as usize).contains(&accepted),
+        "{accepted} rewards accepted in {seconds:.1} s"
+    );
+    assert_eq!(server.metric("qforge_rolled_back"), Some(0.0));
+    // Other sessions still report, and a malformed report spends no turn.
+    let (status, v) = server.post(
+        "/v1/feedback",
+        &["X-Session-Id: episode-7"],
+        r#"{"reward": "high"}"#,
+    );
+    assert_eq!(status, 400, "{v}");
+    let (status, v) = server.post(
+        "/v1/feedback",
+        &["X-Session-Id: episode-7"],
+        r#"{"reward": 480, "arm": "int8"}"#,
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn a_completion_outlasting_the_timeout_finishes_and_queued_ones_wait_at_most_the_timeout() {
+    let server = Server::start(
+        Path::new(&path(SMOLLM2)),
+        &["--timeout-ms", "1000", "--max-batch", "1"],
+        None,
+    );
+    // 100 tokens take this model seconds on a CPU: longer than the timeout,
+    // which bounds the wait for the engine, not the generation. (Counting
+    // never reaches an end of sequence.)
+    let body =
+        serde_json::json!({"prompt": "Count: 1, 2, 3,", "max_tokens": 100, "temperature": 0});
+    let (status, v) = server.post("/v1/completions", &[], &body.to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 100, "{v}");
+
+    // A long stream holds the only sequence slot; a request behind it waits
+    // the timeout in the queue, then gets 503 saying so.
+    let long = serde_json::json!({"prompt": "Count: 1, 2, 3,", "max_tokens": 1000, "temperature": 0, "stream": true}).to_string();
+    let mut stream = server.connect();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{long}",
+        long.len()
+    )
+    .unwrap();
+    read_until(&mut stream, "data: ", "the first event of the long stream");
+    let short = serde_json::json!({"prompt": "Hi", "max_tokens": 2}).to_string();
+    let (status, head, text) = server.request("POST", "/v1/completions", &[], &short);
+    assert_eq!(status, 503, "{text}");
+    assert!(head.to_lowercase().contains("retry-after: 1"), "{head}");
+    assert!(text.contains("not admitted within 1000 ms"), "{text}");
+    // Once the stream's client hangs up, the slot frees and requests run.
+    drop(stream);
+    wait_until("the hung-up stream's sequence to be freed", || {
+        server.metric("qforge_running_sequences") == Some(0.0)
+    });
+    let (status, v) = server.post("/v1/completions", &[], &short);
+    assert_eq!(status, 200, "{v}");
 }

@@ -201,4 +201,205 @@ impl TextTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+
+    /// The most bytes of text one token can stand for, where that is
+    /// provable: a text longer than `n` times this then has more than `n`
+    /// tokens, so a server can refuse an over-long prompt before
+    /// tokenizing it. It holds when every byte of the text ends up in one
+    /// token whose vocabulary string is at least as long, that is when
+    /// nothing on the way shortens the text: no normalizer that may (NFC,
+    /// strip, lowercase, …; prepending and replacing by something no
+    /// shorter are fine), no pre-tokenizer that drops text (whitespace
+    /// splitters), no truncation, and a BPE model that does not fuse runs
+    /// of unknown characters into one token. `None` otherwise.
+    pub fn max_bytes_per_token(&self) -> Option<usize> {
+        if self.inner.get_truncation().is_some() {
+            return None;
+        }
+        let normalizer = serde_json::to_value(self.inner.get_normalizer()).ok()?;
+        let pre_tokenizer = serde_json::to_value(self.inner.get_pre_tokenizer()).ok()?;
+        if !never_shortens(&normalizer) || !keeps_every_byte(&pre_tokenizer) {
+            return None;
+        }
+        let tokenizers::ModelWrapper::BPE(bpe) = self.inner.get_model() else {
+            return None;
+        };
+        if bpe.fuse_unk && bpe.unk_token.is_some() && !bpe.byte_fallback {
+            return None;
+        }
+        // Byte-level BPE spells each byte of text as one character (of one
+        // or two UTF-8 bytes), so its vocabulary counts in characters;
+        // otherwise in the UTF-8 bytes of each entry (normalized text, or
+        // `<0xNN>` for one byte). Added tokens match their text as written.
+        let byte_level = names_byte_level(&normalizer) || names_byte_level(&pre_tokenizer);
+        let length = |entry: &String| {
+            if byte_level {
+                entry.chars().count()
+            } else {
+                entry.len()
+            }
+        };
+        let model = self.inner.get_vocab(false).keys().map(length).max()?;
+        let added = self
+            .inner
+            .get_added_tokens_decoder()
+            .values()
+            .map(|t| t.content.len())
+            .max()
+            .unwrap_or(0);
+        // An unknown character (at most 4 bytes) becomes the unknown token,
+        // whatever its string.
+        let unknown = if bpe.unk_token.is_some() { 4 } else { 0 };
+        Some(model.max(added).max(unknown))
+    }
+}
+
+/// Whether a normalizer (in its `tokenizer.json` form) never makes a text
+/// shorter in bytes.
+fn never_shortens(normalizer: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match normalizer {
+        Value::Null => true,
+        Value::Object(n) => match n.get("type").and_then(Value::as_str) {
+            Some("Sequence") => n
+                .get("normalizers")
+                .and_then(Value::as_array)
+                .is_some_and(|all| all.iter().all(never_shortens)),
+            Some("Prepend" | "ByteLevel") => true,
+            // Each occurrence of a literal becomes something no shorter.
+            Some("Replace") => {
+                let literal = n
+                    .get("pattern")
+                    .and_then(|p| p.get("String"))
+                    .and_then(Value::as_str);
+                let content = n.get("content").and_then(Value::as_str);
+                matches!((literal, content), (Some(l), Some(c)) if c.len() >= l.len())
+            }
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// Whether a normalizer or pre-tokenizer (in its `tokenizer.json` form)
+/// has a byte-level step.
+fn names_byte_level(step: &serde_json::Value) -> bool {
+    match step {
+        serde_json::Value::Object(m) => {
+            m.get("type").and_then(serde_json::Value::as_str) == Some("ByteLevel")
+                || m.values().any(names_byte_level)
+        }
+        serde_json::Value::Array(all) => all.iter().any(names_byte_level),
+        _ => false,
+    }
+}
+
+/// Whether a pre-tokenizer (in its `tokenizer.json` form) passes every
+/// byte of its input on to some piece.
+fn keeps_every_byte(pre_tokenizer: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match pre_tokenizer {
+        Value::Null => true,
+        Value::Object(p) => match p.get("type").and_then(Value::as_str) {
+            Some("Sequence") => p
+                .get("pretokenizers")
+                .and_then(Value::as_array)
+                .is_some_and(|all| all.iter().all(keeps_every_byte)),
+            Some("ByteLevel" | "Metaspace" | "Digits") => true,
+            Some("Split") => p.get("behavior").and_then(Value::as_str) != Some("Removed"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A byte-level-free BPE tokenizer over "a", "b", "ab", "▁", with
+    /// `normalizer` and `pre_tokenizer` (JSON, as in tokenizer.json).
+    fn tokenizer(normalizer: &str, pre_tokenizer: &str, truncation: &str) -> TextTokenizer {
+        let json = format!(
+            r#"{{"version": "1.0", "truncation": {truncation}, "padding": null, "added_tokens": [],
+              "normalizer": {normalizer}, "pre_tokenizer": {pre_tokenizer}, "post_processor": null,
+              "decoder": null,
+              "model": {{"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+                "byte_fallback": false, "ignore_merges": false,
+                "vocab": {{"a": 0, "b": 1, "ab": 2, "▁": 3, "▁ab": 4}},
+                "merges": [["a", "b"], ["▁", "ab"]]}}}}"#
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        TextTokenizer::from_file(&path, None, false, Vec::new()).unwrap()
+    }
+
+    #[test]
+    fn a_byte_bound_is_given_only_where_nothing_shortens_the_text() {
+        let plain = tokenizer("null", "null", "null");
+        // "▁ab" is 5 bytes, the longest entry.
+        assert_eq!(plain.max_bytes_per_token(), Some(5));
+        let sentencepiece = tokenizer(
+            r#"{"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}"#,
+            r#"{"type": "Split", "pattern": {"String": "▁"}, "behavior": "MergedWithNext", "invert": false}"#,
+            "null",
+        );
+        assert_eq!(sentencepiece.max_bytes_per_token(), Some(5));
+        for (normalizer, pre_tokenizer, truncation) in [
+            (r#"{"type": "NFC"}"#, "null", "null"),
+            (
+                r#"{"type": "Strip", "strip_left": true, "strip_right": true}"#,
+                "null",
+                "null",
+            ),
+            (
+                r#"{"type": "Replace", "pattern": {"String": "ab"}, "content": "a"}"#,
+                "null",
+                "null",
+            ),
+            ("null", r#"{"type": "Whitespace"}"#, "null"),
+            (
+                "null",
+                r#"{"type": "Split", "pattern": {"String": "b"}, "behavior": "Removed", "invert": false}"#,
+                "null",
+            ),
+            (
+                "null",
+                "null",
+                r#"{"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}"#,
+            ),
+        ] {
+            let t = tokenizer(normalizer, pre_tokenizer, truncation);
+            assert_eq!(
+                t.max_bytes_per_token(),
+                None,
+                "{normalizer} {pre_tokenizer} {truncation}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_byte_level_vocabulary_counts_characters() {
+        let t = tokenizer(
+            "null",
+            r#"{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}"#,
+            "null",
+        );
+        // "▁ab" is 3 characters (5 bytes); under byte-level BPE each
+        // character stands for one byte of text.
+        assert_eq!(t.max_bytes_per_token(), Some(3));
+    }
+
+    #[test]
+    fn the_byte_bound_holds_for_texts_of_every_kind() {
+        let t = tokenizer("null", "null", "null");
+        let per_token = t.max_bytes_per_token().unwrap();
+        for text in ["ab", "abababab", "ba", "▁ab▁ab", "aaaa"] {
+            let tokens = t.encode(text).unwrap().len();
+            assert!(tokens * per_token >= text.len(), "{text}: {tokens} tokens");
+        }
+    }
 }

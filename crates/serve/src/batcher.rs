@@ -6,9 +6,15 @@
 //! no batching delay, a loaded server still batches. (Measured with wrk, 16
 //! connections, one observation per request: always waiting the window
 //! held p50 at 2.3 ms; see BENCHMARKS.md for the figures after.)
+//!
+//! A panic in a forward fails that batch's requests (500), is logged and
+//! counted (`qforge_model_panics_total`), and the thread goes on: the
+//! forward only reads the policy. Should the thread end all the same,
+//! [`Batcher::alive`] says so and `/ready` turns 503.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -35,7 +41,34 @@ pub struct Batcher {
     metrics: Arc<Metrics>,
     /// Requests accepted but not yet taken into a batch.
     arriving: Arc<AtomicUsize>,
+    /// False once the batching thread has ended.
+    alive: Arc<AtomicBool>,
 }
+
+/// Marks a model thread dead when it ends, by return or by unwinding.
+pub(crate) struct Alive(pub(crate) Arc<AtomicBool>);
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+/// Observations that make the test build's batcher panic: inside a
+/// forward (caught) and outside (ending the thread).
+#[cfg(test)]
+pub(crate) const FAULT_PANIC: f32 = 1.0e30;
+#[cfg(test)]
+pub(crate) const FAULT_EXIT: f32 = 2.0e30;
 
 /// A request on its way to the queue; dropping it without submitting (an
 /// invalid request) takes it back.
@@ -66,9 +99,12 @@ impl Batcher {
         let thread_metrics = Arc::clone(&metrics);
         let arriving = Arc::new(AtomicUsize::new(0));
         let thread_arriving = Arc::clone(&arriving);
+        let alive = Arc::new(AtomicBool::new(true));
+        let thread_alive = Alive(Arc::clone(&alive));
         std::thread::Builder::new()
             .name("qforge-batcher".into())
             .spawn(move || {
+                let _alive = thread_alive;
                 run(
                     &policy,
                     monitor.as_mut(),
@@ -84,7 +120,13 @@ impl Batcher {
             queue,
             metrics,
             arriving,
+            alive,
         }
+    }
+
+    /// Whether the batching thread still runs.
+    pub fn alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
     }
 
     /// Announces a request that will (probably) submit a job, so a batch
@@ -149,10 +191,30 @@ fn run(
         for job in &batch {
             observations.extend_from_slice(&job.observations);
         }
+        #[cfg(test)]
+        if observations.first() == Some(&FAULT_EXIT) {
+            panic!("injected fault outside the forward");
+        }
         let observer = DriftMonitor::observer_for_next(monitor.as_deref_mut());
-        let actions = policy
-            .forward(&observations, observer)
-            .map(|outputs| policy.actions_from_outputs(&outputs));
+        let actions = catch_unwind(AssertUnwindSafe(|| {
+            #[cfg(test)]
+            if observations.first() == Some(&FAULT_PANIC) {
+                panic!("injected fault");
+            }
+            policy
+                .forward(&observations, observer)
+                .map(|outputs| policy.actions_from_outputs(&outputs))
+                .map_err(|e| e.to_string())
+        }))
+        .unwrap_or_else(|panic| {
+            metrics.model_panics.inc();
+            let message = format!(
+                "the model panicked on this batch: {}",
+                panic_message(&*panic)
+            );
+            tracing::error!("qforge serve: {message}; the batcher goes on");
+            Err(message)
+        });
         match actions {
             Ok(actions) => {
                 let mut actions = actions.into_iter();
@@ -162,11 +224,53 @@ fn run(
                     let _ = job.reply.send(Ok(mine));
                 }
             }
-            Err(e) => {
+            Err(message) => {
                 for job in batch {
-                    let _ = job.reply.send(Err(e.to_string()));
+                    let _ = job.reply.send(Err(message.clone()));
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{FAULT_EXIT, FAULT_PANIC};
+    use crate::testing::TestServer;
+
+    const OK: &str = r#"{"observations": [[0.0, 0.1, 0.0, -0.1]]}"#;
+
+    fn faulty(value: f32) -> String {
+        format!(r#"{{"observations": [[{value:e}, 0.0, 0.0, 0.0]]}}"#)
+    }
+
+    #[test]
+    fn a_panicking_forward_fails_its_batch_and_the_batcher_goes_on() {
+        let server = TestServer::policy();
+        let (status, body) = server.request("POST", "/v1/act", &faulty(FAULT_PANIC));
+        assert_eq!(status, 500, "{body}");
+        assert!(
+            body.contains("the model panicked on this batch: injected fault"),
+            "{body}"
+        );
+        let (status, body) = server.request("POST", "/v1/act", OK);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(server.request("GET", "/ready", "").0, 200);
+        let (_, metrics) = server.request("GET", "/metrics", "");
+        assert!(metrics.contains("qforge_model_panics_total 1"), "{metrics}");
+    }
+
+    #[test]
+    fn once_the_batching_thread_has_died_ready_answers_503() {
+        let server = TestServer::policy();
+        assert_eq!(server.request("GET", "/ready", "").0, 200);
+        let (status, body) = server.request("POST", "/v1/act", &faulty(FAULT_EXIT));
+        assert_eq!(status, 503, "{body}");
+        server.wait_for_status("/ready", 503);
+        let (status, body) = server.request("POST", "/v1/act", OK);
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("the model worker stopped"), "{body}");
+        // The server itself stays up.
+        assert_eq!(server.request("GET", "/health", "").0, 200);
     }
 }

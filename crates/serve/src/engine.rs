@@ -13,9 +13,20 @@
 //!
 //! Prompts are not chunked: a long prompt delays the other sequences' next
 //! token by its prefill time.
+//!
+//! A request hears when it is admitted (`Request::admitted`): the server's
+//! timeout bounds the wait in the queue, not the generation, which
+//! `max_tokens` bounds. A panic in the model fails the requests it touched
+//! (one prefill, or the batch of one step), is logged and counted
+//! (`qforge_model_panics_total`), and the engine goes on; the model is only
+//! read, and a failed step's caches are dropped with its sequences. Should
+//! the engine's thread end all the same, [`Engine::alive`] says so and
+//! `/ready` turns 503.
 
 use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -27,9 +38,17 @@ use serde::Serialize;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::sync::oneshot;
 
+use crate::batcher::{Alive, panic_message};
 use crate::drift::DriftMonitor;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+
+/// Stop strings that make the test build's engine panic: inside a
+/// prefill (caught) and outside (ending the engine's thread).
+#[cfg(test)]
+pub(crate) const FAULT_PANIC: &str = "qforge-test-fault-panic";
+#[cfg(test)]
+pub(crate) const FAULT_EXIT: &str = "qforge-test-fault-exit";
 
 /// Why a completion ended, in OpenAI's words.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -77,6 +96,9 @@ pub struct Request {
     /// Hears the generated token ids when the request finishes (a shadow
     /// comparison needs them; the client gets text).
     pub finished: Option<oneshot::Sender<Vec<u32>>>,
+    /// Hears that the request left the queue and its prompt is about to
+    /// run.
+    pub admitted: Option<oneshot::Sender<()>>,
 }
 
 /// A copy of a request for another engine (the shadow reference), with the
@@ -105,6 +127,7 @@ impl Request {
                 stop: self.stop.clone(),
                 events,
                 finished: Some(finished),
+                admitted: None,
             },
             events: receiver,
             finished: tokens,
@@ -128,6 +151,8 @@ pub struct EngineLimits {
 pub struct Engine {
     queue: mpsc::Sender<Request>,
     metrics: Arc<Metrics>,
+    /// False once the scheduler has ended.
+    alive: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -145,13 +170,25 @@ impl Engine {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(limits.threads.max(1))
             .thread_name(|i| format!("qforge-engine-{i}"))
+            // Without a handler rayon aborts the process on a panic that
+            // leaves a job: the scheduler's job ending is reported (and
+            // `/ready` says so) instead.
+            .panic_handler(|panic| {
+                tracing::error!(
+                    "qforge serve: the engine stopped: it panicked: {}",
+                    panic_message(&*panic)
+                );
+            })
             .build()
             .map_err(|e| Error::Start(format!("the engine's thread pool: {e}")))?;
         let (queue, requests) = mpsc::channel::<Request>();
         let thread_metrics = Arc::clone(&metrics);
+        let alive = Arc::new(AtomicBool::new(true));
+        let scheduler_alive = Alive(Arc::clone(&alive));
         // The scheduler runs on one of the pool's threads, so the products
         // it starts stay in that pool.
         pool.spawn(move || {
+            let _alive = scheduler_alive;
             Scheduler {
                 lm: &lm,
                 monitor,
@@ -162,7 +199,16 @@ impl Engine {
             }
             .run(&requests)
         });
-        Ok(Self { queue, metrics })
+        Ok(Self {
+            queue,
+            metrics,
+            alive,
+        })
+    }
+
+    /// Whether the scheduler still runs.
+    pub fn alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
     }
 
     /// Queues `request`; false when the engine thread is gone.
@@ -198,6 +244,21 @@ struct Scheduler<'a> {
     running: Vec<Sequence>,
 }
 
+/// Runs `model` (a prefill or a decode step), turning a panic into the
+/// error of the requests `what` served, logged and counted.
+fn caught<T>(
+    metrics: &Metrics,
+    what: &str,
+    model: impl FnOnce() -> std::result::Result<T, String>,
+) -> std::result::Result<T, String> {
+    catch_unwind(AssertUnwindSafe(model)).unwrap_or_else(|panic| {
+        metrics.model_panics.inc();
+        let message = format!("the model panicked on {what}: {}", panic_message(&*panic));
+        tracing::error!("qforge serve: {message}; the engine goes on");
+        Err(message)
+    })
+}
+
 fn cost(r: &Request) -> usize {
     r.prompt.len() + r.max_tokens
 }
@@ -215,6 +276,14 @@ impl Scheduler<'_> {
             while let Ok(r) = requests.try_recv() {
                 self.waiting.push_back(r);
             }
+            // Requests whose client stopped waiting (the queue timeout, a
+            // hang-up) leave now, wherever they are in the queue: behind a
+            // request that waits for KV budget they would pile up.
+            let before = self.waiting.len();
+            self.waiting.retain(|r| !r.events.is_closed());
+            self.metrics
+                .queue_depth
+                .dec_by((before - self.waiting.len()) as i64);
             self.admit();
             self.step();
         }
@@ -239,8 +308,13 @@ impl Scheduler<'_> {
                 // First come, first served: later requests wait too.
                 break;
             }
-            let request = self.waiting.pop_front().expect("front exists");
+            let Some(mut request) = self.waiting.pop_front() else {
+                break;
+            };
             self.metrics.queue_depth.dec();
+            if let Some(admitted) = request.admitted.take() {
+                let _ = admitted.send(());
+            }
             self.prefill(request);
         }
         self.publish();
@@ -250,18 +324,29 @@ impl Scheduler<'_> {
         let lm = self.lm;
         let mut cache = lm.model.new_cache();
         let started = Instant::now();
+        #[cfg(test)]
+        if request.stop.iter().any(|s| s == FAULT_EXIT) {
+            panic!("injected fault outside the model");
+        }
+        let metrics = self.metrics;
         let observer = self.observer();
-        let logits = lm
-            .model
-            .forward(
-                std::slice::from_ref(&request.prompt),
-                Some(&mut cache),
-                observer,
-                Logits::Last,
-            )
-            .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?));
         let mut rng = StdRng::seed_from_u64(request.seed);
-        let first = logits.and_then(|l| sample(&l, request.temperature, &mut rng));
+        let first = caught(metrics, "this prompt", || {
+            #[cfg(test)]
+            if request.stop.iter().any(|s| s == FAULT_PANIC) {
+                panic!("injected fault");
+            }
+            lm.model
+                .forward(
+                    std::slice::from_ref(&request.prompt),
+                    Some(&mut cache),
+                    observer,
+                    Logits::Last,
+                )
+                .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
+                .and_then(|l| sample(&l, request.temperature, &mut rng))
+                .map_err(|e| e.to_string())
+        });
         match first {
             Ok(token) => {
                 self.metrics
@@ -283,8 +368,8 @@ impl Scheduler<'_> {
                     self.running.push(sequence);
                 }
             }
-            Err(e) => {
-                let _ = request.events.send(Event::Failed(e.to_string()));
+            Err(message) => {
+                let _ = request.events.send(Event::Failed(message));
             }
         }
     }
@@ -304,12 +389,16 @@ impl Scheduler<'_> {
         self.metrics.batch_rows.observe(tokens.len() as f64);
         let mut running = std::mem::take(&mut self.running);
         let lm = self.lm;
+        let metrics = self.metrics;
         let logits = {
             let observer = self.observer();
             let mut caches: Vec<&mut KvCache> = running.iter_mut().map(|s| &mut s.cache).collect();
-            lm.model
-                .step(&mut caches, &tokens, observer)
-                .and_then(|l| Ok(l.to_vec2::<f32>()?))
+            caught(metrics, "this decode step", || {
+                lm.model
+                    .step(&mut caches, &tokens, observer)
+                    .and_then(|l| Ok(l.to_vec2::<f32>()?))
+                    .map_err(|e| e.to_string())
+            })
         };
         match logits {
             Ok(rows) => {
@@ -330,9 +419,11 @@ impl Scheduler<'_> {
                     }
                 }
             }
-            Err(e) => {
+            // The sequences go, and their caches (which a panic may have
+            // left half-written) with them.
+            Err(message) => {
                 for sequence in running {
-                    let _ = sequence.request.events.send(Event::Failed(e.to_string()));
+                    let _ = sequence.request.events.send(Event::Failed(message.clone()));
                 }
             }
         }
@@ -420,5 +511,43 @@ impl Scheduler<'_> {
             .running_sequences
             .set(self.running.len() as i64);
         self.metrics.kv_reserved_tokens.set(self.reserved() as i64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{FAULT_EXIT, FAULT_PANIC};
+    use crate::testing::TestServer;
+
+    fn completion(stop: &str) -> String {
+        serde_json::json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stop": [stop]})
+            .to_string()
+    }
+
+    #[test]
+    fn a_panic_in_the_model_fails_its_request_and_the_engine_goes_on() {
+        let server = TestServer::language_model();
+        let (status, body) = server.request("POST", "/v1/completions", &completion(FAULT_PANIC));
+        assert_eq!(status, 500, "{body}");
+        assert!(
+            body.contains("the model panicked on this prompt: injected fault"),
+            "{body}"
+        );
+        let (status, body) = server.request("POST", "/v1/completions", &completion("\n\n"));
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(server.request("GET", "/ready", "").0, 200);
+        let (_, metrics) = server.request("GET", "/metrics", "");
+        assert!(metrics.contains("qforge_model_panics_total 1"), "{metrics}");
+    }
+
+    #[test]
+    fn once_the_engine_has_died_ready_answers_503_and_the_server_stays_up() {
+        let server = TestServer::language_model();
+        let (status, body) = server.request("POST", "/v1/completions", &completion(FAULT_EXIT));
+        assert_eq!(status, 503, "{body}");
+        server.wait_for_status("/ready", 503);
+        let (status, body) = server.request("POST", "/v1/completions", &completion("\n\n"));
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(server.request("GET", "/health", "").0, 200);
     }
 }

@@ -14,9 +14,6 @@ pub enum Error {
     /// A thread the server needs could not start.
     #[error("cannot start {0}")]
     Start(String),
-    /// The server failed while running.
-    #[error("server: {0}")]
-    Serve(std::io::Error),
 }
 
 /// Result type of `qforge-serve`.

@@ -1,9 +1,17 @@
 //! HTTP pieces every handler uses: the headers this server reads and
-//! writes, the bearer-token check, and the plain error answers.
+//! writes, the bearer-token check, reading a body under its limits, and
+//! the error answers (plain, or in OpenAI's shape).
 
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::json;
+use sha2::{Digest, Sha256};
 
 use crate::rollout::Arm;
 use crate::state::AppState;
@@ -30,6 +38,105 @@ pub(crate) fn with_arm(mut response: Response, arm: Arm) -> Response {
 /// `{"error": message}` with `status`.
 pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, axum::Json(json!({ "error": message.into() }))).into_response()
+}
+
+/// Which shape an endpoint's errors take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// `{"error": message}` (the policy endpoints, metrics, the document).
+    Plain,
+    /// OpenAI's `{"error": {"message", "type", "param", "code"}}`, so its
+    /// clients show the message.
+    OpenAi,
+}
+
+/// An OpenAI-shaped error.
+pub(crate) fn api_error(
+    status: StatusCode,
+    kind: &str,
+    param: Option<&str>,
+    message: String,
+) -> Response {
+    (
+        status,
+        axum::Json(json!({
+            "error": {"message": message, "type": kind, "param": param, "code": null}
+        })),
+    )
+        .into_response()
+}
+
+/// An error in `shape`.
+fn refusal(shape: Shape, status: StatusCode, message: String) -> Response {
+    match shape {
+        Shape::Plain => error(status, message),
+        Shape::OpenAi => api_error(status, "invalid_request_error", None, message),
+    }
+}
+
+/// An answer after which the connection closes: the request's body was
+/// not (fully) read, so nothing after it on the connection can be trusted
+/// to be a request.
+fn closing(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// Reads the request body before the handler runs, under the body limit
+/// (a declared length over it is refused before a byte is read) and the
+/// body timeout (a client trickling its body is cut off with 408).
+pub(crate) async fn read_body(
+    State((state, shape)): State<(Arc<AppState>, Shape)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let limit = state.options.max_body_bytes;
+    let (parts, body) = request.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared.filter(|&l| l > limit as u64) {
+        return closing(refusal(
+            shape,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is {length} bytes; this server takes at most {limit}"),
+        ));
+    }
+    let timeout = state.options.connections.body_timeout;
+    let read = tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await;
+    let bytes = match read {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return closing(refusal(
+                shape,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body is over the limit of {limit} bytes"),
+            ));
+        }
+        Ok(Err(e)) => {
+            return closing(refusal(
+                shape,
+                StatusCode::BAD_REQUEST,
+                format!("the body could not be read: {e}"),
+            ));
+        }
+        Err(_) => {
+            return closing(refusal(
+                shape,
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the body did not arrive within {} ms of the request head",
+                    timeout.as_millis()
+                ),
+            ));
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }
 
 /// An error the client may retry after a second (`Retry-After: 1`).
@@ -62,24 +169,113 @@ pub(crate) fn timed_out() -> Response {
     )
 }
 
-/// Whether the request carries the bearer token the server requires (any
-/// request does when it requires none).
-pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
-    let Some(token) = &state.options.token else {
+/// The SHA-256 of the bearer token a server requires.
+pub(crate) type TokenDigest = [u8; 32];
+
+/// The digest [`authorized`] compares against.
+pub(crate) fn token_digest(token: &str) -> TokenDigest {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// Whether `headers` carry the bearer token whose digest is `required`
+/// (any request does when none is required). The scheme is matched without
+/// regard to case (RFC 7235 §2.1). The token is compared by its SHA-256,
+/// all 32 bytes without an early exit: how long the comparison takes says
+/// nothing about the token, its length included (comparing the tokens
+/// themselves returned at once on a length mismatch), and even a digest
+/// prefix that matched would reveal no prefix of the token.
+pub(crate) fn authorized(required: Option<&TokenDigest>, headers: &HeaderMap) -> bool {
+    let Some(required) = required else {
         return true;
     };
-    headers
+    let Some(given) = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| {
-            // Length-independent comparison: no early exit on the first
-            // differing byte.
-            given.len() == token.len()
-                && given
-                    .bytes()
-                    .zip(token.bytes())
-                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                    == 0
-        })
+        .and_then(bearer_token)
+    else {
+        return false;
+    };
+    let given = token_digest(given);
+    std::hint::black_box(
+        given
+            .iter()
+            .zip(required)
+            .fold(0u8, |differ, (a, b)| differ | (a ^ b)),
+    ) == 0
+}
+
+/// The token of an `Authorization` value in the `Bearer` scheme.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    let token = token.trim_start_matches(' ');
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+/// Refuses a request without the server's bearer token with 401, before
+/// anything reads its body: a client without the token cannot make the
+/// server read (or wait for) a megabyte.
+pub(crate) async fn require_token(
+    State((state, shape)): State<(Arc<AppState>, Shape)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if authorized(state.token.as_ref(), request.headers()) {
+        return next.run(request).await;
+    }
+    let message = "missing or wrong bearer token (Authorization: Bearer …)".to_owned();
+    let response = match shape {
+        Shape::Plain => error(StatusCode::UNAUTHORIZED, message),
+        Shape::OpenAi => api_error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            None,
+            message,
+        ),
+    };
+    let mut response = closing(response);
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(authorization: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(authorization).unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive_and_the_token_exact() {
+        let required = token_digest("s3cret");
+        let ok = |value: &str| authorized(Some(&required), &headers(value));
+        for value in [
+            "Bearer s3cret",
+            "bearer s3cret",
+            "BEARER s3cret",
+            "Bearer   s3cret",
+        ] {
+            assert!(ok(value), "{value}");
+        }
+        for value in [
+            "Bearer s3cre",
+            "Bearer s3cret2",
+            "Bearer S3CRET",
+            "Bearer ",
+            "Basic s3cret",
+            "Bearers3cret",
+            "s3cret",
+        ] {
+            assert!(!ok(value), "{value}");
+        }
+        assert!(!authorized(Some(&required), &HeaderMap::new()));
+        assert!(authorized(None, &HeaderMap::new()));
+    }
 }

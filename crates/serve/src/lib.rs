@@ -1,7 +1,8 @@
 //! `qforge-serve`: qforge's INT8 engine behind HTTP, for real-time control
 //! policies: `POST /v1/act` with dynamic batching ([`batcher`]), health and
-//! readiness probes, Prometheus metrics ([`metrics`]), request limits and
-//! graceful shutdown ([`server`]), and A/B or shadow rollout against the FP
+//! readiness probes, Prometheus metrics ([`metrics`]), request limits
+//! ([`server`]), connections with read deadlines, a cap and a bounded drain
+//! on shutdown ([`conn`]), and A/B or shadow rollout against the FP
 //! reference with automatic rollback ([`rollout`]), and a drift monitor
 //! comparing layer inputs with calibration ([`drift`]).
 //!
@@ -10,6 +11,7 @@
 //! or the CLI.
 
 pub mod batcher;
+pub mod conn;
 pub mod drift;
 pub mod engine;
 pub mod error;
@@ -19,7 +21,10 @@ mod openai;
 pub mod rollout;
 pub mod server;
 mod state;
+#[cfg(test)]
+mod testing;
 
+pub use conn::ConnectionLimits;
 pub use drift::DriftOptions;
 pub use engine::EngineLimits;
 pub use error::{Error, Result};

@@ -35,6 +35,15 @@ pub struct Metrics {
     pub observations: Counter,
     /// Resident memory of the process, bytes (read at scrape time).
     pub resident_memory: Gauge,
+    /// Connections open now.
+    pub open_connections: Gauge,
+    /// Connections closed, by reason (`done`, `header_timeout`,
+    /// `idle_timeout`, `evicted`, `refused`, `shutdown`, `drain_deadline`,
+    /// `error`).
+    pub connections_closed: Family<Labels, Counter>,
+    /// Panics caught on the model's threads (the request or batch failed;
+    /// the thread went on).
+    pub model_panics: Counter,
     /// Requests answered, by arm (`int8`, `fp`).
     pub arm_requests: Family<Labels, Counter>,
     /// 1 once traffic has rolled back to the FP reference.
@@ -98,6 +107,9 @@ impl Metrics {
             queue_depth: Gauge::default(),
             observations: Counter::default(),
             resident_memory: Gauge::default(),
+            open_connections: Gauge::default(),
+            connections_closed: Family::default(),
+            model_panics: Counter::default(),
             arm_requests: Family::default(),
             rolled_back: Gauge::default(),
             shadow_observations: Counter::default(),
@@ -151,6 +163,21 @@ impl Metrics {
             "resident_memory_bytes",
             "Resident memory of the server process",
             self.resident_memory.clone(),
+        );
+        registry.register(
+            "open_connections",
+            "Connections open now",
+            self.open_connections.clone(),
+        );
+        registry.register(
+            "connections_closed",
+            "Connections closed, by reason",
+            self.connections_closed.clone(),
+        );
+        registry.register(
+            "model_panics",
+            "Panics caught on the model's threads",
+            self.model_panics.clone(),
         );
     }
 
@@ -271,6 +298,13 @@ impl Metrics {
             ])
             .inc();
         self.latency.get_or_create(&vec![endpoint]).observe(seconds);
+    }
+
+    /// Counts one closed connection.
+    pub fn connection_closed(&self, reason: &str) {
+        self.connections_closed
+            .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
+            .inc();
     }
 
     /// The text exposition.

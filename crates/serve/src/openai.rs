@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
@@ -29,7 +29,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::sync::oneshot;
 
 use crate::engine::{Event, FinishReason, Replay, Request};
-use crate::http::{authorized, session, timed_out, too_many_requests, with_arm, worker_stopped};
+use crate::http::{api_error, session, too_many_requests, with_arm, worker_stopped};
 use crate::rollout::Arm;
 use crate::state::{AppState, Backend, LanguageBackend};
 
@@ -41,12 +41,7 @@ const MAX_STOP_STRINGS: usize = 4;
 /// Runs the FP reference on a request INT8 is answering and counts, token
 /// by token, where the two continuations agree (same seed, so sampling
 /// differs only where the models do). The client never waits for it.
-async fn shadow(
-    lm: Arc<AppState>,
-    replay: Replay,
-    int8_tokens: oneshot::Receiver<Vec<u32>>,
-    timeout: Duration,
-) {
+async fn shadow(lm: Arc<AppState>, replay: Replay, int8_tokens: oneshot::Receiver<Vec<u32>>) {
     let Backend::Language(backend) = &lm.backend else {
         return;
     };
@@ -59,24 +54,15 @@ async fn shadow(
     if !fp.submit(request) {
         return;
     }
-    let both = tokio::time::timeout(timeout, async { (int8_tokens.await, fp_tokens.await) }).await;
-    if let Ok((Ok(int8), Ok(fp))) = both {
+    // No timeout: both continuations end (max_tokens bounds them) or
+    // their engine lets go of them. A timeout cut the comparison of every
+    // long completion, so the rollout never judged those.
+    if let (Ok(int8), Ok(fp)) = (int8_tokens.await, fp_tokens.await) {
         let agreements: Vec<bool> = (0..int8.len().max(fp.len()))
             .map(|i| int8.get(i).is_some() && int8.get(i) == fp.get(i))
             .collect();
         backend.rollout.record_agreement(&agreements);
     }
-}
-
-/// An OpenAI-shaped error.
-fn api_error(status: StatusCode, kind: &str, param: Option<&str>, message: String) -> Response {
-    (
-        status,
-        axum::Json(json!({
-            "error": {"message": message, "type": kind, "param": param, "code": null}
-        })),
-    )
-        .into_response()
 }
 
 /// Why [`check`] refused a request.
@@ -181,10 +167,7 @@ pub(crate) async fn chat_completions(
     generate(&state, &headers, &body, Kind::Chat).await
 }
 
-pub(crate) async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if !authorized(&state, &headers) {
-        return unauthorized();
-    }
+pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Response {
     let data = match &state.backend {
         Backend::Language(lm) => vec![json!({
             "id": lm.name, "object": "model", "created": 0, "owned_by": "qforge"
@@ -336,6 +319,24 @@ fn fit(
     max_tokens: usize,
     kind: Kind,
 ) -> Checking<(Vec<u32>, usize)> {
+    let room = lm.context.min(lm.limits.kv_budget_tokens);
+    // A prompt of more bytes than `room - 1` tokens can stand for has at
+    // least `room` tokens: refused before it costs a tokenization (a
+    // 1 MiB prompt was tokenized whole to be refused).
+    if let Some(per_token) = lm.bytes_per_token
+        && text.len() > room.saturating_sub(1).saturating_mul(per_token)
+    {
+        return Err(invalid(
+            Some("prompt"),
+            format!(
+                "the prompt is {} bytes, more than {} tokens can hold (a token stands for at most {per_token} bytes); this server fits {room} positions per sequence (context {}, KV budget {})",
+                text.len(),
+                room.saturating_sub(1),
+                lm.context,
+                lm.limits.kv_budget_tokens
+            ),
+        ));
+    }
     let prompt = lm
         .text
         .tokenizer
@@ -344,7 +345,6 @@ fn fit(
     if prompt.is_empty() {
         return Err(invalid(Some("prompt"), "the prompt has no tokens".into()));
     }
-    let room = lm.context.min(lm.limits.kv_budget_tokens);
     if prompt.len() >= room {
         return Err(invalid(
             Some("prompt"),
@@ -382,16 +382,6 @@ fn fit(
     Ok((prompt, max_tokens))
 }
 
-/// 401 in OpenAI's shape.
-fn unauthorized() -> Response {
-    api_error(
-        StatusCode::UNAUTHORIZED,
-        "authentication_error",
-        None,
-        "missing or wrong bearer token".into(),
-    )
-}
-
 /// 500 in OpenAI's shape: the model failed on the request.
 fn server_error(message: String) -> Response {
     api_error(
@@ -403,9 +393,6 @@ fn server_error(message: String) -> Response {
 }
 
 async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind: Kind) -> Response {
-    if !authorized(state, headers) {
-        return unauthorized();
-    }
     let Backend::Language(lm) = &state.backend else {
         return api_error(
             StatusCode::NOT_FOUND,
@@ -424,29 +411,63 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
     let number = lm.requests.fetch_add(1, Ordering::Relaxed);
     let arm = lm.rollout.arm_for(session(headers));
     let (stream, include_usage) = (checked.stream, checked.include_usage);
-    let Some(receiver) = submit(state, lm, checked, number, arm) else {
+    let Some((receiver, admitted)) = submit(state, lm, checked, number, arm) else {
         return worker_stopped();
     };
-    let meta = Meta::new(kind, number, &lm.name);
+    // The timeout bounds the wait for a place in the engine (a sequence
+    // slot and KV budget), not the generation: an admitted completion runs
+    // to its end, which max_tokens (at most --max-tokens) bounds. A timeout
+    // on the whole request cut the server's own default completion (1 024
+    // tokens at ~23 tokens/s) at 10 s. Queueing is bounded rather than
+    // endless because a client that waited the timeout is better told to
+    // retry (or try another replica) than kept on an open connection.
     let timeout = state.options.timeout;
-    if stream {
-        streamed(meta, receiver, timeout, include_usage, permit, arm).await
-    } else {
-        collected(meta, receiver, timeout, permit, arm).await
+    match tokio::time::timeout(timeout, admitted).await {
+        Ok(Ok(())) => {}
+        // The engine let go of the request unadmitted: it has stopped.
+        Ok(Err(_)) => return worker_stopped(),
+        // Dropping the receiver takes the request out of the queue.
+        Err(_) => return not_admitted(timeout),
     }
+    let meta = Meta::new(kind, number, &lm.name);
+    if stream {
+        streamed(meta, receiver, include_usage, permit, arm).await
+    } else {
+        collected(meta, receiver, permit, arm).await
+    }
+}
+
+/// 503 in OpenAI's shape, with Retry-After: the request waited the
+/// timeout in the queue.
+fn not_admitted(timeout: Duration) -> Response {
+    let mut response = api_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        None,
+        format!(
+            "not admitted within {} ms: every sequence slot or the KV budget is taken by running completions; retry shortly",
+            timeout.as_millis()
+        ),
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
 }
 
 /// Hands a checked request to the engine of `arm` (with the FP shadow
 /// replaying it when the rollout says so) and counts the answer; gives the
-/// request's events, or `None` when the engine has stopped.
+/// request's events and its admission notice, or `None` when the engine
+/// has stopped.
 fn submit(
     state: &Arc<AppState>,
     lm: &LanguageBackend,
     checked: Checked,
     number: u64,
     arm: Arm,
-) -> Option<UnboundedReceiver<Event>> {
+) -> Option<(UnboundedReceiver<Event>, oneshot::Receiver<()>)> {
     let (events, receiver) = unbounded_channel();
+    let (admitted, admission) = oneshot::channel();
     let request = Request {
         prompt: checked.prompt,
         max_tokens: checked.max_tokens,
@@ -455,15 +476,11 @@ fn submit(
         stop: checked.stop,
         events,
         finished: None,
+        admitted: Some(admitted),
     };
     let request = if arm == Arm::Int8 && lm.rollout.shadow_this() {
         let (finished, int8_tokens) = oneshot::channel();
-        tokio::spawn(shadow(
-            Arc::clone(state),
-            request.replay(),
-            int8_tokens,
-            state.options.timeout * 4,
-        ));
+        tokio::spawn(shadow(Arc::clone(state), request.replay(), int8_tokens));
         Request {
             finished: Some(finished),
             ..request
@@ -475,24 +492,21 @@ fn submit(
         return None;
     }
     lm.rollout.count_answer(arm);
-    Some(receiver)
+    Some((receiver, admission))
 }
 
 /// A streamed answer: SSE events as the engine produces them.
 async fn streamed(
     meta: Meta,
     mut receiver: UnboundedReceiver<Event>,
-    timeout: Duration,
     include_usage: bool,
     permit: OwnedSemaphorePermit,
     arm: Arm,
 ) -> Response {
-    // Wait for the first event under the timeout: once the stream's
-    // headers are out, the status can no longer say 503.
-    let first = match tokio::time::timeout(timeout, receiver.recv()).await {
-        Ok(Some(event)) => event,
-        Ok(None) => return worker_stopped(),
-        Err(_) => return timed_out(),
+    // The first event (the prompt's) decides the status: once the
+    // stream's headers are out, it can no longer say 500.
+    let Some(first) = receiver.recv().await else {
+        return worker_stopped();
     };
     if let Event::Failed(message) = first {
         return server_error(message);
@@ -515,22 +529,19 @@ struct Completion {
 async fn collected(
     meta: Meta,
     mut receiver: UnboundedReceiver<Event>,
-    timeout: Duration,
     permit: OwnedSemaphorePermit,
     arm: Arm,
 ) -> Response {
-    let collected = tokio::time::timeout(timeout, collect(&mut receiver)).await;
+    let collected = collect(&mut receiver).await;
     drop(permit);
     match collected {
-        Ok(Ok(c)) => with_arm(
+        Ok(c) => with_arm(
             axum::Json(meta.full(&c.text, c.finish, c.prompt_tokens, c.completion_tokens))
                 .into_response(),
             arm,
         ),
-        Ok(Err(Some(message))) => server_error(message),
-        Ok(Err(None)) => worker_stopped(),
-        // Dropping the receiver cancels the sequence in the engine.
-        Err(_) => timed_out(),
+        Err(Some(message)) => server_error(message),
+        Err(None) => worker_stopped(),
     }
 }
 

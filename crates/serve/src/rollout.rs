@@ -11,11 +11,13 @@
 //! counted in the metrics, and lasts until the server restarts (an operator
 //! decides when INT8 gets another chance).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::metrics::Metrics;
 
@@ -306,9 +308,85 @@ impl Rollout {
     }
 }
 
+/// Sessions whose last reward [`FeedbackLimit`] remembers at most (a
+/// 16-byte digest and an instant each: about 2 MiB).
+const MAX_FEEDBACK_SESSIONS: usize = 65_536;
+
+/// One reward per session per interval on `/v1/feedback`. An episode ends
+/// once, so a session that reports faster is not reporting episodes; and
+/// without a limit about 40 posts (20 per arm, the default window) forced a
+/// rollback that lasts until a restart.
+pub struct FeedbackLimit {
+    interval: Duration,
+    /// When each session (by digest, so a long session id costs no
+    /// memory) last reported.
+    last: Mutex<HashMap<[u8; 16], Instant>>,
+}
+
+impl FeedbackLimit {
+    /// A limit of one reward per `interval` (zero: no limit).
+    pub fn new(interval: Duration) -> Self {
+        Self {
+            interval,
+            last: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes a reward from `session` (no session: one shared bucket) at
+    /// `now`, or says how long until that session may report again.
+    pub fn admit(&self, session: Option<&str>, now: Instant) -> Result<(), Duration> {
+        if self.interval.is_zero() {
+            return Ok(());
+        }
+        let mut key = [0u8; 16];
+        let digest = match session {
+            Some(s) => Sha256::new().chain_update(b"s").chain_update(s),
+            None => Sha256::new().chain_update(b"-"),
+        }
+        .finalize();
+        key.copy_from_slice(&digest[..16]);
+        let mut last = self.last.lock().expect("feedback lock");
+        if let Some(&at) = last.get(&key) {
+            let next = at + self.interval;
+            if now < next {
+                return Err(next - now);
+            }
+        }
+        if last.len() >= MAX_FEEDBACK_SESSIONS {
+            // Only sessions still inside their interval matter.
+            last.retain(|_, at| now.saturating_duration_since(*at) < self.interval);
+            if last.len() >= MAX_FEEDBACK_SESSIONS {
+                // More sessions reporting within one interval than a real
+                // fleet has episodes ending: refuse rather than grow.
+                return Err(self.interval);
+            }
+        }
+        last.insert(key, now);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_reports_once_per_interval() {
+        let limit = FeedbackLimit::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        assert_eq!(limit.admit(Some("a"), t0), Ok(()));
+        assert_eq!(
+            limit.admit(Some("a"), t0 + Duration::from_millis(400)),
+            Err(Duration::from_millis(600))
+        );
+        // Other sessions, and reports without one, have their own buckets.
+        assert_eq!(limit.admit(Some("b"), t0), Ok(()));
+        assert_eq!(limit.admit(None, t0), Ok(()));
+        assert!(limit.admit(None, t0).is_err());
+        assert_eq!(limit.admit(Some("a"), t0 + Duration::from_secs(1)), Ok(()));
+        let none = FeedbackLimit::new(Duration::ZERO);
+        assert!((0..100).all(|_| none.admit(Some("a"), t0).is_ok()));
+    }
 
     fn rollout(mode: RolloutMode) -> Rollout {
         Rollout::new(

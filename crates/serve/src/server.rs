@@ -1,14 +1,15 @@
 //! The HTTP server: `POST /v1/act`, `POST /v1/feedback`, `GET /health`,
-//! `GET /ready`, `GET /metrics`, `GET /openapi.json`, with a body limit, an
-//! optional bearer token, a concurrency limit (429 + Retry-After), a request
-//! timeout (503 + Retry-After), graceful shutdown (in-flight requests
-//! finish), and the A/B rollout of [`crate::rollout`].
+//! `GET /ready`, `GET /metrics`, `GET /openapi.json`, with a body limit and
+//! deadline, an optional bearer token, a concurrency limit (429 +
+//! Retry-After), a request timeout (503 + Retry-After), the connection
+//! handling of [`crate::conn`] (read deadlines, a cap, a bounded drain on
+//! shutdown), and the A/B rollout of [`crate::rollout`].
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -20,19 +21,22 @@ use axum::routing::{get, post};
 use qforge_model::profile::CalibrationProfile;
 use qforge_model::{LanguageModel, MlpPolicy};
 use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batcher::Job;
+use crate::conn;
 use crate::drift::DriftMonitor;
 use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::http::{
-    authorized, error, session, timed_out, too_many_requests, with_arm, worker_stopped,
+    Shape, error, read_body, require_token, session, timed_out, token_digest, too_many_requests,
+    with_arm, worker_stopped,
 };
 use crate::metrics::Metrics;
 use crate::openai;
-use crate::rollout::{Arm, RolloutMode};
+use crate::rollout::{Arm, FeedbackLimit, RolloutMode};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 
 pub use crate::http::{ARM_HEADER, SESSION_HEADER};
@@ -77,12 +81,6 @@ pub struct Calibration {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ActRequest {
-    observations: Vec<Vec<f32>>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct FeedbackRequest {
     /// The episode's return.
     reward: f64,
@@ -93,9 +91,6 @@ struct FeedbackRequest {
 
 async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&state, &headers, &body[..]);
-    if !authorized(state, headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
-    }
     let Ok(_permit) = Arc::clone(&state.in_flight).try_acquire_owned() else {
         return too_many_requests();
     };
@@ -143,46 +138,203 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
     }
 }
 
+/// Why an `/v1/act` body is refused: the status and the message.
+type Refusal = (StatusCode, String);
+
 /// The observations of an `/v1/act` body, row after row, and how many
-/// rows: at least one, at most `max_rows`, each `dim` finite numbers. A
-/// refusal is the status and message to answer with.
+/// rows: at least one, at most `max_rows`, each `dim` finite numbers.
+///
+/// The limits are checked while the body is parsed, so a refused body
+/// costs no more than the rows up to the first that breaks one: a 1 MiB
+/// body of 58 000 rows used to be parsed whole before the row limit
+/// refused it.
 fn read_observations(
     body: &[u8],
     dim: usize,
     max_rows: usize,
-) -> std::result::Result<(Vec<f32>, usize), (StatusCode, String)> {
-    let bad = |message: String| (StatusCode::BAD_REQUEST, message);
-    let request: ActRequest = serde_json::from_slice(body).map_err(|e| {
-        bad(format!(
-            "expected {{\"observations\": [[numbers], …]}}: {e}"
-        ))
+) -> std::result::Result<(Vec<f32>, usize), Refusal> {
+    let mut reading = Reading {
+        dim,
+        max_rows,
+        observations: Vec::new(),
+        rows: 0,
+        refusal: None,
+    };
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let parsed = ActBody(&mut reading)
+        .deserialize(&mut de)
+        .and_then(|()| de.end());
+    if let Some(refusal) = reading.refusal.take() {
+        return Err(refusal);
+    }
+    parsed.map_err(|e| {
+        (
+            StatusCode::BAD_REQUEST,
+            format!("expected {{\"observations\": [[numbers], …]}}: {e}"),
+        )
     })?;
-    let rows = request.observations.len();
-    if rows == 0 {
-        return Err(bad("observations is empty".into()));
+    if reading.rows == 0 {
+        return Err((StatusCode::BAD_REQUEST, "observations is empty".into()));
     }
-    if rows > max_rows {
-        return Err((
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("{rows} observations in one request; the limit is {max_rows}"),
-        ));
+    Ok((reading.observations, reading.rows))
+}
+
+/// What [`read_observations`] has read so far, and the first limit broken.
+struct Reading {
+    dim: usize,
+    max_rows: usize,
+    observations: Vec<f32>,
+    rows: usize,
+    /// Set with the error that stops the parse when a limit is broken:
+    /// serde's errors are messages, this keeps the status.
+    refusal: Option<Refusal>,
+}
+
+impl Reading {
+    fn refuse<E: de::Error>(&mut self, status: StatusCode, message: String) -> E {
+        let error = E::custom(&message);
+        self.refusal = Some((status, message));
+        error
     }
-    let mut observations = Vec::with_capacity(rows * dim);
-    for (i, row) in request.observations.iter().enumerate() {
-        if row.len() != dim {
-            return Err(bad(format!(
-                "observation {i} has {} values; the policy takes {dim}",
-                row.len()
-            )));
+}
+
+/// The body: an object with `observations` and nothing else.
+struct ActBody<'a>(&'a mut Reading);
+
+impl<'de> DeserializeSeed<'de> for ActBody<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> std::result::Result<(), D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ActBody<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object {\"observations\": [[numbers], …]}")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
+        let mut seen = false;
+        while let Some(key) = map.next_key::<String>()? {
+            if key != "observations" {
+                return Err(de::Error::unknown_field(&key, &["observations"]));
+            }
+            if seen {
+                return Err(de::Error::duplicate_field("observations"));
+            }
+            seen = true;
+            map.next_value_seed(Rows(&mut *self.0))?;
         }
-        if let Some(v) = row.iter().find(|v| !v.is_finite()) {
-            return Err(bad(format!(
-                "observation {i} holds {v}, which is not a finite number"
-            )));
+        if !seen {
+            return Err(de::Error::missing_field("observations"));
         }
-        observations.extend_from_slice(row);
+        Ok(())
     }
-    Ok((observations, rows))
+}
+
+/// `observations`: rows, at most `max_rows` of them.
+struct Rows<'a>(&'a mut Reading);
+
+impl<'de> DeserializeSeed<'de> for Rows<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> std::result::Result<(), D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Rows<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of observations")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
+        let reading = self.0;
+        loop {
+            if reading.rows == reading.max_rows {
+                // One row more is enough to refuse; the rest is never read.
+                if seq.next_element::<de::IgnoredAny>()?.is_some() {
+                    let max = reading.max_rows;
+                    return Err(reading.refuse(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("more than {max} observations in one request; the limit is {max}"),
+                    ));
+                }
+                return Ok(());
+            }
+            if seq.next_element_seed(Row(&mut *reading))?.is_none() {
+                return Ok(());
+            }
+            reading.rows += 1;
+        }
+    }
+}
+
+/// One observation: exactly `dim` finite numbers.
+struct Row<'a>(&'a mut Reading);
+
+impl<'de> DeserializeSeed<'de> for Row<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> std::result::Result<(), D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Row<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an observation: a list of numbers")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
+        let reading = self.0;
+        let (i, dim) = (reading.rows, reading.dim);
+        for j in 0..dim {
+            let Some(v) = seq.next_element::<f32>()? else {
+                return Err(reading.refuse(
+                    StatusCode::BAD_REQUEST,
+                    format!("observation {i} has {j} values; the policy takes {dim}"),
+                ));
+            };
+            if !v.is_finite() {
+                return Err(reading.refuse(
+                    StatusCode::BAD_REQUEST,
+                    format!("observation {i} holds {v}, which is not a finite number"),
+                ));
+            }
+            reading.observations.push(v);
+        }
+        let mut extra = 0;
+        while seq.next_element::<de::IgnoredAny>()?.is_some() {
+            extra += 1;
+        }
+        if extra > 0 {
+            return Err(reading.refuse(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "observation {i} has {} values; the policy takes {dim}",
+                    dim + extra
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Runs the FP reference on observations INT8 already answered and counts
@@ -222,9 +374,7 @@ async fn shadow(
 
 async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&*state, &headers, &body[..]);
-    if !authorized(state, headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
-    }
+    let session = session(headers);
     let rollout = match &state.backend {
         Backend::Policy(policy) => &policy.rollout,
         Backend::Language(lm) => &lm.rollout,
@@ -241,7 +391,6 @@ async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
     if !request.reward.is_finite() {
         return error(StatusCode::BAD_REQUEST, "reward must be a finite number");
     }
-    let session = session(headers);
     let arm = match (request.arm, session, rollout.options().mode) {
         (Some(arm), _, _) => arm,
         (None, None, RolloutMode::Split { .. }) => {
@@ -253,6 +402,22 @@ async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
         // Outside a split every session plays INT8 (until a rollback).
         (None, session, _) => rollout.assigned_arm(session),
     };
+    // Checked last, so a malformed report does not spend the session's turn.
+    if let Err(wait) = state.feedback.admit(session, std::time::Instant::now()) {
+        let mut response = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "this session reported a reward less than {} ms ago: an episode reports its return once (retry in {} ms)",
+                state.options.feedback_interval.as_millis(),
+                wait.as_millis().max(1)
+            ),
+        );
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, seconds.max(1).into());
+        return response;
+    }
     axum::Json(rollout.record_reward(arm, request.reward)).into_response()
 }
 
@@ -297,9 +462,28 @@ async fn health() -> Response {
     axum::Json(json!({ "status": "ok" })).into_response()
 }
 
-/// Counts every request to a route by its path pattern and status — the
-/// handler's own answers and the ones the layers give before it runs (a
-/// body over the limit: 413).
+/// 200 while every model thread runs; 503 once one has ended, so an
+/// orchestrator stops sending traffic to a server that can only refuse it.
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.backend.alive() {
+        health().await
+    } else {
+        worker_stopped()
+    }
+}
+
+/// 404 for a path no route serves (counted in the metrics as
+/// `endpoint="unmatched"`: a fixed label, whatever the path).
+async fn not_found() -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "no such endpoint; /openapi.json lists them",
+    )
+}
+
+/// Counts every request by its route's path pattern and status — the
+/// handler's own answers, the ones the layers give before it runs (a body
+/// over the limit: 413), and paths no route serves (`unmatched`, 404).
 async fn track(
     State(state): State<Arc<AppState>>,
     request: axum::extract::Request,
@@ -332,8 +516,8 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// Serves `served` until `shutdown` completes, then lets in-flight requests
-/// finish. `on_bound` hears the bound address (port 0 resolved) once the
-/// socket listens.
+/// finish for at most the drain timeout. `on_bound` hears the bound address
+/// (port 0 resolved) once the socket listens.
 pub async fn serve(
     served: Served,
     options: ServeOptions,
@@ -346,11 +530,13 @@ pub async fn serve(
     let state = Arc::new(AppState {
         openapi: openapi_document(&backend, &options),
         backend,
-        metrics,
+        token: options.token.as_deref().map(token_digest),
+        metrics: Arc::clone(&metrics),
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
+        feedback: FeedbackLimit::new(options.feedback_interval),
         options: options.clone(),
     });
-    let app = router(state, options.max_body_bytes);
+    let app = router(state);
     let listener = tokio::net::TcpListener::bind(options.addr)
         .await
         .map_err(|e| Error::Bind(options.addr, e))?;
@@ -358,10 +544,8 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| Error::Bind(options.addr, e))?;
     on_bound(bound);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(Error::Serve)
+    conn::run(listener, app, options.connections, metrics, shutdown).await;
+    Ok(())
 }
 
 /// Refuses limits of zero, a rollback threshold or window out of range,
@@ -371,9 +555,20 @@ fn check_options(options: &ServeOptions) -> Result<()> {
         || options.max_rows == 0
         || options.max_tokens == 0
         || options.max_concurrency == 0
+        || options.connections.max_connections == 0
     {
         return Err(Error::Options(
-            "max batch, max rows, max tokens and max concurrency must be at least 1".into(),
+            "max batch, max rows, max tokens, max concurrency and max connections must be at least 1"
+                .into(),
+        ));
+    }
+    let c = options.connections;
+    if [c.header_timeout, c.body_timeout, c.keep_alive_timeout]
+        .iter()
+        .any(Duration::is_zero)
+    {
+        return Err(Error::Options(
+            "the header, body and keep-alive timeouts must be longer than 0".into(),
         ));
     }
     let rollout = options.rollout;
@@ -445,19 +640,122 @@ fn start_backend(
     })
 }
 
-/// The routes, the body limit, and the request metrics around them.
-fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
-    Router::new()
+/// The routes; the bearer token (when the server requires one) and then
+/// the body reading (limit and deadline) on all but the probes; and the
+/// request metrics around them all. `/health` and `/ready` stay open, so
+/// an orchestrator's probes need no secret: they tell only whether the
+/// process and its model are up.
+fn router(state: Arc<AppState>) -> Router {
+    let guarded = |routes: Router<Arc<AppState>>, shape: Shape| {
+        routes
+            .route_layer(middleware::from_fn_with_state(
+                (Arc::clone(&state), shape),
+                read_body,
+            ))
+            // Added last, so it runs first: before the body is read.
+            .route_layer(middleware::from_fn_with_state(
+                (Arc::clone(&state), shape),
+                require_token,
+            ))
+    };
+    let policy = Router::new()
         .route("/v1/act", post(act))
         .route("/v1/feedback", post(feedback))
+        .route("/metrics", get(render_metrics))
+        .route("/openapi.json", get(openapi));
+    let completions = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/models", get(openai::models))
+        .route("/v1/models", get(openai::models));
+    Router::new()
         .route("/health", get(health))
-        .route("/ready", get(health))
-        .route("/metrics", get(render_metrics))
-        .route("/openapi.json", get(openapi))
-        .layer(DefaultBodyLimit::max(max_body_bytes))
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&state), track))
+        .route("/ready", get(ready))
+        .merge(guarded(policy, Shape::Plain))
+        .merge(guarded(completions, Shape::OpenAi))
+        .fallback(not_found)
+        // `read_body` enforces the limit; the extractors take what it read.
+        .layer(DefaultBodyLimit::disable())
+        // A layer, not a route layer: the fallback's 404s are counted too.
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), track))
         .with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(body: &str, max_rows: usize) -> std::result::Result<(Vec<f32>, usize), Refusal> {
+        read_observations(body.as_bytes(), 2, max_rows)
+    }
+
+    fn refused(body: &str, max_rows: usize) -> (u16, String) {
+        let (status, message) = read(body, max_rows).unwrap_err();
+        (status.as_u16(), message)
+    }
+
+    #[test]
+    fn observations_are_read_row_after_row() {
+        let (values, rows) = read(r#" {"observations": [[1, 2.5], [-0, 3e2]]} "#, 2).unwrap();
+        assert_eq!(rows, 2);
+        assert_eq!(values, [1.0, 2.5, -0.0, 300.0]);
+    }
+
+    #[test]
+    fn the_row_limit_stops_the_parse_at_the_first_row_beyond_it() {
+        // What follows the third row is not even JSON: the parse stopped there.
+        let (status, message) = refused(r#"{"observations": [[0, 0], [0, 0], [0, 0], !!!"#, 2);
+        assert_eq!(status, 413, "{message}");
+        assert!(message.contains("the limit is 2"), "{message}");
+        // At the limit, still fine.
+        assert_eq!(
+            read(r#"{"observations": [[0, 0], [0, 0]]}"#, 2).unwrap().1,
+            2
+        );
+    }
+
+    #[test]
+    fn each_refusal_names_the_problem() {
+        for (body, status, needle) in [
+            (
+                r#"{"observations": [[1, 2], [3]]}"#,
+                400,
+                "observation 1 has 1 values; the policy takes 2",
+            ),
+            (
+                r#"{"observations": [[1, 2, 3, 4]]}"#,
+                400,
+                "observation 0 has 4 values",
+            ),
+            (
+                r#"{"observations": [[1, 1e39]]}"#,
+                400,
+                "holds inf, which is not a finite number",
+            ),
+            (r#"{"observations": [[1, 1e999]]}"#, 400, "expected {"),
+            (r#"{"observations": [[1, "x"]]}"#, 400, "invalid type"),
+            (r#"{"observations": []}"#, 400, "observations is empty"),
+            (
+                r#"{"observations": [[1, 2]], "extra": 1}"#,
+                400,
+                "unknown field `extra`",
+            ),
+            (
+                r#"{"observations": [[1, 2]], "observations": [[1, 2]]}"#,
+                400,
+                "duplicate field",
+            ),
+            (r#"{}"#, 400, "missing field `observations`"),
+            (
+                r#"{"observations": [[1, 2]]} x"#,
+                400,
+                "trailing characters",
+            ),
+            (r#"[]"#, 400, "expected {"),
+            ("", 400, "expected {"),
+        ] {
+            let (got, message) = refused(body, 8);
+            assert_eq!(got, status, "{body}: {message}");
+            assert!(message.contains(needle), "{body}: {message}");
+        }
+    }
 }

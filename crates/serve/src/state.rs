@@ -14,11 +14,13 @@ use qforge_model::{Head, LanguageModel, MlpPolicy, TextSide};
 use tokio::sync::Semaphore;
 
 use crate::batcher::Batcher;
+use crate::conn::ConnectionLimits;
 use crate::drift::{DriftMonitor, DriftOptions};
 use crate::engine::{Engine, EngineLimits};
 use crate::error::{Error, Result};
+use crate::http::TokenDigest;
 use crate::metrics::Metrics;
-use crate::rollout::{Arm, Rollout, RolloutOptions};
+use crate::rollout::{Arm, FeedbackLimit, Rollout, RolloutOptions};
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -37,8 +39,15 @@ pub struct ServeOptions {
     pub max_tokens: usize,
     /// Requests in flight beyond which new ones get 429.
     pub max_concurrency: usize,
-    /// A request not answered within this gets 503.
+    /// Read deadlines and the connection cap (see [`crate::conn`]).
+    pub connections: ConnectionLimits,
+    /// A request the model has not started on within this gets 503: a
+    /// policy's answer, a completion's admission into the engine (an
+    /// admitted completion runs to its end, which `max_tokens` bounds).
     pub timeout: Duration,
+    /// Least time between two rewards one session reports on
+    /// `/v1/feedback` (0: no limit).
+    pub feedback_interval: Duration,
     /// Required `Authorization: Bearer …` token, if any.
     pub token: Option<String>,
     /// How traffic is shared with the FP reference, and when it rolls back.
@@ -49,10 +58,13 @@ pub struct ServeOptions {
 
 pub(crate) struct AppState {
     pub(crate) backend: Backend,
+    /// The digest of the required bearer token (`options.token`).
+    pub(crate) token: Option<TokenDigest>,
     /// `/openapi.json`.
     pub(crate) openapi: String,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) in_flight: Arc<Semaphore>,
+    pub(crate) feedback: FeedbackLimit,
     pub(crate) options: ServeOptions,
 }
 
@@ -62,6 +74,16 @@ pub(crate) struct AppState {
 pub(crate) enum Backend {
     Policy(PolicyBackend),
     Language(LanguageBackend),
+}
+
+impl Backend {
+    /// Whether every model thread the server needs still runs.
+    pub(crate) fn alive(&self) -> bool {
+        match self {
+            Backend::Policy(p) => p.int8.alive() && p.fp.as_ref().is_none_or(Batcher::alive),
+            Backend::Language(l) => l.int8.alive() && l.fp.as_ref().is_none_or(Engine::alive),
+        }
+    }
 }
 
 /// A policy, its optional reference, and the rollout between them.
@@ -146,6 +168,9 @@ pub(crate) struct LanguageBackend {
     pub(crate) text: TextSide,
     /// Positions the model attends over.
     pub(crate) context: usize,
+    /// The most prompt bytes one token can stand for, where the tokenizer
+    /// makes that provable: a longer prompt is refused untokenized.
+    pub(crate) bytes_per_token: Option<usize>,
     pub(crate) limits: EngineLimits,
     /// Most tokens one request may generate.
     pub(crate) max_tokens: usize,
@@ -187,6 +212,7 @@ impl LanguageBackend {
         }
         let text = lm.text.clone();
         let context = lm.model.config().max_position_embeddings;
+        let bytes_per_token = text.tokenizer.max_bytes_per_token();
         Ok(Self {
             int8: Engine::start(lm, monitor, limits, Arc::clone(metrics))?,
             // The reference was not calibrated: nothing to watch.
@@ -197,6 +223,7 @@ impl LanguageBackend {
             name,
             text,
             context,
+            bytes_per_token,
             limits,
             max_tokens: options.max_tokens,
             requests: AtomicU64::new(0),

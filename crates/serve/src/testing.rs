@@ -1,0 +1,177 @@
+//! The unit tests' server: [`serve`] on a loopback port in its own runtime,
+//! spoken to over raw HTTP/1.1, stopped when dropped.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use qforge_model::Model;
+use tokio::sync::oneshot;
+
+use crate::conn::ConnectionLimits;
+use crate::drift::DriftOptions;
+use crate::engine::EngineLimits;
+use crate::rollout::{RolloutMode, RolloutOptions};
+use crate::server::{ServeOptions, Served, serve};
+
+/// Generous, for a machine whose cores are all busy.
+const DEADLINE: Duration = Duration::from_secs(180);
+
+fn repository(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative)
+}
+
+/// The CLI's defaults, on a free port.
+pub(crate) fn options() -> ServeOptions {
+    ServeOptions {
+        addr: "127.0.0.1:0".parse().expect("an address"),
+        max_batch: 32,
+        max_wait: Duration::from_millis(2),
+        max_body_bytes: 1 << 20,
+        max_rows: 4096,
+        max_tokens: 1024,
+        max_concurrency: 256,
+        connections: ConnectionLimits {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+            keep_alive_timeout: Duration::from_secs(5),
+            max_connections: 256,
+            drain_timeout: Duration::from_secs(20),
+        },
+        timeout: Duration::from_secs(300),
+        feedback_interval: Duration::from_secs(1),
+        token: None,
+        rollout: RolloutOptions {
+            mode: RolloutMode::Int8Only,
+            threshold: 0.95,
+            agreement_window: 1000,
+            reward_window: 20,
+            random_return: 0.0,
+        },
+        drift: DriftOptions {
+            sample: 0.125,
+            window_rows: 4096,
+            threshold: 1e-3,
+        },
+    }
+}
+
+/// A running server; dropping it shuts it down.
+pub(crate) struct TestServer {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TestServer {
+    fn start(served: Served) -> Self {
+        let (bound, address) = std::sync::mpsc::channel();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            runtime
+                .block_on(serve(
+                    served,
+                    options(),
+                    move |addr| bound.send(addr).expect("the test waits"),
+                    async {
+                        let _ = stopped.await;
+                    },
+                ))
+                .expect("the server runs");
+        });
+        let addr = address.recv_timeout(DEADLINE).expect("the server listens");
+        Self {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    /// The CartPole policy directory.
+    pub(crate) fn policy() -> Self {
+        match qforge_model::open(&repository("fixtures/policies/cartpole")) {
+            Ok(Model::Policy(model)) => Self::start(Served::Policy {
+                model,
+                reference: None,
+                calibration: None,
+            }),
+            _ => panic!("fixtures/policies/cartpole is a policy"),
+        }
+    }
+
+    /// SmolLM2 (`scripts/fetch-models.sh` fetches it).
+    pub(crate) fn language_model() -> Self {
+        let path = repository("models/smollm2-135m-instruct-q4_1.gguf");
+        match qforge_model::open(&path) {
+            Ok(Model::Language(model)) => Self::start(Served::Language {
+                model: *model,
+                reference: None,
+                name: "smollm2".into(),
+                calibration: None,
+                limits: EngineLimits {
+                    max_sequences: 4,
+                    kv_budget_tokens: 512,
+                    threads: 1,
+                },
+            }),
+            _ => panic!(
+                "{} is missing or not a language model: run scripts/fetch-models.sh",
+                path.display()
+            ),
+        }
+    }
+
+    /// One request; the status and the body.
+    pub(crate) fn request(&self, method: &str, target: &str, body: &str) -> (u16, String) {
+        let mut stream = TcpStream::connect(self.addr).expect("connect");
+        stream
+            .set_read_timeout(Some(DEADLINE))
+            .expect("a read timeout");
+        write!(
+            stream,
+            "{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("an answer");
+        let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status in {head:?}"));
+        (status, body.to_owned())
+    }
+
+    /// Waits until `target` answers `status`.
+    pub(crate) fn wait_for_status(&self, target: &str, status: u16) {
+        let deadline = Instant::now() + DEADLINE;
+        while self.request("GET", target, "").0 != status {
+            assert!(
+                Instant::now() < deadline,
+                "{target} never answered {status}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
