@@ -273,6 +273,38 @@ fn one_and_four_workers_give_identical_bytes_behind_a_password() {
     }
 }
 
+/// Returns once `worker` has a task of `run` delivered and not yet
+/// acknowledged, or the coordinator has finished.
+fn wait_until_holding_a_task(
+    server: &RedisServer,
+    run: &str,
+    worker: &str,
+    coordinator: &mut Proc,
+) {
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_connection().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(format!("qforge:{{{run}}}:tasks"))
+            .arg("workers")
+            .arg("-")
+            .arg("+")
+            .arg(1)
+            .arg(worker)
+            .query(&mut connection)
+            .unwrap_or_default();
+        if !pending.is_empty() || coordinator.finished() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{worker} never took a task of {run}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn twenty_seeded_runs_with_workers_sigkilled_give_identical_bytes() {
     let Some(server) = RedisServer::start("chaos", None) else {
@@ -295,10 +327,22 @@ fn twenty_seeded_runs_with_workers_sigkilled_give_identical_bytes() {
         let kills = rng.random_range(1..=3);
         for k in 0..kills {
             std::thread::sleep(Duration::from_millis(rng.random_range(50..500)));
+            let victim = rng.random_range(0..pool.len());
+            // The first kill waits for its victim to hold a task, so every
+            // run loses a batch mid-flight however fast or loaded the
+            // machine is (a kill by the clock alone landed between batches,
+            // or after the run, on a busy CI machine).
+            if k == 0 {
+                wait_until_holding_a_task(
+                    &server,
+                    &run,
+                    &format!("s{seed}-w{victim}"),
+                    &mut coordinator,
+                );
+            }
             if coordinator.finished() {
                 break;
             }
-            let victim = rng.random_range(0..pool.len());
             pool[victim].signal("KILL");
             pool[victim] = setup.worker(&url, &run, &format!("s{seed}-r{k}"));
         }

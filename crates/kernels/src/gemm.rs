@@ -111,7 +111,8 @@ impl GemmTier {
     fn rows_per_tile(self) -> usize {
         match self {
             Self::Avx512Vnni => 6,
-            Self::Portable | Self::Avx2 => 4,
+            Self::Avx2 => 2,
+            Self::Portable => 4,
         }
     }
 
@@ -427,7 +428,7 @@ mod x86 {
         }
     }
 
-    /// Register tile of `R` rows × 16 channels (one line of each group), on
+    /// Register tile of `R` rows × `16 L` channels (`L` lines of each group), on
     /// the signed activations `q = a ^ 0x80`: `vpmaddubsw` multiplies `|q|`
     /// (unsigned) by the weights given `q`'s sign (`vpsignb`, which also
     /// zeroes them where `q` is 0), so each i16 pair sum is at most
@@ -435,35 +436,45 @@ mod x86 {
     /// dot products; multiplying the stored `q + 128` would need 7-bit
     /// weights). `vpmaddwd` by 1 widens the pairs to i32.
     #[target_feature(enable = "avx2")]
-    unsafe fn tile_avx2_rows<const R: usize>(
+    unsafe fn tile_avx2_rows<const R: usize, const L: usize>(
         a: *const u8,
         lda: usize,
         b: &[Group],
-        line: usize,
+        first_line: usize,
         c: *mut i32,
     ) {
         let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(i8::MIN);
-        let mut acc = [[_mm256_setzero_si256(); 2]; R];
+        let mut acc = [[[_mm256_setzero_si256(); 2]; L]; R];
         for (g, group) in b.iter().enumerate() {
-            let w = group.0[line * 64..].as_ptr().cast::<__m256i>();
-            // SAFETY: one 64-byte line of the group.
-            let w = unsafe { [_mm256_load_si256(w), _mm256_load_si256(w.add(1))] };
+            let w = group.0[first_line * 64..].as_ptr().cast::<__m256i>();
+            // SAFETY: L 64-byte lines of the group from `first_line`.
+            let w: [[__m256i; 2]; L] = std::array::from_fn(|l| unsafe {
+                [
+                    _mm256_load_si256(w.add(2 * l)),
+                    _mm256_load_si256(w.add(2 * l + 1)),
+                ]
+            });
             for (r, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: row `r`, group `g` lies within the caller's rows.
                 let stored = _mm256_set1_epi32(unsafe { broadcast4(a, r * lda + g * GROUP) });
                 let q = _mm256_xor_si256(stored, flip);
                 let magnitude = _mm256_sign_epi8(q, q);
-                for (acc, &w) in acc.iter_mut().zip(&w) {
-                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, q));
-                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(pairs, ones));
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    for (acc, &w) in acc.iter_mut().zip(w) {
+                        let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, q));
+                        *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(pairs, ones));
+                    }
                 }
             }
         }
         for (r, acc) in acc.iter().enumerate() {
-            for (j, &v) in acc.iter().enumerate() {
-                // SAFETY: `c` holds R rows of 64 values.
-                unsafe { _mm256_storeu_si256(c.add(r * PANEL + 16 * line + 8 * j).cast(), v) };
+            for (l, acc) in acc.iter().enumerate() {
+                for (j, &v) in acc.iter().enumerate() {
+                    let at = r * PANEL + 16 * (first_line + l) + 8 * j;
+                    // SAFETY: `c` holds R rows of 64 values.
+                    unsafe { _mm256_storeu_si256(c.add(at).cast(), v) };
+                }
             }
         }
     }
@@ -472,16 +483,21 @@ mod x86 {
     /// See [`super::tile`]; the CPU must have AVX2.
     pub(super) unsafe fn tile_avx2(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
         let (a, c) = (a.as_ptr(), c.as_mut_ptr());
-        for line in 0..PANEL / 16 {
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                match rows {
-                    1 => tile_avx2_rows::<1>(a, lda, b, line, c),
-                    2 => tile_avx2_rows::<2>(a, lda, b, line, c),
-                    3 => tile_avx2_rows::<3>(a, lda, b, line, c),
-                    4 => tile_avx2_rows::<4>(a, lda, b, line, c),
-                    _ => unreachable!("the AVX2 tile has at most 4 rows"),
+        // The activations' preparation (broadcast, sign, magnitude) is shared
+        // by every line a call covers: a lone row covers the whole panel
+        // (8 accumulators), two rows half of it at a time (8 as well); 16
+        // would spill. SmolLM2 int8-dynamic decoding (M = 1, 3 rounds on
+        // this 2-core AVX2 machine): 35–44 tok/s with one line per call,
+        // 50–62 with the whole panel (BENCHMARKS.md).
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match rows {
+                1 => tile_avx2_rows::<1, 4>(a, lda, b, 0, c),
+                2 => {
+                    tile_avx2_rows::<2, 2>(a, lda, b, 0, c);
+                    tile_avx2_rows::<2, 2>(a, lda, b, 2, c);
                 }
+                _ => unreachable!("the AVX2 tile has at most 2 rows"),
             }
         }
     }
