@@ -360,6 +360,7 @@ fn print_calibration_json(
             "coverage": summary.coverage,
             "resumed_batches": summary.resumed,
             "duplicates": summary.duplicates,
+            "quarantined_results": summary.quarantined_results,
             "retries": summary.retries,
             "speculative_executions": summary.speculative,
             "mixed_hardware": summary.stats.provenance.mixed_hardware,

@@ -126,6 +126,13 @@ pub trait Backend {
     fn warnings(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// Results the backend refused before the merge (entries it could not
+    /// attribute to a planned batch, or not accept), each named in the
+    /// warnings.
+    fn refused_results(&self) -> usize {
+        0
+    }
 }
 
 /// N worker threads in this process, sharing the model (weights are shared,

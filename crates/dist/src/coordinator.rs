@@ -100,6 +100,10 @@ pub struct RunSummary {
     pub resumed_from: Option<PathBuf>,
     /// Results dropped because their batch was already merged.
     pub duplicates: usize,
+    /// Results refused as forged, corrupt or foreign (by the merge, or by
+    /// the backend before it): each is in the warnings (the first few) and
+    /// counts as a failed attempt of its batch, which is observed again.
+    pub quarantined_results: usize,
     /// Retries of failed batches.
     pub retries: usize,
     /// Results of speculative re-executions received (merged or dropped).
@@ -157,7 +161,9 @@ pub fn run(
         backend.committed()?;
     }
     merger.warn(backend.warnings());
-    merger.finish(options.min_coverage)
+    let mut summary = merger.finish(options.min_coverage)?;
+    summary.quarantined_results += backend.refused_results();
+    Ok(summary)
 }
 
 /// Restores the newest readable checkpoint into `merger`. Resuming without a

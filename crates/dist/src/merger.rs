@@ -14,6 +14,9 @@ use qforge_core::{BatchId, MergePolicy, Provenance, Stats};
 use crate::backend::{Failure, Next, Outcome};
 use crate::checkpoint::CheckpointStore;
 use crate::coordinator::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
+
+/// Rejected results named one by one in the warnings; beyond, only counted.
+const REJECTIONS_LOGGED: usize = 8;
 use crate::error::{Error, Result};
 
 /// The state of a run's reduce step.
@@ -31,6 +34,8 @@ pub(crate) struct Merger<'p> {
     workers: BTreeMap<String, WorkerReport>,
     timeline: Vec<Delivery>,
     duplicates: usize,
+    /// Results refused before the merge (see [`Merger::reject`]).
+    rejected: usize,
     retries: usize,
     speculative: usize,
     resumed: usize,
@@ -64,6 +69,7 @@ impl<'p> Merger<'p> {
             workers: BTreeMap::new(),
             timeline: Vec::new(),
             duplicates: 0,
+            rejected: 0,
             retries: 0,
             speculative: 0,
             resumed: 0,
@@ -141,28 +147,54 @@ impl<'p> Merger<'p> {
     ) -> Result<Next> {
         self.speculative += usize::from(speculative);
         let busy_seconds = elapsed.as_secs_f64();
-        let report = self.workers.entry(worker.clone()).or_default();
-        report.busy_seconds += busy_seconds;
-        let id = claimed_id(self.plan, batch, stats, &worker)?;
-        let merged = self.done.insert(id);
+        self.workers.entry(worker.clone()).or_default().busy_seconds += busy_seconds;
+        let id = match claimed_id(self.plan, batch, stats) {
+            Ok(id) => id,
+            Err(reason) => return Ok(self.reject(batch, worker, reason)),
+        };
+        // A retry or speculative copy that lost the race is a duplicate.
+        let merged = !self.done.contains(&id);
+        if merged {
+            // A failed merge leaves the statistics as they were.
+            if let Err(e) = self.stats.merge(stats, MergePolicy::Strict) {
+                return Ok(self.reject(batch, worker, format!("its statistics do not merge: {e}")));
+            }
+            self.done.insert(id);
+        }
         self.timeline.push(Delivery {
-            worker,
+            worker: worker.clone(),
             batch,
             at_seconds: self.started.elapsed().as_secs_f64(),
             busy_seconds,
             merged,
         });
+        let report = self.workers.entry(worker).or_default();
         if !merged {
-            // A retry or speculative copy that lost the race.
             report.duplicates += 1;
             self.duplicates += 1;
             return Ok(Next::Continue);
         }
-        self.stats.merge(stats, MergePolicy::Strict)?;
         report.merged += 1;
         self.unresolved -= 1;
         self.since_checkpoint += 1;
         Ok(self.next())
+    }
+
+    /// A result that must not be merged (forged, corrupt, or of another
+    /// run): counted and logged, and its batch handled as a failed attempt,
+    /// so the batch is observed again and the run goes on.
+    fn reject(&mut self, batch: usize, worker: String, reason: String) -> Next {
+        self.rejected += 1;
+        if self.rejected <= REJECTIONS_LOGGED {
+            self.warnings.push(format!(
+                "rejected a result for batch {batch} from worker {worker}: {reason}"
+            ));
+        }
+        self.accept_failure(
+            batch,
+            worker,
+            Failure::Worker(format!("rejected result: {reason}")),
+        )
     }
 
     fn accept_failure(&mut self, batch: usize, worker: String, error: Failure) -> Next {
@@ -240,6 +272,7 @@ impl<'p> Merger<'p> {
             resumed: self.resumed,
             resumed_from: self.resumed_from,
             duplicates: self.duplicates,
+            quarantined_results: self.rejected,
             retries: self.retries,
             speculative: self.speculative,
             quarantined: self.quarantined,
@@ -267,19 +300,20 @@ impl<'p> Merger<'p> {
 }
 
 /// The one batch id `stats` claims, if it is the id of plan batch `batch`.
-fn claimed_id(plan: &Plan, batch: usize, stats: &Stats, worker: &str) -> Result<BatchId> {
+fn claimed_id(plan: &Plan, batch: usize, stats: &Stats) -> std::result::Result<BatchId, String> {
     let claimed = &stats.provenance.batches;
     let expected = plan.batches.get(batch).map(|b| b.id);
     match claimed.first() {
         Some(&id) if claimed.len() == 1 && Some(id) == expected => Ok(id),
-        _ => Err(Error::ForeignResult {
-            worker: worker.to_owned(),
-            batch: claimed
+        _ => Err(format!(
+            "its statistics claim batch(es) [{}], not this plan's batch {batch}",
+            claimed
                 .iter()
+                .take(4)
                 .map(ToString::to_string)
                 .collect::<Vec<_>>()
-                .join(","),
-        }),
+                .join(", ")
+        )),
     }
 }
 
@@ -482,23 +516,48 @@ mod tests {
     }
 
     #[test]
-    fn a_result_for_a_batch_not_in_the_plan_is_rejected() {
+    fn a_result_for_a_batch_not_in_the_plan_is_rejected_as_a_failed_attempt() {
         let (job, plan) = setup(2);
         let stranger = BatchId {
             index: 0,
             content: Digest::of(b"another data set"),
         };
         let mut merger = Merger::new(&plan, 50);
-        let err = merger.accept(done(0, stats(&job, stranger, &[1.0]), "w0", false));
-        assert!(
-            matches!(err, Err(Error::ForeignResult { ref worker, .. }) if worker == "w0"),
-            "{err:?}"
-        );
+        let next = merger.accept(done(0, stats(&job, stranger, &[1.0]), "w0", false));
+        assert_eq!(next.unwrap(), Next::Retry(0));
         // Nor may it pass as another planned batch.
         let other = stats(&job, plan.batches[1].id, &[1.0]);
-        let err = merger.accept(done(0, other, "w0", false));
-        assert!(matches!(err, Err(Error::ForeignResult { .. })), "{err:?}");
+        assert_eq!(
+            merger.accept(done(0, other, "w0", false)).unwrap(),
+            Next::Retry(0)
+        );
         assert_eq!(merger.pending(), vec![0, 1]);
+        // Statistics that cannot merge with the ones merged so far (another
+        // histogram layout for the same tensor) leave those untouched.
+        let first = stats(&job, plan.batches[0].id, &[1.0]);
+        merger.accept(done(0, first, "w0", false)).unwrap();
+        let before = merger.stats.clone();
+        let mut odd = stats(&job, plan.batches[1].id, &[1.0]);
+        let mut channels = TensorStats::with_channels(3);
+        channels.observe(&[1.0, 2.0, 3.0]).unwrap();
+        odd.tensors.insert("layer.0".into(), channels);
+        assert_eq!(
+            merger.accept(done(1, odd, "w1", false)).unwrap(),
+            Next::Retry(1)
+        );
+        assert_eq!(merger.stats, before);
+        assert_eq!(merger.pending(), vec![1]);
+
+        let summary = merger.finish(0.0).unwrap();
+        assert_eq!(summary.quarantined_results, 3);
+        assert_eq!(summary.warnings.len(), 3, "{:?}", summary.warnings);
+        assert!(summary.warnings[0].contains("batch 0 from worker w0"));
+        assert!(
+            summary.warnings[2].contains("do not merge"),
+            "{:?}",
+            summary.warnings
+        );
+        assert_eq!(summary.workers["w1"].failures, 1);
     }
 
     #[test]

@@ -30,9 +30,15 @@ fn fixture() -> PathBuf {
 
 /// The Pendulum policy and its rollouts, planned into 19 batches of 32.
 fn session() -> Session {
+    session_of(32)
+}
+
+/// The Pendulum policy and 600 of its observations in batches of
+/// `batch_size`.
+fn session_of(batch_size: usize) -> Session {
     let recipe = Recipe {
         samples: 600,
-        batch_size: 32,
+        batch_size,
         ..Recipe::default()
     };
     Session::open(
@@ -46,7 +52,10 @@ fn session() -> Session {
 }
 
 fn setup() -> (Model, Job, Plan) {
-    let session = session();
+    setup_of(session())
+}
+
+fn setup_of(session: Session) -> (Model, Job, Plan) {
     let job = session.job(&session.recipe, &[]);
     (session.model.clone().unwrap(), job, session.plan)
 }
@@ -85,12 +94,25 @@ fn run_on(
     options: &RunOptions,
     faults: &Faults,
 ) -> qforge_dist::Result<RunSummary> {
-    let (target, job, plan) = setup();
+    run_session_on(session(), redis, name, workers, options, faults)
+}
+
+/// [`run_on`] for another session than the default.
+fn run_session_on(
+    session: Session,
+    redis: Option<&RedisServer>,
+    name: &str,
+    workers: usize,
+    options: &RunOptions,
+    faults: &Faults,
+) -> qforge_dist::Result<RunSummary> {
+    let spec = RunSpec::new(name, &session, &session.job(&session.recipe, &[]));
+    let (target, job, plan) = setup_of(session);
     let Some(server) = redis else {
         let backend = Embedded::new(target, job.clone(), workers);
         return run(&job, &plan, &faults.wrap(&backend), options, &mut |_| {});
     };
-    let mut spec = RunSpec::new(name, &session(), &job)?;
+    let mut spec = spec?;
     // Speculation would add duplicates whose count depends on timing; the
     // counting assertions below want none (speculation is tested with real
     // processes in the CLI tests).
@@ -172,6 +194,9 @@ struct Faults {
     fail: Option<(usize, usize)>,
     /// Stop the run with an error after this many outcomes (a coordinator crash).
     crash_after: Option<usize>,
+    /// Take this long over every outcome (a coordinator that falls behind
+    /// the results stream).
+    slow_merge: Option<Duration>,
 }
 
 impl Faults {
@@ -210,6 +235,10 @@ impl Backend for Faulty<'_> {
         self.inner.warnings()
     }
 
+    fn refused_results(&self) -> usize {
+        self.inner.refused_results()
+    }
+
     fn run(
         &self,
         plan: &Plan,
@@ -217,6 +246,9 @@ impl Backend for Faulty<'_> {
         on: &mut dyn FnMut(Outcome) -> qforge_dist::Result<Next>,
     ) -> qforge_dist::Result<()> {
         self.inner.run(plan, pending, &mut |outcome| {
+            if let Some(pause) = self.faults.slow_merge {
+                std::thread::sleep(pause);
+            }
             if let Some(limit) = self.faults.crash_after
                 && self.seen.fetch_add(1, Ordering::SeqCst) >= limit
             {
@@ -516,4 +548,162 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
             assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
         }
     }
+}
+
+#[test]
+fn a_coordinator_behind_the_results_stream_recomputes_nothing() {
+    let Some(server) = RedisServer::start("backlog", None) else {
+        return;
+    };
+    // 75 batches, whose results the workers publish far faster than the
+    // coordinator takes them (70 ms each: 16 results, one read, outlast the
+    // 1 s between two checks for lost tasks), so most results wait unread,
+    // their tasks acknowledged, through several checks.
+    let faults = Faults {
+        slow_merge: Some(Duration::from_millis(70)),
+        ..Faults::none()
+    };
+    let summary = run_session_on(
+        session_of(8),
+        Some(&server),
+        "backlog",
+        3,
+        &RunOptions::default(),
+        &faults,
+    )
+    .unwrap();
+    assert_eq!(summary.planned, 75);
+    assert!(
+        summary.warnings.iter().all(|w| !w.contains("re-enqueued")),
+        "{:?}",
+        summary.warnings
+    );
+    assert_eq!(summary.duplicates, 0);
+    let (target, job, plan) = setup_of(session_of(8));
+    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
+}
+
+#[test]
+fn forged_results_are_quarantined_and_the_run_goes_on() {
+    let Some(server) = RedisServer::start("forged", None) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let mut spec = RunSpec::new("forged", &session(), &job).unwrap();
+    spec.speculation = 1.0;
+    spec.heartbeat_ms = 100;
+    spec.heartbeat_timeout_ms = 600;
+    let backend = RedisBackend::open(
+        spec,
+        &ClusterOptions {
+            url: server.url(),
+            resume: false,
+            outage_limit: Duration::from_secs(10),
+        },
+    )
+    .unwrap();
+    // What a forger with access to Redis writes before any worker runs: the
+    // true reference fingerprint (so nothing is dropped for it), then batch
+    // 0 carrying batch 1's statistics, an entry naming no planned batch,
+    // and a genuine result of batch 0 at the largest sequence number (the
+    // cursor's successor overflowed).
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_connection().unwrap();
+    let fingerprint = target.fingerprint().unwrap().to_hex();
+    redis::cmd("SET")
+        .arg("qforge:{forged}:reference")
+        .arg(&fingerprint)
+        .query::<()>(&mut connection)
+        .unwrap();
+    let observed =
+        |b: usize| encode(&qforge_calib::observe_batch(&target, &plan.batches[b], &job).unwrap());
+    let forge = |id: &str, batch: &str, batch_id: String, stats: Vec<u8>| {
+        redis::cmd("XADD")
+            .arg("qforge:{forged}:results")
+            .arg(id)
+            .arg("batch")
+            .arg(batch)
+            .arg("id")
+            .arg(batch_id)
+            .arg("worker")
+            .arg("forger")
+            .arg("fingerprint")
+            .arg(&fingerprint)
+            .arg("stats")
+            .arg(stats)
+            .query::<String>(&mut client.get_connection().unwrap())
+            .unwrap();
+    };
+    let batch0 = plan.batches[0].id.to_string();
+    forge("1-1", "0", batch0.clone(), observed(1));
+    forge("1-2", "99999", batch0.clone(), observed(0));
+    forge("1-18446744073709551615", "0", batch0, observed(0));
+
+    let summary = std::thread::scope(|scope| {
+        for w in 0..2 {
+            let worker = WorkerOptions {
+                url: server.url(),
+                run: Some("forged".to_owned()),
+                name: format!("forged-w{w}"),
+                forever: false,
+                wait: Duration::from_secs(10),
+                outage_limit: Duration::from_secs(10),
+            };
+            scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
+        }
+        // Ending the run whatever happens lets the workers leave, so a
+        // failing coordinator fails the test instead of hanging it.
+        let summary = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {})
+        }));
+        backend.finish(matches!(summary, Ok(Ok(_)))).unwrap();
+        summary.unwrap().unwrap()
+    });
+    assert_eq!(summary.quarantined_results, 2, "{:?}", summary.warnings);
+    let named = |needle: &str| summary.warnings.iter().any(|w| w.contains(needle));
+    assert!(named("claim batch(es)"), "{:?}", summary.warnings);
+    assert!(
+        named("names no batch of this plan"),
+        "{:?}",
+        summary.warnings
+    );
+    assert!(summary.quarantined.is_empty());
+    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
+}
+
+#[test]
+fn a_forged_non_ascii_reference_fingerprint_refuses_the_worker_without_a_panic() {
+    let Some(server) = RedisServer::start("forged-reference", None) else {
+        return;
+    };
+    let (_, job, _) = setup();
+    let mut spec = RunSpec::new("forged-reference", &session(), &job).unwrap();
+    spec.heartbeat_ms = 100;
+    spec.heartbeat_timeout_ms = 600;
+    let _backend = RedisBackend::open(
+        spec,
+        &ClusterOptions {
+            url: server.url(),
+            resume: false,
+            outage_limit: Duration::from_secs(10),
+        },
+    )
+    .unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    redis::cmd("SET")
+        .arg("qforge:{forged-reference}:reference")
+        .arg("\u{e9}".repeat(20))
+        .query::<()>(&mut client.get_connection().unwrap())
+        .unwrap();
+    let worker = WorkerOptions {
+        url: server.url(),
+        run: Some("forged-reference".to_owned()),
+        name: "honest".into(),
+        forever: false,
+        wait: Duration::from_secs(10),
+        outage_limit: Duration::from_secs(10),
+    };
+    let err = serve(&worker, &mut |_| {}).unwrap_err();
+    assert!(matches!(err, Error::Refused(_)), "{err}");
+    assert!(err.to_string().contains("differs from the run's"), "{err}");
 }

@@ -288,7 +288,7 @@ impl Session {
         log(&format!(
             "joining run {run} as {} (fingerprint {})",
             options.name,
-            &fingerprint[..16]
+            abbreviated(&fingerprint)
         ));
         Ok(Self {
             keys: RunKeys::new(&run)?,
@@ -348,8 +348,8 @@ impl Session {
                  computes different activations (another build or CPU), which would break byte-identical \
                  statistics; run workers on matching machines, or start the coordinator with \
                  --allow-mixed-hardware to accept results exact only up to forward-pass rounding",
-                &fingerprint[..16],
-                &reference[..16.min(reference.len())]
+                abbreviated(fingerprint),
+                abbreviated(&reference)
             )));
         }
         if !matches {
@@ -720,6 +720,17 @@ impl Session {
         })?;
         Ok(())
     }
+}
+
+/// The first 16 characters of a fingerprint, escaped: the run's reference
+/// comes from Redis and may be anything (a byte slice of a non-ASCII value
+/// panicked the worker).
+fn abbreviated(fingerprint: &str) -> String {
+    fingerprint
+        .chars()
+        .take(16)
+        .flat_map(char::escape_debug)
+        .collect()
 }
 
 /// This machine's host name (for worker names and the worker record).
