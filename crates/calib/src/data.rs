@@ -61,7 +61,10 @@ impl Record {
 pub struct Dataset {
     /// Valid records, in file order.
     pub records: Vec<Record>,
-    /// Lines skipped under `skip_invalid`: (1-based line, reason).
+    /// The 1-based line of each record.
+    pub lines: Vec<usize>,
+    /// Lines skipped under `skip_invalid`: (1-based line, reason), in file
+    /// order.
     pub skipped: Vec<(usize, String)>,
     /// SHA-256 of the file's bytes.
     pub digest: Digest,
@@ -82,6 +85,7 @@ pub fn parse_jsonl(bytes: &[u8], name: &str, skip_invalid: bool) -> Result<Datas
     let mut digest = DigestBuilder::default();
     digest.update(bytes);
     let mut records = Vec::new();
+    let mut lines = Vec::new();
     let mut skipped = Vec::new();
     // A UTF-8 byte-order mark, which Windows editors and some exporters
     // write, is not part of line 1's record (it made line 1 "not valid
@@ -108,7 +112,10 @@ pub fn parse_jsonl(bytes: &[u8], name: &str, skip_invalid: bool) -> Result<Datas
             continue;
         }
         match parse_record(text) {
-            Ok(record) => records.push(record),
+            Ok(record) => {
+                records.push(record);
+                lines.push(line_no);
+            }
             Err(reason) if skip_invalid => skipped.push((line_no, reason)),
             Err(reason) => {
                 return Err(Error::InvalidLine {
@@ -136,9 +143,53 @@ pub fn parse_jsonl(bytes: &[u8], name: &str, skip_invalid: bool) -> Result<Datas
     }
     Ok(Dataset {
         records,
+        lines,
         skipped,
         digest: digest.finish(),
     })
+}
+
+impl Dataset {
+    /// Applies a check that needs the model (an observation's width, a token
+    /// id's range) to every record, as [`parse_jsonl`] does its own: a
+    /// failing record fails with its line number, or under `skip_invalid` is
+    /// counted and skipped. `name` labels errors.
+    pub fn check(
+        &mut self,
+        name: &str,
+        skip_invalid: bool,
+        check: impl Fn(&Record) -> std::result::Result<(), String>,
+    ) -> Result<()> {
+        let mut kept = (Vec::new(), Vec::new());
+        for (record, line) in std::mem::take(&mut self.records)
+            .into_iter()
+            .zip(&self.lines)
+        {
+            match check(&record) {
+                Ok(()) => {
+                    kept.0.push(record);
+                    kept.1.push(*line);
+                }
+                Err(reason) if skip_invalid => self.skipped.push((*line, reason)),
+                Err(reason) => {
+                    return Err(Error::InvalidLine {
+                        path: name.to_owned(),
+                        line: *line,
+                        reason,
+                    });
+                }
+            }
+        }
+        (self.records, self.lines) = kept;
+        self.skipped.sort_by_key(|(line, _)| *line);
+        if self.records.is_empty() {
+            return Err(Error::Data(format!(
+                "{name}: no valid records ({} skipped)",
+                self.skipped.len()
+            )));
+        }
+        Ok(())
+    }
 }
 
 fn parse_record(text: &str) -> std::result::Result<Record, String> {
@@ -168,10 +219,14 @@ fn parse_record(text: &str) -> std::result::Result<Record, String> {
             let values = row
                 .iter()
                 .map(|v| {
+                    // Finite in f32, as the forward computes: 3.5e38 is a
+                    // finite f64 that rounds to +inf.
                     v.as_f64()
-                        .filter(|f| f.is_finite())
                         .map(|f| f as f32)
-                        .ok_or_else(|| format!("observation {i} holds {v}, not a finite number"))
+                        .filter(|f| f.is_finite())
+                        .ok_or_else(|| {
+                            format!("observation {i} holds {v}, not a finite 32-bit float")
+                        })
                 })
                 .collect::<std::result::Result<Vec<f32>, String>>()?;
             if parsed
@@ -244,6 +299,41 @@ fn parse_record(text: &str) -> std::result::Result<Record, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_are_finite_as_the_f32_the_forward_computes_in() {
+        let err = parse_jsonl(
+            b"{\"observations\": [[1e38, 3.5e38]]}\n",
+            "big.jsonl",
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("big.jsonl:1: observation 0 holds 3.5e+38"),
+            "{err}"
+        );
+        assert!(parse_jsonl(b"{\"observations\": [[3.4e38]]}\n", "ok.jsonl", false).is_ok());
+    }
+
+    #[test]
+    fn a_model_check_reports_lines_or_skips_them() {
+        let text = b"{\"observations\": [[1, 2]]}\n\n{\"observations\": [[1]]}\n{\"observations\": [[3, 4]]}\n";
+        let wide = |r: &Record| match r {
+            Record::Trajectory { observations, .. } if observations[0].len() != 2 => {
+                Err("too narrow".to_owned())
+            }
+            _ => Ok(()),
+        };
+        let mut d = parse_jsonl(text, "w.jsonl", false).unwrap();
+        assert_eq!(d.lines, vec![1, 3, 4]);
+        let err = d.check("w.jsonl", false, wide).unwrap_err().to_string();
+        assert!(err.starts_with("w.jsonl:3: too narrow"), "{err}");
+        let mut d = parse_jsonl(text, "w.jsonl", false).unwrap();
+        d.check("w.jsonl", true, wide).unwrap();
+        assert_eq!((d.records.len(), d.lines.clone()), (2, vec![1, 4]));
+        assert_eq!(d.skipped, vec![(3, "too narrow".to_owned())]);
+    }
 
     #[test]
     fn a_byte_order_mark_before_line_1_is_not_part_of_it() {

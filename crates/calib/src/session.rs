@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use qforge_core::{Digest, DigestBuilder};
 use qforge_model::{Format, Model, TextSide};
 
-use crate::data::{Dataset, EpisodeContent, load_jsonl};
+use crate::data::{Dataset, EpisodeContent, Record, load_jsonl};
 use crate::error::{Error, Result};
 use crate::observe::Job;
 use crate::plan::{Plan, Recipe, plan};
@@ -54,21 +54,32 @@ impl Session {
         weights: Weights,
     ) -> Result<Self> {
         recipe.validate()?;
-        let data = load_jsonl(data_path, skip_invalid)?;
-        let is_policy = Format::is_policy(model_path)?;
-        let (model, plan) = match (weights, is_policy) {
-            (Weights::Load, _) => {
-                let model = qforge_model::open(model_path)?;
-                let plan = match &model {
-                    Model::Language(lm) => plan_episodes(&data, recipe, &lm.text)?,
-                    Model::Policy(_) => plan(&data, recipe, None)?,
-                };
-                (Some(model), plan)
+        let mut data = load_jsonl(data_path, skip_invalid)?;
+        let name = data_path.display().to_string();
+        let model = match weights {
+            Weights::Load => Some(qforge_model::open(model_path)?),
+            Weights::Skip => None,
+        };
+        // The records are checked against what the model takes here, where
+        // their line numbers are known, with what a planner without the
+        // weights reads too, so coordinator and workers skip the same lines.
+        let plan = match &model {
+            Some(Model::Policy(policy)) => {
+                let width = policy.config().observation_dim;
+                data.check(&name, skip_invalid, |r| fits_policy(r, width))?;
+                plan(&data, recipe, None)?
             }
-            (Weights::Skip, true) => (None, plan(&data, recipe, None)?),
-            (Weights::Skip, false) => {
+            Some(Model::Language(lm)) => {
+                plan_checked_episodes(&mut data, recipe, &lm.text, &name, skip_invalid)?
+            }
+            None if Format::is_policy(model_path)? => {
+                let width = qforge_model::open::observation_dim(model_path)?;
+                data.check(&name, skip_invalid, |r| fits_policy(r, width))?;
+                plan(&data, recipe, None)?
+            }
+            None => {
                 let text = TextSide::load(model_path)?;
-                (None, plan_episodes(&data, recipe, &text)?)
+                plan_checked_episodes(&mut data, recipe, &text, &name, skip_invalid)?
             }
         };
         Ok(Self {
@@ -124,9 +135,50 @@ impl Session {
 }
 
 /// The plan of LLM episodes: chat-formatted (when the model has a template)
-/// and tokenized.
-fn plan_episodes(data: &Dataset, recipe: &Recipe, text: &TextSide) -> Result<Plan> {
+/// and tokenized, once their token ids are checked against the vocabulary.
+fn plan_checked_episodes(
+    data: &mut Dataset,
+    recipe: &Recipe,
+    text: &TextSide,
+    name: &str,
+    skip_invalid: bool,
+) -> Result<Plan> {
+    let vocabulary = text.tokenizer.vocab_size();
+    data.check(name, skip_invalid, |r| fits_vocabulary(r, vocabulary))?;
     plan(data, recipe, Some(&|content| episode_tokens(text, content)))
+}
+
+/// A trajectory's observations are as wide as the policy's input (an
+/// episode is left to the planner, which refuses it for a policy).
+fn fits_policy(record: &Record, width: usize) -> std::result::Result<(), String> {
+    let Record::Trajectory { observations, .. } = record else {
+        return Ok(());
+    };
+    match observations.iter().position(|o| o.len() != width) {
+        Some(i) => Err(format!(
+            "observation {i} has {} values; the policy takes {width}",
+            observations[i].len()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// An episode's token ids are in the model's vocabulary.
+fn fits_vocabulary(record: &Record, vocabulary: usize) -> std::result::Result<(), String> {
+    let Record::Episode {
+        content: EpisodeContent::TokenIds(ids),
+        ..
+    } = record
+    else {
+        return Ok(());
+    };
+    match ids.iter().position(|&id| id as usize >= vocabulary) {
+        Some(i) => Err(format!(
+            "token id {} (position {i}) is outside the model's vocabulary of {vocabulary} tokens",
+            ids[i]
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The token ids of an LLM episode, as calibration sees it.

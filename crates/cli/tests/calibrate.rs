@@ -164,6 +164,83 @@ fn bad_lines_are_reported_by_number_or_skipped_on_request() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad.jsonl:2: skipped"));
 }
 
+/// Rows that parse but that the model cannot take: found when the data is
+/// checked, with their line numbers, not three failed forwards later.
+#[test]
+fn rows_the_model_cannot_take_are_reported_by_line_at_the_data_check() {
+    let dir = temp("unfit");
+    let dir = dir.path();
+    let pendulum = path("fixtures/policies/pendulum");
+    let good =
+        std::fs::read_to_string(root().join("fixtures/policies/pendulum/rollouts.jsonl")).unwrap();
+    let first = good.lines().next().unwrap();
+    let calibrate = |data: &std::path::Path, extra: &[&str]| {
+        let mut args = vec![
+            "calibrate",
+            "--model",
+            &pendulum,
+            "--data",
+            data.to_str().unwrap(),
+            "--samples",
+            "100",
+        ];
+        args.extend(extra);
+        let out = dir.join("x.qstats");
+        args.extend(["-o", out.to_str().unwrap()]);
+        qforge(&args)
+    };
+    // Pendulum observations hold 3 values; 3.5e38 is finite as f64 only.
+    for (row, expected) in [
+        (
+            "[[1, 2, 3, 4]]",
+            "observation 0 has 4 values; the policy takes 3",
+        ),
+        ("[[0.5, 3.5e38, 0]]", "not a finite 32-bit float"),
+    ] {
+        let data = dir.join("unfit.jsonl");
+        std::fs::write(
+            &data,
+            format!("{first}\n{first}\n{{\"observations\": {row}}}\n{first}\n"),
+        )
+        .unwrap();
+        let out = calibrate(&data, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("unfit.jsonl:3: ") && stderr.contains(expected),
+            "{stderr}"
+        );
+        let out = calibrate(&data, &["--skip-invalid"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("unfit.jsonl:3: skipped"), "{stderr}");
+    }
+
+    // Token ids past SmolLM2's 49 152-token vocabulary.
+    let data = dir.join("tokens.jsonl");
+    std::fs::write(
+        &data,
+        "{\"token_ids\": [1, 2, 3]}\n{\"token_ids\": [1, 49152]}\n",
+    )
+    .unwrap();
+    let model = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    let out = qforge(&[
+        "calibrate",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "-o",
+        dir.join("t.qstats").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("tokens.jsonl:2: token id 49152 (position 1) is outside the model's vocabulary of 49152 tokens"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_finished_run_resumes_without_recomputing_and_gives_the_same_bytes() {
     let dir = temp("resume");

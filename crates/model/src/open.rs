@@ -103,6 +103,27 @@ impl Format {
     }
 }
 
+/// How many values one observation of the policy at `path` holds, read
+/// from its `policy.json` without the weights (an ONNX policy is imported
+/// whole: its width is in the graph). A planner without the weights checks
+/// its data with it.
+pub fn observation_dim(path: &Path) -> Result<usize> {
+    match Format::detect(path)? {
+        Format::PolicyDir | Format::Artifact => {
+            let config_path = path.join("policy.json");
+            let config: crate::mlp::PolicyConfig =
+                serde_json::from_slice(&crate::files::read_config(&config_path)?)
+                    .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            Ok(config.observation_dim)
+        }
+        Format::Onnx => Ok(crate::onnx::open_policy(path)?.config().observation_dim),
+        Format::Gguf | Format::HuggingFace => Err(Error::Format(format!(
+            "{} is a language model, not a policy",
+            path.display()
+        ))),
+    }
+}
+
 /// Opens the model at `path`: a GGUF file, a Hugging Face directory, a
 /// policy directory, an ONNX policy or a native artifact (with its stored
 /// precisions, after checking it against its manifest).
