@@ -1,7 +1,7 @@
 //! `qforge calibrate` (a calibration pass, coordinated on worker threads or
 //! on a Redis cluster) and `qforge worker` (a cluster worker).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -9,7 +9,7 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use qforge_calib::{Job, Pass, Plan, Recipe, Session, Stratify};
 use qforge_core::codec::encode;
-use qforge_dist::cluster::{WorkerOptions, hostname, serve};
+use qforge_dist::cluster::{RedisAddress, WorkerOptions, hostname, serve};
 use qforge_dist::{
     CheckpointStore, ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition,
     RedisExecutor, RunOptions, RunSummary,
@@ -105,7 +105,70 @@ pub(crate) struct BackendArgs {
     #[arg(long, value_name = "URL")]
     pub cluster: Option<String>,
     #[command(flatten)]
+    pub password: RedisPasswordArgs,
+    #[command(flatten)]
     pub settings: ClusterArgs,
+}
+
+/// Where the Redis password comes from when it is not in the URL.
+#[derive(Args)]
+pub(crate) struct RedisPasswordArgs {
+    /// Read the Redis password from this file (its first line), so it shows
+    /// neither in the URL nor in `ps`; the environment variable
+    /// QFORGE_REDIS_PASSWORD does the same.
+    #[arg(long, value_name = "FILE", requires = "cluster")]
+    redis_password_file: Option<PathBuf>,
+}
+
+/// The environment variable that may hold the Redis password.
+const PASSWORD_VARIABLE: &str = "QFORGE_REDIS_PASSWORD";
+
+/// A password file is a line, not a document.
+const PASSWORD_FILE_LIMIT: u64 = 4096;
+
+impl RedisPasswordArgs {
+    /// The Redis at `url`, with the password from the file or the
+    /// environment, if either gives one.
+    fn address(&self, url: &str) -> Result<RedisAddress> {
+        let password = match &self.redis_password_file {
+            Some(path) => Some(read_password(path)?),
+            None => match std::env::var(PASSWORD_VARIABLE) {
+                Ok(p) if !p.is_empty() => Some(p),
+                Ok(_) | Err(std::env::VarError::NotPresent) => None,
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    return Err(
+                        UsageError(format!("{PASSWORD_VARIABLE} is not valid UTF-8")).into(),
+                    );
+                }
+            },
+        };
+        Ok(RedisAddress::new(url, password)?)
+    }
+}
+
+/// The first line of a password file (a trailing newline is not part of
+/// the password).
+fn read_password(path: &Path) -> Result<String> {
+    let refuse = |why: String| -> anyhow::Error {
+        UsageError(format!("--redis-password-file {}: {why}", path.display())).into()
+    };
+    let file = std::fs::File::open(path).map_err(|e| refuse(e.to_string()))?;
+    let metadata = file.metadata().map_err(|e| refuse(e.to_string()))?;
+    if !metadata.is_file() {
+        return Err(refuse("not a regular file".into()));
+    }
+    if metadata.len() > PASSWORD_FILE_LIMIT {
+        return Err(refuse(format!(
+            "{} bytes; a password file holds one line (at most {PASSWORD_FILE_LIMIT} bytes)",
+            metadata.len()
+        )));
+    }
+    let text = std::io::read_to_string(file).map_err(|e| refuse(e.to_string()))?;
+    let password = text.lines().next().unwrap_or("");
+    if password.is_empty() {
+        return Err(refuse("its first line is empty".into()));
+    }
+    Ok(password.to_owned())
 }
 
 /// Settings of a cluster run (ignored by the embedded backend).
@@ -158,7 +221,7 @@ impl BackendArgs {
         })?;
         Ok(match &self.cluster {
             Some(url) => Box::new(RedisExecutor {
-                url: url.clone(),
+                redis: self.password.address(url)?,
                 run,
                 resume,
                 settings,
@@ -424,6 +487,8 @@ pub struct WorkerArgs {
     /// The Redis the coordinator uses (redis://[:PASSWORD@]HOST:PORT).
     #[arg(long, value_name = "URL")]
     cluster: String,
+    #[command(flatten)]
+    password: RedisPasswordArgs,
     /// Join this run (default: whichever run is active).
     #[arg(long)]
     run: Option<String>,
@@ -452,7 +517,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     }
     let host = hostname();
     let options = WorkerOptions {
-        url: args.cluster,
+        redis: args.password.address(&args.cluster)?,
         run: args.run,
         name: args
             .name

@@ -257,6 +257,45 @@ fn one_and_four_workers_give_identical_bytes_behind_a_password() {
         }
     }
 
+    // The password beside the URL, where `ps` does not show it: from a
+    // file for the coordinator, from the environment for the worker.
+    let bare = server.url_without_password();
+    let password_file = setup.dir.path().join("redis-password");
+    std::fs::write(&password_file, "s3cret pass\n").unwrap();
+    let out = setup.dir.path().join("beside.qstats");
+    let mut args = cluster_args(&bare, "beside");
+    args.extend(["--redis-password-file", password_file.to_str().unwrap()]);
+    let coordinator = setup.calibrate(&args, &out);
+    let mut worker = Proc(
+        Command::new(env!("CARGO_BIN_EXE_qforge"))
+            .args([
+                "worker",
+                "--cluster",
+                &bare,
+                "--run",
+                "beside",
+                "--wait",
+                "60",
+            ])
+            .env("QFORGE_REDIS_PASSWORD", "s3cret pass")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    assert_eq!(setup.finish(coordinator, &out)["merged_batches"], 16);
+    assert!(worker.wait(Duration::from_secs(20), "a worker").success());
+    // Given twice: refused, and the message does not repeat it.
+    let out = Command::new(env!("CARGO_BIN_EXE_qforge"))
+        .args(["worker", "--cluster", &url, "--wait", "1"])
+        .args(["--redis-password-file", password_file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("given twice"), "{stderr}");
+    assert!(!stderr.contains("s3cret"), "the password leaks: {stderr}");
+
     // Without the password, or with a wrong one: a clear error, exit 1.
     for url in [
         server.url_without_password(),

@@ -10,7 +10,7 @@ use std::time::Duration;
 use qforge_calib::{Job, Session, Weights};
 
 use crate::backend::Embedded;
-use crate::cluster::{ClusterOptions, RedisBackend, RunSpec};
+use crate::cluster::{ClusterOptions, RedisAddress, RedisBackend, RunSpec};
 use crate::coordinator::{Progress, RunOptions, RunSummary, run};
 use crate::error::{Error, Result};
 
@@ -160,8 +160,8 @@ impl ClusterSettings {
 /// next, and its workers follow.
 #[derive(Debug, Clone)]
 pub struct RedisExecutor {
-    /// `redis://[:PASSWORD@]HOST:PORT`.
-    pub url: String,
+    /// Where Redis is.
+    pub redis: RedisAddress,
     /// The run's name (its first pass's); `None`: the session's
     /// [`Session::run_name`].
     pub run: Option<String>,
@@ -214,7 +214,7 @@ impl Executor for RedisExecutor {
         let backend = RedisBackend::open(
             spec,
             &ClusterOptions {
-                url: self.url.clone(),
+                redis: self.redis.clone(),
                 resume: self.resume,
                 outage_limit: s.outage_limit,
             },

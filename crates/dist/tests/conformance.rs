@@ -16,7 +16,7 @@ use std::time::Duration;
 use qforge_calib::{Job, Plan, Recipe, Session, Weights, load_jsonl};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{
-    ClusterOptions, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
+    ClusterOptions, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
 };
 use qforge_dist::{
     Backend, CheckpointStore, Embedded, Error, Failure, Next, Outcome, RunOptions, RunSummary, run,
@@ -75,6 +75,11 @@ fn temp_dir(name: &str) -> tempfile::TempDir {
         .unwrap()
 }
 
+/// The test server's address.
+fn address(server: &RedisServer) -> RedisAddress {
+    RedisAddress::new(&server.url(), None).unwrap()
+}
+
 /// The backends every test runs on: embedded always, Redis when a server
 /// could be started (always under CI).
 fn backends(test: &str) -> Vec<Option<RedisServer>> {
@@ -122,7 +127,7 @@ fn run_session_on(
     let backend = RedisBackend::open(
         spec,
         &ClusterOptions {
-            url: server.url(),
+            redis: address(&server),
             resume: options.resume,
             outage_limit: Duration::from_secs(10),
         },
@@ -130,7 +135,7 @@ fn run_session_on(
     std::thread::scope(|scope| {
         for w in 0..workers {
             let worker = WorkerOptions {
-                url: server.url(),
+                redis: address(&server),
                 run: Some(name.to_owned()),
                 name: format!("{name}-w{w}"),
                 forever: false,
@@ -476,14 +481,14 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         let backend = RedisBackend::open(
             spec,
             &ClusterOptions {
-                url: server.url(),
+                redis: address(&server),
                 resume: false,
                 outage_limit: Duration::from_secs(10),
             },
         )
         .unwrap();
         let worker = |name: &str| WorkerOptions {
-            url: server.url(),
+            redis: address(&server),
             run: Some(run_name.clone()),
             name: name.into(),
             forever: false,
@@ -596,7 +601,7 @@ fn forged_results_are_quarantined_and_the_run_goes_on() {
     let backend = RedisBackend::open(
         spec,
         &ClusterOptions {
-            url: server.url(),
+            redis: address(&server),
             resume: false,
             outage_limit: Duration::from_secs(10),
         },
@@ -642,7 +647,7 @@ fn forged_results_are_quarantined_and_the_run_goes_on() {
     let summary = std::thread::scope(|scope| {
         for w in 0..2 {
             let worker = WorkerOptions {
-                url: server.url(),
+                redis: address(&server),
                 run: Some("forged".to_owned()),
                 name: format!("forged-w{w}"),
                 forever: false,
@@ -683,7 +688,7 @@ fn a_forged_non_ascii_reference_fingerprint_refuses_the_worker_without_a_panic()
     let _backend = RedisBackend::open(
         spec,
         &ClusterOptions {
-            url: server.url(),
+            redis: address(&server),
             resume: false,
             outage_limit: Duration::from_secs(10),
         },
@@ -696,7 +701,7 @@ fn a_forged_non_ascii_reference_fingerprint_refuses_the_worker_without_a_panic()
         .query::<()>(&mut client.get_connection().unwrap())
         .unwrap();
     let worker = WorkerOptions {
-        url: server.url(),
+        redis: address(&server),
         run: Some("forged-reference".to_owned()),
         name: "honest".into(),
         forever: false,

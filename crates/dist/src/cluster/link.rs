@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use redis::{Client, Connection, RedisError, RedisResult};
+use redis::{Client, Connection, IntoConnectionInfo, RedisError, RedisResult};
 
 use crate::error::{Error, Result};
 
@@ -20,14 +20,97 @@ pub(crate) struct Link {
     pub reconnects: usize,
 }
 
-/// The URL with any password blanked, for messages.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}***{}", &url[..scheme + 3], &url[at..])
+/// Where Redis is: its URL and, kept out of the URL (and so out of `ps`
+/// and of every message), an optional password. Prints redacted.
+#[derive(Clone)]
+pub struct RedisAddress {
+    url: String,
+    password: Option<String>,
+}
+
+impl RedisAddress {
+    /// `url` is `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]` or
+    /// `redis+unix:///PATH[?db=N&user=U&pass=P]`; `password`, when given,
+    /// must not also be in the URL.
+    pub fn new(url: &str, password: Option<String>) -> Result<Self> {
+        let info = url.into_connection_info().map_err(|e| {
+            Error::Cluster(format!(
+                "invalid cluster URL {}: {e}; expected redis://[:PASSWORD@]HOST:PORT or \
+                 redis+unix:///PATH",
+                redact(url)
+            ))
+        })?;
+        if password.is_some() && info.redis_settings().password().is_some() {
+            return Err(Error::Cluster(format!(
+                "the Redis password is given twice, in the URL {} and in --redis-password-file or \
+                 QFORGE_REDIS_PASSWORD; keep one (the file or the variable keeps it out of `ps`)",
+                redact(url)
+            )));
         }
-        _ => url.to_owned(),
+        if password.as_deref() == Some("") {
+            return Err(Error::Cluster("the Redis password is empty".into()));
+        }
+        Ok(Self {
+            url: url.to_owned(),
+            password,
+        })
     }
+
+    fn client(&self) -> Result<Client> {
+        let mut info = self
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| Error::Cluster(format!("invalid cluster URL {self}: {e}")))?;
+        if let Some(password) = &self.password {
+            let settings = info.redis_settings().clone().set_password(password);
+            info = info.set_redis_settings(settings);
+        }
+        Client::open(info).map_err(|e| Error::Cluster(format!("invalid cluster URL {self}: {e}")))
+    }
+}
+
+impl std::fmt::Display for RedisAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&redact(&self.url))
+    }
+}
+
+impl std::fmt::Debug for RedisAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RedisAddress({self})")
+    }
+}
+
+/// The URL with every password blanked, for messages: the user-info's
+/// (`redis://:P@host`) and the `pass`/`password` query parameters
+/// (`redis+unix:///path?pass=P`).
+fn redact(url: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut out = match (base.find("://"), base.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}***{}", &base[..scheme + 3], &base[at..])
+        }
+        _ => base.to_owned(),
+    };
+    if let Some(query) = query {
+        let parameters: Vec<String> = query
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((key, _))
+                    if key.eq_ignore_ascii_case("pass") || key.eq_ignore_ascii_case("password") =>
+                {
+                    format!("{key}=***")
+                }
+                _ => p.to_owned(),
+            })
+            .collect();
+        out = format!("{out}?{}", parameters.join("&"));
+    }
+    out
 }
 
 fn transient(e: &RedisError) -> bool {
@@ -40,18 +123,12 @@ fn transient(e: &RedisError) -> bool {
 
 impl Link {
     /// Connects and checks that Redis answers (and accepts the password).
-    pub(crate) fn open(url: &str, outage_limit: Duration) -> Result<Self> {
-        let client = Client::open(url).map_err(|e| {
-            Error::Cluster(format!(
-                "invalid cluster URL {}: {e}; expected redis://[:PASSWORD@]HOST:PORT",
-                redact(url)
-            ))
-        })?;
+    pub(crate) fn open(address: &RedisAddress, outage_limit: Duration) -> Result<Self> {
         let mut link = Self {
-            client,
+            client: address.client()?,
             connection: None,
             outage_limit,
-            url: redact(url),
+            url: address.to_string(),
             reconnects: 0,
         };
         link.call(|c| redis::cmd("PING").query::<String>(c))?;
@@ -62,7 +139,7 @@ impl Link {
         let text = e.to_string();
         if text.contains("WRONGPASS") || text.contains("NOAUTH") || text.contains("uthentication") {
             Error::Cluster(format!(
-                "Redis at {} refused the credentials ({e}); put them in the URL: redis://:PASSWORD@HOST:PORT or redis://USER:PASSWORD@HOST:PORT",
+                "Redis at {} refused the credentials ({e}); give the password in QFORGE_REDIS_PASSWORD, in a file named by --redis-password-file, or in the URL (redis://[USER]:PASSWORD@HOST:PORT)",
                 self.url
             ))
         } else if transient(e) {
@@ -129,5 +206,44 @@ mod tests {
             "redis://***@10.0.0.1:6379"
         );
         assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(
+            redact("redis+unix:///run/redis.sock?db=2&pass=s3cret&user=q"),
+            "redis+unix:///run/redis.sock?db=2&pass=***&user=q"
+        );
+        assert_eq!(
+            redact("unix:///run/r.sock?PASSWORD=a@b"),
+            "unix:///run/r.sock?PASSWORD=***"
+        );
+        let address = RedisAddress::new("redis://:s3cret@10.0.0.1:6379", None).unwrap();
+        assert_eq!(
+            format!("{address} {address:?}").matches("s3cret").count(),
+            0
+        );
+    }
+
+    #[test]
+    fn a_password_comes_from_the_url_or_beside_it_never_both() {
+        let beside = RedisAddress::new("redis://10.0.0.1:6379", Some("s3cret".into())).unwrap();
+        assert_eq!(
+            beside
+                .client()
+                .unwrap()
+                .get_connection_info()
+                .redis_settings()
+                .password(),
+            Some("s3cret")
+        );
+        assert!(!format!("{beside:?}").contains("s3cret"));
+        let err = RedisAddress::new("redis://:a@10.0.0.1:6379", Some("b".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("given twice") && !err.contains(":a@"), "{err}");
+        let err = RedisAddress::new("nonsense://x?pass=hidden", None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("invalid cluster URL") && !err.contains("hidden"),
+            "{err}"
+        );
     }
 }

@@ -45,6 +45,7 @@ mod spec;
 mod worker;
 
 pub use keys::RunKeys;
+pub use link::RedisAddress;
 pub use redis_backend::{ClusterOptions, RedisBackend};
 pub use spec::{FileRef, RunSpec};
 pub use worker::{WorkerOptions, WorkerReport, hostname, serve, serve_with};

@@ -11,7 +11,7 @@ use redis::streams::{
 };
 
 use super::keys::{ACTIVE, GROUP, RunKeys, entry_id};
-use super::link::Link;
+use super::link::{Link, RedisAddress};
 use super::spec::RunSpec;
 use crate::backend::{Backend, Failure, Next, Outcome};
 use crate::error::{Error, Result};
@@ -19,8 +19,8 @@ use crate::error::{Error, Result};
 /// How a cluster run is coordinated.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
-    /// `redis://[:PASSWORD@]HOST:PORT`.
-    pub url: String,
+    /// Where Redis is.
+    pub redis: RedisAddress,
     /// Continue the run's results and workers instead of starting clean.
     pub resume: bool,
     /// Give up when Redis stays unreachable this long.
@@ -66,7 +66,7 @@ impl RedisBackend {
     /// whatever an earlier run of that name left is cleared.
     pub fn open(spec: RunSpec, options: &ClusterOptions) -> Result<Self> {
         let keys = RunKeys::new(&spec.run)?;
-        let mut link = Link::open(&options.url, options.outage_limit)?;
+        let mut link = Link::open(&options.redis, options.outage_limit)?;
         let token = format!("{}-{}", std::process::id(), now_ms());
         let lease = spec.heartbeat_timeout_ms;
         let waited = Instant::now();

@@ -14,7 +14,7 @@ use redis::streams::{
 use serde_json::json;
 
 use super::keys::{ACTIVE, GROUP, RunKeys};
-use super::link::Link;
+use super::link::{Link, RedisAddress};
 use super::spec::RunSpec;
 use crate::backend::{Failure, observe_guarded};
 use crate::error::{Error, Result};
@@ -36,8 +36,8 @@ struct Prepared {
 /// How a worker behaves.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
-    /// `redis://[:PASSWORD@]HOST:PORT`.
-    pub url: String,
+    /// Where Redis is.
+    pub redis: RedisAddress,
     /// Join this run; `None`: whichever run is active.
     pub run: Option<String>,
     /// This worker's name (unique in the run).
@@ -85,7 +85,7 @@ pub fn serve_with(
     open: &mut dyn FnMut(&RunSpec) -> Result<Calibration>,
     log: &mut dyn FnMut(&str),
 ) -> Result<WorkerReport> {
-    let mut link = Link::open(&options.url, options.outage_limit)?;
+    let mut link = Link::open(&options.redis, options.outage_limit)?;
     let mut report = WorkerReport::default();
     let mut finished: Option<String> = None;
     // The next pass of the pipeline just served, which this worker follows.
@@ -238,7 +238,7 @@ struct Session {
     prepared: Prepared,
     name: String,
     fingerprint: String,
-    url: String,
+    redis: RedisAddress,
     outage_limit: Duration,
     follows_active: bool,
 }
@@ -297,7 +297,7 @@ impl Session {
             prepared: Prepared { target, job },
             name: options.name.clone(),
             fingerprint,
-            url: options.url.clone(),
+            redis: options.redis.clone(),
             outage_limit: options.outage_limit,
             follows_active: options.run.is_none(),
         })
@@ -392,7 +392,7 @@ impl Session {
         current: Current,
         stopped: mpsc::Receiver<()>,
     ) -> Result<std::thread::JoinHandle<()>> {
-        let mut link = Link::open(&self.url, self.outage_limit)?;
+        let mut link = Link::open(&self.redis, self.outage_limit)?;
         let key = self.keys.heartbeat(&self.name);
         let interval = Duration::from_millis(self.spec.heartbeat_ms);
         let ttl = self.spec.heartbeat_timeout_ms;
