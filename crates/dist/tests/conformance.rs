@@ -127,7 +127,7 @@ fn run_session_on(
     let backend = RedisBackend::open(
         spec,
         &ClusterOptions {
-            redis: address(&server),
+            redis: address(server),
             resume: options.resume,
             outage_limit: Duration::from_secs(10),
         },
@@ -135,7 +135,7 @@ fn run_session_on(
     std::thread::scope(|scope| {
         for w in 0..workers {
             let worker = WorkerOptions {
-                redis: address(&server),
+                redis: address(server),
                 run: Some(name.to_owned()),
                 name: format!("{name}-w{w}"),
                 forever: false,
