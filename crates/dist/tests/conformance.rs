@@ -588,25 +588,43 @@ fn a_coordinator_behind_the_results_stream_recomputes_nothing() {
     assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
 }
 
+/// Opens run `name` on `server` as its coordinator, with fast heartbeats
+/// and no speculation.
+fn open_run(server: &RedisServer, name: &str, job: &Job) -> RedisBackend {
+    let mut spec = RunSpec::new(name, &session(), job).unwrap();
+    spec.speculation = 1.0;
+    spec.heartbeat_ms = 100;
+    spec.heartbeat_timeout_ms = 600;
+    RedisBackend::open(
+        spec,
+        &ClusterOptions {
+            redis: address(server),
+            resume: false,
+            outage_limit: Duration::from_secs(10),
+        },
+    )
+    .unwrap()
+}
+
+/// A worker of run `run` named `name`.
+fn worker_of(server: &RedisServer, run: &str, name: &str) -> WorkerOptions {
+    WorkerOptions {
+        redis: address(server),
+        run: Some(run.to_owned()),
+        name: name.to_owned(),
+        forever: false,
+        wait: Duration::from_secs(10),
+        outage_limit: Duration::from_secs(10),
+    }
+}
+
 #[test]
 fn forged_results_are_quarantined_and_the_run_goes_on() {
     let Some(server) = RedisServer::start("forged", None) else {
         return;
     };
     let (target, job, plan) = setup();
-    let mut spec = RunSpec::new("forged", &session(), &job).unwrap();
-    spec.speculation = 1.0;
-    spec.heartbeat_ms = 100;
-    spec.heartbeat_timeout_ms = 600;
-    let backend = RedisBackend::open(
-        spec,
-        &ClusterOptions {
-            redis: address(&server),
-            resume: false,
-            outage_limit: Duration::from_secs(10),
-        },
-    )
-    .unwrap();
+    let backend = open_run(&server, "forged", &job);
     // What a forger with access to Redis writes before any worker runs: the
     // true reference fingerprint (so nothing is dropped for it), then batch
     // 0 carrying batch 1's statistics, an entry naming no planned batch,
@@ -646,14 +664,7 @@ fn forged_results_are_quarantined_and_the_run_goes_on() {
 
     let summary = std::thread::scope(|scope| {
         for w in 0..2 {
-            let worker = WorkerOptions {
-                redis: address(&server),
-                run: Some("forged".to_owned()),
-                name: format!("forged-w{w}"),
-                forever: false,
-                wait: Duration::from_secs(10),
-                outage_limit: Duration::from_secs(10),
-            };
+            let worker = worker_of(&server, "forged", &format!("forged-w{w}"));
             scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
         }
         // Ending the run whatever happens lets the workers leave, so a
@@ -682,32 +693,14 @@ fn a_forged_non_ascii_reference_fingerprint_refuses_the_worker_without_a_panic()
         return;
     };
     let (_, job, _) = setup();
-    let mut spec = RunSpec::new("forged-reference", &session(), &job).unwrap();
-    spec.heartbeat_ms = 100;
-    spec.heartbeat_timeout_ms = 600;
-    let _backend = RedisBackend::open(
-        spec,
-        &ClusterOptions {
-            redis: address(&server),
-            resume: false,
-            outage_limit: Duration::from_secs(10),
-        },
-    )
-    .unwrap();
+    let _backend = open_run(&server, "forged-reference", &job);
     let client = redis::Client::open(server.url()).unwrap();
     redis::cmd("SET")
         .arg("qforge:{forged-reference}:reference")
         .arg("\u{e9}".repeat(20))
         .query::<()>(&mut client.get_connection().unwrap())
         .unwrap();
-    let worker = WorkerOptions {
-        redis: address(&server),
-        run: Some("forged-reference".to_owned()),
-        name: "honest".into(),
-        forever: false,
-        wait: Duration::from_secs(10),
-        outage_limit: Duration::from_secs(10),
-    };
+    let worker = worker_of(&server, "forged-reference", "honest");
     let err = serve(&worker, &mut |_| {}).unwrap_err();
     assert!(matches!(err, Error::Refused(_)), "{err}");
     assert!(err.to_string().contains("differs from the run's"), "{err}");
