@@ -36,6 +36,9 @@ scripts/fetch-models.sh
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "house rules (scripts/house_rules.py): short functions, no import cycle"
+python3 scripts/house_rules.py
+
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 

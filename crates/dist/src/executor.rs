@@ -11,8 +11,9 @@ use qforge_calib::{Job, Session, Weights};
 
 use crate::backend::Embedded;
 use crate::cluster::{ClusterOptions, RedisAddress, RedisBackend, RunSpec};
-use crate::coordinator::{Progress, RunOptions, RunSummary, run};
+use crate::coordinator::{RunOptions, run};
 use crate::error::{Error, Result};
+use crate::record::{Progress, RunSummary};
 
 /// A pass's place in its pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

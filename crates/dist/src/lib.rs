@@ -4,7 +4,7 @@
 //! embedded backend (worker threads in this process), the [`Executor`]s that
 //! run a pipeline's passes one at a time on either, the [`coordinator`]
 //! (the reduce step: each batch id merged exactly once, retries, quarantine,
-//! coverage) and [`checkpoint`]s. Because merging is exact and order-free, the
+//! coverage), the [`record`] of what a run did, and [`checkpoint`]s. Because merging is exact and order-free, the
 //! statistics of a run are byte-identical whatever the backend, the number of
 //! workers, the order results arrive in, and the failures on the way. It
 //! depends on `qforge-calib`, `qforge-model` and `qforge-core`.
@@ -16,14 +16,16 @@ pub mod coordinator;
 pub mod error;
 pub mod executor;
 mod merger;
+pub mod record;
 
 pub use backend::{Backend, Embedded, Failure, Next, Outcome};
 pub use checkpoint::CheckpointStore;
-pub use coordinator::{Delivery, Progress, RunOptions, RunSummary, WorkerReport, run};
+pub use coordinator::{RunOptions, run};
 pub use error::{Error, Result};
 pub use executor::{
     ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition, RedisExecutor,
 };
+pub use record::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
 
 /// The build a worker reports when it joins a run.
 pub const BUILD: &str = concat!("qforge ", env!("CARGO_PKG_VERSION"));

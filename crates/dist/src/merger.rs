@@ -13,7 +13,7 @@ use qforge_core::{BatchId, MergePolicy, Provenance, Stats};
 
 use crate::backend::{Failure, Next, Outcome};
 use crate::checkpoint::CheckpointStore;
-use crate::coordinator::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
+use crate::record::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
 
 /// Rejected results named one by one in the warnings; beyond, only counted.
 const REJECTIONS_LOGGED: usize = 8;

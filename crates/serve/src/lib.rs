@@ -23,6 +23,7 @@ pub mod server;
 mod state;
 #[cfg(test)]
 mod testing;
+mod token;
 
 pub use conn::ConnectionLimits;
 pub use drift::DriftOptions;

@@ -31,13 +31,14 @@ use crate::drift::DriftMonitor;
 use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::http::{
-    Shape, error, read_body, require_token, session, timed_out, token_digest, too_many_requests,
-    with_arm, worker_stopped,
+    Shape, error, read_body, require_token, session, timed_out, too_many_requests, with_arm,
+    worker_stopped,
 };
 use crate::metrics::Metrics;
 use crate::openai;
 use crate::rollout::{Arm, FeedbackLimit, RolloutMode};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
+use crate::token::token_digest;
 
 pub use crate::http::{ARM_HEADER, SESSION_HEADER};
 pub use crate::state::ServeOptions;

@@ -18,9 +18,9 @@ use crate::conn::ConnectionLimits;
 use crate::drift::{DriftMonitor, DriftOptions};
 use crate::engine::{Engine, EngineLimits};
 use crate::error::{Error, Result};
-use crate::http::TokenDigest;
 use crate::metrics::Metrics;
 use crate::rollout::{Arm, FeedbackLimit, Rollout, RolloutOptions};
+use crate::token::TokenDigest;
 
 /// How the server runs.
 #[derive(Debug, Clone)]
