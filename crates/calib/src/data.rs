@@ -70,6 +70,17 @@ pub struct Dataset {
     pub digest: Digest,
 }
 
+/// Every row is `width` values wide.
+pub fn fits_width(rows: &[Vec<f32>], width: usize) -> std::result::Result<(), String> {
+    match rows.iter().position(|o| o.len() != width) {
+        Some(i) => Err(format!(
+            "observation {i} has {} values; the policy takes {width}",
+            rows[i].len()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Reads a JSONL file. A bad line fails the load with its line number, unless
 /// `skip_invalid`, which counts and skips it.
 pub fn load_jsonl(path: &Path, skip_invalid: bool) -> Result<Dataset> {
@@ -150,6 +161,28 @@ pub fn parse_jsonl(bytes: &[u8], name: &str, skip_invalid: bool) -> Result<Datas
 }
 
 impl Dataset {
+    /// Every observation of a trajectories file, row-major, each checked to
+    /// be `width` values wide; an LLM episode or a row of another width is an
+    /// error naming its line. `name` labels errors.
+    pub fn observations(&self, name: &str, width: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        for (record, &line) in self.records.iter().zip(&self.lines) {
+            let invalid = |reason: String| Error::InvalidLine {
+                path: name.to_owned(),
+                line,
+                reason,
+            };
+            let Record::Trajectory { observations, .. } = record else {
+                return Err(invalid(
+                    "an LLM episode where policy trajectories were expected".into(),
+                ));
+            };
+            fits_width(observations, width).map_err(invalid)?;
+            out.extend(observations.iter().flatten());
+        }
+        Ok(out)
+    }
+
     /// Applies a check that needs the model (an observation's width, a token
     /// id's range) to every record, as [`parse_jsonl`] does its own: a
     /// failing record fails with its line number, or under `skip_invalid` is

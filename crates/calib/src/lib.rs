@@ -15,6 +15,7 @@ pub mod observe;
 pub mod plan;
 pub mod session;
 pub mod transform;
+pub mod values;
 
 pub use data::{Dataset, EpisodeContent, Record, load_jsonl};
 pub use error::{Error, Result};
@@ -22,3 +23,4 @@ pub use observe::{Job, observe_batch};
 pub use plan::{Batch, HessianPass, Pass, Plan, Recipe, Sample, Stratify, Stratum, plan};
 pub use session::{Session, Weights, episode_tokens};
 pub use transform::{Transform, apply_all, transformed_digest};
+pub use values::observe_value_file;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use qforge_core::{Digest, DigestBuilder};
 use qforge_model::{Format, Model, TextSide};
 
-use crate::data::{Dataset, EpisodeContent, Record, load_jsonl};
+use crate::data::{Dataset, EpisodeContent, Record, fits_width, load_jsonl};
 use crate::error::{Error, Result};
 use crate::observe::Job;
 use crate::plan::{Plan, Recipe, plan};
@@ -151,15 +151,9 @@ fn plan_checked_episodes(
 /// A trajectory's observations are as wide as the policy's input (an
 /// episode is left to the planner, which refuses it for a policy).
 fn fits_policy(record: &Record, width: usize) -> std::result::Result<(), String> {
-    let Record::Trajectory { observations, .. } = record else {
-        return Ok(());
-    };
-    match observations.iter().position(|o| o.len() != width) {
-        Some(i) => Err(format!(
-            "observation {i} has {} values; the policy takes {width}",
-            observations[i].len()
-        )),
-        None => Ok(()),
+    match record {
+        Record::Trajectory { observations, .. } => fits_width(observations, width),
+        Record::Episode { .. } => Ok(()),
     }
 }
 

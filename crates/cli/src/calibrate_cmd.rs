@@ -1,7 +1,7 @@
 //! `qforge calibrate` (a calibration pass, coordinated on worker threads or
 //! on a Redis cluster) and `qforge worker` (a cluster worker).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -120,55 +120,15 @@ pub(crate) struct RedisPasswordArgs {
     redis_password_file: Option<PathBuf>,
 }
 
-/// The environment variable that may hold the Redis password.
-const PASSWORD_VARIABLE: &str = "QFORGE_REDIS_PASSWORD";
-
-/// A password file is a line, not a document.
-const PASSWORD_FILE_LIMIT: u64 = 4096;
-
 impl RedisPasswordArgs {
     /// The Redis at `url`, with the password from the file or the
     /// environment, if either gives one.
     fn address(&self, url: &str) -> Result<RedisAddress> {
-        let password = match &self.redis_password_file {
-            Some(path) => Some(read_password(path)?),
-            None => match std::env::var(PASSWORD_VARIABLE) {
-                Ok(p) if !p.is_empty() => Some(p),
-                Ok(_) | Err(std::env::VarError::NotPresent) => None,
-                Err(std::env::VarError::NotUnicode(_)) => {
-                    return Err(
-                        UsageError(format!("{PASSWORD_VARIABLE} is not valid UTF-8")).into(),
-                    );
-                }
-            },
-        };
-        Ok(RedisAddress::new(url, password)?)
+        Ok(RedisAddress::with_password_from(
+            url,
+            self.redis_password_file.as_deref(),
+        )?)
     }
-}
-
-/// The first line of a password file (a trailing newline is not part of
-/// the password).
-fn read_password(path: &Path) -> Result<String> {
-    let refuse = |why: String| -> anyhow::Error {
-        UsageError(format!("--redis-password-file {}: {why}", path.display())).into()
-    };
-    let file = std::fs::File::open(path).map_err(|e| refuse(e.to_string()))?;
-    let metadata = file.metadata().map_err(|e| refuse(e.to_string()))?;
-    if !metadata.is_file() {
-        return Err(refuse("not a regular file".into()));
-    }
-    if metadata.len() > PASSWORD_FILE_LIMIT {
-        return Err(refuse(format!(
-            "{} bytes; a password file holds one line (at most {PASSWORD_FILE_LIMIT} bytes)",
-            metadata.len()
-        )));
-    }
-    let text = std::io::read_to_string(file).map_err(|e| refuse(e.to_string()))?;
-    let password = text.lines().next().unwrap_or("");
-    if password.is_empty() {
-        return Err(refuse("its first line is empty".into()));
-    }
-    Ok(password.to_owned())
 }
 
 /// Settings of a cluster run (ignored by the embedded backend).

@@ -11,9 +11,9 @@ use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, is_artifac
 use qforge_model::manifest::{Manifest, read_manifest, verify, write_manifest};
 use serde_json::json;
 
-use crate::model_cmd::recorded_source;
 use crate::output::write_dir_atomic;
 use crate::{OutputFlags, UsageError};
+use qforge_model::open::recorded_source;
 
 /// `--format`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -7,7 +7,6 @@ mod calibrate_cmd;
 mod demo;
 mod export_cmd;
 mod info_cmd;
-mod input;
 mod model_cmd;
 mod output;
 mod quantize_cmd;

@@ -8,7 +8,6 @@ use qforge_core::Calibrator;
 use qforge_core::codec::decode;
 use qforge_model::artifact::is_artifact;
 use qforge_model::lm::{compare, perplexity};
-use qforge_model::manifest::Manifest;
 use qforge_model::sensitivity::{llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy, Model};
 use serde_json::json;
@@ -147,26 +146,6 @@ pub fn load_language_model(path: &Path) -> Result<LanguageModel> {
         ))
         .into()),
     }
-}
-
-/// The full-precision model an artifact was quantized from, as its
-/// manifest records it, checked to be unchanged since (its SHA-256).
-pub fn recorded_source(manifest: &Manifest) -> Result<PathBuf> {
-    let recorded = &manifest.info["source_model"];
-    let path = PathBuf::from(recorded["path"].as_str().unwrap_or_default());
-    let digest = qforge_model::open::digest(&path).with_context(|| {
-        format!(
-            "the artifact's full-precision source {} is not readable",
-            path.display()
-        )
-    })?;
-    if Some(digest.to_hex().as_str()) != recorded["sha256"].as_str() {
-        bail!(
-            "{} changed since it was quantized (its SHA-256 differs from the manifest's)",
-            path.display()
-        );
-    }
-    Ok(path)
 }
 
 /// Loads a policy directory, ONNX policy or policy artifact; a language
@@ -448,12 +427,7 @@ pub fn eval(command: EvalCommand) -> Result<()> {
             let observations = read_observations(&args.observations, dim)?;
             let ours = model.act(&observations)?;
             let theirs = reference.act(&observations)?;
-            let agreeing = ours
-                .iter()
-                .zip(&theirs)
-                .filter(|(a, b)| reference.actions_agree(a, b))
-                .count();
-            let agreement = agreeing as f64 / ours.len() as f64;
+            let agreement = reference.agreement(&ours, &theirs);
             if args.flags.json {
                 println!(
                     "{}",
@@ -538,28 +512,9 @@ fn layers(args: LayersArgs) -> Result<()> {
 /// Every observation of a trajectories JSONL file (the calibration data
 /// format, read by the same parser), row-major, checked against the policy's
 /// observation width.
-fn read_observations(path: &Path, dim: usize) -> Result<Vec<f32>> {
+fn read_observations(path: &Path, width: usize) -> Result<Vec<f32>> {
     let data = qforge_calib::load_jsonl(path, false)?;
-    let mut out = Vec::new();
-    for record in &data.records {
-        let qforge_calib::Record::Trajectory { observations, .. } = record else {
-            bail!(
-                "{} holds LLM episodes, not policy trajectories",
-                path.display()
-            );
-        };
-        for row in observations {
-            if row.len() != dim {
-                bail!(
-                    "{}: an observation has {} values; the policy takes {dim}",
-                    path.display(),
-                    row.len()
-                );
-            }
-            out.extend_from_slice(row);
-        }
-    }
-    Ok(out)
+    Ok(data.observations(&path.display().to_string(), width)?)
 }
 
 /// Arguments of `qforge fingerprint`.

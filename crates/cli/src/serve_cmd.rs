@@ -8,17 +8,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use qforge_model::artifact::{LayerPrecision, is_artifact, read_config};
-use qforge_model::manifest::read_manifest;
-use qforge_model::profile::CalibrationProfile;
 use qforge_serve::{
-    Calibration, ConnectionLimits, DriftOptions, EngineLimits, RolloutMode, RolloutOptions,
-    ServeOptions, Served, serve,
+    ConnectionLimits, DriftOptions, EngineLimits, RolloutMode, RolloutOptions, ServeOptions,
+    Served, reference_for, serve,
 };
 
 use crate::UsageError;
-use crate::model_cmd::{load_language_model, load_policy, recorded_source};
-use qforge_model::Model;
 
 /// The environment variable holding the bearer token clients must send
 /// (kept out of the command line, which other users can read).
@@ -286,49 +281,36 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         },
         (None, false) => RolloutMode::Int8Only,
     };
-    // Open first: for an artifact that checks every file against the
-    // manifest, calibration.json included.
-    let model = qforge_model::open(&args.model)?;
-    let calibration = calibration(&args.model)?;
-    let served = match model {
-        Model::Policy(model) => Served::Policy {
-            model,
-            reference: reference_path(&args, mode)?
-                .map(|p| load_policy(&p))
-                .transpose()?,
-            calibration,
-        },
-        Model::Language(model) => {
-            let reference = reference_path(&args, mode)?
-                .map(|p| load_language_model(&p))
-                .transpose()?;
-            let name = args.served_model_name.clone().unwrap_or_else(|| {
-                args.model
-                    .file_stem()
-                    .map_or("model".into(), |s| s.to_string_lossy().into_owned())
-            });
-            let c = model.model.config();
-            // K and V, f32, per layer and KV head.
-            let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4;
-            eprintln!(
-                "qforge serve: {name}: up to {} sequences per step, KV budget {} tokens ({:.0} MiB)",
-                args.max_batch,
-                args.kv_budget_tokens,
-                (args.kv_budget_tokens * bytes_per_token) as f64 / (1 << 20) as f64
-            );
-            Served::Language {
-                model: *model,
-                reference,
-                name,
-                calibration,
-                limits: EngineLimits {
-                    max_sequences: args.max_batch,
-                    kv_budget_tokens: args.kv_budget_tokens,
-                    threads: args.engine_threads,
-                },
-            }
-        }
+    let reference = reference_for(
+        &args.model,
+        args.reference.as_deref(),
+        mode.needs_reference(),
+    )?;
+    if let Some(path) = &reference {
+        eprintln!("qforge serve: FP reference {}", path.display());
+    }
+    let limits = EngineLimits {
+        max_sequences: args.max_batch,
+        kv_budget_tokens: args.kv_budget_tokens,
+        threads: args.engine_threads,
     };
+    let served = Served::open(
+        &args.model,
+        reference.as_deref(),
+        args.served_model_name.clone(),
+        limits,
+    )?;
+    if let Served::Language { model, name, .. } = &served {
+        let c = model.model.config();
+        // K and V, f32, per layer and KV head.
+        let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4;
+        eprintln!(
+            "qforge serve: {name}: up to {} sequences per step, KV budget {} tokens ({:.0} MiB)",
+            args.max_batch,
+            args.kv_budget_tokens,
+            (args.kv_budget_tokens * bytes_per_token) as f64 / (1 << 20) as f64
+        );
+    }
     let token = std::env::var(TOKEN_VARIABLE).ok().filter(|t| !t.is_empty());
     let connections = ConnectionLimits {
         header_timeout: positive_ms(args.header_timeout_ms, "--header-timeout-ms")?,
@@ -385,51 +367,4 @@ fn positive_ms(ms: u64, flag: &str) -> Result<Duration> {
         return Err(UsageError(format!("{flag} must be ≥ 1")).into());
     }
     Ok(Duration::from_millis(ms))
-}
-
-/// Where the FP reference of a rollout is: `--reference`, or the source the
-/// artifact's manifest records (checked against its hash).
-fn reference_path(args: &ServeArgs, mode: RolloutMode) -> Result<Option<PathBuf>> {
-    let path = match (&args.reference, mode.needs_reference()) {
-        (Some(path), _) => path.clone(),
-        (None, true) if is_artifact(&args.model) => recorded_source(&read_manifest(&args.model)?)?,
-        (None, true) => {
-            return Err(UsageError(format!(
-                "--ab and --shadow need --reference: {} is not an artifact whose manifest records its source",
-                args.model.display()
-            ))
-            .into());
-        }
-        (None, false) => return Ok(None),
-    };
-    eprintln!("qforge serve: FP reference {}", path.display());
-    Ok(Some(path))
-}
-
-/// The drift monitor's reference: an artifact's calibration profile and
-/// static scales (none for a plain model directory, which was never
-/// calibrated).
-fn calibration(model: &std::path::Path) -> Result<Option<Calibration>> {
-    if !is_artifact(model) {
-        return Ok(None);
-    }
-    let Some(profile) = CalibrationProfile::read(model)? else {
-        eprintln!(
-            "qforge serve: {} has no calibration profile (quantized by an older qforge); the drift monitor is off",
-            model.display()
-        );
-        return Ok(None);
-    };
-    let input_scales = read_config(model)?
-        .points
-        .into_iter()
-        .filter_map(|(point, precision)| match precision {
-            LayerPrecision::Int8Static { input_scale } => Some((point, input_scale)),
-            _ => None,
-        })
-        .collect();
-    Ok(Some(Calibration {
-        profile,
-        input_scales,
-    }))
 }

@@ -5,13 +5,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::Args;
 use qforge_core::codec::{decode, encode};
-use qforge_core::{
-    BatchId, Calibrator, Digest, DigestBuilder, MergePolicy, Provenance, QuantParams, Stats,
-    TensorStats,
-};
+use qforge_core::{Calibrator, Digest, MergePolicy, QuantParams, Stats};
 use serde_json::{Value, json};
 
-use crate::input::ValueFile;
 use crate::output::write_atomic;
 use crate::{OutputFlags, OutputPath, UsageError};
 
@@ -74,12 +70,6 @@ pub fn read_stats(path: &Path) -> Result<Stats> {
     decode(&bytes).with_context(|| format!("{}", path.display()))
 }
 
-/// The recipe of `stats observe`: what, besides the data, decides its output.
-fn observe_recipe(channels: Option<usize>) -> Digest {
-    let channels = channels.map_or("none".to_owned(), |c| c.to_string());
-    Digest::of(format!("qforge.stats.observe.v1 channels={channels}").as_bytes())
-}
-
 /// `qforge stats observe`.
 pub fn observe(args: ObserveArgs) -> Result<()> {
     if args.channels == Some(0) {
@@ -88,55 +78,7 @@ pub fn observe(args: ObserveArgs) -> Result<()> {
     if args.name.is_empty() {
         return Err(UsageError("--name must not be empty".into()).into());
     }
-    let file = ValueFile::open(&args.input)?;
-    if let Some(c) = args.channels {
-        anyhow::ensure!(
-            file.len.is_multiple_of(c as u64),
-            "{}: {} values do not form rows of {c} channels",
-            args.input.display(),
-            file.len
-        );
-        anyhow::ensure!(
-            !file.fortran_order || file.shape.as_ref().is_some_and(|s| s.len() <= 1),
-            "{}: a Fortran-ordered .npy does not store channels last; save it C-ordered",
-            args.input.display()
-        );
-    }
-    let mut tensor = args
-        .channels
-        .map_or_else(TensorStats::new, TensorStats::with_channels);
-    let mut hash = DigestBuilder::default();
-    // Per-channel tracking needs whole rows per call; a chunk that splits a row
-    // carries the partial row over to the next one.
-    let row_width = args.channels.unwrap_or(1);
-    let mut pending: Vec<f32> = Vec::new();
-    file.for_each_chunk(|values, bytes| {
-        hash.update(bytes);
-        if row_width == 1 || (pending.is_empty() && values.len() % row_width == 0) {
-            tensor.observe(values)?;
-        } else {
-            pending.extend_from_slice(values);
-            let whole = pending.len() / row_width * row_width;
-            tensor.observe(&pending[..whole])?;
-            pending.drain(..whole);
-        }
-        Ok(())
-    })?;
-    let data = hash.finish();
-    let stats = Stats {
-        provenance: Provenance::single(
-            None,
-            data,
-            observe_recipe(args.channels),
-            "observe",
-            BatchId {
-                index: 0,
-                content: data,
-            },
-            1,
-        ),
-        tensors: [(args.name.clone(), tensor)].into(),
-    };
+    let stats = qforge_calib::observe_value_file(&args.input, &args.name, args.channels)?;
     write_atomic(&args.output.output, &encode(&stats))?;
     report(&stats, &args.output.output, args.flags)
 }

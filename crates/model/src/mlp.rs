@@ -373,4 +373,15 @@ impl MlpPolicy {
     pub fn actions_agree(&self, a: &Action, b: &Action) -> bool {
         self.config.head.actions_agree(a, b)
     }
+
+    /// The share of pairs of `ours` and `theirs` (the actions of two
+    /// policies for the same observations) that agree; 0 for none.
+    pub fn agreement(&self, ours: &[Action], theirs: &[Action]) -> f64 {
+        let agreeing = ours
+            .iter()
+            .zip(theirs)
+            .filter(|(a, b)| self.actions_agree(a, b))
+            .count();
+        agreeing as f64 / ours.len().max(1) as f64
+    }
 }

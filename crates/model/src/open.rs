@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::{llm_fingerprint, policy_fingerprint};
 use crate::linear::{Int8Weight, Linear};
 use crate::lm::LanguageModel;
+use crate::manifest::Manifest;
 use crate::mlp::MlpPolicy;
 
 /// A model qforge can calibrate, quantize, evaluate and serve.
@@ -206,6 +207,26 @@ impl Model {
             ))),
         }
     }
+}
+
+/// The full-precision model the artifact of `manifest` was quantized from,
+/// as the manifest records it, checked to be unchanged since (its SHA-256).
+pub fn recorded_source(manifest: &Manifest) -> Result<PathBuf> {
+    let recorded = &manifest.info["source_model"];
+    let path = PathBuf::from(recorded["path"].as_str().unwrap_or_default());
+    let digest = digest(&path).map_err(|e| {
+        Error::Format(format!(
+            "the artifact's full-precision source {} is not readable: {e}",
+            path.display()
+        ))
+    })?;
+    if Some(digest.to_hex().as_str()) != recorded["sha256"].as_str() {
+        return Err(Error::Format(format!(
+            "{} changed since it was quantized (its SHA-256 differs from the manifest's)",
+            path.display()
+        )));
+    }
+    Ok(path)
 }
 
 /// SHA-256 over every file the loader of the model at `path` reads: the

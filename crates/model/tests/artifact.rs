@@ -10,6 +10,7 @@ use qforge_model::artifact::{
     LayerPrecision, load_language_model, load_policy, write_language_model, write_policy,
 };
 use qforge_model::manifest::{verify, write_manifest};
+use qforge_model::open::recorded_source;
 use qforge_model::{LanguageModel, Logits, MlpPolicy, RotatedInput};
 
 /// A scratch directory, removed when dropped.
@@ -235,4 +236,42 @@ fn every_file_of_an_artifact_gets_the_mode_the_umask_gives() {
         let path = entry.unwrap().path();
         assert_eq!(mode(&path), expected, "{}", path.display());
     }
+}
+
+#[test]
+fn the_recorded_source_is_found_and_refused_once_it_has_changed() {
+    let scratch = fresh_dir("source");
+    let source = scratch.path().join("policy");
+    std::fs::create_dir(&source).unwrap();
+    for file in ["policy.json", "model.safetensors"] {
+        std::fs::copy(
+            fixture("fixtures/policies/cartpole").join(file),
+            source.join(file),
+        )
+        .unwrap();
+    }
+    let digest = qforge_model::open::digest(&source).unwrap();
+    let artifact = scratch.path().join("artifact");
+    std::fs::create_dir(&artifact).unwrap();
+    let manifest = write_manifest(
+        &artifact,
+        serde_json::json!({"source_model": {
+            "path": source.display().to_string(),
+            "sha256": digest.to_hex(),
+        }}),
+    )
+    .unwrap();
+    assert_eq!(recorded_source(&manifest).unwrap(), source);
+    // One weight byte changed: the FP reference is no longer the one the
+    // artifact was quantized from.
+    let weights = source.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&weights, bytes).unwrap();
+    let error = recorded_source(&manifest).unwrap_err().to_string();
+    assert!(error.contains("changed since it was quantized"), "{error}");
+    std::fs::remove_dir_all(&source).unwrap();
+    let error = recorded_source(&manifest).unwrap_err().to_string();
+    assert!(error.contains("is not readable"), "{error}");
 }

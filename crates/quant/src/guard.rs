@@ -266,12 +266,7 @@ impl<'a> Guard<'a> {
             (FpModel::Policy(p), HeldOut::Observations(obs)) => {
                 let quantized = p.with_linears(convert)?;
                 let actions = quantized.act(obs)?;
-                let agreeing = actions
-                    .iter()
-                    .zip(&self.reference_actions)
-                    .filter(|(a, b)| p.actions_agree(a, b))
-                    .count();
-                let agreement = agreeing as f64 / actions.len().max(1) as f64;
+                let agreement = p.agreement(&actions, &self.reference_actions);
                 Ok(GuardMetrics {
                     agreement: Some(agreement),
                     perplexity: None,

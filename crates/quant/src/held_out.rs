@@ -33,51 +33,38 @@ fn policy_held_out(
 ) -> Result<(HeldOut, String)> {
     let dim = policy.config().observation_dim;
     let loaded;
-    let (records, drawn, source) = match eval_data {
+    let (data, drawn, name, source) = match eval_data {
         Some(path) => {
             loaded =
                 qforge_calib::load_jsonl(path, false).map_err(|e| Error::HeldOut(e.to_string()))?;
-            (&loaded.records, HashSet::new(), path.display().to_string())
+            let name = path.display().to_string();
+            (&loaded, HashSet::new(), name.clone(), name)
         }
         None => {
             let drawn: HashSet<Vec<u32>> = session
                 .plan
                 .samples()
                 .filter_map(|s| match s {
-                    Sample::Observation(o) => Some(o.iter().map(|v| v.to_bits()).collect()),
+                    Sample::Observation(o) => Some(bits(o)),
                     Sample::Tokens(_) => None,
                 })
                 .collect();
             (
-                &session.data.records,
+                &session.data,
                 drawn,
+                session.data_path.display().to_string(),
                 "observations of the calibration data not drawn for calibration".to_owned(),
             )
         }
     };
-    let mut observations = Vec::new();
-    for record in records {
-        let Record::Trajectory {
-            observations: rows, ..
-        } = record
-        else {
-            return Err(Error::HeldOut(
-                "the held-out data holds LLM episodes; a policy needs trajectories".into(),
-            ));
-        };
-        for row in rows {
-            if row.len() != dim {
-                return Err(Error::HeldOut(format!(
-                    "a held-out observation has {} values; the policy takes {dim}",
-                    row.len()
-                )));
-            }
-            let bits: Vec<u32> = row.iter().map(|v| v.to_bits()).collect();
-            if !drawn.contains(&bits) {
-                observations.extend_from_slice(row);
-            }
-        }
-    }
+    let observations: Vec<f32> = data
+        .observations(&name, dim)
+        .map_err(|e| Error::HeldOut(e.to_string()))?
+        .chunks_exact(dim)
+        .filter(|row| !drawn.contains(&bits(row)))
+        .flatten()
+        .copied()
+        .collect();
     if observations.is_empty() {
         return Err(Error::HeldOut(
             "no held-out observations: calibration drew all of them; draw fewer samples or pass held-out data"
@@ -89,6 +76,11 @@ fn policy_held_out(
         HeldOut::Observations(observations),
         format!("{rows} {source}"),
     ))
+}
+
+/// An observation's exact bits, to tell drawn observations from held-out ones.
+fn bits(row: &[f32]) -> Vec<u32> {
+    row.iter().map(|v| v.to_bits()).collect()
 }
 
 fn language_held_out(

@@ -11,6 +11,9 @@ pub enum Error {
     /// The address could not be bound.
     #[error("cannot listen on {0}: {1} (is another server using the port?)")]
     Bind(SocketAddr, std::io::Error),
+    /// The model (or its reference or calibration profile) did not load.
+    #[error(transparent)]
+    Model(#[from] qforge_model::Error),
     /// A thread the server needs could not start.
     #[error("cannot start {0}")]
     Start(String),

@@ -19,6 +19,7 @@ mod http;
 pub mod metrics;
 mod openai;
 pub mod rollout;
+pub mod served;
 pub mod server;
 mod state;
 #[cfg(test)]
@@ -30,4 +31,5 @@ pub use drift::DriftOptions;
 pub use engine::EngineLimits;
 pub use error::{Error, Result};
 pub use rollout::{Arm, RolloutMode, RolloutOptions};
-pub use server::{Calibration, ServeOptions, Served, serve};
+pub use served::{Calibration, Served, reference_for};
+pub use server::{ServeOptions, serve};

@@ -5,7 +5,6 @@
 //! handling of [`crate::conn`] (read deadlines, a cap, a bounded drain on
 //! shutdown), and the A/B rollout of [`crate::rollout`].
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,8 +17,6 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use qforge_model::profile::CalibrationProfile;
-use qforge_model::{LanguageModel, MlpPolicy};
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Value, json};
@@ -28,7 +25,6 @@ use tokio::sync::{Semaphore, oneshot};
 use crate::batcher::Job;
 use crate::conn;
 use crate::drift::DriftMonitor;
-use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::http::{
     Shape, error, read_body, require_token, session, timed_out, too_many_requests, with_arm,
@@ -37,48 +33,12 @@ use crate::http::{
 use crate::metrics::Metrics;
 use crate::openai;
 use crate::rollout::{Arm, FeedbackLimit, RolloutMode};
+use crate::served::{Calibration, Served};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 use crate::token::token_digest;
 
 pub use crate::http::{ARM_HEADER, SESSION_HEADER};
 pub use crate::state::ServeOptions;
-
-/// What a server runs.
-// One value per process, moved once into `serve`: variant sizes do not matter.
-#[allow(clippy::large_enum_variant)]
-pub enum Served {
-    /// A control policy behind `/v1/act`.
-    Policy {
-        /// The model that answers (normally an INT8 artifact).
-        model: MlpPolicy,
-        /// Its full-precision reference, for A/B and shadow rollouts.
-        reference: Option<MlpPolicy>,
-        /// What the model's inputs looked like in calibration; without it
-        /// there is no drift monitor.
-        calibration: Option<Calibration>,
-    },
-    /// A language model behind `/v1/completions` and `/v1/chat/completions`.
-    Language {
-        /// The model.
-        model: LanguageModel,
-        /// Its full-precision reference, for A/B and shadow rollouts.
-        reference: Option<LanguageModel>,
-        /// The name clients may give as `model` (and `/v1/models` lists).
-        name: String,
-        /// As for a policy.
-        calibration: Option<Calibration>,
-        /// The continuous-batching engine's limits.
-        limits: EngineLimits,
-    },
-}
-
-/// The calibration facts the drift monitor compares against.
-pub struct Calibration {
-    /// Calibrated range and octave histogram per point.
-    pub profile: CalibrationProfile,
-    /// Activation scale of every static INT8 point.
-    pub input_scales: BTreeMap<String, f32>,
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

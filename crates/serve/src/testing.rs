@@ -13,7 +13,8 @@ use crate::conn::ConnectionLimits;
 use crate::drift::DriftOptions;
 use crate::engine::EngineLimits;
 use crate::rollout::{RolloutMode, RolloutOptions};
-use crate::server::{ServeOptions, Served, serve};
+use crate::served::Served;
+use crate::server::{ServeOptions, serve};
 
 /// Generous, for a machine whose cores are all busy.
 const DEADLINE: Duration = Duration::from_secs(180);

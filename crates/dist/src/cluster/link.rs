@@ -1,10 +1,17 @@
 //! A Redis connection that survives a Redis restart.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use redis::{Client, Connection, IntoConnectionInfo, RedisError, RedisResult};
 
 use crate::error::{Error, Result};
+
+/// The environment variable that may hold the Redis password.
+pub const PASSWORD_VARIABLE: &str = "QFORGE_REDIS_PASSWORD";
+
+/// A password file is a line, not a document.
+const PASSWORD_FILE_LIMIT: u64 = 4096;
 
 /// Longer than any `BLOCK` we issue, so a stopped (SIGSTOP) Redis is noticed.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -56,6 +63,26 @@ impl RedisAddress {
         })
     }
 
+    /// The Redis at `url` with the password from `password_file` (its first
+    /// line) if given, else from the environment variable
+    /// [`PASSWORD_VARIABLE`] if set: either keeps the password out of the URL
+    /// and of `ps`.
+    pub fn with_password_from(url: &str, password_file: Option<&Path>) -> Result<Self> {
+        let password = match password_file {
+            Some(path) => Some(read_password_file(path)?),
+            None => match std::env::var(PASSWORD_VARIABLE) {
+                Ok(p) if !p.is_empty() => Some(p),
+                Ok(_) | Err(std::env::VarError::NotPresent) => None,
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    return Err(Error::Cluster(format!(
+                        "{PASSWORD_VARIABLE} is not valid UTF-8"
+                    )));
+                }
+            },
+        };
+        Self::new(url, password)
+    }
+
     fn client(&self) -> Result<Client> {
         let mut info = self
             .url
@@ -68,6 +95,30 @@ impl RedisAddress {
         }
         Client::open(info).map_err(|e| Error::Cluster(format!("invalid cluster URL {self}: {e}")))
     }
+}
+
+/// The first line of a password file (a trailing newline is not part of
+/// the password).
+fn read_password_file(path: &Path) -> Result<String> {
+    let refuse =
+        |why: String| Error::Cluster(format!("--redis-password-file {}: {why}", path.display()));
+    let file = std::fs::File::open(path).map_err(|e| refuse(e.to_string()))?;
+    let metadata = file.metadata().map_err(|e| refuse(e.to_string()))?;
+    if !metadata.is_file() {
+        return Err(refuse("not a regular file".into()));
+    }
+    if metadata.len() > PASSWORD_FILE_LIMIT {
+        return Err(refuse(format!(
+            "{} bytes; a password file holds one line (at most {PASSWORD_FILE_LIMIT} bytes)",
+            metadata.len()
+        )));
+    }
+    let text = std::io::read_to_string(file).map_err(|e| refuse(e.to_string()))?;
+    let password = text.lines().next().unwrap_or("");
+    if password.is_empty() {
+        return Err(refuse("its first line is empty".into()));
+    }
+    Ok(password.to_owned())
 }
 
 impl std::fmt::Display for RedisAddress {
