@@ -10,9 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use qforge_model::{GenerateOptions, TextSide};
-use rand::{Rng, SeedableRng, rngs::StdRng};
-use serde::Serialize;
+use qforge_model::rollouts::RolloutOptions;
 use serde_json::json;
 
 use crate::model_cmd::load_language_model;
@@ -26,15 +24,6 @@ pub enum Task {
     /// op one of + - *; reward 1 when the completion's last integer is the
     /// result, else 0.
     Arithmetic,
-}
-
-impl Task {
-    /// The name in episode ids and JSON output.
-    fn name(self) -> &'static str {
-        match self {
-            Task::Arithmetic => "arithmetic",
-        }
-    }
 }
 
 /// Arguments of `qforge rollouts`.
@@ -67,91 +56,6 @@ pub struct RolloutsArgs {
     output: OutputPath,
     #[command(flatten)]
     flags: OutputFlags,
-}
-
-/// Largest operand of an arithmetic prompt: with operands up to 20
-/// SmolLM2-135M answers about a quarter right, so the rewards cover both ends;
-/// with operands up to 50 it answered 1 in 20.
-const MAX_OPERAND: i64 = 20;
-
-/// An arithmetic problem.
-struct Problem {
-    a: i64,
-    op: char,
-    b: i64,
-}
-
-impl Problem {
-    /// A seeded problem.
-    fn draw(rng: &mut StdRng) -> Self {
-        Self {
-            a: rng.random_range(1..=MAX_OPERAND),
-            op: ['+', '-', '*'][rng.random_range(0..3)],
-            b: rng.random_range(1..=MAX_OPERAND),
-        }
-    }
-
-    fn prompt(&self) -> String {
-        format!(
-            "What is {} {} {}? Reply with only the number.",
-            self.a, self.op, self.b
-        )
-    }
-
-    fn result(&self) -> i64 {
-        match self.op {
-            '+' => self.a + self.b,
-            '-' => self.a - self.b,
-            _ => self.a * self.b,
-        }
-    }
-}
-
-/// The answer a completion gives: its last integer (a `-` right before the
-/// digits, not after a letter or digit, is a sign). The last rather than the
-/// first because small models restate the problem before answering ("7 * 8 =
-/// 56"): on SmolLM2 the first integer was the answer in 1 of 20 completions,
-/// the last in 9. A completion cut off by the token limit while writing a
-/// number has no answer: "= 1" may be the start of "= 12".
-fn answer(completion: &str, cut_off: bool) -> Option<i64> {
-    if cut_off && completion.ends_with(|c: char| c.is_ascii_digit()) {
-        return None;
-    }
-    let bytes = completion.as_bytes();
-    let end = bytes.iter().rposition(u8::is_ascii_digit)? + 1;
-    let mut start = end;
-    while start > 0 && bytes[start - 1].is_ascii_digit() {
-        start -= 1;
-    }
-    let negative = start > 0
-        && bytes[start - 1] == b'-'
-        && (start == 1 || !bytes[start - 2].is_ascii_alphanumeric());
-    let magnitude: i64 = completion[start..end].parse().ok()?;
-    Some(if negative { -magnitude } else { magnitude })
-}
-
-/// The model's chat template rendered up to where the assistant's answer
-/// begins. Cut from the same rendering calibration gives the episode
-/// (`TextSide::chat_text`), so the completion is generated after exactly the
-/// tokens it will be calibrated after.
-fn generation_prefix(text: &TextSide, prompt: &str) -> Result<String> {
-    const MARK: &str = "\u{1}qforge-completion\u{1}";
-    let rendered = text.chat_text(prompt, MARK)?;
-    let at = rendered
-        .find(MARK)
-        .context("the model's chat template drops the assistant's message")?;
-    Ok(rendered[..at].to_owned())
-}
-
-/// One line of the output.
-#[derive(Serialize)]
-struct Episode {
-    prompt: String,
-    completion: String,
-    reward: f64,
-    episode_id: String,
-    /// `stop` (end-of-sequence token) or `length` (cut off by --max-tokens).
-    finish: &'static str,
 }
 
 /// Fails now, before minutes of generation, if `path` cannot be written:
@@ -200,45 +104,30 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
             .expect("valid template"),
     );
     let started = Instant::now();
-    let mut rng = StdRng::seed_from_u64(args.seed);
-    let (mut lines, mut rewarded, mut cut_off, mut tokens) = (String::new(), 0usize, 0usize, 0);
-    for index in 0..args.episodes {
-        let problem = Problem::draw(&mut rng);
-        let prompt = problem.prompt();
-        let ids = lm
-            .text
-            .tokenizer
-            .encode(&generation_prefix(&lm.text, &prompt)?)?;
-        let generation = lm.generate(
-            &ids,
-            &GenerateOptions {
-                max_tokens: args.max_tokens,
-                temperature: Some(args.temperature),
-                seed: rng.random(),
-            },
-        )?;
-        let completion = lm.text.tokenizer.decode(&generation.tokens)?;
-        // Generation ends early only at an end-of-sequence token.
-        let length = generation.tokens.len() == args.max_tokens;
-        let correct = answer(&completion, length) == Some(problem.result());
-        rewarded += usize::from(correct);
-        cut_off += usize::from(length);
-        tokens += generation.tokens.len();
-        let episode = Episode {
-            prompt,
-            completion,
-            reward: if correct { 1.0 } else { 0.0 },
-            episode_id: format!("{}-s{}-{index:05}", args.task.name(), args.seed),
-            finish: if length { "length" } else { "stop" },
-        };
-        lines.push_str(&serde_json::to_string(&episode)?);
-        lines.push('\n');
+    let options = RolloutOptions {
+        task: match args.task {
+            Task::Arithmetic => qforge_model::rollouts::Task::Arithmetic,
+        },
+        episodes: args.episodes,
+        seed: args.seed,
+        temperature: args.temperature,
+        max_tokens: args.max_tokens,
+    };
+    let (mut done, mut rewarded) = (0usize, 0.0);
+    let episodes = qforge_model::rollouts::rollouts(&lm, &options, &mut |episode| {
+        done += 1;
+        rewarded += episode.reward;
         bar.inc(1);
-        bar.set_message(format!(
-            "mean reward {:.3}",
-            rewarded as f64 / (index + 1) as f64
-        ));
+        bar.set_message(format!("mean reward {:.3}", rewarded / done as f64));
+    })?;
+    let mut lines = String::new();
+    for episode in &episodes {
+        lines.push_str(&serde_json::to_string(episode)?);
+        lines.push('\n');
     }
+    let rewarded = episodes.iter().filter(|e| e.reward > 0.0).count();
+    let cut_off = episodes.iter().filter(|e| e.finish == "length").count();
+    let tokens: usize = episodes.iter().map(|e| e.tokens).sum();
     bar.finish_and_clear();
     write_atomic(output, lines.as_bytes())?;
     let seconds = started.elapsed().as_secs_f64();
@@ -248,7 +137,7 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
             "{}",
             serde_json::to_string_pretty(&json!({
                 "output": output.display().to_string(),
-                "task": args.task.name(),
+                "task": options.task.name(),
                 "episodes": args.episodes,
                 "mean_reward": mean,
                 "reward_counts": {"0": args.episodes - rewarded, "1": rewarded},
@@ -269,30 +158,4 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::answer;
-
-    #[test]
-    fn the_answer_is_the_last_whole_integer() {
-        assert_eq!(answer("56", false), Some(56));
-        assert_eq!(answer("7 * 8 = 56", false), Some(56));
-        assert_eq!(answer("3 - 7 = -4.", false), Some(-4));
-        assert_eq!(
-            answer("3-7", false),
-            Some(7),
-            "a minus after a digit is an operator"
-        );
-        assert_eq!(
-            answer("x-7", false),
-            Some(7),
-            "a minus after a letter is a hyphen"
-        );
-        assert_eq!(answer("The answer is 12, I think", true), Some(12));
-        assert_eq!(answer("7 * 8 = 5", true), None, "cut off inside a number");
-        assert_eq!(answer("no number", false), None);
-        assert_eq!(answer("99999999999999999999", false), None);
-    }
 }

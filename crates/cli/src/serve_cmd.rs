@@ -59,6 +59,15 @@ pub struct ServeArgs {
     /// 400 (without max_tokens, a chat completion gets up to this many).
     #[arg(long, default_value_t = 1024)]
     max_tokens: usize,
+    /// Language models: most tokens a prompt may have; longer ones get 400
+    /// before they are admitted.
+    #[arg(long, default_value_t = 4096, value_name = "TOKENS")]
+    max_prompt_tokens: usize,
+    /// Language models: most prompt tokens prefilled per engine iteration,
+    /// over all sequences in prefill, between two decode steps: a long
+    /// prompt delays the running sequences by one chunk per token at most.
+    #[arg(long, default_value_t = 256, value_name = "TOKENS")]
+    prefill_chunk: usize,
     /// Most observations in one request; more get 413.
     #[arg(long, default_value_t = 4096)]
     max_rows: usize,
@@ -281,11 +290,16 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         },
         (None, false) => RolloutMode::Int8Only,
     };
+    // A rollout without a reference to roll out against is a usage error.
     let reference = reference_for(
         &args.model,
         args.reference.as_deref(),
         mode.needs_reference(),
-    )?;
+    )
+    .map_err(|e| match e {
+        qforge_serve::Error::Options(why) => anyhow::Error::from(UsageError(why)),
+        other => other.into(),
+    })?;
     if let Some(path) = &reference {
         eprintln!("qforge serve: FP reference {}", path.display());
     }
@@ -293,6 +307,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_sequences: args.max_batch,
         kv_budget_tokens: args.kv_budget_tokens,
         threads: args.engine_threads,
+        prefill_chunk: args.prefill_chunk,
     };
     let served = Served::open(
         &args.model,
@@ -326,6 +341,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         max_rows: args.max_rows,
         max_tokens: args.max_tokens,
+        max_prompt_tokens: args.max_prompt_tokens,
         max_concurrency: args.max_concurrency,
         connections,
         timeout: Duration::from_millis(args.timeout_ms),

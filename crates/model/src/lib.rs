@@ -24,6 +24,7 @@ pub mod observe;
 pub mod onnx;
 pub mod open;
 pub mod profile;
+pub mod rollouts;
 pub mod sensitivity;
 pub mod tokenizer;
 

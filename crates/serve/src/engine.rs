@@ -11,8 +11,12 @@
 //! its client hanging up), and a waiting one takes its place at the next
 //! iteration, not when the whole batch is done.
 //!
-//! Prompts are not chunked: a long prompt delays the other sequences' next
-//! token by its prefill time.
+//! Prompts are prefilled in chunks (as vLLM's and llama-server's are): each
+//! iteration gives at most `prefill_chunk` prompt tokens to the sequences in
+//! prefill, round robin, before the decode step. So a long prompt delays
+//! the running sequences by at most one chunk per token, a short prompt
+//! that arrives behind a long one starts within an iteration or two, and a
+//! prefill whose client has hung up is dropped at its next chunk.
 //!
 //! A request hears when it is admitted (`Request::admitted`): the server's
 //! timeout bounds the wait in the queue, not the generation, which
@@ -144,6 +148,8 @@ pub struct EngineLimits {
     pub kv_budget_tokens: usize,
     /// Threads the engine's matrix products run on.
     pub threads: usize,
+    /// Most prompt tokens prefilled per iteration, over all sequences.
+    pub prefill_chunk: usize,
 }
 
 /// The sending end of the engine's queue.
@@ -195,6 +201,7 @@ impl Engine {
                 limits,
                 metrics: &thread_metrics,
                 waiting: VecDeque::new(),
+                prefilling: VecDeque::new(),
                 running: Vec::new(),
             }
             .run(&requests)
@@ -222,11 +229,13 @@ impl Engine {
     }
 }
 
-/// A sequence being generated.
+/// A sequence being prefilled or generated.
 struct Sequence {
     request: Request,
     cache: KvCache,
     rng: StdRng,
+    /// Prompt tokens in the cache.
+    prefilled: usize,
     generated: Vec<u32>,
     /// Bytes of the decoded text already sent.
     sent: usize,
@@ -241,6 +250,10 @@ struct Scheduler<'a> {
     limits: EngineLimits,
     metrics: &'a Metrics,
     waiting: VecDeque<Request>,
+    /// Admitted sequences whose prompt is not all in their cache yet, in
+    /// the order they get their next chunk.
+    prefilling: VecDeque<Sequence>,
+    /// Sequences in the decode batch.
     running: Vec<Sequence>,
 }
 
@@ -267,7 +280,7 @@ impl Scheduler<'_> {
     fn run(mut self, requests: &mpsc::Receiver<Request>) {
         loop {
             // Idle: sleep until a request comes (or the server is gone).
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.idle() {
                 match requests.recv() {
                     Ok(r) => self.waiting.push_back(r),
                     Err(_) => return,
@@ -276,17 +289,27 @@ impl Scheduler<'_> {
             while let Ok(r) = requests.try_recv() {
                 self.waiting.push_back(r);
             }
-            // Requests whose client stopped waiting (the queue timeout, a
-            // hang-up) leave now, wherever they are in the queue: behind a
-            // request that waits for KV budget they would pile up.
-            let before = self.waiting.len();
-            self.waiting.retain(|r| !r.events.is_closed());
-            self.metrics
-                .queue_depth
-                .dec_by((before - self.waiting.len()) as i64);
-            self.admit();
-            self.step();
+            self.iteration();
         }
+    }
+
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.prefilling.is_empty() && self.running.is_empty()
+    }
+
+    /// Admits what the budget allows, prefills one chunk, decodes one token.
+    fn iteration(&mut self) {
+        // Requests whose client stopped waiting (the queue timeout, a
+        // hang-up) leave now, wherever they are in the queue: behind a
+        // request that waits for KV budget they would pile up.
+        let before = self.waiting.len();
+        self.waiting.retain(|r| !r.events.is_closed());
+        self.metrics
+            .queue_depth
+            .dec_by((before - self.waiting.len()) as i64);
+        self.admit();
+        self.prefill();
+        self.step();
     }
 
     fn observer(&mut self) -> Option<&mut dyn Observer> {
@@ -295,7 +318,7 @@ impl Scheduler<'_> {
 
     /// Starts waiting requests, oldest first, while the budget allows.
     fn admit(&mut self) {
-        while self.running.len() < self.limits.max_sequences {
+        while self.prefilling.len() + self.running.len() < self.limits.max_sequences {
             let Some(front) = self.waiting.front() else {
                 break;
             };
@@ -315,63 +338,104 @@ impl Scheduler<'_> {
             if let Some(admitted) = request.admitted.take() {
                 let _ = admitted.send(());
             }
-            self.prefill(request);
+            self.prefilling.push_back(Sequence {
+                cache: self.lm.model.new_cache(),
+                rng: StdRng::seed_from_u64(request.seed),
+                request,
+                prefilled: 0,
+                generated: Vec::new(),
+                sent: 0,
+                next: 0,
+                started: Instant::now(),
+            });
         }
         self.publish();
     }
 
-    fn prefill(&mut self, request: Request) {
-        let lm = self.lm;
-        let mut cache = lm.model.new_cache();
-        let started = Instant::now();
+    /// Gives at most `prefill_chunk` prompt tokens to the sequences in
+    /// prefill, the front first; one left unfinished goes to the back, so
+    /// a short prompt behind a long one gets the next chunk. A sequence
+    /// whose prompt is in is sampled its first token and joins the decode
+    /// batch.
+    fn prefill(&mut self) {
+        let before = self.prefilling.len();
+        self.prefilling.retain(|s| !s.request.events.is_closed());
+        self.metrics
+            .cancelled_prefills
+            .inc_by((before - self.prefilling.len()) as u64);
+        let mut budget = self.limits.prefill_chunk.max(1);
+        while budget > 0
+            && let Some(mut sequence) = self.prefilling.pop_front()
+        {
+            let take = (sequence.request.prompt.len() - sequence.prefilled).min(budget);
+            budget -= take;
+            match self.prefill_chunk(&mut sequence, take) {
+                Ok(None) => self.prefilling.push_back(sequence),
+                Ok(Some(token)) => {
+                    self.metrics
+                        .time_to_first_token
+                        .observe(sequence.started.elapsed().as_secs_f64());
+                    sequence.next = token;
+                    if !self.accept(&mut sequence, token) {
+                        self.running.push(sequence);
+                    }
+                }
+                // The sequence goes, and its cache (which a panic may have
+                // left half-written) with it.
+                Err(message) => {
+                    let _ = sequence.request.events.send(Event::Failed(message));
+                }
+            }
+        }
+        self.publish();
+    }
+
+    /// Runs the next `take` prompt tokens of `sequence` into its cache;
+    /// after the last, samples its first token.
+    fn prefill_chunk(
+        &mut self,
+        sequence: &mut Sequence,
+        take: usize,
+    ) -> std::result::Result<Option<u32>, String> {
         #[cfg(test)]
-        if request.stop.iter().any(|s| s == FAULT_EXIT) {
+        if sequence.request.stop.iter().any(|s| s == FAULT_EXIT) {
             panic!("injected fault outside the model");
         }
+        let lm = self.lm;
         let metrics = self.metrics;
         let observer = self.observer();
-        let mut rng = StdRng::seed_from_u64(request.seed);
+        let chunk = sequence.prefilled..sequence.prefilled + take;
+        let last = chunk.end == sequence.request.prompt.len();
         let first = caught(metrics, "this prompt", || {
             #[cfg(test)]
-            if request.stop.iter().any(|s| s == FAULT_PANIC) {
+            if sequence.request.stop.iter().any(|s| s == FAULT_PANIC) {
                 panic!("injected fault");
             }
-            lm.model
+            let logits = lm
+                .model
                 .forward(
-                    std::slice::from_ref(&request.prompt),
-                    Some(&mut cache),
+                    &[sequence.request.prompt[chunk.clone()].to_vec()],
+                    Some(&mut sequence.cache),
                     observer,
                     Logits::Last,
                 )
-                .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
-                .and_then(|l| sample(&l, request.temperature, &mut rng))
+                .map_err(|e| e.to_string())?;
+            if !last {
+                return Ok(None);
+            }
+            logits
+                .flatten_all()
+                .and_then(|l| l.to_vec1::<f32>())
                 .map_err(|e| e.to_string())
-        });
-        match first {
-            Ok(token) => {
-                self.metrics
-                    .prompt_tokens
-                    .inc_by(request.prompt.len() as u64);
-                self.metrics
-                    .time_to_first_token
-                    .observe(started.elapsed().as_secs_f64());
-                let mut sequence = Sequence {
-                    request,
-                    cache,
-                    rng,
-                    generated: Vec::new(),
-                    sent: 0,
-                    next: token,
-                    started,
-                };
-                if !self.accept(&mut sequence, token) {
-                    self.running.push(sequence);
-                }
-            }
-            Err(message) => {
-                let _ = request.events.send(Event::Failed(message));
-            }
-        }
+                .and_then(|l| {
+                    sample(&l, sequence.request.temperature, &mut sequence.rng)
+                        .map_err(|e| e.to_string())
+                })
+                .map(Some)
+        })?;
+        sequence.prefilled = chunk.end;
+        metrics.prompt_tokens.inc_by(take as u64);
+        Ok(first)
     }
 
     /// Advances every running sequence by one token.
@@ -501,23 +565,194 @@ impl Scheduler<'_> {
         false
     }
 
-    /// KV positions reserved by the running sequences.
+    /// KV positions reserved by the admitted sequences.
     fn reserved(&self) -> usize {
-        self.running.iter().map(|s| cost(&s.request)).sum()
+        self.prefilling
+            .iter()
+            .chain(&self.running)
+            .map(|s| cost(&s.request))
+            .sum()
     }
 
     fn publish(&self) {
         self.metrics
             .running_sequences
             .set(self.running.len() as i64);
+        self.metrics
+            .prefilling_sequences
+            .set(self.prefilling.len() as i64);
         self.metrics.kv_reserved_tokens.set(self.reserved() as i64);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{FAULT_EXIT, FAULT_PANIC};
-    use crate::testing::TestServer;
+    use super::*;
+    use crate::testing::{TestServer, smollm2};
+
+    /// A greedy request for `prompt` and the receiving end of its events.
+    fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, UnboundedReceiver<Event>) {
+        let (events, receiver) = unbounded_channel();
+        let request = Request {
+            prompt,
+            max_tokens,
+            temperature: None,
+            seed: 0,
+            stop: Vec::new(),
+            events,
+            finished: None,
+            admitted: None,
+        };
+        (request, receiver)
+    }
+
+    /// Token ids that are no text in particular, `len` of them.
+    fn prompt(len: usize, salt: u32) -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| 200 + (i * 7 + salt) % 5000)
+            .collect()
+    }
+
+    fn scheduler<'a>(lm: &'a LanguageModel, metrics: &'a Metrics, chunk: usize) -> Scheduler<'a> {
+        Scheduler {
+            lm,
+            monitor: None,
+            limits: EngineLimits {
+                max_sequences: 4,
+                kv_budget_tokens: 4096,
+                threads: 1,
+                prefill_chunk: chunk,
+            },
+            metrics,
+            waiting: VecDeque::new(),
+            prefilling: VecDeque::new(),
+            running: Vec::new(),
+        }
+    }
+
+    /// Every event sent so far; `true` once the last is `Done` or `Failed`.
+    fn drain(events: &mut UnboundedReceiver<Event>, into: &mut Vec<Event>) -> bool {
+        while let Ok(event) = events.try_recv() {
+            into.push(event);
+        }
+        matches!(into.last(), Some(Event::Done { .. } | Event::Failed(_)))
+    }
+
+    /// The completion of `prompt` by a scheduler prefilling `chunk` tokens
+    /// an iteration.
+    fn complete(lm: &LanguageModel, prompt: &[u32], chunk: usize) -> Vec<Event> {
+        let metrics = Metrics::default();
+        let mut scheduler = scheduler(lm, &metrics, chunk);
+        let (request, mut receiver) = request(prompt.to_vec(), 8);
+        scheduler.waiting.push_back(request);
+        let mut events = Vec::new();
+        while !drain(&mut receiver, &mut events) {
+            scheduler.iteration();
+        }
+        assert_eq!(metrics.prompt_tokens.get(), prompt.len() as u64);
+        events
+    }
+
+    #[test]
+    fn a_prompt_prefilled_in_chunks_completes_as_one_prefilled_at_once() {
+        let lm = smollm2();
+        let prompt = prompt(300, 0);
+        let whole = complete(&lm, &prompt, 1024);
+        assert!(
+            matches!(
+                whole.last(),
+                Some(Event::Done {
+                    completion_tokens: 8,
+                    ..
+                })
+            ),
+            "{whole:?}"
+        );
+        // 300 = 4 × 64 + 44, and chunks of 7 end nowhere near a power of two.
+        for chunk in [64, 7] {
+            assert_eq!(complete(&lm, &prompt, chunk), whole, "chunks of {chunk}");
+        }
+    }
+
+    #[test]
+    fn a_short_prompt_behind_a_long_one_finishes_while_the_long_one_prefills() {
+        let lm = smollm2();
+        let metrics = Metrics::default();
+        let chunk = 32;
+        let mut scheduler = scheduler(&lm, &metrics, chunk);
+        let (long, mut long_events) = request(prompt(640, 1), 1);
+        let (short, mut short_events) = request(prompt(9, 2), 3);
+        scheduler.waiting.extend([long, short]);
+        let (mut long_seen, mut short_seen) = (Vec::new(), Vec::new());
+        let mut short_finished = false;
+        let mut prefilled = 0;
+        loop {
+            scheduler.iteration();
+            // No iteration prefills more than one chunk, over all prompts.
+            let now = metrics.prompt_tokens.get();
+            assert!(
+                now - prefilled <= chunk as u64,
+                "{} tokens in one iteration",
+                now - prefilled
+            );
+            prefilled = now;
+            let long_done = drain(&mut long_events, &mut long_seen);
+            if !short_finished && drain(&mut short_events, &mut short_seen) {
+                short_finished = true;
+                assert!(
+                    long_seen.is_empty() && scheduler.prefilling.len() == 1,
+                    "the short request waited for the long prefill"
+                );
+            }
+            if long_done {
+                break;
+            }
+        }
+        assert!(short_finished);
+        assert!(
+            matches!(
+                short_seen.last(),
+                Some(Event::Done {
+                    prompt_tokens: 9,
+                    ..
+                })
+            ),
+            "{short_seen:?}"
+        );
+        assert!(
+            matches!(
+                long_seen.last(),
+                Some(Event::Done {
+                    prompt_tokens: 640,
+                    ..
+                })
+            ),
+            "{long_seen:?}"
+        );
+    }
+
+    #[test]
+    fn a_prefill_whose_client_has_gone_is_dropped_at_the_next_chunk() {
+        let lm = smollm2();
+        let metrics = Metrics::default();
+        let mut scheduler = scheduler(&lm, &metrics, 32);
+        let (long, events) = request(prompt(640, 3), 4);
+        scheduler.waiting.push_back(long);
+        scheduler.iteration();
+        assert_eq!(metrics.prefilling_sequences.get(), 1);
+        assert_eq!(metrics.prompt_tokens.get(), 32);
+        drop(events);
+        scheduler.iteration();
+        assert!(scheduler.idle());
+        assert_eq!(metrics.cancelled_prefills.get(), 1);
+        assert_eq!(
+            metrics.prompt_tokens.get(),
+            32,
+            "no chunk ran after the hang-up"
+        );
+        assert_eq!(metrics.prefilling_sequences.get(), 0);
+        assert_eq!(metrics.kv_reserved_tokens.get(), 0);
+    }
 
     fn completion(stop: &str) -> String {
         serde_json::json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stop": [stop]})

@@ -76,7 +76,11 @@ pub struct Metrics {
     pub generated_tokens: Counter,
     /// Sequences in the decode batch.
     pub running_sequences: Gauge,
-    /// KV-cache positions reserved by running sequences.
+    /// Admitted sequences whose prompt is still being prefilled.
+    pub prefilling_sequences: Gauge,
+    /// Prefills dropped at a chunk boundary because their client had gone.
+    pub cancelled_prefills: Counter,
+    /// KV-cache positions reserved by admitted sequences.
     pub kv_reserved_tokens: Gauge,
     /// Seconds from admission to the first token (the prompt's forward).
     pub time_to_first_token: Histogram,
@@ -125,6 +129,8 @@ impl Metrics {
             prompt_tokens: Counter::default(),
             generated_tokens: Counter::default(),
             running_sequences: Gauge::default(),
+            prefilling_sequences: Gauge::default(),
+            cancelled_prefills: Counter::default(),
             kv_reserved_tokens: Gauge::default(),
             time_to_first_token: latency_histogram(),
             completion_duration: latency_histogram(),
@@ -270,8 +276,18 @@ impl Metrics {
             self.running_sequences.clone(),
         );
         registry.register(
+            "prefilling_sequences",
+            "Admitted sequences whose prompt is still being prefilled",
+            self.prefilling_sequences.clone(),
+        );
+        registry.register(
+            "cancelled_prefills",
+            "Prefills dropped at a chunk boundary because their client had gone",
+            self.cancelled_prefills.clone(),
+        );
+        registry.register(
             "kv_reserved_tokens",
-            "KV-cache positions reserved by running sequences",
+            "KV-cache positions reserved by admitted sequences",
             self.kv_reserved_tokens.clone(),
         );
         registry.register(

@@ -320,20 +320,24 @@ fn fit(
     kind: Kind,
 ) -> Checking<(Vec<u32>, usize)> {
     let room = lm.context.min(lm.limits.kv_budget_tokens);
-    // A prompt of more bytes than `room - 1` tokens can stand for has at
-    // least `room` tokens: refused before it costs a tokenization (a
-    // 1 MiB prompt was tokenized whole to be refused).
+    // The longest prompt taken: one that leaves a position to generate
+    // in, and no longer than --max-prompt-tokens.
+    let longest = room.saturating_sub(1).min(lm.max_prompt_tokens);
+    let limits = format!(
+        "this server takes prompts of at most {longest} tokens (--max-prompt-tokens {}, context {}, KV budget {})",
+        lm.max_prompt_tokens, lm.context, lm.limits.kv_budget_tokens
+    );
+    // A prompt of more bytes than `longest` tokens can stand for has more
+    // tokens: refused before it costs a tokenization (a 1 MiB prompt was
+    // tokenized whole to be refused).
     if let Some(per_token) = lm.bytes_per_token
-        && text.len() > room.saturating_sub(1).saturating_mul(per_token)
+        && text.len() > longest.saturating_mul(per_token)
     {
         return Err(invalid(
             Some("prompt"),
             format!(
-                "the prompt is {} bytes, more than {} tokens can hold (a token stands for at most {per_token} bytes); this server fits {room} positions per sequence (context {}, KV budget {})",
+                "the prompt is {} bytes, more than {longest} tokens can hold (a token stands for at most {per_token} bytes); {limits}",
                 text.len(),
-                room.saturating_sub(1),
-                lm.context,
-                lm.limits.kv_budget_tokens
             ),
         ));
     }
@@ -345,15 +349,10 @@ fn fit(
     if prompt.is_empty() {
         return Err(invalid(Some("prompt"), "the prompt has no tokens".into()));
     }
-    if prompt.len() >= room {
+    if prompt.len() > longest {
         return Err(invalid(
             Some("prompt"),
-            format!(
-                "the prompt has {} tokens; this server fits {room} positions per sequence (context {}, KV budget {})",
-                prompt.len(),
-                lm.context,
-                lm.limits.kv_budget_tokens
-            ),
+            format!("the prompt has {} tokens; {limits}", prompt.len()),
         ));
     }
     let max_tokens = if kind == Kind::Chat && max_tokens == usize::MAX {

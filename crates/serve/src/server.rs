@@ -515,11 +515,12 @@ fn check_options(options: &ServeOptions) -> Result<()> {
     if options.max_batch == 0
         || options.max_rows == 0
         || options.max_tokens == 0
+        || options.max_prompt_tokens == 0
         || options.max_concurrency == 0
         || options.connections.max_connections == 0
     {
         return Err(Error::Options(
-            "max batch, max rows, max tokens, max concurrency and max connections must be at least 1"
+            "max batch, max rows, max tokens, max prompt tokens, max concurrency and max connections must be at least 1"
                 .into(),
         ));
     }

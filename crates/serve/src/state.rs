@@ -37,6 +37,9 @@ pub struct ServeOptions {
     pub max_rows: usize,
     /// Most tokens one completion may ask for.
     pub max_tokens: usize,
+    /// Most tokens a prompt may have; a longer one gets 400 before it is
+    /// admitted.
+    pub max_prompt_tokens: usize,
     /// Requests in flight beyond which new ones get 429.
     pub max_concurrency: usize,
     /// Read deadlines and the connection cap (see [`crate::conn`]).
@@ -174,6 +177,8 @@ pub(crate) struct LanguageBackend {
     pub(crate) limits: EngineLimits,
     /// Most tokens one request may generate.
     pub(crate) max_tokens: usize,
+    /// Most tokens a prompt may have.
+    pub(crate) max_prompt_tokens: usize,
     /// Numbers request ids and default seeds.
     pub(crate) requests: AtomicU64,
 }
@@ -190,9 +195,9 @@ impl LanguageBackend {
         options: &ServeOptions,
         metrics: &Arc<Metrics>,
     ) -> Result<Self> {
-        if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 {
+        if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 || limits.prefill_chunk == 0 {
             return Err(Error::Options(
-                "the engine needs at least 1 sequence and a KV budget of at least 2 tokens".into(),
+                "the engine needs at least 1 sequence, a KV budget of at least 2 tokens and a prefill chunk of at least 1 token".into(),
             ));
         }
         match (&reference, options.rollout.mode.needs_reference()) {
@@ -226,6 +231,7 @@ impl LanguageBackend {
             bytes_per_token,
             limits,
             max_tokens: options.max_tokens,
+            max_prompt_tokens: options.max_prompt_tokens,
             requests: AtomicU64::new(0),
         })
     }

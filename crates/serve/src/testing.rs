@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use qforge_model::Model;
+use qforge_model::{LanguageModel, Model};
 use tokio::sync::oneshot;
 
 use crate::conn::ConnectionLimits;
@@ -34,6 +34,7 @@ pub(crate) fn options() -> ServeOptions {
         max_body_bytes: 1 << 20,
         max_rows: 4096,
         max_tokens: 1024,
+        max_prompt_tokens: 4096,
         max_concurrency: 256,
         connections: ConnectionLimits {
             header_timeout: Duration::from_secs(10),
@@ -57,6 +58,18 @@ pub(crate) fn options() -> ServeOptions {
             window_rows: 4096,
             threshold: 1e-3,
         },
+    }
+}
+
+/// SmolLM2 (`scripts/fetch-models.sh` fetches it).
+pub(crate) fn smollm2() -> LanguageModel {
+    let path = repository("models/smollm2-135m-instruct-q4_1.gguf");
+    match qforge_model::open(&path) {
+        Ok(Model::Language(model)) => *model,
+        _ => panic!(
+            "{} is missing or not a language model: run scripts/fetch-models.sh",
+            path.display()
+        ),
     }
 }
 
@@ -108,26 +121,20 @@ impl TestServer {
         }
     }
 
-    /// SmolLM2 (`scripts/fetch-models.sh` fetches it).
+    /// SmolLM2 behind the server.
     pub(crate) fn language_model() -> Self {
-        let path = repository("models/smollm2-135m-instruct-q4_1.gguf");
-        match qforge_model::open(&path) {
-            Ok(Model::Language(model)) => Self::start(Served::Language {
-                model: *model,
-                reference: None,
-                name: "smollm2".into(),
-                calibration: None,
-                limits: EngineLimits {
-                    max_sequences: 4,
-                    kv_budget_tokens: 512,
-                    threads: 1,
-                },
-            }),
-            _ => panic!(
-                "{} is missing or not a language model: run scripts/fetch-models.sh",
-                path.display()
-            ),
-        }
+        Self::start(Served::Language {
+            model: smollm2(),
+            reference: None,
+            name: "smollm2".into(),
+            calibration: None,
+            limits: EngineLimits {
+                max_sequences: 4,
+                kv_budget_tokens: 512,
+                threads: 1,
+                prefill_chunk: 256,
+            },
+        })
     }
 
     /// One request; the status and the body.

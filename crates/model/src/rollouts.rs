@@ -1,0 +1,194 @@
+//! LLM episodes with a verifiable reward (`qforge rollouts`): a language
+//! model answers seeded problems with its own sampler, and each answer is
+//! scored exactly, so a policy can be calibrated on its own behaviour (good
+//! and bad episodes alike) and its INT8 twin scored by the same reward.
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::lm::{GenerateOptions, LanguageModel, TextSide};
+
+/// A task with an exact reward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Task {
+    /// "What is A op B?" with A, B in 1..=20 and op one of + - *; reward 1
+    /// when the completion's last whole integer is the result.
+    Arithmetic,
+}
+
+impl Task {
+    /// The task's name in episode ids and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::Arithmetic => "arithmetic",
+        }
+    }
+}
+
+/// How episodes are drawn and generated.
+#[derive(Clone, Copy, Debug)]
+pub struct RolloutOptions {
+    /// The task.
+    pub task: Task,
+    /// Episodes to generate.
+    pub episodes: usize,
+    /// Seed of the problems and of every episode's sampler.
+    pub seed: u64,
+    /// Sampling temperature.
+    pub temperature: f64,
+    /// Most tokens per completion.
+    pub max_tokens: usize,
+}
+
+/// One episode, in the calibration data's shape.
+#[derive(Clone, Debug, Serialize)]
+pub struct Episode {
+    /// The user's message.
+    pub prompt: String,
+    /// The model's completion.
+    pub completion: String,
+    /// 1 for a correct answer, else 0.
+    pub reward: f64,
+    /// `TASK-sSEED-INDEX`.
+    pub episode_id: String,
+    /// "stop" (end-of-sequence token) or "length" (cut off at max_tokens).
+    pub finish: &'static str,
+    /// Tokens generated.
+    #[serde(skip)]
+    pub tokens: usize,
+}
+
+/// Operands are drawn from 1..=MAX_OPERAND.
+const MAX_OPERAND: i64 = 20;
+
+struct Problem {
+    a: i64,
+    op: char,
+    b: i64,
+}
+
+impl Problem {
+    fn draw(rng: &mut StdRng) -> Self {
+        Self {
+            a: rng.random_range(1..=MAX_OPERAND),
+            op: ['+', '-', '*'][rng.random_range(0..3)],
+            b: rng.random_range(1..=MAX_OPERAND),
+        }
+    }
+
+    fn prompt(&self) -> String {
+        format!(
+            "What is {} {} {}? Reply with only the number.",
+            self.a, self.op, self.b
+        )
+    }
+
+    fn result(&self) -> i64 {
+        match self.op {
+            '+' => self.a + self.b,
+            '-' => self.a - self.b,
+            _ => self.a * self.b,
+        }
+    }
+}
+
+/// The last whole integer of a completion (a minus sign counts when it
+/// does not follow a digit or letter); `None` when there is none, or when
+/// the completion was cut off inside a number (`cut_off` and it ends in a
+/// digit), whose last digits may be missing.
+fn answer(completion: &str, cut_off: bool) -> Option<i64> {
+    if cut_off && completion.ends_with(|c: char| c.is_ascii_digit()) {
+        return None;
+    }
+    let bytes = completion.as_bytes();
+    let end = bytes.iter().rposition(u8::is_ascii_digit)? + 1;
+    let mut start = end;
+    while start > 0 && bytes[start - 1].is_ascii_digit() {
+        start -= 1;
+    }
+    let negative = start > 0
+        && bytes[start - 1] == b'-'
+        && (start == 1 || !bytes[start - 2].is_ascii_alphanumeric());
+    let magnitude: i64 = completion[start..end].parse().ok()?;
+    Some(if negative { -magnitude } else { magnitude })
+}
+
+/// The text the model continues: the chat template applied to the prompt,
+/// cut where the assistant's message would start.
+fn generation_prefix(text: &TextSide, prompt: &str) -> Result<String> {
+    const MARK: &str = "\u{1}qforge-completion\u{1}";
+    let rendered = text.chat_text(prompt, MARK)?;
+    let at = rendered.find(MARK).ok_or_else(|| {
+        Error::Unsupported("the model's chat template drops the assistant's message".into())
+    })?;
+    Ok(rendered[..at].to_owned())
+}
+
+/// Generates `options.episodes` episodes with `lm`, calling `on_episode`
+/// after each (for progress). Deterministic given the seed and the model.
+pub fn rollouts(
+    lm: &LanguageModel,
+    options: &RolloutOptions,
+    on_episode: &mut dyn FnMut(&Episode),
+) -> Result<Vec<Episode>> {
+    let mut rng = StdRng::seed_from_u64(options.seed);
+    let mut episodes = Vec::with_capacity(options.episodes);
+    for index in 0..options.episodes {
+        let problem = Problem::draw(&mut rng);
+        let prompt = problem.prompt();
+        let ids = lm
+            .text
+            .tokenizer
+            .encode(&generation_prefix(&lm.text, &prompt)?)?;
+        let generation = lm.generate(
+            &ids,
+            &GenerateOptions {
+                max_tokens: options.max_tokens,
+                temperature: Some(options.temperature),
+                seed: rng.random(),
+            },
+        )?;
+        let completion = lm.text.tokenizer.decode(&generation.tokens)?;
+        // Generation ends early only at an end-of-sequence token.
+        let cut_off = generation.tokens.len() == options.max_tokens;
+        let correct = answer(&completion, cut_off) == Some(problem.result());
+        let episode = Episode {
+            prompt,
+            completion,
+            reward: if correct { 1.0 } else { 0.0 },
+            episode_id: format!("{}-s{}-{index:05}", options.task.name(), options.seed),
+            finish: if cut_off { "length" } else { "stop" },
+            tokens: generation.tokens.len(),
+        };
+        on_episode(&episode);
+        episodes.push(episode);
+    }
+    Ok(episodes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::answer;
+
+    #[test]
+    fn the_answer_is_the_last_whole_integer() {
+        assert_eq!(answer("56", false), Some(56));
+        assert_eq!(answer("7 * 8 = 56", false), Some(56));
+        assert_eq!(answer("3 - 7 = -4.", false), Some(-4));
+        assert_eq!(
+            answer("3-7", false),
+            Some(7),
+            "a minus after a digit is an operator"
+        );
+        assert_eq!(
+            answer("x-7", false),
+            Some(7),
+            "a minus after a letter is a hyphen"
+        );
+        assert_eq!(answer("The answer is 12, I think", true), Some(12));
+        assert_eq!(answer("7 * 8 = 5", true), None, "cut off inside a number");
+        assert_eq!(answer("no number", false), None);
+        assert_eq!(answer("99999999999999999999", false), None);
+    }
+}
