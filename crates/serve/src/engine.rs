@@ -588,6 +588,7 @@ impl Scheduler<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::ServeOptions;
     use crate::testing::{TestServer, smollm2};
 
     /// A greedy request for `prompt` and the receiving end of its events.
@@ -656,7 +657,7 @@ mod tests {
     #[test]
     fn a_prompt_prefilled_in_chunks_completes_as_one_prefilled_at_once() {
         let lm = smollm2();
-        let prompt = prompt(300, 0);
+        let prompt = prompt(120, 0);
         let whole = complete(&lm, &prompt, 1024);
         assert!(
             matches!(
@@ -668,8 +669,8 @@ mod tests {
             ),
             "{whole:?}"
         );
-        // 300 = 4 × 64 + 44, and chunks of 7 end nowhere near a power of two.
-        for chunk in [64, 7] {
+        // 120 = 3 × 32 + 24, and chunks of 7 end nowhere near a power of two.
+        for chunk in [32, 7] {
             assert_eq!(complete(&lm, &prompt, chunk), whole, "chunks of {chunk}");
         }
     }
@@ -678,9 +679,9 @@ mod tests {
     fn a_short_prompt_behind_a_long_one_finishes_while_the_long_one_prefills() {
         let lm = smollm2();
         let metrics = Metrics::default();
-        let chunk = 32;
+        let chunk = 16;
         let mut scheduler = scheduler(&lm, &metrics, chunk);
-        let (long, mut long_events) = request(prompt(640, 1), 1);
+        let (long, mut long_events) = request(prompt(320, 1), 1);
         let (short, mut short_events) = request(prompt(9, 2), 3);
         scheduler.waiting.extend([long, short]);
         let (mut long_seen, mut short_seen) = (Vec::new(), Vec::new());
@@ -723,7 +724,7 @@ mod tests {
             matches!(
                 long_seen.last(),
                 Some(Event::Done {
-                    prompt_tokens: 640,
+                    prompt_tokens: 320,
                     ..
                 })
             ),
@@ -732,11 +733,34 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_over_max_prompt_tokens_is_refused_before_admission() {
+        let server = TestServer::language_model_with(ServeOptions {
+            max_prompt_tokens: 16,
+            ..crate::testing::options()
+        });
+        let long = serde_json::json!({"prompt": "one two three ".repeat(10), "max_tokens": 1});
+        let (status, body) = server.request("POST", "/v1/completions", &long.to_string());
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            body.contains("prompts of at most 16 tokens (--max-prompt-tokens 16"),
+            "{body}"
+        );
+        let (_, metrics) = server.request("GET", "/metrics", "");
+        assert!(
+            metrics.contains("qforge_prompt_tokens_total 0"),
+            "{metrics}"
+        );
+        let short = serde_json::json!({"prompt": "one two", "max_tokens": 1});
+        let (status, body) = server.request("POST", "/v1/completions", &short.to_string());
+        assert_eq!(status, 200, "{body}");
+    }
+
+    #[test]
     fn a_prefill_whose_client_has_gone_is_dropped_at_the_next_chunk() {
         let lm = smollm2();
         let metrics = Metrics::default();
         let mut scheduler = scheduler(&lm, &metrics, 32);
-        let (long, events) = request(prompt(640, 3), 4);
+        let (long, events) = request(prompt(320, 3), 4);
         scheduler.waiting.push_back(long);
         scheduler.iteration();
         assert_eq!(metrics.prefilling_sequences.get(), 1);

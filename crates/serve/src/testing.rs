@@ -82,6 +82,10 @@ pub(crate) struct TestServer {
 
 impl TestServer {
     fn start(served: Served) -> Self {
+        Self::start_with(served, options())
+    }
+
+    fn start_with(served: Served, options: ServeOptions) -> Self {
         let (bound, address) = std::sync::mpsc::channel();
         let (stop, stopped) = oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
@@ -93,7 +97,7 @@ impl TestServer {
             runtime
                 .block_on(serve(
                     served,
-                    options(),
+                    options,
                     move |addr| bound.send(addr).expect("the test waits"),
                     async {
                         let _ = stopped.await;
@@ -123,18 +127,26 @@ impl TestServer {
 
     /// SmolLM2 behind the server.
     pub(crate) fn language_model() -> Self {
-        Self::start(Served::Language {
-            model: smollm2(),
-            reference: None,
-            name: "smollm2".into(),
-            calibration: None,
-            limits: EngineLimits {
-                max_sequences: 4,
-                kv_budget_tokens: 512,
-                threads: 1,
-                prefill_chunk: 256,
+        Self::language_model_with(options())
+    }
+
+    /// SmolLM2 behind a server with `options`.
+    pub(crate) fn language_model_with(options: ServeOptions) -> Self {
+        Self::start_with(
+            Served::Language {
+                model: smollm2(),
+                reference: None,
+                name: "smollm2".into(),
+                calibration: None,
+                limits: EngineLimits {
+                    max_sequences: 4,
+                    kv_budget_tokens: 512,
+                    threads: 1,
+                    prefill_chunk: 256,
+                },
             },
-        })
+            options,
+        )
     }
 
     /// One request; the status and the body.
