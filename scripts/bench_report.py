@@ -280,7 +280,8 @@ def completions_section():
         per_prefill = {m: 1e3 * rows[(cfg, m, 1, False)]["prefill_seconds"] / rows[(cfg, m, 1, False)]["requests"]
                        for m in models if (cfg, m, 1, False) in rows}
         print("- Prefill: every newcomer's prompt runs alone on the engine thread between "
-              "decode steps (neither batched nor chunked), "
+              "decode steps (one forward per prompt, not batched; these prompts are far shorter "
+              "than one --prefill-chunk), "
               + ", ".join(f"{v:.0f} ms per {m} prompt" for m, v in per_prefill.items())
               + ", and every running sequence waits through it; with completions of about 10 "
               "tokens that is a large share of the engine's time "
