@@ -33,12 +33,20 @@ def run_onnx(path, observations):
     return session.run(None, {"observations": observations})[0]
 
 
-@pytest.mark.parametrize("fixture", ["cartpole", "pendulum"])
-def test_onnx_qdq_matches_the_int8_engine(tmp_path, fixture):
+# A smoothed policy divides its observation before the first layer: the export
+# must too (a Div node), or ONNX Runtime would feed that layer the raw features.
+@pytest.mark.parametrize("fixture,recipe", [
+    ("cartpole", []),
+    ("pendulum", []),
+    ("cartpole", ["--smoothquant", "--alpha", "0.7"]),
+])
+def test_onnx_qdq_matches_the_int8_engine(tmp_path, fixture, recipe):
     policy_dir = ROOT / "fixtures/policies" / fixture
     rollouts = policy_dir / "rollouts.jsonl"
     qforge("quantize", "--model", str(policy_dir), "--data", str(rollouts), "-o", "artifact",
-           cwd=tmp_path)
+           *recipe, cwd=tmp_path)
+    policy = json.loads((tmp_path / "artifact/policy.json").read_text())
+    assert ("observation_divisors" in policy) == bool(recipe)
     qforge("export", "--model", "artifact", "--format", "onnx", "-o", "int8", cwd=tmp_path)
     qforge("export", "--model", "artifact", "--format", "onnx", "--precision", "f32",
            "-o", "f32", cwd=tmp_path)
@@ -56,7 +64,6 @@ def test_onnx_qdq_matches_the_int8_engine(tmp_path, fixture):
 
     # One step of the last layer's output: input step × channel weight scale. The
     # hidden activation is tanh, so a dynamic row's step is at most 1/127.
-    policy = json.loads((tmp_path / "artifact/policy.json").read_text())
     assert policy["activation"] == "tanh"
     points = json.loads((tmp_path / "artifact/qforge.json").read_text())["points"]
     last = f"layers.{len(policy['hidden'])}"
@@ -69,7 +76,14 @@ def test_onnx_qdq_matches_the_int8_engine(tmp_path, fixture):
         input_step = 1.0 / 127.0
     step = input_step * tensors[f"{last}.weight_scale"][:, 0]
     diff = np.abs(theirs_int8 - ours_int8)
-    assert np.all(diff <= step), f"max |Δ| {diff.max()} (step {step.min()})"
+    beyond = np.any(diff > step, axis=1)
+    # QuantizeLinear divides by the scale where the engine multiplies by its
+    # reciprocal, so an input on a rounding boundary lands a step apart; a
+    # static first layer (the smoothed observation) meets a few such inputs, and
+    # what follows such a row moves with it (2 of 4000 rows here). Without one,
+    # every row is within a step.
+    allowed = 0.001 if recipe else 0.0
+    assert beyond.mean() <= allowed, f"{beyond.sum()} rows beyond a step; max |Δ| {diff.max()}"
     np.testing.assert_allclose(theirs_fp, ours_fp, atol=1e-5)
 
     # Action agreement of the INT8 graph with the FP policy, reported.

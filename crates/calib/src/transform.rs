@@ -44,7 +44,7 @@ impl Transform {
     /// shared where the transform leaves them unchanged.
     pub fn apply(&self, model: &Model) -> Result<Model> {
         match (self, model) {
-            (Transform::Smooth { factors, .. }, Model::Language(lm)) => {
+            (Transform::Smooth { factors, .. }, model) => {
                 if let Some((point, _)) = factors
                     .iter()
                     .find(|(_, s)| s.iter().any(|v| !v.is_finite() || *v <= 0.0))
@@ -53,12 +53,11 @@ impl Transform {
                         "smoothing factors of {point} are not all finite and positive; the job is corrupt"
                     )));
                 }
-                Ok(with_decoder(lm, lm.model.smoothed(factors)?))
+                Ok(match model {
+                    Model::Language(lm) => with_decoder(lm, lm.model.smoothed(factors)?),
+                    Model::Policy(policy) => Model::Policy(policy.smoothed(factors)?),
+                })
             }
-            (Transform::Smooth { .. }, Model::Policy(_)) => Err(Error::Data(
-                "SmoothQuant folds its factors into RMSNorm weights: it applies to language models, not policies"
-                    .into(),
-            )),
             (Transform::Rotate { inputs }, Model::Language(lm)) => {
                 Ok(with_decoder(lm, lm.model.rotated(inputs)?))
             }

@@ -139,22 +139,25 @@ fn export_onnx_command(args: &ExportArgs, source: &Manifest, source_manifest: &[
         )
         .into());
     }
-    let policy_path = args.model.join("policy.json");
-    let policy: PolicyConfig =
-        serde_json::from_slice(&qforge_model::files::read_config(&policy_path)?)
-            .with_context(|| format!("{}", policy_path.display()))?;
-    let (weights, points) = match args.precision {
-        OnnxPrecision::Int8 => (args.model.join(WEIGHTS_FILE), config.points.clone()),
+    // The f32 graph is the full-precision source's, with the source's own
+    // config: a smoothed artifact's first layer and observation divisors
+    // belong to its int8 weights, not to the source's f32 ones.
+    let (dir, points) = match args.precision {
+        OnnxPrecision::Int8 => (args.model.clone(), config.points.clone()),
         OnnxPrecision::F32 => {
-            let path = recorded_source(source)?;
             let points = config
                 .points
                 .keys()
                 .map(|p| (p.clone(), LayerPrecision::Fp))
                 .collect();
-            (path.join(WEIGHTS_FILE), points)
+            (recorded_source(source)?, points)
         }
     };
+    let policy_path = dir.join("policy.json");
+    let policy: PolicyConfig =
+        serde_json::from_slice(&qforge_model::files::read_config(&policy_path)?)
+            .with_context(|| format!("{}", policy_path.display()))?;
+    let weights = dir.join(WEIGHTS_FILE);
     write_export(args, source, source_manifest, |dest| {
         let result = export_onnx(&weights, &points, &policy, dest)?;
         let line = format!(

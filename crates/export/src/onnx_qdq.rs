@@ -367,6 +367,18 @@ pub fn export_onnx(
     g.shared_constants(points);
     let (mut int8_layers, mut fp_layers) = (0, 0);
     let mut x = "observations".to_owned();
+    // A smoothed policy divides each observation feature before its first
+    // layer (qforge's forward does the same).
+    if let Some(divisors) = &policy.observation_divisors {
+        g.floats("observation_divisors", &[1, divisors.len()], divisors);
+        g.node(
+            "Div",
+            &["observations", "observation_divisors"],
+            "observations_smoothed",
+            vec![],
+        );
+        x = "observations_smoothed".to_owned();
+    }
     let last = widths.len() - 2;
     for i in 0..=last {
         let name = format!("layers.{i}");

@@ -96,7 +96,18 @@ pub struct PolicyConfig {
     pub activation: Activation,
     /// The head.
     pub head: Head,
+    /// Per observation feature, what it is divided by before the first
+    /// layer: SmoothQuant's factors for the first layer's input, whose
+    /// multiplication went into that layer's weights (a policy's input has
+    /// no norm to fold the division into). Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observation_divisors: Option<Vec<f32>>,
 }
+
+/// The observation point of a policy's first layer, the one input that
+/// smoothing can rescale exactly: the hidden layers' inputs come out of a
+/// tanh or ReLU, which no per-channel factor commutes with for tanh.
+pub const SMOOTHABLE_POINT: &str = "layers.0";
 
 /// An action chosen by a policy.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -207,6 +218,14 @@ impl MlpPolicy {
                 config.format, config.version
             )));
         }
+        if let Some(d) = &config.observation_divisors
+            && (d.len() != config.observation_dim || d.iter().any(|v| !(v.is_finite() && *v > 0.0)))
+        {
+            return Err(Error::Format(format!(
+                "observation_divisors must be {} finite positive numbers, one per observation feature",
+                config.observation_dim
+            )));
+        }
         if let Head::Gaussian {
             action_dim,
             low,
@@ -286,6 +305,37 @@ impl MlpPolicy {
         })
     }
 
+    /// The same policy with its first layer's input divided by `factors`
+    /// (one per observation feature) and the first layer's weight columns
+    /// multiplied by them: the same function, up to rounding, whose first
+    /// layer sees features of more even ranges (SmoothQuant, Xiao et al.
+    /// 2023). Only [`SMOOTHABLE_POINT`] may have factors.
+    pub fn smoothed(&self, factors: &std::collections::BTreeMap<String, Vec<f32>>) -> Result<Self> {
+        if let Some(other) = factors.keys().find(|p| *p != SMOOTHABLE_POINT) {
+            return Err(Error::Unsupported(format!(
+                "{other} of a policy cannot be smoothed: only {SMOOTHABLE_POINT}, the observation, can"
+            )));
+        }
+        let Some(s) = factors.get(SMOOTHABLE_POINT) else {
+            return Ok(self.clone());
+        };
+        let dim = self.config.observation_dim;
+        if s.len() != dim || s.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+            return Err(Error::Shape(format!(
+                "{SMOOTHABLE_POINT} needs {dim} finite positive smoothing factors, got {}",
+                s.len()
+            )));
+        }
+        let mut config = self.config.clone();
+        config.observation_divisors = Some(match &self.config.observation_divisors {
+            Some(d) => d.iter().zip(s).map(|(a, b)| a * b).collect(),
+            None => s.clone(),
+        });
+        let mut layers = self.layers.clone();
+        layers[0] = self.layers[0].scale_inputs(s)?;
+        Ok(Self { config, layers })
+    }
+
     /// Every layer as (name, observation point, layer); for a policy the two
     /// are the same, `layers.{i}`.
     pub fn linears(&self) -> Vec<(String, String, &Linear)> {
@@ -317,6 +367,9 @@ impl MlpPolicy {
         }
         let rows = observations.len() / dim;
         let mut x = Tensor::from_slice(observations, (rows, dim), &Device::Cpu)?;
+        if let Some(d) = &self.config.observation_divisors {
+            x = x.broadcast_div(&Tensor::from_slice(d, (1, dim), &Device::Cpu)?)?;
+        }
         let last = self.layers.len() - 1;
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(o) = observer.as_deref_mut() {

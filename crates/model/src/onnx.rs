@@ -907,6 +907,7 @@ fn build_policy(chain: Chain, head: Head, env: Option<String>) -> Result<MlpPoli
         // A single-layer (linear) policy applies no activation; any will do.
         activation: activation.unwrap_or(Activation::Tanh),
         head,
+        observation_divisors: None,
     };
     policy_from_layers(config, layers)
 }

@@ -144,3 +144,54 @@ fn int8_dynamic_policies_agree_with_full_precision() {
         assert!(agreement >= required, "{name}: {agreement}");
     }
 }
+
+#[test]
+fn a_smoothed_policy_computes_what_the_policy_does_with_its_observation_divided() {
+    let policy = MlpPolicy::from_dir(&fixture("cartpole")).unwrap();
+    let (observations, _) = rollouts("cartpole");
+    let factors: std::collections::BTreeMap<String, Vec<f32>> =
+        [("layers.0".to_owned(), vec![2.0, 0.5, 3.0, 0.25])].into();
+    let smoothed = policy.smoothed(&factors).unwrap();
+    assert_eq!(
+        smoothed.config().observation_divisors,
+        Some(vec![2.0, 0.5, 3.0, 0.25])
+    );
+    // The first layer now sees each feature divided by its factor.
+    let mut seen = StatsObserver::new(Statistics::Histograms { per_channel: true });
+    smoothed
+        .forward(&observations[..400], Some(&mut seen))
+        .unwrap();
+    let expected: Vec<f32> = (0..4)
+        .map(|j| {
+            observations[..400]
+                .iter()
+                .skip(j)
+                .step_by(4)
+                .map(|x| (x / [2.0f32, 0.5, 3.0, 0.25][j]).abs())
+                .fold(0.0, f32::max)
+        })
+        .collect();
+    assert_eq!(
+        seen.tensors["layers.0"].channel_abs_max().unwrap(),
+        expected
+    );
+    let ours = smoothed.forward(&observations, None).unwrap();
+    let theirs = policy.forward(&observations, None).unwrap();
+    for (a, b) in ours.iter().zip(&theirs) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+    // Smoothing twice multiplies the divisors.
+    let twice = smoothed.smoothed(&factors).unwrap();
+    assert_eq!(
+        twice.config().observation_divisors,
+        Some(vec![4.0, 0.25, 9.0, 0.0625])
+    );
+    // A hidden layer's input follows a tanh, which no factor commutes with.
+    let hidden: std::collections::BTreeMap<String, Vec<f32>> =
+        [("layers.1".to_owned(), vec![1.0; 32])].into();
+    let error = policy.smoothed(&hidden).unwrap_err().to_string();
+    assert!(error.contains("only layers.0"), "{error}");
+    let bad: std::collections::BTreeMap<String, Vec<f32>> =
+        [("layers.0".to_owned(), vec![1.0, 0.0, 1.0, 1.0])].into();
+    assert!(policy.smoothed(&bad).is_err());
+}

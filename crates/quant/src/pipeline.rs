@@ -341,12 +341,7 @@ impl<'a> Pipeline<'a> {
         session: &mut Session,
         stats: &Stats,
     ) -> Result<BTreeMap<String, Vec<f32>>> {
-        let Model::Language(lm) = session.load_model()? else {
-            return Err(Error::Recipe(
-                "SmoothQuant folds its factors into RMSNorm weights: a policy has none".into(),
-            ));
-        };
-        smoothing_factors(&lm.model, stats, self.recipe.smoothing.alpha)
+        smoothing_factors(session.load_model()?, stats, self.recipe.smoothing.alpha)
     }
 
     fn report(

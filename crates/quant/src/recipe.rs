@@ -346,11 +346,12 @@ impl QuantRecipe {
             .map_or(self.quantize.calibrator.0, |(_, c)| c.0)
     }
 
-    /// Why the recipe cannot quantize a policy, if it cannot: SmoothQuant
-    /// folds into a decoder's norms and the rotation into its MLPs.
+    /// Why the recipe cannot quantize a policy, if it cannot: the rotation
+    /// folds into a decoder's norms and MLPs (SmoothQuant applies to a
+    /// policy's observation).
     pub fn needs_language_model(&self) -> Option<&'static str> {
-        (self.smoothing.enabled || !self.rotation.inputs.is_empty()).then_some(
-            "SmoothQuant and Hadamard rotations change a decoder's norms and layers: they apply to language models, not policies",
+        (!self.rotation.inputs.is_empty()).then_some(
+            "Hadamard rotations fold into a decoder's norms and layers: they apply to language models, not policies",
         )
     }
 

@@ -3,12 +3,14 @@
 //! input channel `j` of a layer input, `s_j = max|X_j|^α / max|W_j|^(1−α)`,
 //! with `max|X_j|` the per-channel abs-max merged exactly across workers by
 //! the smoothing pass and `max|W_j|` over every layer the input feeds. The
-//! model crate folds them in (`Llama::smoothed`).
+//! model crate folds them in (`Llama::smoothed`; for a policy, whose one
+//! smoothable input is the observation, `MlpPolicy::smoothed`).
 
 use std::collections::BTreeMap;
 
 use qforge_core::Stats;
-use qforge_model::Llama;
+use qforge_model::Model;
+use qforge_model::mlp::SMOOTHABLE_POINT;
 
 use crate::error::{Error, Result};
 
@@ -18,12 +20,16 @@ const LIMIT: f32 = 1e4;
 
 /// The factors of every smoothable layer input of `model`.
 pub fn smoothing_factors(
-    model: &Llama,
+    model: &Model,
     stats: &Stats,
     alpha: f64,
 ) -> Result<BTreeMap<String, Vec<f32>>> {
+    let (linears, smoothable) = match model {
+        Model::Language(lm) => (lm.model.linears(), lm.model.smoothable_points()),
+        Model::Policy(policy) => (policy.linears(), vec![SMOOTHABLE_POINT.to_owned()]),
+    };
     let mut columns: BTreeMap<String, Vec<f32>> = BTreeMap::new();
-    for (_, point, layer) in model.linears() {
+    for (_, point, layer) in linears {
         let (weight, _) = layer.full_precision()?;
         let column_max = weight
             .abs()
@@ -38,7 +44,7 @@ pub fn smoothing_factors(
         }
     }
     let mut factors = BTreeMap::new();
-    for point in model.smoothable_points() {
+    for point in smoothable {
         let tensor = stats.tensors.get(&point).ok_or_else(|| {
             Error::Stats(format!("no statistics for {point}; calibrate this model"))
         })?;
