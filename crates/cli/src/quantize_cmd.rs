@@ -115,9 +115,9 @@ pub struct QuantizeArgs {
     /// [quantize] keep a language model's lm_head in full precision.
     #[arg(long, help_heading = "Recipe overrides")]
     fp_lm_head: bool,
-    /// [smoothing] run SmoothQuant (language models): a first pass records
-    /// per-channel abs-max, a second calibrates the smoothed model, on any
-    /// backend.
+    /// [smoothing] run SmoothQuant: a first pass records per-channel
+    /// abs-max, a second calibrates the smoothed model, on any backend (for
+    /// a policy, its observation is what is smoothed).
     #[arg(long, help_heading = "Recipe overrides")]
     smoothquant: bool,
     /// [smoothing] migration strength α in [0, 1].
