@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use qforge_dist::EmbeddedExecutor;
-use qforge_quant::{Error, Inputs, Pipeline, QuantRecipe};
+use qforge_quant::{Inputs, Pipeline, QuantRecipe};
 
 fn cartpole() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole")
@@ -56,19 +56,34 @@ fn one_and_three_threads_write_identical_artifacts() {
     qforge_model::manifest::verify(dirs[0].path()).unwrap();
 }
 
-/// SmoothQuant folds factors into RMSNorm gains; a policy has none, and the
-/// pipeline says so instead of calibrating twice for nothing.
+/// SmoothQuant on a policy smooths its one smoothable input, the observation:
+/// two passes, the factors recorded as the policy's observation divisors,
+/// and every layer static without a ladder step.
 #[test]
-fn smoothquant_on_a_policy_is_refused_by_name() {
+fn smoothquant_on_a_policy_divides_its_observation_and_keeps_every_layer_static() {
     let mut recipe = QuantRecipe::default();
     recipe.smoothing.enabled = true;
-    let executor = EmbeddedExecutor { threads: 1 };
+    recipe.smoothing.alpha = 0.7;
+    let executor = EmbeddedExecutor { threads: 2 };
     let pipeline = Pipeline::new(recipe, &executor).unwrap();
     assert_eq!(pipeline.passes().len(), 2);
     let inputs = Inputs::new(cartpole(), cartpole().join("rollouts.jsonl"));
-    let err = pipeline.run(&inputs, &mut ()).err().unwrap();
-    assert!(matches!(err, Error::Recipe(_)), "{err}");
-    assert!(err.to_string().contains("language models"), "{err}");
+    let quantized = pipeline.run(&inputs, &mut ()).unwrap();
+    let decision = &quantized.report.decision;
+    assert!(quantized.accepted(), "{decision:?}");
+    assert_eq!(
+        (decision.fp_layers, decision.applied_steps),
+        (0, 0),
+        "{decision:?}"
+    );
+    assert!(decision.after.agreement.unwrap() >= 0.99, "{decision:?}");
+    let dir = scratch("smoothed");
+    quantized.write(dir.path()).unwrap();
+    let policy: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("policy.json")).unwrap()).unwrap();
+    let divisors = policy["observation_divisors"].as_array().unwrap();
+    assert_eq!(divisors.len(), 4);
+    assert!(divisors.iter().all(|d| d.as_f64().unwrap() > 0.0));
 }
 
 /// GPTQ from the library: the Hessian pass follows the activation pass, its
