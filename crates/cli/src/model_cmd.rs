@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::Calibrator;
-use qforge_core::codec::decode;
 use qforge_model::artifact::is_artifact;
 use qforge_model::lm::{compare, perplexity};
+use qforge_model::precision::StaticScales;
 use qforge_model::sensitivity::{llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy, Model};
 use serde_json::json;
@@ -64,33 +64,8 @@ impl PrecisionArgs {
             (Precision::F32, None) => Ok(None),
             (Precision::Int8Dynamic, None) => Ok(Some(Box::new(|_| Ok(Activations::Dynamic)))),
             (Precision::Int8Static, Some(path)) => {
-                let bytes = std::fs::read(path)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
-                let stats = decode(&bytes).with_context(|| format!("{}", path.display()))?;
-                let digest = qforge_model::open::digest(model)?;
-                if !stats.provenance.models.contains(&digest) {
-                    bail!(
-                        "{} was calibrated on another model than {}; run `qforge calibrate --model {}` first",
-                        path.display(),
-                        model.display(),
-                        model.display()
-                    );
-                }
-                let calibrator = self.calibrator;
-                let source = path.display().to_string();
-                Ok(Some(Box::new(move |point: &str| {
-                    let tensor = stats.tensors.get(point).ok_or_else(|| {
-                        qforge_model::Error::Format(format!(
-                            "{source} has no statistics for {point}; calibrate this model again"
-                        ))
-                    })?;
-                    let scale = calibrator.static_scale(tensor.histogram()).ok_or_else(|| {
-                        qforge_model::Error::Format(format!(
-                            "{source}: {point} saw no finite value; its scale is undefined"
-                        ))
-                    })?;
-                    Ok(Activations::Static(scale))
-                })))
+                let scales = StaticScales::read(path, model, self.calibrator)?;
+                Ok(Some(Box::new(move |point: &str| scales.activations(point))))
             }
             (Precision::Int8Static, None) => Err(UsageError(
                 "--precision int8-static needs --stats FILE.qstats (from `qforge calibrate`)"

@@ -17,6 +17,7 @@
 //!   `qforge_kernels::quantize_rows_symmetric`, the only one.
 //! - [`error_metrics`]: MSE, SQNR and max-abs error.
 //! - [`codec`]: the `.qstats` file format, bytes in and bytes out.
+//! - [`demo`]: the exactness promise shown on seeded synthetic activations.
 //!
 //! It must not depend on any other qforge crate, and performs no file or network
 //! I/O and no async: callers hand it bytes and slices.
@@ -24,6 +25,7 @@
 pub mod calibrate;
 pub mod codec;
 pub mod cpu;
+pub mod demo;
 pub mod error;
 pub mod gram;
 pub mod histogram;

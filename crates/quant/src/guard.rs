@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use qforge_core::{Calibrator, QuantParams, Stats};
+use qforge_core::{Calibrator, Stats};
 use qforge_model::artifact::LayerPrecision;
 use qforge_model::lm::{ReferenceLogProbs, compare_to};
 use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
@@ -557,9 +557,7 @@ fn initial_plan(
         })?;
         let histogram = tensor.histogram();
         let calibrator = recipe.calibrator_for(point);
-        let scale = calibrator
-            .threshold(histogram)
-            .map(|t| QuantParams::symmetric(t).params.scale);
+        let scale = calibrator.static_scale(histogram);
         if let Some(scale) = scale {
             plan.static_scales.insert(point.clone(), scale);
         }

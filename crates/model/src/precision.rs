@@ -1,0 +1,107 @@
+//! Static activation scales from calibration statistics, for running a
+//! full-precision model on the INT8 engine without the quantization
+//! pipeline (`qforge generate/eval/act --precision int8-static`).
+
+use std::path::Path;
+
+use qforge_core::codec::decode;
+use qforge_core::{Calibrator, Stats};
+
+use crate::{Activations, Error, Result};
+
+/// One static (per-tensor) activation scale per observation point, chosen by
+/// a calibrator from the statistics a calibration of this very model wrote.
+pub struct StaticScales {
+    stats: Stats,
+    calibrator: Calibrator,
+    /// Where the statistics came from, for error messages.
+    source: String,
+}
+
+impl StaticScales {
+    /// Reads a `.qstats` file and checks it was calibrated on `model`
+    /// (the statistics' provenance names the model's content hash).
+    pub fn read(stats_path: &Path, model: &Path, calibrator: Calibrator) -> Result<Self> {
+        let bytes = std::fs::read(stats_path).map_err(|e| Error::io(stats_path, e))?;
+        let stats = decode(&bytes).map_err(|e| Error::from(e).in_file(stats_path))?;
+        let digest = crate::open::digest(model)?;
+        if !stats.provenance.models.contains(&digest) {
+            return Err(Error::Format(format!(
+                "{} was calibrated on another model than {}; run `qforge calibrate --model {}` first",
+                stats_path.display(),
+                model.display(),
+                model.display()
+            )));
+        }
+        Ok(Self {
+            stats,
+            calibrator,
+            source: stats_path.display().to_string(),
+        })
+    }
+
+    /// The static activations of the linear layer fed at `point`.
+    pub fn activations(&self, point: &str) -> Result<Activations> {
+        let tensor = self.stats.tensors.get(point).ok_or_else(|| {
+            Error::Format(format!(
+                "{} has no statistics for {point}; calibrate this model again",
+                self.source
+            ))
+        })?;
+        let scale = self
+            .calibrator
+            .static_scale(tensor.histogram())
+            .ok_or_else(|| {
+                Error::Format(format!(
+                    "{}: {point} saw no finite value; its scale is undefined",
+                    self.source
+                ))
+            })?;
+        Ok(Activations::Static(scale))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qforge_core::TensorStats;
+
+    fn scales_of(values: &[f32]) -> StaticScales {
+        let mut tensor = TensorStats::with_channels(1);
+        tensor.observe(values).unwrap();
+        let mut stats = Stats::default();
+        stats.tensors.insert("layers.0".into(), tensor);
+        StaticScales {
+            stats,
+            calibrator: Calibrator::MinMax,
+            source: "test.qstats".into(),
+        }
+    }
+
+    #[test]
+    fn a_point_gets_its_calibrators_scale_and_an_unknown_point_is_named() {
+        let scales = scales_of(&[-2.54, 1.0, 0.5]);
+        let Activations::Static(scale) = scales.activations("layers.0").unwrap() else {
+            panic!("static activations expected");
+        };
+        assert_eq!(
+            scale,
+            Calibrator::MinMax
+                .static_scale(scales.stats.tensors["layers.0"].histogram())
+                .unwrap()
+        );
+        assert!((scale - 2.54 / 127.0).abs() < 1e-4, "{scale}");
+        let missing = scales.activations("layers.1").unwrap_err().to_string();
+        assert!(
+            missing.contains("test.qstats has no statistics for layers.1"),
+            "{missing}"
+        );
+    }
+
+    #[test]
+    fn a_point_that_saw_no_finite_value_has_no_scale() {
+        let scales = scales_of(&[f32::NAN]);
+        let err = scales.activations("layers.0").unwrap_err().to_string();
+        assert!(err.contains("saw no finite value"), "{err}");
+    }
+}
