@@ -83,6 +83,12 @@ pub struct QuantizeArgs {
     #[arg(long, default_value_t = 0.95, requires = "env")]
     min_return_consistency: f64,
 
+    /// [method] run the recipe as given (plain, unless --smoothquant,
+    /// --hadamard or --gptq name a method) instead of trying plain,
+    /// SmoothQuant, Hadamard and Hadamard + GPTQ in order of cost until one
+    /// meets the guard before any fallback (policies: plain and SmoothQuant).
+    #[arg(long, help_heading = "Recipe overrides")]
+    no_method_search: bool,
     /// [calibration] samples to draw.
     #[arg(long, help_heading = "Recipe overrides")]
     samples: Option<usize>,
@@ -163,6 +169,7 @@ impl QuantizeArgs {
             }
             None => QuantRecipe::default(),
         };
+        recipe.method.search &= !self.no_method_search;
         let c = &mut recipe.calibration;
         c.samples = self.samples.unwrap_or(c.samples);
         c.seq_len = self.seq_len.unwrap_or(c.seq_len);
@@ -354,6 +361,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
                 "after": d.after,
                 "fp_layers": d.fp_layers,
                 "total_layers": d.total_layers,
+                "method": quantized.report.method,
                 "fallback_steps": d.applied_steps,
                 "guard_evaluations": d.evaluations.len(),
                 "coverage": d.coverage,
@@ -372,8 +380,11 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         .into());
     }
     if !args.flags.json {
+        let method = quantized.report.method.as_ref().map_or(String::new(), |m| {
+            format!(" ({} of {} methods tried)", m.chosen, m.tried.len())
+        });
         println!(
-            "quantized {}: {}; {} of {} linear layers in FP",
+            "quantized {}{method}: {}; {} of {} linear layers in FP",
             model_path.display(),
             describe(&d.after),
             d.fp_layers,

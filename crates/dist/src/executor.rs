@@ -63,6 +63,15 @@ pub trait Executor {
         options: &RunOptions,
         events: &mut dyn FnMut(PassEvent),
     ) -> Result<RunSummary>;
+
+    /// Says that pass `position`, which the pass before it named as its
+    /// successor, will not run (a method search stopped before it), so that
+    /// workers following the pipeline leave instead of waiting for it.
+    /// `job` is what the spec of the skipped pass records. Threads here
+    /// follow nothing: the default does nothing.
+    fn skip_pass(&self, _session: &Session, _job: &Job, _position: PassPosition) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Worker threads in this process (the default: no services needed).
@@ -174,6 +183,30 @@ pub struct RedisExecutor {
 }
 
 impl RedisExecutor {
+    /// The spec of pass `position` of `job` over `session`, with the run of
+    /// the pass after it, if any, for the workers to follow.
+    fn spec(&self, session: &Session, job: &Job, position: PassPosition) -> Result<RunSpec> {
+        self.settings.validate()?;
+        let mut spec = RunSpec::new(&self.pass_run(session, position.index), session, job)?;
+        spec.next_pass =
+            (position.index < position.count).then(|| self.pass_run(session, position.index + 1));
+        let s = &self.settings;
+        spec.heartbeat_ms = s.heartbeat.as_millis() as u64;
+        spec.heartbeat_timeout_ms = s.heartbeat_timeout.as_millis() as u64;
+        spec.allow_mixed_hardware = s.allow_mixed_hardware;
+        spec.speculation = s.speculation;
+        Ok(spec)
+    }
+
+    /// How the coordinator reaches Redis.
+    fn cluster_options(&self) -> ClusterOptions {
+        ClusterOptions {
+            redis: self.redis.clone(),
+            resume: self.resume,
+            outage_limit: self.settings.outage_limit,
+        }
+    }
+
     /// The Redis run of pass `index` (1-based) over `session`.
     pub fn pass_run(&self, session: &Session, index: usize) -> String {
         let run = self.run.clone().unwrap_or_else(|| session.run_name());
@@ -202,24 +235,9 @@ impl Executor for RedisExecutor {
         options: &RunOptions,
         events: &mut dyn FnMut(PassEvent),
     ) -> Result<RunSummary> {
-        self.settings.validate()?;
-        let run_name = self.pass_run(session, position.index);
-        let mut spec = RunSpec::new(&run_name, session, job)?;
-        spec.next_pass =
-            (position.index < position.count).then(|| self.pass_run(session, position.index + 1));
-        let s = &self.settings;
-        spec.heartbeat_ms = s.heartbeat.as_millis() as u64;
-        spec.heartbeat_timeout_ms = s.heartbeat_timeout.as_millis() as u64;
-        spec.allow_mixed_hardware = s.allow_mixed_hardware;
-        spec.speculation = s.speculation;
-        let backend = RedisBackend::open(
-            spec,
-            &ClusterOptions {
-                redis: self.redis.clone(),
-                resume: self.resume,
-                outage_limit: s.outage_limit,
-            },
-        )?;
+        let spec = self.spec(session, job, position)?;
+        let run_name = spec.run.clone();
+        let backend = RedisBackend::open(spec, &self.cluster_options())?;
         events(PassEvent::Opened {
             run: Some(run_name),
             batches: session.plan.batches.len(),
@@ -229,5 +247,11 @@ impl Executor for RedisExecutor {
         });
         backend.finish(summary.is_ok())?;
         summary
+    }
+
+    fn skip_pass(&self, session: &Session, job: &Job, position: PassPosition) -> Result<()> {
+        let mut spec = self.spec(session, job, position)?;
+        spec.next_pass = None;
+        RedisBackend::skip(spec, &self.cluster_options())
     }
 }

@@ -82,6 +82,19 @@ pub struct GuardMetrics {
     pub passes: bool,
 }
 
+impl GuardMetrics {
+    /// How far the configuration is from full precision, lower is closer:
+    /// the relative perplexity increase (language models) or the share of
+    /// actions that differ (policies).
+    pub fn shortfall(&self) -> f64 {
+        match (self.agreement, self.perplexity_increase) {
+            (Some(agreement), _) => 1.0 - agreement,
+            (_, Some(increase)) => increase,
+            _ => f64::INFINITY,
+        }
+    }
+}
+
 /// One demotion of the ladder.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LadderStep {
@@ -454,6 +467,23 @@ pub fn quantize(
         coverage,
         warnings,
     })
+}
+
+/// The guard's measurement of the recipe's plan before any fallback, as
+/// [`quantize`] takes it first: what the method search compares (no
+/// sensitivity ranking, no ladder).
+pub fn probe(
+    model: FpModel<'_>,
+    reference: FpModel<'_>,
+    stats: &Stats,
+    held_out: &HeldOut,
+    recipe: &QuantRecipe,
+) -> Result<GuardMetrics> {
+    recipe.validate()?;
+    let layers_of = layers_by_point(&model.linears());
+    let static_allowed = stats.provenance.coverage() >= recipe.calibration.min_coverage;
+    let plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut Vec::new())?;
+    Guard::new(model, reference, held_out, recipe)?.measure(&plan.precisions())
 }
 
 /// The linear layers fed by each observation point (a fused group).

@@ -36,5 +36,5 @@ pub mod smoothing;
 pub use error::{Error, Result};
 pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
 pub use pipeline::{Inputs, Listener, Pipeline, Quantized};
-pub use recipe::QuantRecipe;
-pub use report::{CalibrationSummary, GptqRecord, PassRecord, Report};
+pub use recipe::{Method, QuantRecipe};
+pub use report::{CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, PassRecord, Report};

@@ -25,10 +25,12 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::gptq::{Gptq, GptqOptions};
-use crate::guard::{Decision, FpModel, quantize};
+use crate::guard::{Decision, FpModel, HeldOut, describe, probe, quantize};
 use crate::held_out::held_out;
-use crate::recipe::QuantRecipe;
-use crate::report::{CalibrationSummary, GptqRecord, PassRecord, Report};
+use crate::recipe::{Method, QuantRecipe};
+use crate::report::{
+    CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, PassRecord, Report,
+};
 use crate::smoothing::smoothing_factors;
 
 /// What the pipeline reports while it runs. Every method has a default that
@@ -112,25 +114,151 @@ impl<'a> Pipeline<'a> {
         }
     }
 
-    /// Runs every pass, then GPTQ (if enabled), then the guard. A refused
-    /// decision is a result (`report.decision.accepted` is false), not an
-    /// error.
+    /// Runs every pass, then GPTQ (if enabled), then the guard. When the
+    /// recipe searches for its method, each method runs its passes in turn
+    /// (cheapest first) until one's plan meets the guard's budget before any
+    /// fallback. A refused decision is a result
+    /// (`report.decision.accepted` is false), not an error.
     pub fn run(&self, inputs: &Inputs, listener: &mut dyn Listener) -> Result<Quantized> {
-        let passes = self.passes();
-        let rotation = &self.recipe.rotation.inputs;
+        let policy = qforge_model::Format::is_policy(&inputs.model)?;
         if let Some(why) = self.recipe.needs_language_model()
-            && qforge_model::Format::is_policy(&inputs.model)?
+            && policy
         {
             return Err(Error::Recipe(why.into()));
         }
+        let candidates = self.recipe.candidates(policy);
+        if candidates.len() > 1 {
+            return self.search(candidates, inputs, listener);
+        }
         let first = qforge_calib::Recipe {
-            pass: passes[0].clone(),
+            pass: self.passes()[0].clone(),
             ..self.recipe.calibration_recipe()
         };
-        let mut session = Session::open(
+        let mut session = self.open_session(inputs, &first, listener)?;
+        // The Hessian passes cut the model's inputs by their widths, so the
+        // count of passes is known before the first one runs.
+        let groups = self.hessian_groups(&mut session)?;
+        let count = self.passes().len() + groups.len();
+        let prepared = self.prepare(&mut session, &groups, 0, count, listener)?;
+        let original = session.load_model()?.clone();
+        let held = self.held_out(&session, &original, inputs, listener)?;
+        self.finish(session, original, prepared, held, listener)
+    }
+
+    /// The method search: every candidate recipe's passes and the guard's
+    /// measurement of its plan, until one meets the budget; the chosen one
+    /// then goes through the guard's fallback. The candidates share one
+    /// session and number their passes on from each other, so the workers of
+    /// a cluster follow from one method's passes into the next.
+    fn search(
+        &self,
+        candidates: Vec<(Method, QuantRecipe)>,
+        inputs: &Inputs,
+        listener: &mut dyn Listener,
+    ) -> Result<Quantized> {
+        let first = self.recipe.calibration_recipe();
+        let mut session = self.open_session(inputs, &first, listener)?;
+        let stages: Vec<(Method, Pipeline<'_>)> = candidates
+            .into_iter()
+            .map(|(method, recipe)| Pipeline::new(recipe, self.executor).map(|p| (method, p)))
+            .collect::<Result<_>>()?;
+        let mut groups = Vec::new();
+        if stages.iter().any(|(_, stage)| stage.recipe.gptq.enabled) {
+            groups = stages[0].1.hessian_groups_for(&mut session)?;
+        }
+        let passes_of = |stage: &Pipeline<'_>| {
+            stage.passes().len()
+                + if stage.recipe.gptq.enabled {
+                    groups.len()
+                } else {
+                    0
+                }
+        };
+        let count: usize = stages.iter().map(|(_, stage)| passes_of(stage)).sum();
+        let original = session.load_model()?.clone();
+        let held = self.held_out(&session, &original, inputs, listener)?;
+        let mut trials: Vec<MethodTrial> = Vec::new();
+        let mut best: Option<(usize, Prepared)> = None;
+        let mut done = 0;
+        for (i, (method, stage)) in stages.iter().enumerate() {
+            listener.message(&format!("method {}: calibrating", method.name()));
+            let started = std::time::Instant::now();
+            let stage_groups = if stage.recipe.gptq.enabled {
+                &groups[..]
+            } else {
+                &[]
+            };
+            let prepared = stage.prepare(&mut session, stage_groups, done, count, listener)?;
+            done += passes_of(stage);
+            let before = probe(
+                fp_model(&prepared.model),
+                fp_model(&original),
+                &prepared.stats,
+                &held.0,
+                &stage.recipe,
+            )?;
+            listener.message(&format!(
+                "method {}: before any fallback, {}",
+                method.name(),
+                describe(&before)
+            ));
+            let closer = best
+                .as_ref()
+                .is_none_or(|(b, _)| before.shortfall() < trials[*b].before.shortfall());
+            trials.push(MethodTrial {
+                method: method.name().into(),
+                before,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+            if closer {
+                best = Some((i, prepared));
+            }
+            if trials[i].before.passes {
+                break;
+            }
+        }
+        if done < count {
+            // Workers following the pipeline wait for the pass after the
+            // last one run: tell them it will not come.
+            let job = session.job(&first, &[]);
+            self.executor.skip_pass(
+                &session,
+                &job,
+                PassPosition {
+                    index: done + 1,
+                    count,
+                },
+            )?;
+        }
+        let (chosen, prepared) = best.expect("the search runs at least one method");
+        let (method, stage) = &stages[chosen];
+        let reason = if trials[chosen].before.passes {
+            "the cheapest method whose plan met the guard's budget before any fallback"
+        } else {
+            "no method met the guard's budget before fallback; the one that came closest, then the fallback"
+        };
+        listener.message(&format!("method: {} ({reason})", method.name()));
+        let mut quantized = stage.finish(session, original, prepared, held, listener)?;
+        quantized.report.method = Some(MethodSearch {
+            chosen: method.name().into(),
+            reason: reason.into(),
+            tried: trials,
+        });
+        Ok(quantized)
+    }
+
+    /// Opens the session over `inputs` with `first` (the first pass's
+    /// recipe), warning when the data hold fewer samples than asked for.
+    fn open_session(
+        &self,
+        inputs: &Inputs,
+        first: &qforge_calib::Recipe,
+        listener: &mut dyn Listener,
+    ) -> Result<Session> {
+        let session = Session::open(
             &inputs.model,
             &inputs.data,
-            &first,
+            first,
             inputs.skip_invalid,
             self.executor.weights(),
         )?;
@@ -140,21 +268,61 @@ impl<'a> Pipeline<'a> {
                 session.plan.samples, first.samples
             ));
         }
-        // The Hessian passes cut the model's inputs by their widths, so the
-        // count of passes is known before the first one runs.
-        let groups = if self.recipe.gptq.enabled {
-            let budget = self.recipe.gptq.hessian_memory_mib as u64 * (1 << 20);
-            hessian_groups(session.load_model()?, budget)
+        Ok(session)
+    }
+
+    /// GPTQ's groups of layer inputs when the recipe runs GPTQ, else none.
+    fn hessian_groups(&self, session: &mut Session) -> Result<Vec<Vec<(String, usize)>>> {
+        if self.recipe.gptq.enabled {
+            self.hessian_groups_for(session)
         } else {
-            Vec::new()
-        };
-        let count = passes.len() + groups.len();
+            Ok(Vec::new())
+        }
+    }
+
+    /// GPTQ's groups of the session's model under this recipe's memory
+    /// budget.
+    fn hessian_groups_for(&self, session: &mut Session) -> Result<Vec<Vec<(String, usize)>>> {
+        let budget = self.recipe.gptq.hessian_memory_mib as u64 * (1 << 20);
+        Ok(hessian_groups(session.load_model()?, budget))
+    }
+
+    /// The guard's held-out data and what they are.
+    fn held_out(
+        &self,
+        session: &Session,
+        original: &Model,
+        inputs: &Inputs,
+        listener: &mut dyn Listener,
+    ) -> Result<(HeldOut, String)> {
+        let held = held_out(
+            session,
+            original,
+            inputs.eval_data.as_deref(),
+            self.recipe.guard.ctx,
+        )?;
+        listener.message(&format!("guard data: {}", held.1));
+        Ok(held)
+    }
+
+    /// The recipe's calibration passes, numbered from `done + 1` of `count`,
+    /// then GPTQ's: the model they leave, its statistics and the records.
+    fn prepare(
+        &self,
+        session: &mut Session,
+        groups: &[Vec<(String, usize)>],
+        done: usize,
+        count: usize,
+        listener: &mut dyn Listener,
+    ) -> Result<Prepared> {
+        let rotation = &self.recipe.rotation.inputs;
+        let first = session.recipe.clone();
         let mut transforms = Vec::new();
         let mut records = Vec::new();
         let mut activation = None;
-        for (i, pass) in passes.into_iter().enumerate() {
+        for (i, pass) in self.passes().into_iter().enumerate() {
             let position = PassPosition {
-                index: i + 1,
+                index: done + i + 1,
                 count,
             };
             // The smoothing pass measures the unrotated model (a rotated
@@ -170,11 +338,11 @@ impl<'a> Pipeline<'a> {
                 ..first.clone()
             };
             let job = session.job(&recipe, &transforms);
-            let mut summary = self.run_pass(&session, &job, position, listener)?;
+            let mut summary = self.run_pass(session, &job, position, listener)?;
             match pass {
                 Pass::Smoothing => {
                     let alpha = self.recipe.smoothing.alpha;
-                    let factors = self.smoothing_factors(&mut session, &summary.stats)?;
+                    let factors = self.smoothing_factors(session, &summary.stats)?;
                     listener.message(&format!(
                         "smoothing {} layer inputs (alpha {alpha}); calibrating the smoothed model",
                         factors.len(),
@@ -187,48 +355,58 @@ impl<'a> Pipeline<'a> {
             records.push((pass.name(), summary));
         }
         let stats = activation.expect("every recipe runs the activation pass");
-        let original = session.load_model()?.clone();
         let mut model = session.target(&transforms)?;
         let mut gptq = None;
         if !groups.is_empty() {
             let rounding = Rounding {
-                session: &session,
+                session,
                 transforms: &transforms,
                 activation: &stats,
                 first: &first,
-                done: records.len(),
+                done: done + records.len(),
                 count,
             };
             let (weights, seconds) =
-                self.gptq(&rounding, &model, &groups, &mut records, listener)?;
+                self.gptq(&rounding, &model, groups, &mut records, listener)?;
             model = model.with_int8_weights(&weights)?;
             gptq = Some(GptqRecord {
                 layers: weights.len(),
                 seconds,
             });
         }
-        let (held, held_description) = held_out(
-            &session,
-            &original,
-            inputs.eval_data.as_deref(),
-            self.recipe.guard.ctx,
-        )?;
-        listener.message(&format!("guard data: {held_description}"));
+        Ok(Prepared {
+            model,
+            transforms,
+            stats,
+            records,
+            gptq,
+        })
+    }
+
+    /// The guard's decision on a prepared model, and the report.
+    fn finish(
+        &self,
+        session: Session,
+        original: Model,
+        prepared: Prepared,
+        (held, held_description): (HeldOut, String),
+        listener: &mut dyn Listener,
+    ) -> Result<Quantized> {
         let decision = quantize(
-            fp_model(&model),
+            fp_model(&prepared.model),
             fp_model(&original),
-            &stats,
+            &prepared.stats,
             &held,
             &self.recipe,
             &mut |line| listener.message(line),
         )?;
-        let mut report = self.report(&session, &original, &records, decision);
-        report.gptq = gptq;
+        let mut report = self.report(&session, &original, &prepared.records, decision);
+        report.gptq = prepared.gptq;
         Ok(Quantized {
             session,
-            model,
-            transforms,
-            stats,
+            model: prepared.model,
+            transforms: prepared.transforms,
+            stats: prepared.stats,
             report,
             held_out: held_description,
         })
@@ -382,9 +560,21 @@ impl<'a> Pipeline<'a> {
                     .collect(),
             },
             gptq: None,
+            method: None,
             decision,
         }
     }
+}
+
+/// What a recipe's passes leave for the guard.
+struct Prepared {
+    /// The full-precision model after the transforms (and GPTQ's weights).
+    model: Model,
+    transforms: Vec<Transform>,
+    /// The activation pass's merged statistics.
+    stats: Stats,
+    records: Vec<(&'static str, RunSummary)>,
+    gptq: Option<GptqRecord>,
 }
 
 /// What GPTQ's passes share with the calibration passes before them.

@@ -188,6 +188,65 @@ impl Default for SmoothingSection {
     }
 }
 
+/// How the method (SmoothQuant, rotation, GPTQ) is chosen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MethodSection {
+    /// When the recipe enables no method itself, try the methods in order of
+    /// cost ([`Method::ORDER`]) and keep the first whose plan meets the
+    /// guard's budget before any layer falls back; when none does, the one
+    /// that comes closest. The layer-by-layer fallback then runs on the
+    /// chosen one.
+    pub search: bool,
+}
+
+impl Default for MethodSection {
+    fn default() -> Self {
+        Self { search: true }
+    }
+}
+
+/// A quantization method: what is done to the model before the guard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Method {
+    /// Calibrate and quantize the model as it is.
+    Plain,
+    /// SmoothQuant (one extra calibration pass).
+    Smoothquant,
+    /// A Hadamard rotation of every linear input (language models; a
+    /// little run-time cost for the online rotations).
+    Hadamard,
+    /// Hadamard, then GPTQ's rounding (Hessian passes and a solve per layer).
+    HadamardGptq,
+}
+
+impl Method {
+    /// Every method, cheapest first.
+    pub const ORDER: [Method; 4] = [
+        Method::Plain,
+        Method::Smoothquant,
+        Method::Hadamard,
+        Method::HadamardGptq,
+    ];
+
+    /// The name used in reports and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Plain => "plain",
+            Method::Smoothquant => "smoothquant",
+            Method::Hadamard => "hadamard",
+            Method::HadamardGptq => "hadamard+gptq",
+        }
+    }
+
+    /// Whether the method applies to a policy (rotations fold into a
+    /// decoder's norms and layers).
+    pub fn fits_policies(self) -> bool {
+        matches!(self, Method::Plain | Method::Smoothquant)
+    }
+}
+
 /// Rotations (language models).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -237,6 +296,8 @@ impl Default for GptqSection {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct QuantRecipe {
+    /// How the method is chosen when the recipe names none.
+    pub method: MethodSection,
     /// The calibration pass.
     pub calibration: CalibrationSection,
     /// SmoothQuant.
@@ -346,6 +407,52 @@ impl QuantRecipe {
             .map_or(self.quantize.calibrator.0, |(_, c)| c.0)
     }
 
+    /// Whether the recipe enables a method itself (then it runs as given).
+    pub fn names_a_method(&self) -> bool {
+        self.smoothing.enabled || !self.rotation.inputs.is_empty() || self.gptq.enabled
+    }
+
+    /// The recipes the pipeline runs, in order: the methods of
+    /// [`Method::ORDER`] that fit the model when this recipe searches (each
+    /// with the search off and its method's sections on; SmoothQuant's α and
+    /// GPTQ's options from this recipe), else this recipe alone.
+    pub fn candidates(&self, policy: bool) -> Vec<(Method, QuantRecipe)> {
+        if !self.method.search || self.names_a_method() {
+            return vec![(self.method_named(), self.clone())];
+        }
+        Method::ORDER
+            .into_iter()
+            .filter(|m| !policy || m.fits_policies())
+            .map(|method| {
+                let mut recipe = self.clone();
+                recipe.method.search = false;
+                match method {
+                    Method::Plain => {}
+                    Method::Smoothquant => recipe.smoothing.enabled = true,
+                    Method::Hadamard => recipe.rotation.inputs = RotatedInput::ALL.to_vec(),
+                    Method::HadamardGptq => {
+                        recipe.rotation.inputs = RotatedInput::ALL.to_vec();
+                        recipe.gptq.enabled = true;
+                    }
+                }
+                (method, recipe)
+            })
+            .collect()
+    }
+
+    /// The method this recipe runs as given, named by its nearest
+    /// [`Method`] (rotations of some inputs count as Hadamard, SmoothQuant
+    /// beside them as SmoothQuant).
+    fn method_named(&self) -> Method {
+        let rotated = !self.rotation.inputs.is_empty();
+        match (self.smoothing.enabled, rotated, self.gptq.enabled) {
+            (true, _, _) => Method::Smoothquant,
+            (false, true, true) => Method::HadamardGptq,
+            (false, true, false) => Method::Hadamard,
+            (false, false, _) => Method::Plain,
+        }
+    }
+
     /// Why the recipe cannot quantize a policy, if it cannot: the rotation
     /// folds into a decoder's norms and MLPs (SmoothQuant applies to a
     /// policy's observation).
@@ -405,6 +512,35 @@ mod tests {
             QuantRecipe::from_toml(text).unwrap(),
             QuantRecipe::default()
         );
+    }
+
+    #[test]
+    fn a_recipe_that_names_no_method_searches_the_ones_that_fit_the_model() {
+        let methods = |recipe: &QuantRecipe, policy: bool| -> Vec<Method> {
+            recipe
+                .candidates(policy)
+                .into_iter()
+                .map(|(m, _)| m)
+                .collect()
+        };
+        let default = QuantRecipe::default();
+        assert_eq!(methods(&default, false), Method::ORDER);
+        assert_eq!(
+            methods(&default, true),
+            [Method::Plain, Method::Smoothquant]
+        );
+        let candidates = default.candidates(false);
+        let (_, last) = &candidates[3];
+        assert!(last.gptq.enabled && last.rotation.inputs == RotatedInput::ALL);
+        assert!(candidates.iter().all(|(_, r)| !r.method.search));
+        // A method named by the recipe, or the search off: that recipe alone.
+        let mut smoothed = QuantRecipe::default();
+        smoothed.smoothing.enabled = true;
+        assert_eq!(smoothed.candidates(false)[0].1, smoothed);
+        assert_eq!(methods(&smoothed, false), [Method::Smoothquant]);
+        let mut off = QuantRecipe::default();
+        off.method.search = false;
+        assert_eq!(methods(&off, false), [Method::Plain]);
     }
 
     #[test]

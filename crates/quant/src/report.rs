@@ -88,8 +88,34 @@ pub struct Report {
     /// GPTQ, if the recipe ran it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gptq: Option<GptqRecord>,
+    /// The method search, if the recipe searched (then `recipe` is the
+    /// chosen method's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub method: Option<MethodSearch>,
     /// What the guard decided.
     pub decision: Decision,
+}
+
+/// Which methods the search tried, which it chose and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct MethodSearch {
+    /// The method whose artifact this is.
+    pub chosen: String,
+    /// Why it was chosen.
+    pub reason: String,
+    /// Every method tried, in order.
+    pub tried: Vec<MethodTrial>,
+}
+
+/// One method of the search.
+#[derive(Debug, Clone, Serialize)]
+pub struct MethodTrial {
+    /// Its name (`plain`, `smoothquant`, `hadamard`, `hadamard+gptq`).
+    pub method: String,
+    /// The guard's measurement of its plan before any fallback.
+    pub before: GuardMetrics,
+    /// Its calibration passes and that measurement, seconds.
+    pub seconds: f64,
 }
 
 impl Report {
@@ -103,6 +129,9 @@ impl Report {
         let d = &self.decision;
         let mut html = String::new();
         self.write_header(&mut html);
+        if let Some(search) = &self.method {
+            write_method_search(&mut html, search);
+        }
         write_accuracy(&mut html, d);
         write_fallback(&mut html, d);
         html.push_str("<h2>Per-layer SQNR</h2><p>Output SQNR of each layer input's worst layer on held-out inputs: static scale (blue) and dynamic per-token (orange). Lower is noisier.</p>");
@@ -147,6 +176,26 @@ impl Report {
             let _ = write!(html, "<p class=warn>warning: {}</p>", escape(warning));
         }
     }
+}
+
+/// "Method": what the search tried before the fallback, and what it chose.
+fn write_method_search(html: &mut String, search: &MethodSearch) {
+    let _ = write!(
+        html,
+        "<h2>Method</h2><p>Chosen: <b>{}</b>, {}.</p><table><tr><th>method tried</th><th>before any fallback</th><th>seconds</th></tr>",
+        escape(&search.chosen),
+        escape(&search.reason)
+    );
+    for trial in &search.tried {
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{}</td><td>{:.1}</td></tr>",
+            escape(&trial.method),
+            escape(&crate::guard::describe(&trial.before)),
+            trial.seconds
+        );
+    }
+    html.push_str("</table>");
 }
 
 /// "Accuracy": the reference, the plan and the chosen configuration, and how

@@ -145,6 +145,36 @@ impl RedisBackend {
         })
     }
 
+    /// Publishes `spec` as a run that will not happen (state `skipped`, no
+    /// task): workers that follow the pass before it into this one find it
+    /// and leave. Its keys expire after a day, as a finished run's.
+    pub fn skip(spec: RunSpec, options: &ClusterOptions) -> Result<()> {
+        let keys = RunKeys::new(&spec.run)?;
+        let mut link = Link::open(&options.redis, options.outage_limit)?;
+        let json = serde_json::to_string(&spec).expect("a spec serializes");
+        let stale = keys.run_wide();
+        link.call(|c| {
+            redis::pipe()
+                .atomic()
+                .cmd("DEL")
+                .arg(&stale[..])
+                .ignore()
+                .cmd("SET")
+                .arg(keys.spec())
+                .arg(&json)
+                .arg("EX")
+                .arg(24 * 3600)
+                .ignore()
+                .cmd("SET")
+                .arg(keys.state())
+                .arg("skipped")
+                .arg("EX")
+                .arg(24 * 3600)
+                .ignore()
+                .query::<()>(c)
+        })
+    }
+
     /// The run's keys.
     pub fn keys(&self) -> &RunKeys {
         &self.keys

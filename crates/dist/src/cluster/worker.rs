@@ -93,15 +93,22 @@ pub fn serve_with(
     // What the previous run loaded, and the fingerprint of its pass's model.
     let mut loaded: Option<(RunSpec, Calibration, String)> = None;
     loop {
-        let wanted = next_pass.take().or(options.run.clone());
+        let following = next_pass.take();
+        let wanted = following.clone().or(options.run.clone());
         let Some(spec) = wait_for_run(
             &mut link,
             options,
             wanted.as_deref(),
+            following.is_some(),
             finished.as_deref(),
             log,
         )?
         else {
+            if following.is_some() && options.forever {
+                // The pipeline ended before the pass it named; serve what
+                // comes next.
+                continue;
+            }
             return Ok(report);
         };
         let run = spec.run.clone();
@@ -150,11 +157,14 @@ fn open_calibration(spec: &RunSpec) -> Result<Calibration> {
 }
 
 /// Waits for a running run: the named one, or the active one (not `skip`,
-/// the run just served). `None` when a named run is already over.
+/// the run just served). `None` when a named run is already over, and, when
+/// `following` (the run the previous pass named), even for a worker that
+/// serves forever.
 fn wait_for_run(
     link: &mut Link,
     options: &WorkerOptions,
     named: Option<&str>,
+    following: bool,
     skip: Option<&str>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Option<RunSpec>> {
@@ -195,7 +205,7 @@ fn wait_for_run(
                     }
                     return Ok(Some(spec));
                 }
-                (Some(_), Some(state)) if named.is_some() && !options.forever => {
+                (Some(_), Some(state)) if named.is_some() && (following || !options.forever) => {
                     log(&format!("run {run} is {state}; nothing to do"));
                     return Ok(None);
                 }
