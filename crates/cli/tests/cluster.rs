@@ -653,6 +653,34 @@ fn quantize_through_redis_writes_the_embedded_artifact() {
     let report: Value =
         serde_json::from_slice(&std::fs::read(dir.join("cluster/report.json")).unwrap()).unwrap();
     assert_eq!(report["calibration"]["backend"], "redis");
+    // The method search ran plain, then SmoothQuant's two passes; the worker
+    // followed from one method into the next.
+    assert_eq!(report["method"]["chosen"], "smoothquant");
+
+    // Under a looser budget plain holds and the search stops after its
+    // pass: the worker, told the next pass is skipped, leaves cleanly.
+    let mut coordinator = quantize(&["--cluster", &url, "--min-agreement", "0.98"], "loose");
+    let worker_log = dir.join("loose-worker.log");
+    let mut worker = Proc(
+        Command::new(env!("CARGO_BIN_EXE_qforge"))
+            .args(["worker", "--cluster", &url, "--wait", "60"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&worker_log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let status = coordinator.wait(Duration::from_secs(60), "quantize --cluster");
+    let log = std::fs::read_to_string(dir.join("loose.log")).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(worker.wait(Duration::from_secs(20), "the worker").success());
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("loose/report.json")).unwrap()).unwrap();
+    assert_eq!(report["method"]["chosen"], "plain");
+    let worker_log = std::fs::read_to_string(&worker_log).unwrap();
+    assert!(
+        worker_log.contains("is skipped; nothing to do"),
+        "{worker_log}"
+    );
 }
 
 /// SmoothQuant's two passes on three workers, one SIGKILLed while it

@@ -23,6 +23,17 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     assert_eq!(result["accepted"], true);
     let agreement = result["after"]["agreement"].as_f64().unwrap();
     assert!(agreement >= 0.99, "{result}");
+    // No method named: plain static scales miss the budget before any
+    // fallback, SmoothQuant meets it, with every layer int8.
+    let tried: Vec<&str> = result["method"]["tried"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["method"].as_str().unwrap())
+        .collect();
+    assert_eq!(tried, ["plain", "smoothquant"], "{result}");
+    assert_eq!(result["method"]["chosen"], "smoothquant");
+    assert_eq!(result["fp_layers"], 0);
     let out = dir.join("qforge-out");
     for file in [
         "qforge.json",
@@ -54,6 +65,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     );
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("accepted") && html.matches("<svg").count() >= 4);
+    assert!(html.contains("<h2>Method</h2>") && html.contains("smoothquant"));
 
     // The artifact runs through `eval agreement` and keeps its agreement with
     // the FP policy on all recorded observations.
