@@ -751,7 +751,7 @@ fn gptq_on_three_workers_with_one_killed_writes_the_single_worker_artifact() {
                 .args(["--data", &rollouts()])
                 // The output `nearest` is the same recipe without GPTQ.
                 .args(if out == "nearest" {
-                    &[][..]
+                    &["--no-method-search"][..]
                 } else {
                     &["--gptq"]
                 })
