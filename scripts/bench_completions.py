@@ -1,6 +1,6 @@
 """Load benchmark of `qforge serve` /v1/completions, run by scripts/bench.sh: SmolLM2-135M
-as an INT8 artifact (`qforge quantize --activations dynamic`, every linear layer INT8
-if the guard accepts it) and as its FP32 reference (the GGUF dequantized to f32), side
+as an INT8 artifact (`qforge quantize --activations dynamic --no-method-search`, every
+linear layer INT8 if the guard accepts it) and as its FP32 reference (the GGUF dequantized to f32), side
 by side in one run: each behind its own server on loopback with the serving defaults
 (--max-batch 32, --kv-budget-tokens 8192), both up, measured in turn at each level.
 
@@ -47,7 +47,7 @@ PASSES = [
 ]
 QUANTIZE = [QFORGE, "quantize", "--model", GGUF, "--data", DATA, "--samples", "32",
             "--activations", "dynamic", "--eval-data", "fixtures/text/eval.txt", "--ctx", "128",
-            "--max-perplexity-increase", "0.1", "-o", ARTIFACT]
+            "--max-perplexity-increase", "0.1", "--no-method-search", "-o", ARTIFACT]
 HTTP_TIMEOUT_S = 120
 DEADLINE_S = 900  # the whole script; it stops itself past this
 
