@@ -10,6 +10,7 @@ mod info_cmd;
 mod model_cmd;
 mod output;
 mod quantize_cmd;
+mod requantize_cmd;
 mod rollouts_cmd;
 mod serve_cmd;
 mod stats_cmd;
@@ -89,6 +90,11 @@ enum Command {
     /// the native artifact with report.json, report.html and manifest.json.
     /// With no --model/--data it quantizes the bundled CartPole policy.
     Quantize(Box<quantize_cmd::QuantizeArgs>),
+    /// Quantize new weights of an artifact's model (a weight sync in RL
+    /// training) with the artifact's frozen activation scales, smoothing,
+    /// rotations and precisions, without calibration: reports how many int8
+    /// weights changed and warns when activations drift past the scales.
+    Requantize(requantize_cmd::RequantizeArgs),
     /// Convert a native artifact to a serving format: compressed-tensors
     /// (vLLM, language models) or ONNX QDQ (policies).
     Export(export_cmd::ExportArgs),
@@ -208,6 +214,7 @@ fn main() -> ExitCode {
         Command::Worker(args) => calibrate_cmd::worker(args),
         Command::Quantize(args) => quantize_cmd::quantize_command(*args),
         Command::Verify(args) => quantize_cmd::verify_command(args),
+        Command::Requantize(args) => requantize_cmd::requantize_command(args),
         Command::Export(args) => export_cmd::export(args),
         Command::Serve(args) => serve_cmd::serve_command(args),
         Command::Generate(args) => model_cmd::generate(args),

@@ -414,3 +414,82 @@ fn the_artifact_is_written_with_the_users_umask() {
         assert_eq!(mode(&path), 0o640, "{}", path.display());
     }
 }
+
+/// `qforge requantize` at a weight sync: the artifact's own source weights
+/// requantize to the same int8 values in a verified artifact that runs;
+/// weights of another architecture, or a bad threshold, are refused.
+#[test]
+fn requantize_writes_an_artifact_like_the_given_one() {
+    let dir = temp("requantize");
+    let dir = dir.path();
+    json(&qforge_in(dir, &["quantize", "--json"]));
+    let cartpole = path("fixtures/policies/cartpole");
+    let result = json(&qforge_in(
+        dir,
+        &[
+            "requantize",
+            "--model",
+            &cartpole,
+            "--like",
+            "qforge-out",
+            "-o",
+            "synced",
+            "--json",
+        ],
+    ));
+    assert_eq!(result["changed_weights"], 0, "{result}");
+    assert!(result["int8_weights"].as_u64().unwrap() > 1000, "{result}");
+    assert_eq!(result["drift"], serde_json::json!([]));
+    assert_eq!(
+        std::fs::read_to_string(dir.join("synced/qforge.json")).unwrap(),
+        std::fs::read_to_string(dir.join("qforge-out/qforge.json")).unwrap()
+    );
+    json(&qforge_in(dir, &["verify", "synced", "--json"]));
+    let eval = json(&qforge_in(
+        dir,
+        &[
+            "eval",
+            "agreement",
+            "--model",
+            "synced",
+            "--reference",
+            &cartpole,
+            "--observations",
+            &path("fixtures/policies/cartpole/rollouts.jsonl"),
+            "--json",
+        ],
+    ));
+    assert!(eval["agreement"].as_f64().unwrap() >= 0.99, "{eval}");
+
+    let other = qforge_in(
+        dir,
+        &[
+            "requantize",
+            "--model",
+            &path("fixtures/policies/pendulum"),
+            "--like",
+            "qforge-out",
+            "-o",
+            "bad",
+        ],
+    );
+    assert_eq!(other.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&other.stderr);
+    assert!(stderr.contains("is not the architecture of"), "{stderr}");
+    assert!(!dir.join("bad").exists());
+    let threshold = qforge_in(
+        dir,
+        &[
+            "requantize",
+            "--model",
+            &cartpole,
+            "--like",
+            "qforge-out",
+            "-o",
+            "bad",
+            "--drift-threshold=-1",
+        ],
+    );
+    assert_eq!(threshold.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&threshold.stderr).contains("--drift-threshold must be"));
+}

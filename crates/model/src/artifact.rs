@@ -415,6 +415,29 @@ pub fn write_language_model(
     )
 }
 
+/// The int8 values of every int8 layer of the artifact in `dir`, by layer
+/// name: what `Linear::int8_weight` gave when it was written.
+pub fn int8_weights(dir: &Path) -> Result<BTreeMap<String, Vec<i8>>> {
+    let path = dir.join(WEIGHTS_FILE);
+    let file = crate::files::open_regular(&path)?;
+    // SAFETY: a read-only map of a file qforge does not modify (artifacts
+    // are written once, then renamed into place).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+    let tensors = SafeTensors::deserialize(&map)
+        .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+    Ok(tensors
+        .iter()
+        .filter(|(_, view)| view.dtype() == Dtype::I8)
+        .filter_map(|(name, view)| {
+            let layer = name.strip_suffix(".weight")?;
+            Some((
+                layer.to_owned(),
+                view.data().iter().map(|&b| b as i8).collect(),
+            ))
+        })
+        .collect())
+}
+
 /// The tensors of an artifact, memory-mapped.
 struct ArtifactTensors {
     map: memmap2::Mmap,

@@ -37,6 +37,17 @@ fn splitmix(state: &mut u64) -> u64 {
 /// Fingerprint of a decoder: a batch of two sequences (16 and 11 tokens, so
 /// padding is exercised) of pseudo-random token ids.
 pub fn llm_fingerprint(model: &Llama) -> Result<Digest> {
+    let mut observer = HashingObserver::default();
+    let logits = llm_probe(model, &mut observer)?;
+    for v in logits.flatten_all()?.to_vec1::<f32>()? {
+        observer.0.update(&v.to_bits().to_le_bytes());
+    }
+    Ok(observer.0.finish())
+}
+
+/// Runs the decoder's fixed probe batch (the fingerprint's) past `observer`;
+/// returns the last position's logits.
+pub fn llm_probe(model: &Llama, observer: &mut dyn Observer) -> Result<candle_core::Tensor> {
     let vocab = model.config().vocab_size as u64;
     let mut state = 0x5146_4f52_4745; // "QFORGE"
     let batch: Vec<Vec<u32>> = [16usize, 11]
@@ -47,25 +58,26 @@ pub fn llm_fingerprint(model: &Llama) -> Result<Digest> {
                 .collect()
         })
         .collect();
+    model.forward(&batch, None, Some(observer), Logits::Last)
+}
+
+/// Fingerprint of a policy: 64 pseudo-random observations in [−2, 2).
+pub fn policy_fingerprint(policy: &MlpPolicy) -> Result<Digest> {
     let mut observer = HashingObserver::default();
-    let logits = model.forward(&batch, None, Some(&mut observer), Logits::Last)?;
-    for v in logits.flatten_all()?.to_vec1::<f32>()? {
+    let outputs = policy_probe(policy, &mut observer)?;
+    for v in outputs {
         observer.0.update(&v.to_bits().to_le_bytes());
     }
     Ok(observer.0.finish())
 }
 
-/// Fingerprint of a policy: 64 pseudo-random observations in [−2, 2).
-pub fn policy_fingerprint(policy: &MlpPolicy) -> Result<Digest> {
+/// Runs the policy's fixed probe batch (the fingerprint's) past `observer`;
+/// returns the head's outputs.
+pub fn policy_probe(policy: &MlpPolicy, observer: &mut dyn Observer) -> Result<Vec<f32>> {
     let dim = policy.config().observation_dim;
     let mut state = 0x5146_4f52_4745;
     let observations: Vec<f32> = (0..64 * dim)
         .map(|_| (splitmix(&mut state) >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
         .collect();
-    let mut observer = HashingObserver::default();
-    let outputs = policy.forward(&observations, Some(&mut observer))?;
-    for v in outputs {
-        observer.0.update(&v.to_bits().to_le_bytes());
-    }
-    Ok(observer.0.finish())
+    policy.forward(&observations, Some(observer))
 }

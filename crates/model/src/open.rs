@@ -12,11 +12,12 @@ use std::path::{Path, PathBuf};
 use qforge_core::{Digest, DigestBuilder};
 
 use crate::error::{Error, Result};
-use crate::fingerprint::{llm_fingerprint, policy_fingerprint};
+use crate::fingerprint::{llm_fingerprint, llm_probe, policy_fingerprint, policy_probe};
 use crate::linear::{Int8Weight, Linear};
 use crate::lm::LanguageModel;
 use crate::manifest::Manifest;
 use crate::mlp::MlpPolicy;
+use crate::observe::Observer;
 
 /// A model qforge can calibrate, quantize, evaluate and serve.
 #[derive(Debug, Clone)]
@@ -164,6 +165,16 @@ impl Model {
         }
     }
 
+    /// Runs the fingerprint's fixed probe batch past `observer` (every
+    /// linear input on the way), for comparing two weights' activations on
+    /// the same inputs.
+    pub fn probe(&self, observer: &mut dyn Observer) -> Result<()> {
+        match self {
+            Model::Language(lm) => llm_probe(&lm.model, observer).map(drop),
+            Model::Policy(policy) => policy_probe(policy, observer).map(drop),
+        }
+    }
+
     /// Every linear layer as (name, observation point, layer), in forward
     /// order.
     pub fn linears(&self) -> Vec<(String, String, &Linear)> {
@@ -171,6 +182,19 @@ impl Model {
             Model::Language(lm) => lm.model.linears(),
             Model::Policy(policy) => policy.linears(),
         }
+    }
+
+    /// The same model with every linear layer replaced by
+    /// `convert(observation point, layer)`.
+    pub fn with_linears(&self, convert: impl Fn(&str, &Linear) -> Result<Linear>) -> Result<Model> {
+        Ok(match self {
+            Model::Language(lm) => Model::Language(Box::new(LanguageModel {
+                model: lm.model.with_linears(convert)?,
+                text: lm.text.clone(),
+                source: lm.source.clone(),
+            })),
+            Model::Policy(policy) => Model::Policy(policy.with_linears(convert)?),
+        })
     }
 
     /// The same model with the int8 values `weights` (by layer name) chosen

@@ -24,6 +24,9 @@ pub enum Error {
     /// GPTQ cannot round a layer (its Hessian or weights are unusable).
     #[error("GPTQ: {0}")]
     Gptq(String),
+    /// New weights cannot be quantized like the artifact given.
+    #[error("requantize: {0}")]
+    Requantize(String),
     /// Writing the report failed.
     #[error("report: {0}")]
     Report(String),

@@ -31,6 +31,7 @@ mod ladder;
 pub mod pipeline;
 pub mod recipe;
 pub mod report;
+pub mod requantize;
 pub mod smoothing;
 
 pub use error::{Error, Result};
