@@ -106,7 +106,13 @@ impl RedisBackend {
                 }
             }
         } else {
-            let stale = keys.run_wide();
+            let mut stale = keys.run_wide().to_vec();
+            // A worker following this pass into the next must wait for this
+            // run's next pass, not leave on what an earlier run of the same
+            // name left there.
+            if let Some(next) = &spec.next_pass {
+                stale.extend(RunKeys::new(next)?.run_wide());
+            }
             link.call(|c| redis::cmd("DEL").arg(&stale[..]).query::<i64>(c))?;
             link.call(|c| {
                 redis::cmd("SET")
