@@ -1495,3 +1495,154 @@ fn a_completion_outlasting_the_timeout_finishes_and_queued_ones_wait_at_most_the
     let (status, v) = server.post("/v1/completions", &[], &short);
     assert_eq!(status, 200, "{v}");
 }
+
+/// Every observation of the CartPole rollouts.
+fn all_observations() -> Vec<Vec<f64>> {
+    let text = std::fs::read_to_string(path("fixtures/policies/cartpole/rollouts.jsonl")).unwrap();
+    text.lines()
+        .flat_map(|line| {
+            let episode: Value = serde_json::from_str(line).unwrap();
+            episode["observations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|row| {
+                    row.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_f64().unwrap())
+                        .collect()
+                })
+                .collect::<Vec<Vec<f64>>>()
+        })
+        .collect()
+}
+
+/// A weight sync without a restart: `POST /admin/reload` swaps the served
+/// artifact between batches. Every `/v1/act` answer names the version that
+/// computed it and is exactly what `qforge act` gives on that version's
+/// artifact, also for requests racing the swap. A reload needs the token,
+/// an artifact that acts like the served one and a loadable directory;
+/// anything else is refused and the served version stays.
+#[test]
+fn reload_swaps_the_policy_between_batches_and_every_answer_names_its_version() {
+    let dir = support::temp("serve", "reload");
+    let dir = dir.path();
+    // Version 1: the default (smoothed) artifact; version 2: plain static.
+    json(&qforge_in(dir, &["quantize", "--json"]));
+    json(&qforge_in(
+        dir,
+        &["quantize", "--no-method-search", "-o", "plain", "--json"],
+    ));
+    // Rows on which the two artifacts act differently, so the answers tell
+    // the versions apart.
+    let rows = all_observations();
+    let (old, new) = (
+        qforge_act(dir, "qforge-out", &rows),
+        qforge_act(dir, "plain", &rows),
+    );
+    let differing: Vec<Vec<f64>> = rows
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| old[*i] != new[*i])
+        .map(|(_, row)| row.clone())
+        .collect();
+    assert!(
+        !differing.is_empty(),
+        "the two artifacts act alike everywhere"
+    );
+    let expected = |version: u64| {
+        let model = if version == 1 { "qforge-out" } else { "plain" };
+        qforge_act(dir, model, &differing)
+    };
+    let (v1, v2) = (expected(1), expected(2));
+    assert_ne!(v1, v2);
+
+    let token = "sync-token";
+    let auth = format!("Authorization: Bearer {token}");
+    let server = Server::start(&dir.join("qforge-out"), &[], Some(token));
+    let body = serde_json::json!({ "observations": differing }).to_string();
+    let act = |server: &Server| -> (u64, Value) {
+        let (status, headers, text) = server.request("POST", "/v1/act", &[&auth], &body);
+        assert_eq!(status, 200, "{text}");
+        let version = headers
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("x-qforge-model-version: ")
+                    .map(str::to_owned)
+            })
+            .expect("a version header")
+            .trim()
+            .parse()
+            .unwrap();
+        let answer: Value = serde_json::from_str(&text).unwrap();
+        (version, answer["actions"].clone())
+    };
+    assert_eq!(act(&server), (1, v1.clone()));
+
+    let reload = |model: &str, headers: &[&str]| {
+        let body = serde_json::json!({ "model": dir.join(model) }).to_string();
+        server.request("POST", "/admin/reload", headers, &body)
+    };
+    assert_eq!(reload("plain", &[]).0, 401);
+    let (status, _, text) = reload("missing", &[&auth]);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("is not a qforge artifact"), "{text}");
+    json(&qforge_in(
+        dir,
+        &[
+            "quantize",
+            "--model",
+            &path("fixtures/policies/pendulum"),
+            "--data",
+            &path("fixtures/policies/pendulum/rollouts.jsonl"),
+            "-o",
+            "pendulum",
+            "--json",
+        ],
+    ));
+    let (status, _, text) = reload("pendulum", &[&auth]);
+    assert_eq!(status, 409, "{text}");
+    assert!(text.contains("not swapped in"), "{text}");
+    assert_eq!(act(&server), (1, v1.clone()));
+
+    // Requests racing the swap: each answer is its version's.
+    let racing: Vec<(u64, Value)> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| (0..10).map(|_| act(&server)).collect::<Vec<_>>()))
+            .collect();
+        let (status, _, text) = reload("plain", &[&auth]);
+        assert_eq!(status, 200, "{text}");
+        let answer: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(answer["version"], 2);
+        clients
+            .into_iter()
+            .flat_map(|c| c.join().unwrap())
+            .collect()
+    });
+    for (version, actions) in &racing {
+        assert_eq!(
+            actions,
+            if *version == 1 { &v1 } else { &v2 },
+            "version {version}"
+        );
+    }
+    assert_eq!(act(&server), (2, v2.clone()));
+    let (_, _, metrics) = server.request("GET", "/metrics", &[&auth], "");
+    assert!(metrics.contains("qforge_model_version 2"), "{metrics}");
+    assert!(
+        metrics.contains(r#"qforge_reloads_total{outcome="swapped"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"qforge_reloads_total{outcome="refused"} 2"#),
+        "{metrics}"
+    );
+
+    // A server without a token takes no reload.
+    let open = Server::start(&dir.join("qforge-out"), &[], None);
+    let body = serde_json::json!({ "model": dir.join("plain") }).to_string();
+    let (status, _, text) = open.request("POST", "/admin/reload", &[], &body);
+    assert_eq!(status, 403, "{text}");
+}

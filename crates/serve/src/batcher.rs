@@ -30,14 +30,37 @@ pub struct Job {
     pub observations: Vec<f32>,
     /// Number of rows.
     pub rows: usize,
-    /// Actions, or why the forward failed.
-    pub reply: oneshot::Sender<Result<Vec<Action>, String>>,
+    /// The actions, or why the forward failed.
+    pub reply: oneshot::Sender<Result<Answer, String>>,
+}
+
+/// A job's actions and the version of the model that computed them.
+pub struct Answer {
+    /// One action per row.
+    pub actions: Vec<Action>,
+    /// The model version (1 at start, one more per reload).
+    pub version: u64,
+}
+
+/// A new policy for the batching thread, taken between two batches: the
+/// jobs queued before it are answered by the old one.
+struct Swap {
+    policy: MlpPolicy,
+    monitor: Option<DriftMonitor>,
+    version: u64,
+    done: oneshot::Sender<()>,
+}
+
+/// What the batching thread receives.
+enum Message {
+    Job(Job),
+    Swap(Box<Swap>),
 }
 
 /// The queue's sending end.
 #[derive(Clone)]
 pub struct Batcher {
-    queue: mpsc::Sender<Job>,
+    queue: mpsc::Sender<Message>,
     metrics: Arc<Metrics>,
     /// Requests accepted but not yet taken into a batch.
     arriving: Arc<AtomicUsize>,
@@ -90,12 +113,12 @@ impl Batcher {
     /// `monitor`.
     pub fn start(
         policy: MlpPolicy,
-        mut monitor: Option<DriftMonitor>,
+        monitor: Option<DriftMonitor>,
         max_batch: usize,
         max_wait: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let (queue, jobs) = mpsc::channel::<Job>();
+        let (queue, jobs) = mpsc::channel::<Message>();
         let thread_metrics = Arc::clone(&metrics);
         let arriving = Arc::new(AtomicUsize::new(0));
         let thread_arriving = Arc::clone(&arriving);
@@ -105,15 +128,16 @@ impl Batcher {
             .name("qforge-batcher".into())
             .spawn(move || {
                 let _alive = thread_alive;
-                run(
-                    &policy,
-                    monitor.as_mut(),
-                    &jobs,
-                    max_batch.max(1),
+                let mut thread = BatchingThread {
+                    policy,
+                    monitor,
+                    version: 1,
+                    max_batch: max_batch.max(1),
                     max_wait,
-                    &thread_metrics,
-                    &thread_arriving,
-                )
+                    metrics: thread_metrics,
+                    arriving: thread_arriving,
+                };
+                thread.run(&jobs)
             })
             .expect("spawn the batching thread");
         Self {
@@ -142,7 +166,7 @@ impl Batcher {
     /// Queues the job of `arrival`; false when the batching thread is gone.
     pub fn submit(&self, mut arrival: Arrival, job: Job) -> bool {
         self.metrics.queue_depth.inc();
-        let sent = self.queue.send(job).is_ok();
+        let sent = self.queue.send(Message::Job(job)).is_ok();
         if sent {
             // The batching thread takes it back when it takes the job.
             arrival.submitted = true;
@@ -151,42 +175,107 @@ impl Batcher {
         }
         sent
     }
+
+    /// Queues a swap to `policy` (watched by `monitor`) as model `version`;
+    /// the receiver hears once every job queued before it has its answer
+    /// and the new policy answers what follows. `None`: the batching
+    /// thread is gone.
+    pub fn swap(
+        &self,
+        policy: MlpPolicy,
+        monitor: Option<DriftMonitor>,
+        version: u64,
+    ) -> Option<oneshot::Receiver<()>> {
+        let (done, swapped) = oneshot::channel();
+        let swap = Swap {
+            policy,
+            monitor,
+            version,
+            done,
+        };
+        self.queue.send(Message::Swap(Box::new(swap))).ok()?;
+        Some(swapped)
+    }
 }
 
-fn run(
-    policy: &MlpPolicy,
-    mut monitor: Option<&mut DriftMonitor>,
-    jobs: &mpsc::Receiver<Job>,
+/// The batching thread's state: the policy it runs and its version.
+struct BatchingThread {
+    policy: MlpPolicy,
+    monitor: Option<DriftMonitor>,
+    version: u64,
     max_batch: usize,
     max_wait: Duration,
-    metrics: &Metrics,
-    arriving: &AtomicUsize,
-) {
-    let dim = policy.config().observation_dim;
-    // Ends when every sender (the server) is gone.
-    while let Ok(first) = jobs.recv() {
-        arriving.fetch_sub(1, Ordering::SeqCst);
-        let mut batch = vec![first];
-        let mut rows = batch[0].rows;
-        let deadline = Instant::now() + max_wait;
-        while rows < max_batch {
-            let job = match jobs.try_recv() {
-                Ok(job) => job,
-                // Nothing queued and nobody on the way: run now.
-                Err(_) if arriving.load(Ordering::SeqCst) == 0 => break,
-                Err(_) => {
-                    match jobs.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                        Ok(job) => job,
-                        Err(_) => break,
-                    }
+    metrics: Arc<Metrics>,
+    arriving: Arc<AtomicUsize>,
+}
+
+impl BatchingThread {
+    /// Collects and answers batches until every sender (the server) is
+    /// gone. A swap ends the batch being collected: that batch is answered
+    /// by the old policy, the next by the new one.
+    fn run(&mut self, messages: &mpsc::Receiver<Message>) {
+        let mut next = None;
+        loop {
+            let first = match next.take() {
+                Some(message) => message,
+                None => match messages.recv() {
+                    Ok(message) => message,
+                    Err(_) => return,
+                },
+            };
+            let first = match first {
+                Message::Job(job) => job,
+                Message::Swap(swap) => {
+                    self.swap(*swap);
+                    continue;
                 }
             };
-            arriving.fetch_sub(1, Ordering::SeqCst);
-            rows += job.rows;
-            batch.push(job);
+            self.arriving.fetch_sub(1, Ordering::SeqCst);
+            let mut batch = vec![first];
+            let mut rows = batch[0].rows;
+            let deadline = Instant::now() + self.max_wait;
+            while rows < self.max_batch {
+                let message = match messages.try_recv() {
+                    Ok(message) => message,
+                    // Nothing queued and nobody on the way: run now.
+                    Err(_) if self.arriving.load(Ordering::SeqCst) == 0 => break,
+                    Err(_) => match messages
+                        .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                    {
+                        Ok(message) => message,
+                        Err(_) => break,
+                    },
+                };
+                match message {
+                    Message::Job(job) => {
+                        self.arriving.fetch_sub(1, Ordering::SeqCst);
+                        rows += job.rows;
+                        batch.push(job);
+                    }
+                    swap @ Message::Swap(_) => {
+                        next = Some(swap);
+                        break;
+                    }
+                }
+            }
+            self.answer(batch, rows);
         }
+    }
+
+    /// Takes the new policy, then says so.
+    fn swap(&mut self, swap: Swap) {
+        self.policy = swap.policy;
+        self.monitor = swap.monitor;
+        self.version = swap.version;
+        let _ = swap.done.send(());
+    }
+
+    /// One forward over the batch's `rows`, each job answered with its own.
+    fn answer(&mut self, batch: Vec<Job>, rows: usize) {
+        let metrics = &self.metrics;
         metrics.queue_depth.dec_by(batch.len() as i64);
         metrics.batch_rows.observe(rows as f64);
+        let dim = self.policy.config().observation_dim;
         let mut observations = Vec::with_capacity(rows * dim);
         for job in &batch {
             observations.extend_from_slice(&job.observations);
@@ -195,7 +284,8 @@ fn run(
         if observations.first() == Some(&FAULT_EXIT) {
             panic!("injected fault outside the forward");
         }
-        let observer = DriftMonitor::observer_for_next(monitor.as_deref_mut());
+        let policy = &self.policy;
+        let observer = DriftMonitor::observer_for_next(self.monitor.as_mut());
         let actions = catch_unwind(AssertUnwindSafe(|| {
             #[cfg(test)]
             if observations.first() == Some(&FAULT_PANIC) {
@@ -221,7 +311,10 @@ fn run(
                 for job in batch {
                     let mine: Vec<Action> = actions.by_ref().take(job.rows).collect();
                     // The client may have gone (timeout); nothing to do then.
-                    let _ = job.reply.send(Ok(mine));
+                    let _ = job.reply.send(Ok(Answer {
+                        actions: mine,
+                        version: self.version,
+                    }));
                 }
             }
             Err(message) => {

@@ -18,6 +18,7 @@ pub mod error;
 mod http;
 pub mod metrics;
 mod openai;
+pub mod reload;
 pub mod rollout;
 pub mod served;
 pub mod server;

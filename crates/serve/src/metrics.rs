@@ -44,6 +44,11 @@ pub struct Metrics {
     /// Panics caught on the model's threads (the request or batch failed;
     /// the thread went on).
     pub model_panics: Counter,
+    /// The version of the model answering (1 at start, one more per
+    /// reload).
+    pub model_version: Gauge,
+    /// `/admin/reload` requests, by outcome (`swapped`, `refused`).
+    pub reloads: Family<Labels, Counter>,
     /// Requests answered, by arm (`int8`, `fp`).
     pub arm_requests: Family<Labels, Counter>,
     /// 1 once traffic has rolled back to the FP reference.
@@ -114,6 +119,8 @@ impl Metrics {
             open_connections: Gauge::default(),
             connections_closed: Family::default(),
             model_panics: Counter::default(),
+            model_version: Gauge::default(),
+            reloads: Family::default(),
             arm_requests: Family::default(),
             rolled_back: Gauge::default(),
             shadow_observations: Counter::default(),
@@ -184,6 +191,17 @@ impl Metrics {
             "model_panics",
             "Panics caught on the model's threads",
             self.model_panics.clone(),
+        );
+        self.model_version.set(1);
+        registry.register(
+            "model_version",
+            "Version of the model answering: 1 at start, one more per reload",
+            self.model_version.clone(),
+        );
+        registry.register(
+            "reloads",
+            "POST /admin/reload requests, by outcome",
+            self.reloads.clone(),
         );
     }
 

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use qforge_model::artifact::{LayerPrecision, is_artifact, read_config};
 use qforge_model::manifest::read_manifest;
@@ -12,8 +13,10 @@ use qforge_model::open::recorded_source;
 use qforge_model::profile::CalibrationProfile;
 use qforge_model::{LanguageModel, MlpPolicy, Model};
 
+use crate::drift::{DriftMonitor, DriftOptions};
 use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
+use crate::metrics::Metrics;
 
 /// What a server runs.
 // One value per process, moved once into `serve`: variant sizes do not matter.
@@ -106,6 +109,17 @@ impl Served {
 }
 
 impl Calibration {
+    /// The drift monitor that compares a served model's inputs with these
+    /// calibration facts.
+    pub fn into_monitor(self, options: DriftOptions, metrics: &Arc<Metrics>) -> DriftMonitor {
+        DriftMonitor::new(
+            self.profile,
+            &self.input_scales,
+            options,
+            Arc::clone(metrics),
+        )
+    }
+
     /// The calibration facts of the artifact at `path`; `None` for a model
     /// that is not an artifact, or an artifact quantized by a qforge that
     /// wrote no calibration profile (then the drift monitor is off, and a

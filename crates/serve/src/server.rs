@@ -22,9 +22,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::batcher::Job;
+use crate::batcher::{Answer, Job};
 use crate::conn;
-use crate::drift::DriftMonitor;
 use crate::error::{Error, Result};
 use crate::http::{
     Shape, error, read_body, require_token, session, timed_out, too_many_requests, with_arm,
@@ -32,6 +31,7 @@ use crate::http::{
 };
 use crate::metrics::Metrics;
 use crate::openai;
+use crate::reload::{self, VERSION_HEADER};
 use crate::rollout::{Arm, FeedbackLimit, RolloutMode};
 use crate::served::{Calibration, Served};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
@@ -84,14 +84,19 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
         return worker_stopped();
     }
     match tokio::time::timeout(state.options.timeout, answer).await {
-        Ok(Ok(Ok(actions))) => {
+        Ok(Ok(Ok(Answer { actions, version }))) => {
             state.metrics.observations.inc_by(rows as u64);
             policy.rollout.count_answer(arm);
             let body = json!({ "actions": actions, "arm": arm });
             if let Some(observations) = shadowed {
-                tokio::spawn(shadow(Arc::clone(state), observations, rows, actions));
+                let int8 = (actions, version);
+                tokio::spawn(shadow(Arc::clone(state), observations, rows, int8));
             }
-            with_arm(axum::Json(body).into_response(), arm)
+            let mut response = with_arm(axum::Json(body).into_response(), arm);
+            response
+                .headers_mut()
+                .insert(VERSION_HEADER, header::HeaderValue::from(version));
+            response
         }
         Ok(Ok(Err(message))) => error(StatusCode::INTERNAL_SERVER_ERROR, message),
         Ok(Err(_)) => worker_stopped(),
@@ -298,14 +303,15 @@ impl<'de> Visitor<'de> for Row<'_> {
     }
 }
 
-/// Runs the FP reference on observations INT8 already answered and counts
-/// how many actions agree. The client has its answer already; a reference
-/// that fails or times out only costs the comparison.
+/// Runs the FP reference on observations INT8 already answered (with its
+/// actions and model version) and counts how many actions agree. The client
+/// has its answer already; a reference that fails or times out, or answers
+/// with another version (a reload came between), only costs the comparison.
 async fn shadow(
     state: Arc<AppState>,
     observations: Vec<f32>,
     rows: usize,
-    int8_actions: Vec<qforge_model::Action>,
+    (int8_actions, version): (Vec<qforge_model::Action>, u64),
 ) {
     let Backend::Policy(policy) = &state.backend else {
         return;
@@ -323,10 +329,12 @@ async fn shadow(
     ) {
         return;
     }
-    if let Ok(Ok(Ok(fp_actions))) = tokio::time::timeout(state.options.timeout, answer).await {
+    if let Ok(Ok(Ok(fp))) = tokio::time::timeout(state.options.timeout, answer).await
+        && fp.version == version
+    {
         let agreements: Vec<bool> = int8_actions
             .iter()
-            .zip(&fp_actions)
+            .zip(&fp.actions)
             .map(|(a, b)| policy.head.actions_agree(a, b))
             .collect();
         policy.rollout.record_agreement(&agreements);
@@ -563,14 +571,7 @@ fn start_backend(
     metrics: &Arc<Metrics>,
 ) -> Result<Backend> {
     let monitor = |calibration: Option<Calibration>| {
-        calibration.map(|c| {
-            DriftMonitor::new(
-                c.profile,
-                &c.input_scales,
-                options.drift,
-                Arc::clone(metrics),
-            )
-        })
+        calibration.map(|c| c.into_monitor(options.drift, metrics))
     };
     Ok(match served {
         Served::Policy {
@@ -623,6 +624,7 @@ fn router(state: Arc<AppState>) -> Router {
     let policy = Router::new()
         .route("/v1/act", post(act))
         .route("/v1/feedback", post(feedback))
+        .route("/admin/reload", post(reload::reload))
         .route("/metrics", get(render_metrics))
         .route("/openapi.json", get(openapi));
     let completions = Router::new()

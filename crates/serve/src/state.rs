@@ -91,12 +91,16 @@ impl Backend {
 
 /// A policy, its optional reference, and the rollout between them.
 pub(crate) struct PolicyBackend {
-    int8: Batcher,
+    pub(crate) int8: Batcher,
     /// The FP reference, when the rollout needs one.
     pub(crate) fp: Option<Batcher>,
     pub(crate) head: Head,
     pub(crate) rollout: Rollout,
     pub(crate) observation_dim: usize,
+    /// The version of the model answering: 1 at start, one more per reload.
+    pub(crate) version: AtomicU64,
+    /// Held while a reload loads and swaps, so reloads happen one at a time.
+    pub(crate) reloading: tokio::sync::Mutex<()>,
 }
 
 impl PolicyBackend {
@@ -149,6 +153,8 @@ impl PolicyBackend {
             head,
             rollout: Rollout::new(rollout, Arc::clone(metrics)),
             observation_dim,
+            version: AtomicU64::new(1),
+            reloading: tokio::sync::Mutex::new(()),
         })
     }
 
