@@ -1640,8 +1640,16 @@ fn reload_swaps_the_policy_between_batches_and_every_answer_names_its_version() 
         "{metrics}"
     );
 
+    // The published contract lists the operation only where it can succeed.
+    let listed = |server: &Server, headers: &[&str]| {
+        let (_, _, doc) = server.request("GET", "/openapi.json", headers, "");
+        let doc: Value = serde_json::from_str(&doc).unwrap();
+        doc["paths"].get("/admin/reload").is_some()
+    };
+    assert!(listed(&server, &[&auth]));
     // A server without a token takes no reload.
     let open = Server::start(&dir.join("qforge-out"), &[], None);
+    assert!(!listed(&open, &[]));
     let body = serde_json::json!({ "model": dir.join("plain") }).to_string();
     let (status, _, text) = open.request("POST", "/admin/reload", &[], &body);
     assert_eq!(status, 403, "{text}");

@@ -398,6 +398,13 @@ const OPENAPI: &str = include_str!("../api/openapi.json");
 /// per request), so a client or a fuzzer reads the real contract.
 fn openapi_document(backend: &Backend, options: &ServeOptions) -> String {
     let mut doc: Value = serde_json::from_str(OPENAPI).expect("the bundled document is JSON");
+    // Only a policy server with a token takes reloads; elsewhere the route
+    // refuses every request, so it is no part of the contract.
+    if !(matches!(backend, Backend::Policy(_)) && options.token.is_some())
+        && let Some(paths) = doc["paths"].as_object_mut()
+    {
+        paths.remove("/admin/reload");
+    }
     if let Backend::Policy(policy) = backend {
         let observations =
             &mut doc["components"]["schemas"]["ActRequest"]["properties"]["observations"];
