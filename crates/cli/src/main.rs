@@ -101,7 +101,8 @@ enum Command {
     /// Serve a model over HTTP: a policy on POST /v1/act (dynamic batching),
     /// a language model on OpenAI's /v1/completions and /v1/chat/completions
     /// (continuous batching, SSE); A/B or shadow rollout against the FP
-    /// reference with automatic rollback; drift monitor; /health, /ready,
+    /// reference with automatic rollback; drift monitor; POST /admin/reload
+    /// (policies, token required) swaps in a new artifact; /health, /ready,
     /// /metrics (Prometheus), /openapi.json. Set QFORGE_SERVE_TOKEN to
     /// require a bearer token on all but /health and /ready.
     Serve(serve_cmd::ServeArgs),
