@@ -94,6 +94,21 @@ impl LayerPrecision {
     }
 }
 
+/// `layer` (full precision, fed at `point`) in the precision `points` gives
+/// its input; full precision where `points` names none. The converter of
+/// `with_linears` for a whole plan.
+pub fn in_precision(
+    points: &BTreeMap<String, LayerPrecision>,
+    point: &str,
+    layer: &Linear,
+) -> Result<Linear> {
+    points
+        .get(point)
+        .copied()
+        .unwrap_or(LayerPrecision::Fp)
+        .apply(layer)
+}
+
 /// What kind of model an artifact holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -22,7 +22,7 @@
 use std::collections::BTreeMap;
 
 use qforge_core::{Calibrator, Stats};
-use qforge_model::artifact::LayerPrecision;
+use qforge_model::artifact::{LayerPrecision, in_precision};
 use qforge_model::lm::{ReferenceLogProbs, compare_to};
 use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{Action, Activations, Linear, Llama, MlpPolicy};
@@ -268,13 +268,7 @@ impl<'a> Guard<'a> {
 
     /// Measures `points`.
     fn measure(&self, points: &BTreeMap<String, LayerPrecision>) -> Result<GuardMetrics> {
-        let convert = |point: &str, layer: &Linear| -> qforge_model::Result<Linear> {
-            points
-                .get(point)
-                .copied()
-                .unwrap_or(LayerPrecision::Fp)
-                .apply(layer)
-        };
+        let convert = |point: &str, layer: &Linear| in_precision(points, point, layer);
         match (self.model, self.held_out) {
             (FpModel::Policy(p), HeldOut::Observations(obs)) => {
                 let quantized = p.with_linears(convert)?;

@@ -19,11 +19,12 @@ use std::time::Instant;
 use qforge_calib::{Transform, apply_all};
 use qforge_core::Digest;
 use qforge_model::artifact::{
-    LayerPrecision, int8_weights, is_artifact, read_config, write_language_model, write_policy,
+    LayerPrecision, in_precision, int8_weights, is_artifact, read_config, write_language_model,
+    write_policy,
 };
 use qforge_model::manifest::{Manifest, verify, write_manifest};
 use qforge_model::profile::PROFILE_FILE;
-use qforge_model::{Linear, Model, Observer};
+use qforge_model::{Model, Observer};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -106,7 +107,7 @@ pub fn requantize(new: &Path, like: &Path, drift_threshold: f64) -> Result<Requa
     let fresh = qforge_model::open(new)?;
     check_architecture(&old, &fresh, new, like)?;
     let model = apply_all(&fresh, &frozen_transforms(&old, &fresh, &like_manifest)?)?;
-    let quantized = with_precisions(&model, &points)?;
+    let quantized = model.with_linears(|point, layer| in_precision(&points, point, layer))?;
     let seconds = started.elapsed().as_secs_f64();
     let weights = weight_change(like, &model, &points)?;
     let drift = drift(&old, &quantized, &points, drift_threshold)?;
@@ -209,18 +210,6 @@ fn check_architecture(old: &Model, new: &Model, new_path: &Path, like: &Path) ->
         new_path.display(),
         like.display()
     )))
-}
-
-/// `model` with each linear layer in the precision of its input.
-fn with_precisions(model: &Model, points: &BTreeMap<String, LayerPrecision>) -> Result<Model> {
-    let convert = |point: &str, layer: &Linear| -> qforge_model::Result<Linear> {
-        points
-            .get(point)
-            .copied()
-            .unwrap_or(LayerPrecision::Fp)
-            .apply(layer)
-    };
-    Ok(model.with_linears(convert)?)
 }
 
 /// Compares the int8 weights `new` (full precision) quantizes to at
