@@ -22,7 +22,7 @@ use qforge_model::artifact::{
     LayerPrecision, in_precision, int8_weights, is_artifact, read_config, write_language_model,
     write_policy,
 };
-use qforge_model::manifest::{Manifest, verify, write_manifest};
+use qforge_model::manifest::{Manifest, read_manifest, write_manifest};
 use qforge_model::profile::PROFILE_FILE;
 use qforge_model::{Model, Observer};
 use serde::Serialize;
@@ -101,9 +101,10 @@ pub fn requantize(new: &Path, like: &Path, drift_threshold: f64) -> Result<Requa
         )));
     }
     let started = Instant::now();
-    let like_manifest = verify(like)?;
-    let points = read_config(like)?.points;
+    // Opening an artifact checks every file against its manifest.
     let old = qforge_model::open(like)?;
+    let like_manifest = read_manifest(like)?;
+    let points = read_config(like)?.points;
     let fresh = qforge_model::open(new)?;
     check_architecture(&old, &fresh, new, like)?;
     let model = apply_all(&fresh, &frozen_transforms(&old, &fresh, &like_manifest)?)?;
