@@ -1,7 +1,7 @@
 //! Observing one batch: the map step of a pass.
 
 use qforge_core::{Digest, Provenance, Stats};
-use qforge_model::{Model, StatsObserver};
+use qforge_model::{Model, Observer, StatsObserver};
 
 use crate::error::{Error, Result};
 use crate::plan::{Batch, Recipe, Sample};
@@ -32,10 +32,30 @@ pub struct Job {
 /// pass), with the batch's id in the provenance.
 pub fn observe_batch(target: &Model, batch: &Batch, job: &Job) -> Result<Stats> {
     let mut observer = StatsObserver::new(job.recipe.pass.statistics());
+    forward_samples(target, &batch.samples, &mut observer)?;
+    Ok(Stats {
+        provenance: Provenance::single(
+            Some(job.model),
+            job.data,
+            job.recipe.digest(),
+            job.recipe.pass.name(),
+            batch.id,
+            job.planned,
+        ),
+        tensors: observer.tensors,
+    })
+}
+
+/// Runs `samples` (token sequences for a language model, observations for a
+/// policy) through `target` in one forward, past `observer`.
+pub fn forward_samples(
+    target: &Model,
+    samples: &[Sample],
+    observer: &mut dyn Observer,
+) -> Result<()> {
     match target {
         Model::Language(lm) => {
-            let sequences = batch
-                .samples
+            let sequences = samples
                 .iter()
                 .map(|s| match s {
                     Sample::Tokens(ids) => Ok(ids.clone()),
@@ -44,12 +64,12 @@ pub fn observe_batch(target: &Model, batch: &Batch, job: &Job) -> Result<Stats> 
                     )),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            lm.model.observe(&sequences, &mut observer)?;
+            lm.model.observe(&sequences, observer)?;
         }
         Model::Policy(policy) => {
             let dim = policy.config().observation_dim;
-            let mut rows = Vec::with_capacity(batch.samples.len() * dim);
-            for s in &batch.samples {
+            let mut rows = Vec::with_capacity(samples.len() * dim);
+            for s in samples {
                 match s {
                     Sample::Observation(o) if o.len() == dim => rows.extend_from_slice(o),
                     Sample::Observation(o) => {
@@ -63,18 +83,8 @@ pub fn observe_batch(target: &Model, batch: &Batch, job: &Job) -> Result<Stats> 
                     }
                 }
             }
-            policy.forward(&rows, Some(&mut observer))?;
+            policy.forward(&rows, Some(observer))?;
         }
     }
-    Ok(Stats {
-        provenance: Provenance::single(
-            Some(job.model),
-            job.data,
-            job.recipe.digest(),
-            job.recipe.pass.name(),
-            batch.id,
-            job.planned,
-        ),
-        tensors: observer.tensors,
-    })
+    Ok(())
 }

@@ -21,9 +21,9 @@ pub enum Transform {
     /// SmoothQuant (Xiao et al. 2023): per smoothable layer input, the
     /// factors its channels are divided by (folded into the preceding norm or
     /// layer, and multiplied into the consuming layers' weights).
+    /// How the factors were chosen (α per input) is the report's; the
+    /// factors alone are the transform.
     Smooth {
-        /// The migration strength the factors were chosen with (provenance).
-        alpha: f64,
         /// Factors per layer input, carried as f32 bit patterns so that JSON
         /// round trips them exactly.
         #[serde(with = "f32_bits")]
@@ -44,7 +44,7 @@ impl Transform {
     /// shared where the transform leaves them unchanged.
     pub fn apply(&self, model: &Model) -> Result<Model> {
         match (self, model) {
-            (Transform::Smooth { factors, .. }, model) => {
+            (Transform::Smooth { factors }, model) => {
                 if let Some((point, _)) = factors
                     .iter()
                     .find(|(_, s)| s.iter().any(|v| !v.is_finite() || *v <= 0.0))
@@ -74,8 +74,8 @@ impl Transform {
         let mut digest = DigestBuilder::default();
         digest.update(&base.0);
         match self {
-            Transform::Smooth { alpha, factors } => {
-                digest.update(format!("qforge.smoothquant.v1 alpha={alpha}").as_bytes());
+            Transform::Smooth { factors } => {
+                digest.update(b"qforge.smoothquant.v2");
                 for (point, s) in factors {
                     digest.update(point.as_bytes());
                     for v in s {
@@ -166,7 +166,6 @@ mod tests {
             1.000_000_1,
         ];
         let t = Transform::Smooth {
-            alpha: 0.5,
             factors: BTreeMap::from([("model.layers.0.mlp.gate_proj".into(), awkward.to_vec())]),
         };
         let json = serde_json::to_string(&t).unwrap();
@@ -193,7 +192,6 @@ mod tests {
         assert!(digests[0] != digests[1] && digests[1] != digests[2] && digests[0] != digests[2]);
         // Smoothing then rotating is another model than rotating alone.
         let smooth = Transform::Smooth {
-            alpha: 0.5,
             factors: BTreeMap::new(),
         };
         assert_ne!(

@@ -126,7 +126,8 @@ pub struct QuantizeArgs {
     /// a policy, its observation is what is smoothed).
     #[arg(long, help_heading = "Recipe overrides")]
     smoothquant: bool,
-    /// [smoothing] migration strength α in [0, 1].
+    /// [smoothing] migration strength α in [0, 1], one for every input
+    /// (default: each input's α searched on its layers' output error).
     #[arg(long, help_heading = "Recipe overrides")]
     alpha: Option<f64>,
     /// [rotation] rotate these linear inputs by a Hadamard matrix, online in
@@ -198,7 +199,7 @@ impl QuantizeArgs {
             q.lm_head = LmHead::Fp;
         }
         recipe.smoothing.enabled |= self.smoothquant;
-        recipe.smoothing.alpha = self.alpha.unwrap_or(recipe.smoothing.alpha);
+        recipe.smoothing.alpha = self.alpha.or(recipe.smoothing.alpha);
         if let Some(list) = &self.hadamard {
             recipe.rotation.inputs = rotated_inputs(list)?;
         }

@@ -101,3 +101,55 @@ pub fn policy_layer_sqnr(
     policy.forward(observations, Some(&mut capture))?;
     measure(policy.linears(), &capture, activations)
 }
+
+/// The layers that read one input, with their full-precision outputs on
+/// captured input rows: what a transformed INT8 version of them is scored
+/// against (SmoothQuant's α search).
+pub struct OutputReference<'a> {
+    layers: Vec<&'a Linear>,
+    width: usize,
+    outputs: Vec<Tensor>,
+}
+
+impl<'a> OutputReference<'a> {
+    /// `layers` (all reading inputs of `width` channels) on `rows`.
+    pub fn new(layers: Vec<&'a Linear>, rows: &[f32], width: usize) -> Result<Self> {
+        let x = Tensor::from_slice(rows, (rows.len() / width, width), &Device::Cpu)?;
+        let outputs = layers
+            .iter()
+            .map(|layer| layer.forward(&x))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            width,
+            outputs,
+        })
+    }
+
+    /// Σ (y − ŷ)² over every layer's outputs, ŷ from the INT8 engine fed
+    /// `smoothed` (the rows with channel `j` divided by `factors[j]`),
+    /// quantized as `activations` says, with the layers' input columns
+    /// multiplied by `factors` before their weights are rounded.
+    pub fn smoothed_error(
+        &self,
+        smoothed: &[f32],
+        factors: &[f32],
+        activations: Activations,
+    ) -> Result<f64> {
+        let x = Tensor::from_slice(
+            smoothed,
+            (smoothed.len() / self.width, self.width),
+            &Device::Cpu,
+        )?;
+        let mut error = 0.0;
+        for (layer, reference) in self.layers.iter().zip(&self.outputs) {
+            let y = layer
+                .scale_inputs(factors)?
+                .to_int8(activations)?
+                .forward(&x)?;
+            let noise = (y - reference)?.sqr()?.flatten_all()?.to_vec1::<f32>()?;
+            error += noise.iter().map(|&v| f64::from(v)).sum::<f64>();
+        }
+        Ok(error)
+    }
+}

@@ -27,11 +27,12 @@ use crate::error::{Error, Result};
 use crate::gptq::{Gptq, GptqOptions};
 use crate::guard::{Decision, FpModel, HeldOut, describe, probe, quantize};
 use crate::held_out::held_out;
+use crate::recipe::ActivationScheme;
 use crate::recipe::{Method, QuantRecipe};
 use crate::report::{
     CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, PassRecord, Report,
 };
-use crate::smoothing::smoothing_factors;
+use crate::smoothing::{Smoothing, SmoothingRecord};
 
 /// What the pipeline reports while it runs. Every method has a default that
 /// ignores the event, so `()` listens to nothing.
@@ -320,6 +321,7 @@ impl<'a> Pipeline<'a> {
         let mut transforms = Vec::new();
         let mut records = Vec::new();
         let mut activation = None;
+        let mut smoothing = None;
         for (i, pass) in self.passes().into_iter().enumerate() {
             let position = PassPosition {
                 index: done + i + 1,
@@ -341,13 +343,11 @@ impl<'a> Pipeline<'a> {
             let mut summary = self.run_pass(session, &job, position, listener)?;
             match pass {
                 Pass::Smoothing => {
-                    let alpha = self.recipe.smoothing.alpha;
-                    let factors = self.smoothing_factors(session, &summary.stats)?;
-                    listener.message(&format!(
-                        "smoothing {} layer inputs (alpha {alpha}); calibrating the smoothed model",
-                        factors.len(),
-                    ));
-                    transforms.push(Transform::Smooth { alpha, factors });
+                    let chosen = self.smoothing(session, &summary.stats, listener)?;
+                    transforms.push(Transform::Smooth {
+                        factors: chosen.factors,
+                    });
+                    smoothing = Some(chosen.record);
                 }
                 Pass::Activation => activation = Some(std::mem::take(&mut summary.stats)),
                 Pass::Hessian(_) => unreachable!("Hessian passes follow the calibration passes"),
@@ -380,6 +380,7 @@ impl<'a> Pipeline<'a> {
             stats,
             records,
             gptq,
+            smoothing,
         })
     }
 
@@ -402,6 +403,7 @@ impl<'a> Pipeline<'a> {
         )?;
         let mut report = self.report(&session, &original, &prepared.records, decision);
         report.gptq = prepared.gptq;
+        report.smoothing = prepared.smoothing;
         Ok(Quantized {
             session,
             model: prepared.model,
@@ -513,13 +515,45 @@ impl<'a> Pipeline<'a> {
         Ok(summary)
     }
 
-    /// SmoothQuant's factors from the smoothing pass's statistics.
-    fn smoothing_factors(
+    /// SmoothQuant's factors from the smoothing pass's statistics: the
+    /// recipe's α, or α searched per input on the plan's first batches.
+    fn smoothing(
         &self,
         session: &mut Session,
         stats: &Stats,
-    ) -> Result<BTreeMap<String, Vec<f32>>> {
-        smoothing_factors(session.load_model()?, stats, self.recipe.smoothing.alpha)
+        listener: &mut dyn Listener,
+    ) -> Result<Smoothing> {
+        let model = session.load_model()?.clone();
+        let chosen = match self.recipe.smoothing.alpha {
+            Some(alpha) => Smoothing::fixed(&model, stats, alpha)?,
+            None => {
+                let wanted = self.recipe.smoothing.search_rows;
+                let mut samples = Vec::new();
+                let mut rows = 0;
+                for sample in session.plan.batches.iter().flat_map(|b| &b.samples) {
+                    if rows >= wanted {
+                        break;
+                    }
+                    rows += match sample {
+                        qforge_calib::Sample::Tokens(ids) => ids.len(),
+                        qforge_calib::Sample::Observation(_) => 1,
+                    };
+                    samples.push(sample.clone());
+                }
+                let recipe = &self.recipe;
+                let choice = |point: &str| match recipe.quantize.activations {
+                    ActivationScheme::Static => Some(recipe.calibrator_for(point)),
+                    ActivationScheme::Dynamic => None,
+                };
+                Smoothing::search(&model, stats, &samples, &choice)?
+            }
+        };
+        listener.message(&format!(
+            "smoothing {} layer inputs ({}); calibrating the smoothed model",
+            chosen.factors.len(),
+            chosen.record.describe()
+        ));
+        Ok(chosen)
     }
 
     fn report(
@@ -560,6 +594,7 @@ impl<'a> Pipeline<'a> {
                     .collect(),
             },
             gptq: None,
+            smoothing: None,
             method: None,
             decision,
         }
@@ -575,6 +610,7 @@ struct Prepared {
     stats: Stats,
     records: Vec<(&'static str, RunSummary)>,
     gptq: Option<GptqRecord>,
+    smoothing: Option<SmoothingRecord>,
 }
 
 /// What GPTQ's passes share with the calibration passes before them.

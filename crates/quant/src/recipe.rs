@@ -175,15 +175,23 @@ pub struct SmoothingSection {
     /// the smoothing factors fold into the preceding norms (and `up_proj`'s
     /// rows for `down_proj`), and a second pass calibrates the smoothed model.
     pub enabled: bool,
-    /// Migration strength α: factor `s_j = max|X_j|^α / max|W_j|^(1−α)`.
-    pub alpha: f64,
+    /// Migration strength α: factor `s_j = max|X_j|^α / max|W_j|^(1−α)`,
+    /// one for every input. Unset: chosen per smoothable input from
+    /// [`crate::smoothing::ALPHA_GRID`] by the output error of the layers the
+    /// input feeds, quantized as the recipe says, on calibration rows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f64>,
+    /// Rows (tokens, or observations) of calibration data the α search runs
+    /// on: the plan's first batches until this many.
+    pub search_rows: usize,
 }
 
 impl Default for SmoothingSection {
     fn default() -> Self {
         Self {
             enabled: false,
-            alpha: 0.5,
+            alpha: None,
+            search_rows: 2048,
         }
     }
 }
@@ -360,8 +368,14 @@ impl QuantRecipe {
             ),
             (g.ctx >= 4, "guard.ctx must be at least 4 tokens"),
             (
-                (0.0..=1.0).contains(&self.smoothing.alpha),
+                self.smoothing
+                    .alpha
+                    .is_none_or(|a| (0.0..=1.0).contains(&a)),
                 "smoothing.alpha must be in [0, 1]",
+            ),
+            (
+                self.smoothing.search_rows >= 1,
+                "smoothing.search_rows must be at least 1",
             ),
             (
                 self.gptq.block_size >= 1,

@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::guard::{Decision, GuardMetrics, PointReport};
 use crate::recipe::QuantRecipe;
+use crate::smoothing::SmoothingRecord;
 
 /// The calibration run behind the statistics.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -88,6 +89,9 @@ pub struct Report {
     /// GPTQ, if the recipe ran it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gptq: Option<GptqRecord>,
+    /// SmoothQuant's α per input, if the recipe smoothed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub smoothing: Option<SmoothingRecord>,
     /// The method search, if the recipe searched (then `recipe` is the
     /// chosen method's).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -131,6 +135,9 @@ impl Report {
         self.write_header(&mut html);
         if let Some(search) = &self.method {
             write_method_search(&mut html, search);
+        }
+        if let Some(smoothing) = &self.smoothing {
+            write_smoothing(&mut html, smoothing);
         }
         write_accuracy(&mut html, d);
         write_fallback(&mut html, d);
@@ -194,6 +201,24 @@ fn write_method_search(html: &mut String, search: &MethodSearch) {
             escape(&crate::guard::describe(&trial.before)),
             trial.seconds
         );
+    }
+    html.push_str("</table>");
+}
+
+/// "SmoothQuant": how α was chosen and how many inputs took each value.
+fn write_smoothing(html: &mut String, smoothing: &SmoothingRecord) {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for alpha in smoothing.alphas.values() {
+        *counts.entry(format!("{alpha:.2}")).or_default() += 1;
+    }
+    let _ = write!(
+        html,
+        "<h2>SmoothQuant</h2><p>{} layer inputs smoothed: {}.</p><table><tr><th>α</th><th>inputs</th></tr>",
+        smoothing.alphas.len(),
+        escape(&smoothing.describe())
+    );
+    for (alpha, count) in counts {
+        let _ = write!(html, "<tr><td>{alpha}</td><td>{count}</td></tr>");
     }
     html.push_str("</table>");
 }

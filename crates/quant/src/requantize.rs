@@ -142,7 +142,6 @@ fn frozen_transforms(old: &Model, fresh: &Model, manifest: &Manifest) -> Result<
             Ok(match &old.config().observation_divisors {
                 None => Vec::new(),
                 Some(divisors) => vec![Transform::Smooth {
-                    alpha: recipe["smoothing"]["alpha"].as_f64().unwrap_or(0.5),
                     factors: BTreeMap::from([(
                         qforge_model::mlp::SMOOTHABLE_POINT.to_owned(),
                         divisors.clone(),
