@@ -73,10 +73,8 @@ class MlpPolicy:
                 raise ValueError(f"layer {i}: shapes {W.shape}, {b.shape} do not match "
                                  f"[{dims[i + 1]}, {dims[i]}], [{dims[i + 1]}]")
             self.layers.append((W, b))
-        if "log_std" in tensors:
-            if head["kind"] != "gaussian" or tensors["log_std"].shape != (out,):
-                raise ValueError("log_std present but does not match the head")
-            expected.add("log_std")
+        if "log_std" in head and (head["kind"] != "gaussian" or len(head["log_std"]) != out):
+            raise ValueError("the head's log_std does not match it")
         extra = set(tensors) - expected
         if extra:
             raise ValueError(f"unexpected tensors in model.safetensors: {sorted(extra)}")

@@ -55,7 +55,7 @@ impl Transform {
                 }
                 Ok(match model {
                     Model::Language(lm) => with_decoder(lm, lm.model.smoothed(factors)?),
-                    Model::Policy(policy) => Model::Policy(policy.smoothed(factors)?),
+                    Model::Policy(policy) => Model::Policy(Box::new(policy.smoothed(factors)?)),
                 })
             }
             (Transform::Rotate { inputs }, Model::Language(lm)) => {

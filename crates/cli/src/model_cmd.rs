@@ -127,7 +127,7 @@ pub fn load_language_model(path: &Path) -> Result<LanguageModel> {
 /// model is a usage error.
 pub fn load_policy(path: &Path) -> Result<MlpPolicy> {
     match qforge_model::open(path)? {
-        Model::Policy(policy) => Ok(policy),
+        Model::Policy(policy) => Ok(*policy),
         Model::Language(_) => Err(UsageError(format!(
             "{} is a language model; this command runs policies (a policy directory, an ONNX policy or a policy artifact)",
             path.display()

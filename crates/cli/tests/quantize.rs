@@ -210,10 +210,16 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     let dir = dir.path();
     let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
     let text = path("fixtures/text/eval.txt");
+    // The α search scores every input's ten α on the INT8 engine; 128 rows
+    // keep it to seconds here (the default is 512).
+    let recipe = dir.join("search.toml");
+    std::fs::write(&recipe, "[smoothing]\nsearch_rows = 128\n").unwrap();
     let result = json(&qforge_in(
         dir,
         &[
             "quantize",
+            "--recipe",
+            recipe.to_str().unwrap(),
             "--model",
             &gguf,
             "--data",
@@ -245,6 +251,26 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     );
     let fp_layers = result["fp_layers"].as_u64().unwrap();
     assert!(fp_layers * 4 <= result["total_layers"].as_u64().unwrap());
+    // Every smoothable input (q/k/v, gate/up, down_proj of 30 layers) got
+    // its own α from the grid, scored on the rows asked for.
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("out/report.json")).unwrap()).unwrap();
+    let smoothing = &report["smoothing"];
+    let alphas = smoothing["alphas"].as_object().unwrap();
+    assert_eq!(alphas.len(), 90, "{smoothing}");
+    assert!(
+        alphas
+            .values()
+            .all(|a| (0.1..=1.0).contains(&a.as_f64().unwrap()))
+    );
+    assert!(
+        smoothing["search_rows"].as_u64().unwrap() >= 128,
+        "{smoothing}"
+    );
+    assert!(
+        smoothing["error_vs_half"].as_f64().unwrap() <= 1.0,
+        "{smoothing}"
+    );
 
     // `eval perplexity` on the artifact reproduces the guard's figure.
     let ppl = json(&qforge_in(

@@ -424,6 +424,109 @@ fn qforge_act(dir: &Path, model: &str, rows: &[Vec<f64>]) -> Value {
         .clone()
 }
 
+/// `/v1/act` gives each action's log-probability under the served policy:
+/// a greedy discrete action is the likeliest of two (log p ≥ ln ½), a
+/// sampled one scores what was drawn, and one seed draws the same actions
+/// twice. A Gaussian head scores and samples once it has `log_std`; without
+/// it the log-probabilities are null and sampling is refused.
+#[test]
+fn act_gives_log_probabilities_and_samples_reproducibly_by_seed() {
+    let dir = support::temp("serve", "logprobs");
+    let dir = dir.path();
+    let rows = observations(40);
+    let request = |server: &Server, extra: Value| -> Value {
+        let mut body = serde_json::json!({"observations": rows});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, v) = server.act(&body.to_string());
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let log_probs = |v: &Value| -> Vec<f64> {
+        let lp = v["log_probs"].as_array().unwrap();
+        assert_eq!(lp.len(), rows.len(), "{v}");
+        lp.iter().map(|l| l.as_f64().unwrap()).collect()
+    };
+
+    let cartpole = Server::start(Path::new(&path("fixtures/policies/cartpole")), &[], None);
+    let greedy = request(&cartpole, serde_json::json!({}));
+    let greedy_lp = log_probs(&greedy);
+    assert!(
+        greedy_lp
+            .iter()
+            .all(|&l| (-std::f64::consts::LN_2..=0.0).contains(&l)),
+        "{greedy}"
+    );
+    let seeded = serde_json::json!({"sample": true, "seed": 11});
+    let sampled = request(&cartpole, seeded.clone());
+    assert_eq!(request(&cartpole, seeded), sampled, "one seed, one draw");
+    let sampled_lp = log_probs(&sampled);
+    for i in 0..rows.len() {
+        // The greedy action's probability p, or the other one's 1 − p.
+        let p = greedy_lp[i].exp();
+        let expected = if sampled["actions"][i] == greedy["actions"][i] {
+            p.ln()
+        } else {
+            (1.0 - p).ln()
+        };
+        assert!(
+            (sampled_lp[i] - expected).abs() < 1e-4,
+            "row {i}: {sampled}"
+        );
+    }
+    drop(cartpole);
+
+    let pendulum = std::path::PathBuf::from(path("fixtures/policies/pendulum"));
+    let mean_only = Server::start(&pendulum, &[], None);
+    let v = request(
+        &mean_only,
+        serde_json::json!({"observations": [[1.0, 0.0, 0.5]]}),
+    );
+    assert!(
+        v["log_probs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(Value::is_null),
+        "{v}"
+    );
+    let (status, v) = mean_only.act(r#"{"observations": [[1.0, 0.0, 0.5]], "sample": true}"#);
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("log_std"), "{v}");
+    drop(mean_only);
+
+    let stochastic = dir.join("pendulum");
+    std::fs::create_dir_all(&stochastic).unwrap();
+    std::fs::copy(
+        pendulum.join("model.safetensors"),
+        stochastic.join("model.safetensors"),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(pendulum.join("policy.json")).unwrap();
+    let config = config.replace(
+        "\"action_dim\": 1",
+        "\"action_dim\": 1, \"log_std\": [-0.5]",
+    );
+    std::fs::write(stochastic.join("policy.json"), config).unwrap();
+    let server = Server::start(&stochastic, &[], None);
+    let body = serde_json::json!({"observations": [[1.0, 0.0, 0.5], [-0.5, 0.8, -2.0]], "sample": true, "seed": 3});
+    let (status, first) = server.act(&body.to_string());
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(server.act(&body.to_string()).1, first);
+    for (action, log_prob) in first["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(first["log_probs"].as_array().unwrap())
+    {
+        let a = action[0].as_f64().unwrap();
+        assert!((-2.0..=2.0).contains(&a), "{first}");
+        // A density of σ = e^−0.5 peaks at −ln σ − ½ ln 2π ≈ −0.42.
+        assert!(log_prob.as_f64().unwrap() <= -0.41, "{first}");
+    }
+}
+
 #[test]
 fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     let dir = support::temp("serve", "shadow");
@@ -472,6 +575,10 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     }
     wait_for(&good, "qforge_shadow_observations_total", 400.0);
     assert!(good.metric("qforge_shadow_agreement").unwrap() >= 0.95);
+    // Every shadowed action's log-probability gap is recorded.
+    wait_for(&good, "qforge_shadow_log_prob_gap_count", 400.0);
+    let good_gap = good.metric("qforge_shadow_log_prob_gap_sum").unwrap()
+        / good.metric("qforge_shadow_log_prob_gap_count").unwrap();
     assert_eq!(good.metric("qforge_rolled_back"), Some(0.0));
     drop(good);
 
@@ -485,6 +592,12 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     }
     wait_for(&server, "qforge_rolled_back", 1.0);
     assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
+    let bad_gap = server.metric("qforge_shadow_log_prob_gap_sum").unwrap()
+        / server.metric("qforge_shadow_log_prob_gap_count").unwrap();
+    assert!(
+        bad_gap > 10.0 * good_gap,
+        "mean gap: bad {bad_gap}, good {good_gap}"
+    );
     let (status, v) = server.act(&body);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["arm"], "fp");

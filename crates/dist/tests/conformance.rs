@@ -466,7 +466,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         // Flip the lowest mantissa bit of the last weight (little-endian f32).
         let last = weights.len() - 4;
         weights[last] ^= 1;
-        Model::Policy(MlpPolicy::from_bytes(&config, &weights).unwrap())
+        Model::Policy(Box::new(MlpPolicy::from_bytes(&config, &weights).unwrap()))
     };
     assert_ne!(
         perturbed.fingerprint().unwrap(),

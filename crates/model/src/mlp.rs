@@ -9,6 +9,8 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
+use rand::Rng;
+use rand_distr::StandardNormal;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -43,6 +45,12 @@ pub enum Head {
         low: Vec<f32>,
         /// Upper bound per dimension.
         high: Vec<f32>,
+        /// The state-independent log standard deviation per dimension (as
+        /// Stable-Baselines3's `log_std`): the policy's distribution is
+        /// N(mean, exp(log_std)²). Absent: the head gives only the mean, so
+        /// it has no log-probabilities and cannot sample.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        log_std: Option<Vec<f32>>,
     },
     /// A state-value estimate (one output).
     Value,
@@ -76,7 +84,149 @@ impl Head {
             _ => false,
         }
     }
+
+    /// The action the head's output `row` stands for: the argmax of the
+    /// logits (first maximum on ties, as numpy's argmax), the mean clipped to
+    /// the bounds, or the value.
+    pub fn greedy(&self, row: &[f32]) -> Action {
+        match self {
+            Head::Discrete { .. } => {
+                let best = row
+                    .iter()
+                    .enumerate()
+                    .fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
+                Action::Discrete(best)
+            }
+            Head::Gaussian { low, high, .. } => Action::Continuous(
+                row.iter()
+                    .zip(low.iter().zip(high))
+                    .map(|(&v, (&lo, &hi))| v.clamp(lo, hi))
+                    .collect(),
+            ),
+            Head::Value => Action::Continuous(row.to_vec()),
+        }
+    }
+
+    /// Whether `other` answers the same requests with actions of the same
+    /// kind and bounds, and has a distribution exactly when this one does:
+    /// a Gaussian's `log_std` values may differ (training moves them).
+    pub fn answers_like(&self, other: &Head) -> bool {
+        match (self, other) {
+            (
+                Head::Gaussian {
+                    action_dim,
+                    low,
+                    high,
+                    log_std,
+                },
+                Head::Gaussian {
+                    action_dim: other_dim,
+                    low: other_low,
+                    high: other_high,
+                    log_std: other_log_std,
+                },
+            ) => {
+                action_dim == other_dim
+                    && low == other_low
+                    && high == other_high
+                    && log_std.is_some() == other_log_std.is_some()
+            }
+            _ => self == other,
+        }
+    }
+
+    /// Whether the head defines a distribution over actions (then it has
+    /// log-probabilities and can sample): a discrete head, or a Gaussian one
+    /// with `log_std`.
+    pub fn is_stochastic(&self) -> bool {
+        matches!(
+            self,
+            Head::Discrete { .. }
+                | Head::Gaussian {
+                    log_std: Some(_),
+                    ..
+                }
+        )
+    }
+
+    /// The log-probability of `action` under the distribution the output
+    /// `row` defines: the log-softmax of the logits at a discrete action, the
+    /// diagonal Gaussian's log-density at a continuous one. `None` where the
+    /// head defines no distribution ([`Head::is_stochastic`]) or the action
+    /// is not one of its kind.
+    pub fn log_prob(&self, row: &[f32], action: &Action) -> Option<f64> {
+        match (self, action) {
+            (Head::Discrete { .. }, Action::Discrete(a)) => {
+                let max = row
+                    .iter()
+                    .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+                let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+                Some(f64::from(*row.get(*a)?) - max - sum.ln())
+            }
+            (
+                Head::Gaussian {
+                    log_std: Some(log_std),
+                    ..
+                },
+                Action::Continuous(a),
+            ) if a.len() == row.len() => Some(
+                row.iter()
+                    .zip(a)
+                    .zip(log_std)
+                    .map(|((&mean, &x), &log_std)| {
+                        let z = (f64::from(x) - f64::from(mean)) / f64::from(log_std).exp();
+                        -0.5 * z * z - f64::from(log_std) - 0.5 * (2.0 * std::f64::consts::PI).ln()
+                    })
+                    .sum(),
+            ),
+            _ => None,
+        }
+    }
+
+    /// An action drawn from the distribution of the output `row`: a
+    /// categorical draw from the softmax, or mean + exp(log_std)·ε clipped
+    /// to the bounds (the clipped action is the one returned and scored).
+    /// `None` where the head defines no distribution.
+    pub fn sample<R: Rng + ?Sized>(&self, row: &[f32], rng: &mut R) -> Option<Action> {
+        match self {
+            Head::Discrete { .. } => {
+                let max = row
+                    .iter()
+                    .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+                let weights: Vec<f64> = row.iter().map(|&v| (f64::from(v) - max).exp()).collect();
+                let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
+                for (i, w) in weights.iter().enumerate() {
+                    if u < *w {
+                        return Some(Action::Discrete(i));
+                    }
+                    u -= w;
+                }
+                // Rounding left u at the total: the last action with weight.
+                weights.iter().rposition(|&w| w > 0.0).map(Action::Discrete)
+            }
+            Head::Gaussian {
+                low,
+                high,
+                log_std: Some(log_std),
+                ..
+            } => Some(Action::Continuous(
+                row.iter()
+                    .zip(log_std)
+                    .zip(low.iter().zip(high))
+                    .map(|((&mean, &log_std), (&lo, &hi))| {
+                        let noise: f32 = rng.sample(StandardNormal);
+                        (mean + log_std.exp() * noise).clamp(lo, hi)
+                    })
+                    .collect(),
+            )),
+            _ => None,
+        }
+    }
 }
+
+/// `log_std` beyond ±this is refused: exp(±20) already spans a standard
+/// deviation from 2e-9 to 5e8, far past any trained policy's.
+const LOG_STD_LIMIT: f32 = 20.0;
 
 /// `policy.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -179,6 +329,11 @@ impl MlpPolicy {
             serde_json::from_slice(config_json).map_err(Malformed::Config)?;
         let tensors = candle_core::safetensors::load_buffer(safetensors, &Device::Cpu)
             .map_err(Malformed::Weights)?;
+        if tensors.contains_key("log_std") {
+            return Err(Malformed::Policy(Error::Format(
+                "model.safetensors holds log_std; qforge reads a Gaussian head's log_std from policy.json's head (\"log_std\": [one per action dimension])".into(),
+            )));
+        }
         Self::new(config, |name| {
             tensors
                 .get(name)
@@ -228,8 +383,23 @@ impl MlpPolicy {
         }
         if let Head::Gaussian {
             action_dim,
+            log_std: Some(log_std),
+            ..
+        } = &config.head
+            && (log_std.len() != *action_dim
+                || log_std
+                    .iter()
+                    .any(|v| !(v.is_finite() && v.abs() <= LOG_STD_LIMIT)))
+        {
+            return Err(Error::Format(format!(
+                "gaussian head: log_std {log_std:?} must have {action_dim} finite entries within ±{LOG_STD_LIMIT}"
+            )));
+        }
+        if let Head::Gaussian {
+            action_dim,
             low,
             high,
+            ..
         } = &config.head
             && (low.len() != *action_dim
                 || high.len() != *action_dim
@@ -397,28 +567,12 @@ impl MlpPolicy {
         Ok(self.actions_from_outputs(&outputs))
     }
 
-    /// Turns raw head outputs into actions.
+    /// Turns raw head outputs into actions ([`Head::greedy`]).
     pub fn actions_from_outputs(&self, outputs: &[f32]) -> Vec<Action> {
-        let width = self.config.head.outputs();
+        let head = &self.config.head;
         outputs
-            .chunks_exact(width)
-            .map(|row| match &self.config.head {
-                Head::Discrete { .. } => {
-                    // First maximum wins ties, as numpy's argmax does.
-                    let best = row
-                        .iter()
-                        .enumerate()
-                        .fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
-                    Action::Discrete(best)
-                }
-                Head::Gaussian { low, high, .. } => Action::Continuous(
-                    row.iter()
-                        .zip(low.iter().zip(high))
-                        .map(|(&v, (&lo, &hi))| v.clamp(lo, hi))
-                        .collect(),
-                ),
-                Head::Value => Action::Continuous(row.to_vec()),
-            })
+            .chunks_exact(head.outputs())
+            .map(|row| head.greedy(row))
             .collect()
     }
 

@@ -25,7 +25,7 @@ pub enum Model {
     /// A Llama-family decoder with its tokenizer and chat template.
     Language(Box<LanguageModel>),
     /// An MLP control policy.
-    Policy(MlpPolicy),
+    Policy(Box<MlpPolicy>),
 }
 
 /// The formats [`open`] recognises.
@@ -138,11 +138,11 @@ pub fn open(path: &Path) -> Result<Model> {
     let format = Format::detect(path)?;
     Ok(match format {
         Format::Artifact if Format::is_policy(path)? => {
-            Model::Policy(crate::artifact::load_policy(path)?)
+            Model::Policy(Box::new(crate::artifact::load_policy(path)?))
         }
         Format::Artifact => Model::Language(Box::new(crate::artifact::load_language_model(path)?)),
-        Format::PolicyDir => Model::Policy(MlpPolicy::from_dir(path)?),
-        Format::Onnx => Model::Policy(crate::onnx::open_policy(path)?),
+        Format::PolicyDir => Model::Policy(Box::new(MlpPolicy::from_dir(path)?)),
+        Format::Onnx => Model::Policy(Box::new(crate::onnx::open_policy(path)?)),
         Format::Gguf | Format::HuggingFace => Model::Language(Box::new(LanguageModel::load(path)?)),
     })
 }
@@ -193,7 +193,7 @@ impl Model {
                 text: lm.text.clone(),
                 source: lm.source.clone(),
             })),
-            Model::Policy(policy) => Model::Policy(policy.with_linears(convert)?),
+            Model::Policy(policy) => Model::Policy(Box::new(policy.with_linears(convert)?)),
         })
     }
 
@@ -206,7 +206,7 @@ impl Model {
                 text: lm.text.clone(),
                 source: lm.source.clone(),
             })),
-            Model::Policy(policy) => Model::Policy(policy.with_int8_weights(weights)?),
+            Model::Policy(policy) => Model::Policy(Box::new(policy.with_int8_weights(weights)?)),
         })
     }
 
@@ -224,7 +224,7 @@ impl Model {
     /// The policy, or an error naming `path` as a language model.
     pub fn into_policy(self, path: &Path) -> Result<MlpPolicy> {
         match self {
-            Model::Policy(policy) => Ok(policy),
+            Model::Policy(policy) => Ok(*policy),
             Model::Language(_) => Err(Error::Unsupported(format!(
                 "{} is a language model; this needs a policy (a policy directory, an ONNX policy or a policy artifact)",
                 path.display()

@@ -187,6 +187,7 @@ fn gaussian() -> Head {
         action_dim: 2,
         low: vec![-1.0; 2],
         high: vec![1.0; 2],
+        log_std: None,
     }
 }
 
@@ -223,6 +224,7 @@ fn every_strict_prefix_of_a_fixture_is_refused() {
         action_dim: 1,
         low: vec![-2.0],
         high: vec![2.0],
+        log_std: None,
     };
     for (name, head) in [
         ("cartpole_torch.onnx", discrete(2)),

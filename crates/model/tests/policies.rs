@@ -115,6 +115,20 @@ fn bad_policy_files_are_clear_errors() {
     std::fs::write(dir.join("policy.json"), "{not json").unwrap();
     let err = MlpPolicy::from_dir(&dir).unwrap_err().to_string();
     assert!(err.contains("policy.json"), "{err}");
+    // A Gaussian head's log_std must have one finite entry per dimension.
+    for file in ["policy.json", "model.safetensors"] {
+        std::fs::copy(fixture("pendulum").join(file), dir.join(file)).unwrap();
+    }
+    let config = std::fs::read_to_string(dir.join("policy.json")).unwrap();
+    for log_std in ["[0.0, 0.0]", "[1e30]"] {
+        let bad = config.replace(
+            "\"action_dim\": 1",
+            &format!("\"action_dim\": 1, \"log_std\": {log_std}"),
+        );
+        std::fs::write(dir.join("policy.json"), bad).unwrap();
+        let err = MlpPolicy::from_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("log_std"), "{err}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -194,4 +208,81 @@ fn a_smoothed_policy_computes_what_the_policy_does_with_its_observation_divided(
     let bad: std::collections::BTreeMap<String, Vec<f32>> =
         [("layers.0".to_owned(), vec![1.0, 0.0, 1.0, 1.0])].into();
     assert!(policy.smoothed(&bad).is_err());
+}
+
+/// A discrete head's log-probabilities are the log-softmax of its logits
+/// (they exponentiate to 1), and its samples follow the softmax: 40 000
+/// seeded draws land within 0.01 of each probability.
+#[test]
+fn a_discrete_head_scores_and_samples_its_softmax() {
+    use qforge_model::Head;
+    use rand::SeedableRng;
+    let head = Head::Discrete { actions: 3 };
+    let logits = [1.0f32, 2.5, -0.5];
+    let log_probs: Vec<f64> = (0..3)
+        .map(|a| head.log_prob(&logits, &Action::Discrete(a)).unwrap())
+        .collect();
+    let total: f64 = log_probs.iter().map(|l| l.exp()).sum();
+    assert!((total - 1.0).abs() < 1e-12, "{total}");
+    // log softmax by hand: x_a − ln Σ e^x.
+    let lse = logits.iter().map(|&v| f64::from(v).exp()).sum::<f64>().ln();
+    assert!((log_probs[1] - (2.5 - lse)).abs() < 1e-12);
+    assert_eq!(head.log_prob(&logits, &Action::Discrete(3)), None);
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let draws = 40_000;
+    let mut counts = [0usize; 3];
+    for _ in 0..draws {
+        let Some(Action::Discrete(a)) = head.sample(&logits, &mut rng) else {
+            panic!("a discrete head samples a discrete action");
+        };
+        counts[a] += 1;
+    }
+    for (count, log_prob) in counts.iter().zip(&log_probs) {
+        let share = *count as f64 / draws as f64;
+        assert!((share - log_prob.exp()).abs() < 0.01, "{counts:?}");
+    }
+}
+
+/// A Gaussian head with `log_std` scores an action by the diagonal
+/// Gaussian's log-density and samples around its mean within its bounds;
+/// without `log_std` it has no distribution.
+#[test]
+fn a_gaussian_head_with_log_std_scores_and_samples_its_density() {
+    use qforge_model::Head;
+    use rand::SeedableRng;
+    let head = |log_std| Head::Gaussian {
+        action_dim: 2,
+        low: vec![-2.0, -2.0],
+        high: vec![2.0, 2.0],
+        log_std,
+    };
+    let stochastic = head(Some(vec![(0.5f32).ln(), 0.0]));
+    let mean = [0.25f32, -1.0];
+    let action = Action::Continuous(vec![0.75, 0.0]);
+    // N(0.25, 0.5²) at 0.75 (z = 1) plus N(−1, 1) at 0 (z = 1).
+    let expected = 2.0 * (-0.5 - 0.5 * (2.0 * std::f64::consts::PI).ln()) - (0.5f64).ln();
+    let got = stochastic.log_prob(&mean, &action).unwrap();
+    assert!((got - expected).abs() < 1e-6, "{got} vs {expected}");
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let draws = 20_000;
+    let mut sum = [0.0f64; 2];
+    for _ in 0..draws {
+        let Some(Action::Continuous(a)) = stochastic.sample(&mean, &mut rng) else {
+            panic!("a Gaussian head samples a continuous action");
+        };
+        assert!(a.iter().all(|v| (-2.0..=2.0).contains(v)), "{a:?}");
+        sum[0] += f64::from(a[0]);
+        sum[1] += f64::from(a[1]);
+    }
+    // Clipping at ±2 barely moves the first mean (4σ away); the second
+    // loses the tail below −2 (1σ), which pulls its mean up by about 0.08.
+    assert!((sum[0] / draws as f64 - 0.25).abs() < 0.02, "{sum:?}");
+    assert!((sum[1] / draws as f64 - (-0.92)).abs() < 0.03, "{sum:?}");
+
+    let mean_only = head(None);
+    assert!(!mean_only.is_stochastic() && stochastic.is_stochastic());
+    assert_eq!(mean_only.log_prob(&mean, &action), None);
+    assert!(mean_only.sample(&mean, &mut rng).is_none());
 }

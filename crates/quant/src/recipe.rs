@@ -191,7 +191,7 @@ impl Default for SmoothingSection {
         Self {
             enabled: false,
             alpha: None,
-            search_rows: 2048,
+            search_rows: 512,
         }
     }
 }

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 const LIMIT: f32 = 1e4;
 
 /// The migration strengths the search tries.
-pub const ALPHA_GRID: [f64; 9] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9];
+pub const ALPHA_GRID: [f64; 10] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
 
 /// The α the paper starts from, against which the search's gain is stated.
 const PAPER_ALPHA: f64 = 0.5;

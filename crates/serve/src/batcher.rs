@@ -19,6 +19,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use qforge_model::{Action, MlpPolicy};
+use rand::rngs::StdRng;
 use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
@@ -30,14 +31,31 @@ pub struct Job {
     pub observations: Vec<f32>,
     /// Number of rows.
     pub rows: usize,
+    /// Which action each row gets, and which one its log-probability is of.
+    pub choice: Choice,
     /// The actions, or why the forward failed.
     pub reply: oneshot::Sender<Result<Answer, String>>,
 }
 
-/// A job's actions and the version of the model that computed them.
+/// How a job's actions are chosen from the head's outputs.
+pub enum Choice {
+    /// The head's greedy action ([`qforge_model::Head::greedy`]).
+    Greedy,
+    /// A draw from the head's distribution (the head must have one).
+    Sample(Box<StdRng>),
+    /// The greedy actions, with the log-probabilities of these actions (one
+    /// per row): what the FP shadow is asked about INT8's answer.
+    Score(Vec<Action>),
+}
+
+/// A job's actions, their log-probabilities under the policy that chose
+/// them, and the version of that policy.
 pub struct Answer {
     /// One action per row.
     pub actions: Vec<Action>,
+    /// Per row, the log-probability of its action ([`Choice::Score`]: of
+    /// the action given); `None` where the head defines no distribution.
+    pub log_probs: Vec<Option<f64>>,
     /// The model version (1 at start, one more per reload).
     pub version: u64,
 }
@@ -286,14 +304,13 @@ impl BatchingThread {
         }
         let policy = &self.policy;
         let observer = DriftMonitor::observer_for_next(self.monitor.as_mut());
-        let actions = catch_unwind(AssertUnwindSafe(|| {
+        let outputs = catch_unwind(AssertUnwindSafe(|| {
             #[cfg(test)]
             if observations.first() == Some(&FAULT_PANIC) {
                 panic!("injected fault");
             }
             policy
                 .forward(&observations, observer)
-                .map(|outputs| policy.actions_from_outputs(&outputs))
                 .map_err(|e| e.to_string())
         }))
         .unwrap_or_else(|panic| {
@@ -305,14 +322,17 @@ impl BatchingThread {
             tracing::error!("qforge serve: {message}; the batcher goes on");
             Err(message)
         });
-        match actions {
-            Ok(actions) => {
-                let mut actions = actions.into_iter();
+        match outputs {
+            Ok(outputs) => {
+                let width = policy.config().head.outputs();
+                let mut rows = outputs.chunks_exact(width);
                 for job in batch {
-                    let mine: Vec<Action> = actions.by_ref().take(job.rows).collect();
+                    let mine: Vec<&[f32]> = rows.by_ref().take(job.rows).collect();
+                    let (actions, log_probs) = choose(policy, &mine, job.choice);
                     // The client may have gone (timeout); nothing to do then.
                     let _ = job.reply.send(Ok(Answer {
-                        actions: mine,
+                        actions,
+                        log_probs,
                         version: self.version,
                     }));
                 }
@@ -324,6 +344,36 @@ impl BatchingThread {
             }
         }
     }
+}
+
+/// Each output row's action as `choice` says, and its log-probability.
+/// A job admitted to sample whose policy was swapped, before its batch, for
+/// one without a distribution gets that policy's greedy actions (and no
+/// log-probabilities).
+fn choose(policy: &MlpPolicy, rows: &[&[f32]], choice: Choice) -> (Vec<Action>, Vec<Option<f64>>) {
+    let head = &policy.config().head;
+    let greedy = || rows.iter().map(|row| head.greedy(row)).collect();
+    let (actions, given): (Vec<Action>, _) = match choice {
+        Choice::Greedy => (greedy(), None),
+        Choice::Score(given) => (greedy(), Some(given)),
+        Choice::Sample(mut rng) => {
+            let sampled = rows
+                .iter()
+                .map(|row| {
+                    head.sample(row, &mut *rng)
+                        .unwrap_or_else(|| head.greedy(row))
+                })
+                .collect();
+            (sampled, None)
+        }
+    };
+    let scored = given.as_ref().unwrap_or(&actions);
+    let log_probs = rows
+        .iter()
+        .zip(scored)
+        .map(|(row, action)| head.log_prob(row, action))
+        .collect();
+    (actions, log_probs)
 }
 
 #[cfg(test)]

@@ -57,6 +57,10 @@ pub struct Metrics {
     pub shadow_observations: Counter,
     /// Shadow action agreement over the rollout window.
     pub shadow_agreement: FloatGauge,
+    /// Per shadowed action, |log π_int8(a) − log π_fp(a)| of the action
+    /// INT8 answered: the train/rollout mismatch an importance weight
+    /// corrects.
+    pub shadow_log_prob_gap: Histogram,
     /// Episode rewards received, by arm.
     pub feedback_episodes: Family<Labels, Counter>,
     /// Mean episode reward over the rollout window, by arm.
@@ -125,6 +129,7 @@ impl Metrics {
             rolled_back: Gauge::default(),
             shadow_observations: Counter::default(),
             shadow_agreement: FloatGauge::default(),
+            shadow_log_prob_gap: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
             feedback_episodes: Family::default(),
             mean_episode_reward: Family::default(),
             reward_consistency: FloatGauge::default(),
@@ -227,6 +232,11 @@ impl Metrics {
             "shadow_agreement",
             "Action agreement of INT8 with the FP shadow over the rollout window",
             self.shadow_agreement.clone(),
+        );
+        registry.register(
+            "shadow_log_prob_gap",
+            "Per shadowed action, |log pi_int8(a) - log pi_fp(a)| of the action INT8 answered",
+            self.shadow_log_prob_gap.clone(),
         );
         registry.register(
             "feedback_episodes",

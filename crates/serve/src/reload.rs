@@ -140,7 +140,7 @@ fn load(path: &Path, needs_reference: bool) -> Result<Loaded> {
         )));
     }
     let policy_at = |p: &Path| match qforge_model::open(p)? {
-        Model::Policy(policy) => Ok(policy),
+        Model::Policy(policy) => Ok(*policy),
         Model::Language(_) => Err(Error::Options(format!(
             "{} is a language model; this server runs a policy",
             p.display()
@@ -158,10 +158,12 @@ fn load(path: &Path, needs_reference: bool) -> Result<Loaded> {
     })
 }
 
-/// The new policy must take what the served one takes and answer alike.
+/// The new policy must take what the served one takes and answer alike
+/// (its `log_std` may have been trained on; whether it has one may not
+/// change).
 fn acts_alike(served: &PolicyBackend, new: &MlpPolicy) -> std::result::Result<(), String> {
     let config = new.config();
-    if config.observation_dim == served.observation_dim && config.head == served.head {
+    if config.observation_dim == served.observation_dim && config.head.answers_like(&served.head) {
         return Ok(());
     }
     Err(format!(

@@ -82,10 +82,10 @@ impl Served {
         };
         Ok(match (model, reference) {
             (Model::Policy(model), reference) => Served::Policy {
-                model,
+                model: *model,
                 reference: match reference {
                     None => None,
-                    Some((Model::Policy(r), _)) => Some(r),
+                    Some((Model::Policy(r), _)) => Some(*r),
                     Some((Model::Language(_), p)) => return Err(mismatch(p)),
                 },
                 calibration,

@@ -17,12 +17,14 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::batcher::{Answer, Job};
+use crate::batcher::{Answer, Choice, Job};
 use crate::conn;
 use crate::error::{Error, Result};
 use crate::http::{
@@ -66,30 +68,47 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
     // From here until it is queued (or refused), a batch being collected
     // waits for this request.
     let arrival = batcher.announce();
-    let (observations, rows) =
-        match read_observations(body, policy.observation_dim, state.options.max_rows) {
-            Ok(read) => read,
-            Err((status, message)) => return error(status, message),
-        };
-    let shadowed = (arm == Arm::Int8 && policy.rollout.shadow_this()).then(|| observations.clone());
+    let request = match read_observations(body, policy.observation_dim, state.options.max_rows) {
+        Ok(read) => read,
+        Err((status, message)) => return error(status, message),
+    };
+    let choice = match choose(&policy.head, &request) {
+        Ok(choice) => choice,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    let (observations, rows) = (request.observations, request.rows);
+    // A sampled answer is no greedy action to compare: the shadow then
+    // measures only the log-probability gap.
+    let shadowed = (arm == Arm::Int8 && policy.rollout.shadow_this())
+        .then(|| (observations.clone(), !request.sample));
     let (reply, answer) = oneshot::channel();
     if !batcher.submit(
         arrival,
         Job {
             observations,
             rows,
+            choice,
             reply,
         },
     ) {
         return worker_stopped();
     }
     match tokio::time::timeout(state.options.timeout, answer).await {
-        Ok(Ok(Ok(Answer { actions, version }))) => {
+        Ok(Ok(Ok(Answer {
+            actions,
+            log_probs,
+            version,
+        }))) => {
             state.metrics.observations.inc_by(rows as u64);
             policy.rollout.count_answer(arm);
-            let body = json!({ "actions": actions, "arm": arm });
-            if let Some(observations) = shadowed {
-                let int8 = (actions, version);
+            let body = json!({ "actions": actions, "log_probs": log_probs, "arm": arm });
+            if let Some((observations, greedy)) = shadowed {
+                let int8 = Int8Answer {
+                    actions,
+                    log_probs,
+                    version,
+                    greedy,
+                };
                 tokio::spawn(shadow(Arc::clone(state), observations, rows, int8));
             }
             let mut response = with_arm(axum::Json(body).into_response(), arm);
@@ -118,12 +137,14 @@ fn read_observations(
     body: &[u8],
     dim: usize,
     max_rows: usize,
-) -> std::result::Result<(Vec<f32>, usize), Refusal> {
+) -> std::result::Result<Reading, Refusal> {
     let mut reading = Reading {
         dim,
         max_rows,
         observations: Vec::new(),
         rows: 0,
+        sample: false,
+        seed: None,
         refusal: None,
     };
     let mut de = serde_json::Deserializer::from_slice(body);
@@ -136,13 +157,19 @@ fn read_observations(
     parsed.map_err(|e| {
         (
             StatusCode::BAD_REQUEST,
-            format!("expected {{\"observations\": [[numbers], …]}}: {e}"),
+            format!("expected {{\"observations\": [[numbers], …], \"sample\"?: bool, \"seed\"?: integer}}: {e}"),
         )
     })?;
     if reading.rows == 0 {
         return Err((StatusCode::BAD_REQUEST, "observations is empty".into()));
     }
-    Ok((reading.observations, reading.rows))
+    if reading.seed.is_some() && !reading.sample {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            "seed seeds sampling: send it with \"sample\": true".into(),
+        ));
+    }
+    Ok(reading)
 }
 
 /// What [`read_observations`] has read so far, and the first limit broken.
@@ -151,6 +178,11 @@ struct Reading {
     max_rows: usize,
     observations: Vec<f32>,
     rows: usize,
+    /// Draw the actions from the head's distribution instead of taking the
+    /// greedy ones.
+    sample: bool,
+    /// The draws' seed (reproducible rollouts); by default, fresh entropy.
+    seed: Option<u64>,
     /// Set with the error that stops the parse when a limit is broken:
     /// serde's errors are messages, this keeps the status.
     refusal: Option<Refusal>,
@@ -182,22 +214,28 @@ impl<'de> Visitor<'de> for ActBody<'_> {
     type Value = ();
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("an object {\"observations\": [[numbers], …]}")
+        f.write_str(
+            "an object {\"observations\": [[numbers], …], \"sample\"?: bool, \"seed\"?: integer}",
+        )
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
-        let mut seen = false;
+        const FIELDS: &[&str] = &["observations", "sample", "seed"];
+        let mut seen = [false; 3];
         while let Some(key) = map.next_key::<String>()? {
-            if key != "observations" {
-                return Err(de::Error::unknown_field(&key, &["observations"]));
+            let Some(field) = FIELDS.iter().position(|f| *f == key) else {
+                return Err(de::Error::unknown_field(&key, FIELDS));
+            };
+            if std::mem::replace(&mut seen[field], true) {
+                return Err(de::Error::duplicate_field(FIELDS[field]));
             }
-            if seen {
-                return Err(de::Error::duplicate_field("observations"));
+            match field {
+                0 => map.next_value_seed(Rows(&mut *self.0))?,
+                1 => self.0.sample = map.next_value()?,
+                _ => self.0.seed = Some(map.next_value()?),
             }
-            seen = true;
-            map.next_value_seed(Rows(&mut *self.0))?;
         }
-        if !seen {
+        if !seen[0] {
             return Err(de::Error::missing_field("observations"));
         }
         Ok(())
@@ -303,16 +341,22 @@ impl<'de> Visitor<'de> for Row<'_> {
     }
 }
 
-/// Runs the FP reference on observations INT8 already answered (with its
-/// actions and model version) and counts how many actions agree. The client
-/// has its answer already; a reference that fails or times out, or answers
-/// with another version (a reload came between), only costs the comparison.
-async fn shadow(
-    state: Arc<AppState>,
-    observations: Vec<f32>,
-    rows: usize,
-    (int8_actions, version): (Vec<qforge_model::Action>, u64),
-) {
+/// What INT8 answered, for the shadow to compare.
+struct Int8Answer {
+    actions: Vec<qforge_model::Action>,
+    log_probs: Vec<Option<f64>>,
+    version: u64,
+    /// The actions were the greedy ones (not sampled), so their agreement
+    /// with FP's greedy actions is meaningful.
+    greedy: bool,
+}
+
+/// Runs the FP reference on observations INT8 already answered: counts how
+/// many greedy actions agree, and records how far the FP log-probability of
+/// each INT8 action is from INT8's own. The client has its answer already;
+/// a reference that fails or times out, or answers with another version (a
+/// reload came between), only costs the comparison.
+async fn shadow(state: Arc<AppState>, observations: Vec<f32>, rows: usize, int8: Int8Answer) {
     let Backend::Policy(policy) = &state.backend else {
         return;
     };
@@ -324,21 +368,51 @@ async fn shadow(
         Job {
             observations,
             rows,
+            choice: Choice::Score(int8.actions.clone()),
             reply,
         },
     ) {
         return;
     }
     if let Ok(Ok(Ok(fp))) = tokio::time::timeout(state.options.timeout, answer).await
-        && fp.version == version
+        && fp.version == int8.version
     {
-        let agreements: Vec<bool> = int8_actions
-            .iter()
-            .zip(&fp.actions)
-            .map(|(a, b)| policy.head.actions_agree(a, b))
-            .collect();
-        policy.rollout.record_agreement(&agreements);
+        for (ours, theirs) in int8.log_probs.iter().zip(&fp.log_probs) {
+            if let (Some(ours), Some(theirs)) = (ours, theirs) {
+                state
+                    .metrics
+                    .shadow_log_prob_gap
+                    .observe((ours - theirs).abs());
+            }
+        }
+        if int8.greedy {
+            let agreements: Vec<bool> = int8
+                .actions
+                .iter()
+                .zip(&fp.actions)
+                .map(|(a, b)| policy.head.actions_agree(a, b))
+                .collect();
+            policy.rollout.record_agreement(&agreements);
+        }
     }
+}
+
+/// How a request's actions are chosen: greedy, or sampled (seeded when it
+/// gives a seed) from a head that has a distribution.
+fn choose(head: &qforge_model::Head, request: &Reading) -> std::result::Result<Choice, String> {
+    if !request.sample {
+        return Ok(Choice::Greedy);
+    }
+    if !head.is_stochastic() {
+        return Err(
+            "this policy's head has no distribution to sample (a value head, or a Gaussian head without log_std in policy.json); leave sample out for its greedy actions".into(),
+        );
+    }
+    let rng = match request.seed {
+        Some(seed) => StdRng::seed_from_u64(seed),
+        None => StdRng::from_os_rng(),
+    };
+    Ok(Choice::Sample(Box::new(rng)))
 }
 
 async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -656,7 +730,7 @@ mod tests {
     use super::*;
 
     fn read(body: &str, max_rows: usize) -> std::result::Result<(Vec<f32>, usize), Refusal> {
-        read_observations(body.as_bytes(), 2, max_rows)
+        read_observations(body.as_bytes(), 2, max_rows).map(|r| (r.observations, r.rows))
     }
 
     fn refused(body: &str, max_rows: usize) -> (u16, String) {
@@ -669,6 +743,19 @@ mod tests {
         let (values, rows) = read(r#" {"observations": [[1, 2.5], [-0, 3e2]]} "#, 2).unwrap();
         assert_eq!(rows, 2);
         assert_eq!(values, [1.0, 2.5, -0.0, 300.0]);
+    }
+
+    #[test]
+    fn sample_and_seed_are_read_beside_the_observations() {
+        let r = read_observations(
+            br#"{"sample": true, "observations": [[1, 2]], "seed": 9}"#,
+            2,
+            4,
+        )
+        .unwrap();
+        assert_eq!((r.rows, r.sample, r.seed), (1, true, Some(9)));
+        let r = read_observations(br#"{"observations": [[1, 2]]}"#, 2, 4).unwrap();
+        assert_eq!((r.sample, r.seed), (false, None));
     }
 
     #[test]
@@ -723,6 +810,21 @@ mod tests {
             ),
             (r#"[]"#, 400, "expected {"),
             ("", 400, "expected {"),
+            (
+                r#"{"observations": [[1, 2]], "seed": 3}"#,
+                400,
+                "send it with \"sample\": true",
+            ),
+            (
+                r#"{"observations": [[1, 2]], "sample": 1}"#,
+                400,
+                "invalid type",
+            ),
+            (
+                r#"{"observations": [[1, 2]], "sample": true, "seed": -1}"#,
+                400,
+                "invalid value",
+            ),
         ] {
             let (got, message) = refused(body, 8);
             assert_eq!(got, status, "{body}: {message}");

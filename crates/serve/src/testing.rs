@@ -117,7 +117,7 @@ impl TestServer {
     pub(crate) fn policy() -> Self {
         match qforge_model::open(&repository("fixtures/policies/cartpole")) {
             Ok(Model::Policy(model)) => Self::start(Served::Policy {
-                model,
+                model: *model,
                 reference: None,
                 calibration: None,
             }),
