@@ -310,6 +310,88 @@ pub fn sample(logits: &[f32], temperature: Option<f64>, rng: &mut StdRng) -> Res
     }
 }
 
+/// A token's log-probability under the distribution it was drawn from,
+/// with the likeliest tokens' beside it (OpenAI's `logprobs`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogProb {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability.
+    pub log_prob: f64,
+    /// The likeliest tokens and their log-probabilities, likeliest first
+    /// (ties: the lower id first).
+    pub top: Vec<(u32, f64)>,
+}
+
+/// The log-probability of `token`, and of the `top` likeliest tokens, under
+/// the distribution [`sample`] draws from at `temperature`:
+/// log softmax(logits / t), with t = 1 when greedy (greedy draws from no
+/// distribution; the model's own is the one a trainer scores against).
+/// Computed in f64, so the figures do not depend on the vocabulary's size.
+pub fn token_log_prob(
+    logits: &[f32],
+    temperature: Option<f64>,
+    token: u32,
+    top: usize,
+) -> TokenLogProb {
+    let t = match temperature {
+        Some(t) if t > 0.0 => t,
+        _ => 1.0,
+    };
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let shifted = |l: f32| (f64::from(l) - f64::from(max)) / t;
+    let log_total = logits.iter().map(|&l| shifted(l).exp()).sum::<f64>().ln();
+    let log_prob = |i: usize| shifted(logits[i]) - log_total;
+    // The `top` best so far, best first; the vocabulary is read once.
+    let mut best: Vec<usize> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() == top && l <= logits[best[top - 1]] {
+                continue;
+            }
+            let at = best.partition_point(|&b| logits[b] >= l);
+            best.insert(at, i);
+            best.truncate(top);
+        }
+    }
+    TokenLogProb {
+        token,
+        log_prob: log_prob(token as usize),
+        top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
+    }
+}
+
+/// The log-probability of each token of `continuation` after `prompt`
+/// (teacher forcing: one forward over both), under the distribution
+/// [`token_log_prob`] describes. What a trainer computes for the tokens a
+/// rollout engine sampled, and what the engine's own figures are checked
+/// against.
+pub fn continuation_log_probs(
+    model: &Llama,
+    prompt: &[u32],
+    continuation: &[u32],
+    temperature: Option<f64>,
+) -> Result<Vec<f64>> {
+    if prompt.is_empty() {
+        return Err(Error::Shape("the prompt has no tokens".into()));
+    }
+    let Some((_, fed)) = continuation.split_last() else {
+        return Ok(Vec::new());
+    };
+    let tokens = [prompt, fed].concat();
+    let logits = model.forward(&[tokens], None, None, Logits::All)?;
+    // Position j predicts token j + 1: the rows from the prompt's last on.
+    let rows = logits
+        .get(0)?
+        .narrow(0, prompt.len() - 1, continuation.len())?
+        .to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .zip(continuation)
+        .map(|(row, &token)| token_log_prob(row, temperature, token, 0).log_prob)
+        .collect())
+}
+
 /// Index of the first maximum.
 fn argmax(values: &[f32]) -> u32 {
     values
@@ -459,4 +541,57 @@ pub fn compare_to(
         top1_agreement: agree as f64 / n,
         tokens: count,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_probs_are_a_distribution_at_every_temperature_and_top_is_ranked() {
+        let logits = [2.0f32, -1.0, 2.0, 0.5, 30.0, -40.0];
+        for temperature in [None, Some(0.0), Some(0.3), Some(1.0), Some(2.0)] {
+            let all: Vec<f64> = (0..logits.len() as u32)
+                .map(|t| token_log_prob(&logits, temperature, t, 0).log_prob)
+                .collect();
+            let total: f64 = all.iter().map(|l| l.exp()).sum();
+            assert!((total - 1.0).abs() < 1e-12, "{temperature:?}: Σp = {total}");
+            let entry = token_log_prob(&logits, temperature, 1, 3);
+            assert_eq!(entry.log_prob, all[1]);
+            // Likeliest first; the tie between 0 and 2 goes to the lower id.
+            let ids: Vec<u32> = entry.top.iter().map(|&(i, _)| i).collect();
+            assert_eq!(ids, [4, 0, 2], "{temperature:?}");
+            for (i, lp) in entry.top {
+                assert_eq!(lp, all[i as usize]);
+            }
+        }
+        // Greedy scores under the model's own distribution (t = 1); a
+        // lower temperature sharpens it.
+        let greedy = token_log_prob(&logits, None, 0, 0).log_prob;
+        assert_eq!(greedy, token_log_prob(&logits, Some(1.0), 0, 0).log_prob);
+        assert!(token_log_prob(&logits, Some(0.3), 0, 0).log_prob < greedy);
+        assert!(token_log_prob(&logits, Some(0.3), 4, 0).log_prob > greedy);
+        assert!(token_log_prob(&logits, None, 0, 99).top.len() == logits.len());
+    }
+
+    #[test]
+    fn sampled_tokens_come_as_often_as_their_log_probs_say() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let temperature = Some(0.7);
+        let mut rng = StdRng::seed_from_u64(7);
+        let draws = 60_000;
+        let mut counts = [0usize; 3];
+        for _ in 0..draws {
+            counts[sample(&logits, temperature, &mut rng).unwrap() as usize] += 1;
+        }
+        for (token, &count) in counts.iter().enumerate() {
+            let p = token_log_prob(&logits, temperature, token as u32, 0)
+                .log_prob
+                .exp();
+            let seen = count as f64 / draws as f64;
+            // Five standard errors of a binomial share.
+            let tolerance = 5.0 * (p * (1.0 - p) / draws as f64).sqrt();
+            assert!((seen - p).abs() < tolerance, "token {token}: {seen} vs {p}");
+        }
+    }
 }

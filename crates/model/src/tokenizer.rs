@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use tokenizers::decoders::DecoderWrapper;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
@@ -19,6 +20,21 @@ use crate::gguf::{GgufHeader, Value};
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's pattern: Llama 3's with single digits.
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The byte a byte-level BPE vocabulary character spells (GPT-2's
+/// `bytes_to_unicode`: the printable Latin-1 bytes spell themselves, the
+/// other 68 are U+0100 onwards in byte order).
+fn byte_of(c: char) -> Option<u8> {
+    let printable = |b: u32| matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
+    let code = u32::from(c);
+    if code < 0x100 {
+        return printable(code).then_some(code as u8);
+    }
+    (0..=0xFFu32)
+        .filter(|&b| !printable(b))
+        .nth((code - 0x100) as usize)
+        .map(|b| b as u8)
+}
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TOKEN_TYPE_CONTROL: u64 = 3;
@@ -195,6 +211,28 @@ impl TextTokenizer {
         self.inner
             .decode(ids, false)
             .map_err(|e| tk_error("detokenizing", e))
+    }
+
+    /// The bytes one token stands for, which may be part of a UTF-8
+    /// character (OpenAI's `bytes` of a log-prob entry): a special token's
+    /// text; a byte-level BPE token's bytes; otherwise the token decoded
+    /// alone.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let added = self
+            .inner
+            .get_added_vocabulary()
+            .get_added_tokens_decoder()
+            .get(&id);
+        if let Some(added) = added {
+            return added.content.clone().into_bytes();
+        }
+        if matches!(self.inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_)))
+            && let Some(spelled) = self.inner.id_to_token(id)
+            && let Some(bytes) = spelled.chars().map(byte_of).collect::<Option<Vec<u8>>>()
+        {
+            return bytes;
+        }
+        self.decode(&[id]).unwrap_or_default().into_bytes()
     }
 
     /// Vocabulary size, special tokens included.

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use qforge_model::lm::sample;
+use qforge_model::lm::{TokenLogProb, sample, token_log_prob};
 use qforge_model::{KvCache, LanguageModel, Logits, Observer};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -68,8 +68,15 @@ pub enum FinishReason {
 /// one `Failed`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// The next piece of text.
-    Text(String),
+    /// The next piece of text, with the log-probabilities of the tokens
+    /// taken since the previous piece (when the request asks for them;
+    /// a piece may be empty when text is held back).
+    Text {
+        /// The text.
+        text: String,
+        /// One entry per token, in order.
+        log_probs: Vec<TokenLogProb>,
+    },
     /// The completion ended.
     Done {
         /// Why.
@@ -95,6 +102,9 @@ pub struct Request {
     pub seed: u64,
     /// Strings that end the completion (not included in it).
     pub stop: Vec<String>,
+    /// `Some(k)`: report each generated token's log-probability (the end
+    /// of sequence's included) with the `k` likeliest alternatives.
+    pub log_probs: Option<usize>,
     /// Where the events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
     /// Hears the generated token ids when the request finishes (a shadow
@@ -129,6 +139,7 @@ impl Request {
                 temperature: self.temperature,
                 seed: self.seed,
                 stop: self.stop.clone(),
+                log_probs: self.log_probs,
                 events,
                 finished: Some(finished),
                 admitted: None,
@@ -239,9 +250,25 @@ struct Sequence {
     generated: Vec<u32>,
     /// Bytes of the decoded text already sent.
     sent: usize,
+    /// Log-probabilities of the tokens taken and not yet sent.
+    pending: Vec<TokenLogProb>,
     /// The token to feed at the next step.
     next: u32,
     started: Instant,
+}
+
+impl Sequence {
+    /// Draws the next token from one position's logits, noting its
+    /// log-probability when the request asks for them.
+    fn draw(&mut self, logits: &[f32]) -> qforge_model::Result<u32> {
+        let temperature = self.request.temperature;
+        let token = sample(logits, temperature, &mut self.rng)?;
+        if let Some(top) = self.request.log_probs {
+            self.pending
+                .push(token_log_prob(logits, temperature, token, top));
+        }
+        Ok(token)
+    }
 }
 
 struct Scheduler<'a> {
@@ -345,6 +372,7 @@ impl Scheduler<'_> {
                 prefilled: 0,
                 generated: Vec::new(),
                 sent: 0,
+                pending: Vec::new(),
                 next: 0,
                 started: Instant::now(),
             });
@@ -427,10 +455,7 @@ impl Scheduler<'_> {
                 .flatten_all()
                 .and_then(|l| l.to_vec1::<f32>())
                 .map_err(|e| e.to_string())
-                .and_then(|l| {
-                    sample(&l, sequence.request.temperature, &mut sequence.rng)
-                        .map_err(|e| e.to_string())
-                })
+                .and_then(|l| sequence.draw(&l).map_err(|e| e.to_string()))
                 .map(Some)
         })?;
         sequence.prefilled = chunk.end;
@@ -467,7 +492,7 @@ impl Scheduler<'_> {
         match logits {
             Ok(rows) => {
                 for (mut sequence, row) in running.into_iter().zip(rows) {
-                    let token = sample(&row, sequence.request.temperature, &mut sequence.rng);
+                    let token = sequence.draw(&row);
                     let finished = match token {
                         Ok(token) => {
                             sequence.next = token;
@@ -542,10 +567,14 @@ impl Scheduler<'_> {
                 end
             }
         };
-        if end > sequence.sent {
-            let _ = request
-                .events
-                .send(Event::Text(text[sequence.sent..end].to_owned()));
+        // The last tokens' log-probabilities go out with the finish even
+        // when they add no text (the end of sequence, a stop string).
+        if end > sequence.sent || (finish.is_some() && !sequence.pending.is_empty()) {
+            let end = end.max(sequence.sent);
+            let _ = request.events.send(Event::Text {
+                text: text[sequence.sent..end].to_owned(),
+                log_probs: std::mem::take(&mut sequence.pending),
+            });
             sequence.sent = end;
         }
         if let Some(finish_reason) = finish {
@@ -600,6 +629,7 @@ mod tests {
             temperature: None,
             seed: 0,
             stop: Vec::new(),
+            log_probs: None,
             events,
             finished: None,
             admitted: None,

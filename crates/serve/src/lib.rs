@@ -16,6 +16,7 @@ pub mod drift;
 pub mod engine;
 pub mod error;
 mod http;
+mod logprobs;
 pub mod metrics;
 mod openai;
 pub mod reload;

@@ -21,7 +21,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
-use qforge_model::ChatMessage;
+use qforge_model::lm::TokenLogProb;
+use qforge_model::{ChatMessage, TextSide};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
@@ -30,6 +31,7 @@ use tokio::sync::oneshot;
 
 use crate::engine::{Event, FinishReason, Replay, Request};
 use crate::http::{api_error, session, too_many_requests, with_arm, worker_stopped};
+use crate::logprobs;
 use crate::rollout::Arm;
 use crate::state::{AppState, Backend, LanguageBackend};
 
@@ -139,6 +141,12 @@ struct Body {
     stop: Option<Stop>,
     #[serde(default)]
     seed: Option<u64>,
+    /// `/v1/completions`: alternatives per token; chat: a switch.
+    #[serde(default)]
+    logprobs: Option<logprobs::Field>,
+    /// Chat: alternatives per token (with `logprobs: true`).
+    #[serde(default, deserialize_with = "logprobs::present")]
+    top_logprobs: Option<Option<usize>>,
     /// Accepted for compatibility (OpenAI's end-user id); not used.
     #[serde(default, rename = "user")]
     _user: Option<String>,
@@ -184,6 +192,8 @@ struct Checked {
     temperature: Option<f64>,
     seed: Option<u64>,
     stop: Vec<String>,
+    /// Alternatives per token when log-probs are asked for.
+    log_probs: Option<usize>,
     stream: bool,
     include_usage: bool,
 }
@@ -198,6 +208,7 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> Checking<Checked> {
     let mut sampling = parse(body)?;
     let (text, max_tokens) = prompt_text(lm, &sampling, kind)?;
     let temperature = check_sampling(lm, &sampling)?;
+    let log_probs = log_probs_asked(&mut sampling, kind)?;
     let stop = stop_strings(sampling.stop.take())?;
     let (prompt, max_tokens) = fit(lm, &text, max_tokens, kind)?;
     Ok(Checked {
@@ -206,6 +217,7 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> Checking<Checked> {
         temperature: (temperature > 0.0).then_some(temperature),
         seed: sampling.seed,
         stop,
+        log_probs,
         stream: sampling.stream,
         include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
     })
@@ -293,6 +305,17 @@ fn check_sampling(lm: &LanguageBackend, sampling: &Body) -> Checking<f64> {
         ));
     }
     Ok(temperature)
+}
+
+/// The alternatives per token the request's log-prob fields ask for, in
+/// the endpoint's spelling.
+fn log_probs_asked(sampling: &mut Body, kind: Kind) -> Checking<Option<usize>> {
+    let (field, top) = (sampling.logprobs.take(), sampling.top_logprobs.take());
+    match kind {
+        Kind::Completion => logprobs::completion_ask(field, top),
+        Kind::Chat => logprobs::chat_ask(field, top),
+    }
+    .map_err(|(param, message)| invalid(Some(param), message))
 }
 
 /// The stop strings: at most [`MAX_STOP_STRINGS`], none empty.
@@ -410,6 +433,7 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
     let number = lm.requests.fetch_add(1, Ordering::Relaxed);
     let arm = lm.rollout.arm_for(session(headers));
     let (stream, include_usage) = (checked.stream, checked.include_usage);
+    let spelling = checked.log_probs.map(|_| Arc::clone(&lm.text));
     let Some((receiver, admitted)) = submit(state, lm, checked, number, arm) else {
         return worker_stopped();
     };
@@ -428,7 +452,7 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         // Dropping the receiver takes the request out of the queue.
         Err(_) => return not_admitted(timeout),
     }
-    let meta = Meta::new(kind, number, &lm.name);
+    let meta = Meta::new(kind, number, &lm.name, spelling);
     if stream {
         streamed(meta, receiver, include_usage, permit, arm).await
     } else {
@@ -473,6 +497,7 @@ fn submit(
         temperature: checked.temperature,
         seed: checked.seed.unwrap_or(number),
         stop: checked.stop,
+        log_probs: checked.log_probs,
         events,
         finished: None,
         admitted: Some(admitted),
@@ -519,6 +544,8 @@ async fn streamed(
 /// The whole completion, once the engine is done.
 struct Completion {
     text: String,
+    /// Per token, when asked for.
+    log_probs: Vec<TokenLogProb>,
     finish: FinishReason,
     prompt_tokens: usize,
     completion_tokens: usize,
@@ -526,7 +553,7 @@ struct Completion {
 
 /// A whole answer: the completion in one response object.
 async fn collected(
-    meta: Meta,
+    mut meta: Meta,
     mut receiver: UnboundedReceiver<Event>,
     permit: OwnedSemaphorePermit,
     arm: Arm,
@@ -534,11 +561,7 @@ async fn collected(
     let collected = collect(&mut receiver).await;
     drop(permit);
     match collected {
-        Ok(c) => with_arm(
-            axum::Json(meta.full(&c.text, c.finish, c.prompt_tokens, c.completion_tokens))
-                .into_response(),
-            arm,
-        ),
+        Ok(c) => with_arm(axum::Json(meta.full(&c)).into_response(), arm),
         Err(Some(message)) => server_error(message),
         Err(None) => worker_stopped(),
     }
@@ -550,9 +573,16 @@ async fn collect(
     receiver: &mut UnboundedReceiver<Event>,
 ) -> std::result::Result<Completion, Option<String>> {
     let mut text = String::new();
+    let mut log_probs = Vec::new();
     while let Some(event) = receiver.recv().await {
         match event {
-            Event::Text(piece) => text.push_str(&piece),
+            Event::Text {
+                text: piece,
+                log_probs: entries,
+            } => {
+                text.push_str(&piece);
+                log_probs.extend(entries);
+            }
             Event::Done {
                 finish_reason,
                 prompt_tokens,
@@ -560,6 +590,7 @@ async fn collect(
             } => {
                 return Ok(Completion {
                     text,
+                    log_probs,
                     finish: finish_reason,
                     prompt_tokens,
                     completion_tokens,
@@ -577,6 +608,16 @@ struct Meta {
     created: u64,
     model: String,
     kind: Kind,
+    /// Set when the request asks for log-probs.
+    spelling: Option<Spelling>,
+}
+
+/// How a request's log-probs are spelled: the served tokenizer, and the
+/// characters of the completion sent so far (`/v1/completions`'
+/// `text_offset` counts on from one streamed chunk to the next).
+struct Spelling {
+    text: Arc<TextSide>,
+    offset: usize,
 }
 
 fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
@@ -588,7 +629,7 @@ fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 }
 
 impl Meta {
-    fn new(kind: Kind, number: u64, model: &str) -> Self {
+    fn new(kind: Kind, number: u64, model: &str, spelling: Option<Arc<TextSide>>) -> Self {
         Self {
             id: match kind {
                 Kind::Completion => format!("cmpl-{number}"),
@@ -599,24 +640,39 @@ impl Meta {
                 .map_or(0, |d| d.as_secs()),
             model: model.to_owned(),
             kind,
+            spelling: spelling.map(|text| Spelling { text, offset: 0 }),
         }
     }
 
-    fn full(
-        &self,
-        text: &str,
-        finish: FinishReason,
-        prompt_tokens: usize,
-        completion_tokens: usize,
-    ) -> Value {
+    /// The `logprobs` of a choice: `null` unless asked for.
+    fn log_probs(&mut self, entries: &[TokenLogProb]) -> Value {
+        let Some(spelling) = &mut self.spelling else {
+            return Value::Null;
+        };
+        let tokenizer = &spelling.text.tokenizer;
+        match self.kind {
+            Kind::Completion => logprobs::legacy(tokenizer, entries, &mut spelling.offset),
+            Kind::Chat => logprobs::chat(tokenizer, entries),
+        }
+    }
+
+    fn full(&mut self, completion: &Completion) -> Value {
+        let Completion {
+            text,
+            log_probs,
+            finish,
+            prompt_tokens,
+            completion_tokens,
+        } = completion;
+        let log_probs = self.log_probs(log_probs);
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text, "logprobs": log_probs, "finish_reason": finish})
             }
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": log_probs,
                 "finish_reason": finish,
             }),
         };
@@ -626,20 +682,30 @@ impl Meta {
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(*prompt_tokens, *completion_tokens),
         })
     }
 
-    /// One streamed chunk: a text piece, or (with `finish`) the last one.
-    fn chunk(&self, piece: Option<&str>, finish: Option<FinishReason>) -> Value {
+    /// One streamed chunk: a text piece with its tokens' log-probs, or
+    /// (with `finish`) the last one.
+    fn chunk(
+        &mut self,
+        piece: Option<(&str, &[TokenLogProb])>,
+        finish: Option<FinishReason>,
+    ) -> Value {
+        let log_probs = match piece {
+            Some((_, entries)) => self.log_probs(entries),
+            None => Value::Null,
+        };
+        let text = piece.map(|(text, _)| text);
         let choice = match self.kind {
             Kind::Completion => json!({
-                "index": 0, "text": piece.unwrap_or(""), "logprobs": null, "finish_reason": finish
+                "index": 0, "text": text.unwrap_or(""), "logprobs": log_probs, "finish_reason": finish
             }),
             Kind::Chat => json!({
                 "index": 0,
-                "delta": piece.map_or(json!({}), |p| json!({"content": p})),
-                "logprobs": null,
+                "delta": text.map_or(json!({}), |p| json!({"content": p})),
+                "logprobs": log_probs,
                 "finish_reason": finish,
             }),
         };
@@ -664,7 +730,7 @@ impl Meta {
 /// The SSE events of one streamed request: (for chat) the assistant role,
 /// every text piece, the finish, (when asked) the usage, then `[DONE]`.
 fn sse_stream(
-    meta: Meta,
+    mut meta: Meta,
     first: Event,
     receiver: UnboundedReceiver<Event>,
     include_usage: bool,
@@ -685,7 +751,9 @@ fn sse_stream(
             (meta, Some(permit)),
             move |(meta, permit), event| {
                 let out: Vec<Value> = match event {
-                    Event::Text(piece) => vec![meta.chunk(Some(&piece), None)],
+                    Event::Text { text, log_probs } => {
+                        vec![meta.chunk(Some((&text, &log_probs)), None)]
+                    }
                     Event::Done {
                         finish_reason,
                         prompt_tokens,

@@ -174,7 +174,8 @@ pub(crate) struct LanguageBackend {
     pub(crate) fp: Option<Engine>,
     pub(crate) rollout: Rollout,
     pub(crate) name: String,
-    pub(crate) text: TextSide,
+    /// Shared with the responses that spell tokens (log-probs).
+    pub(crate) text: Arc<TextSide>,
     /// Positions the model attends over.
     pub(crate) context: usize,
     /// The most prompt bytes one token can stand for, where the tokenizer
@@ -221,7 +222,7 @@ impl LanguageBackend {
             }
             _ => {}
         }
-        let text = lm.text.clone();
+        let text = Arc::new(lm.text.clone());
         let context = lm.model.config().max_position_embeddings;
         let bytes_per_token = text.tokenizer.max_bytes_per_token();
         Ok(Self {

@@ -132,9 +132,14 @@ impl TestServer {
 
     /// SmolLM2 behind a server with `options`.
     pub(crate) fn language_model_with(options: ServeOptions) -> Self {
+        Self::serving(smollm2(), options)
+    }
+
+    /// `model` behind a server with `options`.
+    pub(crate) fn serving(model: LanguageModel, options: ServeOptions) -> Self {
         Self::start_with(
             Served::Language {
-                model: smollm2(),
+                model,
                 reference: None,
                 name: "smollm2".into(),
                 calibration: None,

@@ -10,6 +10,7 @@ use candle_core::{DType, Storage, Tensor};
 use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD, share};
 use qforge_kernels::{Int8Linear, Team};
 
+use super::attention::{SCORES, attend_head};
 use super::{KvCache, Layer, Llama, RotatedInput};
 use crate::error::{Error, Result};
 use crate::linear::Linear;
@@ -407,68 +408,6 @@ fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
         let (a, b) = (first[i], second[i]);
         first[i] = a * cos[i] - b * sin[i];
         second[i] = b * cos[i] + a * sin[i];
-    }
-}
-
-thread_local! {
-    /// Attention scores of one head, per team thread.
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Attention of one query head over the first `scores.len()` positions of
-/// its key/value head, which starts at `offset` in cache rows of `stride`
-/// values.
-fn attend_head(
-    q: &[f32],
-    (keys, values): (&[f32], &[f32]),
-    (offset, stride): (usize, usize),
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let hd = q.len();
-    for (t, s) in scores.iter_mut().enumerate() {
-        let at = t * stride + offset;
-        *s = dot(q, &keys[at..at + hd]) * scale;
-    }
-    softmax(scores);
-    out.fill(0.0);
-    for (t, &p) in scores.iter().enumerate() {
-        let at = t * stride + offset;
-        for (o, &v) in out.iter_mut().zip(&values[at..at + hd]) {
-            *o += p * v;
-        }
-    }
-}
-
-/// Sixteen independent partial sums, so that the loop vectorizes (a single
-/// f32 running sum must add in order).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let (a, b) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = a
-        .remainder()
-        .iter()
-        .zip(b.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a.zip(b) {
-        for i in 0..16 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-fn softmax(scores: &mut [f32]) {
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let mut total = 0.0;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        total += *s;
-    }
-    for s in scores.iter_mut() {
-        *s /= total;
     }
 }
 

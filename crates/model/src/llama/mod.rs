@@ -7,6 +7,7 @@
 //! embedding, and they are permuted back at load, so a single (half-split)
 //! rotary embedding serves every source.
 
+mod attention;
 mod config;
 mod decode;
 mod rotation;
@@ -628,7 +629,6 @@ impl Llama {
         }
         let Embedded {
             x,
-            mask,
             cos,
             sin,
             lengths,
@@ -647,7 +647,7 @@ impl Llama {
                 }
                 None => (k.clone(), v.clone()),
             };
-            self.attention(q, &k, &v, Some(&mask))
+            attention::causal(q, &k, &v, start, &lengths)
         })?;
         if let Some(kv) = cache {
             kv.len += seq;
@@ -674,7 +674,6 @@ impl Llama {
     pub fn observe(&self, batch: &[Vec<u32>], observer: &mut dyn Observer) -> Result<()> {
         let Embedded {
             x,
-            mask,
             cos,
             sin,
             lengths,
@@ -685,7 +684,7 @@ impl Llama {
             &lengths,
             Some(observer),
             true,
-            |_, q, k, v| self.attention(q, k, v, Some(&mask)),
+            |_, q, k, v| attention::causal(q, k, v, 0, &lengths),
         )?;
         Ok(())
     }
@@ -718,7 +717,6 @@ impl Llama {
             .reshape((b, seq, self.config.hidden_size))?;
         Ok(Embedded {
             x,
-            mask: attention_mask(&lengths, seq, start)?,
             cos: self.cos.narrow(0, start, seq)?,
             sin: self.sin.narrow(0, start, seq)?,
             lengths,
@@ -782,7 +780,14 @@ impl Llama {
                     None => (k.contiguous()?, v.contiguous()?),
                 };
                 // One query at the newest position sees every cached key.
-                attended.push(self.attention(&q.narrow(0, s, 1)?, &k, &v, None)?);
+                let newest = k.dim(2)? - 1;
+                attended.push(attention::causal(
+                    &q.narrow(0, s, 1)?,
+                    &k,
+                    &v,
+                    newest,
+                    &[1],
+                )?);
                 cache.layers[i] = Some((k, v));
             }
             Ok(Tensor::cat(&attended, 0)?)
@@ -900,72 +905,16 @@ impl Llama {
             .transpose(1, 2)?
             .contiguous()?)
     }
-
-    /// Scaled dot-product attention; `mask` is additive, `None` lets every
-    /// query see every key.
-    fn attention(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let c = &self.config;
-        let (b, _, seq, hd) = q.dims4()?;
-        let group = c.num_heads / c.num_kv_heads;
-        let repeat = |t: &Tensor| -> Result<Tensor> {
-            if group == 1 {
-                return Ok(t.clone());
-            }
-            let (b, kvh, s, hd) = t.dims4()?;
-            Ok(t.unsqueeze(2)?
-                .expand((b, kvh, group, s, hd))?
-                .reshape((b, kvh * group, s, hd))?)
-        };
-        let (k, v) = (repeat(k)?, repeat(v)?);
-        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-        let scores = match mask {
-            Some(mask) => scores.broadcast_add(mask)?,
-            None => scores,
-        };
-        let weights = candle_nn::ops::softmax_last_dim(&scores)?;
-        Ok(weights
-            .matmul(&v.contiguous()?)?
-            .transpose(1, 2)?
-            .reshape((b, seq, c.num_heads * hd))?)
-    }
 }
 
-/// Additive mask `[batch, 1, seq, start + seq]`: a query at position `start+i`
-/// sees keys up to itself that are not padding.
 /// A batch ready for the decoder stack ([`Llama::embedded`]).
 struct Embedded {
     /// `[b, seq, hidden]`.
     x: Tensor,
-    /// Additive causal and padding mask.
-    mask: Tensor,
     cos: Tensor,
     sin: Tensor,
     /// Each sequence's length before padding.
     lengths: Vec<usize>,
-}
-
-fn attention_mask(lengths: &[usize], seq: usize, start: usize) -> Result<Tensor> {
-    let keys = start + seq;
-    let mut mask = Vec::with_capacity(lengths.len() * seq * keys);
-    for &len in lengths {
-        for i in 0..seq {
-            for j in 0..keys {
-                let visible = j <= start + i && j < start + len;
-                mask.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
-            }
-        }
-    }
-    Ok(Tensor::from_vec(
-        mask,
-        (lengths.len(), 1, seq, keys),
-        &Device::Cpu,
-    )?)
 }
 
 /// Hands the real (non-padding) rows of `x: [batch, seq, width]` to the observer.
