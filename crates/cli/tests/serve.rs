@@ -1186,6 +1186,16 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
         server.metric("qforge_rolled_back") == Some(1.0)
     });
     assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
+    // Every token the reference scored has its log-prob gap: the bad
+    // model's tokens are ones FP finds far less likely.
+    wait_until("the gaps of 30 tokens", || {
+        server
+            .metric("qforge_shadow_log_prob_gap_count")
+            .is_some_and(|n| n >= 30.0)
+    });
+    let gap = server.metric("qforge_shadow_log_prob_gap_sum").unwrap()
+        / server.metric("qforge_shadow_log_prob_gap_count").unwrap();
+    assert!(gap > 1.0, "mean log-prob gap {gap}");
     assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));
 }
 

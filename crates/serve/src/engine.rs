@@ -107,12 +107,29 @@ pub struct Request {
     pub log_probs: Option<usize>,
     /// Where the events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
-    /// Hears the generated token ids when the request finishes (a shadow
-    /// comparison needs them; the client gets text).
-    pub finished: Option<oneshot::Sender<Vec<u32>>>,
+    /// `Some`: take these tokens instead of the drawn ones (the end of
+    /// sequence included, if it is one), and end after the last: the
+    /// shadow reference scores what INT8 generated.
+    pub forced: Option<Vec<u32>>,
+    /// Hears what was generated when the request finishes (a shadow
+    /// comparison needs it; the client gets text).
+    pub finished: Option<oneshot::Sender<Finished>>,
     /// Hears that the request left the queue and its prompt is about to
     /// run.
     pub admitted: Option<oneshot::Sender<()>>,
+}
+
+/// What a finished request generated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    /// The tokens taken, the end of sequence included when it ended the
+    /// completion.
+    pub tokens: Vec<u32>,
+    /// The engine's own draw at each of those positions (the tokens
+    /// themselves unless they were forced).
+    pub chosen: Vec<u32>,
+    /// The log-probability of each token, when the request asked for them.
+    pub log_probs: Vec<f64>,
 }
 
 /// A copy of a request for another engine (the shadow reference), with the
@@ -123,29 +140,54 @@ pub struct Replay {
     pub request: Request,
     /// Its events; dropping this cancels the copy.
     pub events: UnboundedReceiver<Event>,
-    /// Its generated tokens, when it finishes.
-    pub finished: oneshot::Receiver<Vec<u32>>,
+    /// What it generated, when it finishes.
+    pub finished: oneshot::Receiver<Finished>,
+}
+
+/// A request's prompt and sampling, for another engine to rerun it.
+#[derive(Debug, Clone)]
+pub struct Script {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    temperature: Option<f64>,
+    seed: u64,
+    stop: Vec<String>,
 }
 
 impl Request {
-    /// The same prompt and sampling for another engine.
-    pub fn replay(&self) -> Replay {
+    /// The prompt and sampling.
+    pub fn script(&self) -> Script {
+        Script {
+            prompt: self.prompt.clone(),
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            seed: self.seed,
+            stop: self.stop.clone(),
+        }
+    }
+}
+
+impl Script {
+    /// The request for another engine, scoring `forced` (log-probabilities
+    /// on) instead of generating.
+    pub fn scoring(self, forced: Vec<u32>) -> Replay {
         let (events, receiver) = unbounded_channel();
-        let (finished, tokens) = oneshot::channel();
+        let (finished, generated) = oneshot::channel();
         Replay {
             request: Request {
-                prompt: self.prompt.clone(),
+                prompt: self.prompt,
                 max_tokens: self.max_tokens,
                 temperature: self.temperature,
                 seed: self.seed,
-                stop: self.stop.clone(),
-                log_probs: self.log_probs,
+                stop: self.stop,
+                log_probs: Some(0),
+                forced: Some(forced),
                 events,
                 finished: Some(finished),
                 admitted: None,
             },
             events: receiver,
-            finished: tokens,
+            finished: generated,
         }
     }
 }
@@ -252,22 +294,41 @@ struct Sequence {
     sent: usize,
     /// Log-probabilities of the tokens taken and not yet sent.
     pending: Vec<TokenLogProb>,
+    /// The draw at every position so far.
+    chosen: Vec<u32>,
+    /// The log-probability of every token taken so far (when asked for).
+    scored: Vec<f64>,
     /// The token to feed at the next step.
     next: u32,
     started: Instant,
 }
 
 impl Sequence {
-    /// Draws the next token from one position's logits, noting its
-    /// log-probability when the request asks for them.
+    /// Draws the next token from one position's logits (or takes the
+    /// forced one), noting its log-probability when the request asks for
+    /// them.
     fn draw(&mut self, logits: &[f32]) -> qforge_model::Result<u32> {
         let temperature = self.request.temperature;
-        let token = sample(logits, temperature, &mut self.rng)?;
+        let drawn = sample(logits, temperature, &mut self.rng)?;
+        let token = match &self.request.forced {
+            Some(forced) => forced[self.chosen.len()],
+            None => drawn,
+        };
+        self.chosen.push(drawn);
         if let Some(top) = self.request.log_probs {
-            self.pending
-                .push(token_log_prob(logits, temperature, token, top));
+            let entry = token_log_prob(logits, temperature, token, top);
+            self.scored.push(entry.log_prob);
+            self.pending.push(entry);
         }
         Ok(token)
+    }
+
+    /// Whether every forced token is taken.
+    fn forced_out(&self) -> bool {
+        self.request
+            .forced
+            .as_ref()
+            .is_some_and(|forced| self.chosen.len() >= forced.len())
     }
 }
 
@@ -373,6 +434,8 @@ impl Scheduler<'_> {
                 generated: Vec::new(),
                 sent: 0,
                 pending: Vec::new(),
+                chosen: Vec::new(),
+                scored: Vec::new(),
                 next: 0,
                 started: Instant::now(),
             });
@@ -539,7 +602,7 @@ impl Scheduler<'_> {
             .iter()
             .filter_map(|s| text.find(s.as_str()))
             .min();
-        let length = sequence.generated.len() >= request.max_tokens;
+        let length = sequence.generated.len() >= request.max_tokens || sequence.forced_out();
         let finish = match (eos || stop_at.is_some(), length) {
             (true, _) => Some(FinishReason::Stop),
             (false, true) => Some(FinishReason::Length),
@@ -587,7 +650,13 @@ impl Scheduler<'_> {
                 completion_tokens: sequence.generated.len(),
             });
             if let Some(finished) = sequence.request.finished.take() {
-                let _ = finished.send(sequence.generated.clone());
+                let mut tokens = sequence.generated.clone();
+                tokens.extend(eos.then_some(token));
+                let _ = finished.send(Finished {
+                    tokens,
+                    chosen: std::mem::take(&mut sequence.chosen),
+                    log_probs: std::mem::take(&mut sequence.scored),
+                });
             }
             return true;
         }
@@ -630,6 +699,7 @@ mod tests {
             seed: 0,
             stop: Vec::new(),
             log_probs: None,
+            forced: None,
             events,
             finished: None,
             admitted: None,

@@ -57,9 +57,9 @@ pub struct Metrics {
     pub shadow_observations: Counter,
     /// Shadow action agreement over the rollout window.
     pub shadow_agreement: FloatGauge,
-    /// Per shadowed action, |log π_int8(a) − log π_fp(a)| of the action
-    /// INT8 answered: the train/rollout mismatch an importance weight
-    /// corrects.
+    /// Per shadowed action or generated token, |log π_int8(a) −
+    /// log π_fp(a)| of what INT8 answered: the train/rollout mismatch an
+    /// importance weight corrects.
     pub shadow_log_prob_gap: Histogram,
     /// Episode rewards received, by arm.
     pub feedback_episodes: Family<Labels, Counter>,
@@ -235,7 +235,7 @@ impl Metrics {
         );
         registry.register(
             "shadow_log_prob_gap",
-            "Per shadowed action, |log pi_int8(a) - log pi_fp(a)| of the action INT8 answered",
+            "Per shadowed action or generated token, |log pi_int8(a) - log pi_fp(a)| of what INT8 answered",
             self.shadow_log_prob_gap.clone(),
         );
         registry.register(

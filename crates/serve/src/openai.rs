@@ -29,7 +29,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::sync::oneshot;
 
-use crate::engine::{Event, FinishReason, Replay, Request};
+use crate::engine::{Event, FinishReason, Finished, Replay, Request, Script};
 use crate::http::{api_error, session, too_many_requests, with_arm, worker_stopped};
 use crate::logprobs;
 use crate::rollout::Arm;
@@ -40,30 +40,40 @@ const DEFAULT_COMPLETION_TOKENS: usize = 16;
 /// Most stop strings per request (OpenAI's limit).
 const MAX_STOP_STRINGS: usize = 4;
 
-/// Runs the FP reference on a request INT8 is answering and counts, token
-/// by token, where the two continuations agree (same seed, so sampling
-/// differs only where the models do). The client never waits for it.
-async fn shadow(lm: Arc<AppState>, replay: Replay, int8_tokens: oneshot::Receiver<Vec<u32>>) {
+/// Once INT8 has answered a request, has the FP reference score INT8's
+/// tokens on the same prompt (teacher forcing, same seed): at each position
+/// whether FP's own draw is INT8's token counts toward the agreement, and
+/// |log π_int8 − log π_fp| of the token goes to
+/// `qforge_shadow_log_prob_gap`. The client never waits for it.
+async fn shadow(lm: Arc<AppState>, script: Script, int8: oneshot::Receiver<Finished>) {
     let Backend::Language(backend) = &lm.backend else {
         return;
     };
     let Some(fp) = &backend.fp else { return };
+    // No timeout: both runs end (max_tokens bounds them) or their engine
+    // lets go of them. A timeout cut the comparison of every long
+    // completion, so the rollout never judged those.
+    let Ok(int8) = int8.await else { return };
     let Replay {
-        request,
+        request: scoring,
         events: _keep_open,
-        finished: fp_tokens,
-    } = replay;
-    if !fp.submit(request) {
+        finished: scored,
+    } = script.scoring(int8.tokens.clone());
+    if !fp.submit(scoring) {
         return;
     }
-    // No timeout: both continuations end (max_tokens bounds them) or
-    // their engine lets go of them. A timeout cut the comparison of every
-    // long completion, so the rollout never judged those.
-    if let (Ok(int8), Ok(fp)) = (int8_tokens.await, fp_tokens.await) {
-        let agreements: Vec<bool> = (0..int8.len().max(fp.len()))
-            .map(|i| int8.get(i).is_some() && int8.get(i) == fp.get(i))
-            .collect();
-        backend.rollout.record_agreement(&agreements);
+    let Ok(fp) = scored.await else { return };
+    let agreements: Vec<bool> = int8
+        .tokens
+        .iter()
+        .zip(&fp.chosen)
+        .map(|(ours, theirs)| ours == theirs)
+        .collect();
+    backend.rollout.record_agreement(&agreements);
+    for (ours, theirs) in int8.log_probs.iter().zip(&fp.log_probs) {
+        lm.metrics
+            .shadow_log_prob_gap
+            .observe((ours - theirs).abs());
     }
 }
 
@@ -498,17 +508,22 @@ fn submit(
         seed: checked.seed.unwrap_or(number),
         stop: checked.stop,
         log_probs: checked.log_probs,
+        forced: None,
         events,
         finished: None,
         admitted: Some(admitted),
     };
     let request = if arm == Arm::Int8 && lm.rollout.shadow_this() {
-        let (finished, int8_tokens) = oneshot::channel();
-        tokio::spawn(shadow(Arc::clone(state), request.replay(), int8_tokens));
-        Request {
+        let (finished, int8) = oneshot::channel();
+        let shadowed = Request {
+            // The comparison needs INT8's log-probs, asked for or not
+            // (unasked, the response spells none).
+            log_probs: Some(request.log_probs.unwrap_or(0)),
             finished: Some(finished),
             ..request
-        }
+        };
+        tokio::spawn(shadow(Arc::clone(state), shadowed.script(), int8));
+        shadowed
     } else {
         request
     };

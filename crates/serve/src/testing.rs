@@ -137,10 +137,20 @@ impl TestServer {
 
     /// `model` behind a server with `options`.
     pub(crate) fn serving(model: LanguageModel, options: ServeOptions) -> Self {
+        Self::serving_with_reference(model, None, options)
+    }
+
+    /// `model` behind a server with `options`, beside `reference` when a
+    /// rollout needs one.
+    pub(crate) fn serving_with_reference(
+        model: LanguageModel,
+        reference: Option<LanguageModel>,
+        options: ServeOptions,
+    ) -> Self {
         Self::start_with(
             Served::Language {
                 model,
-                reference: None,
+                reference,
                 name: "smollm2".into(),
                 calibration: None,
                 limits: EngineLimits {
@@ -175,6 +185,23 @@ impl TestServer {
             .and_then(|s| s.parse().ok())
             .unwrap_or_else(|| panic!("no status in {head:?}"));
         (status, body.to_owned())
+    }
+
+    /// The value of a Prometheus sample (`name` with its labels, if any)
+    /// in `/metrics`.
+    pub(crate) fn metric(&self, name: &str) -> Option<f64> {
+        let (_, text) = self.request("GET", "/metrics", "");
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    /// Waits until `/metrics` shows `name` at `value` or more.
+    pub(crate) fn wait_for_metric(&self, name: &str, value: f64) {
+        let deadline = Instant::now() + DEADLINE;
+        while self.metric(name).is_none_or(|v| v < value) {
+            assert!(Instant::now() < deadline, "{name} never reached {value}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Waits until `target` answers `status`.
