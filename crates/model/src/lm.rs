@@ -414,40 +414,49 @@ pub struct Perplexity {
     pub chunks: usize,
 }
 
-/// Per-token log-probabilities of the scored positions of every chunk,
-/// `[scored, vocab]`, with the tokens they score.
-fn chunk_log_probs(model: &Llama, tokens: &[u32], ctx: usize) -> Result<Vec<(Tensor, Vec<u32>)>> {
+/// How many chunks of `ctx` a text of `tokens` has; a text shorter than
+/// one chunk (or a `ctx` too small to score) is refused.
+fn chunk_count(tokens: usize, ctx: usize) -> Result<usize> {
     if ctx < 4 {
         return Err(Error::Shape(format!(
             "--ctx {ctx} is too small (at least 4)"
         )));
     }
-    let chunks = tokens.len() / ctx;
+    let chunks = tokens / ctx;
     if chunks == 0 {
         return Err(Error::Shape(format!(
-            "the text has {} tokens, fewer than one chunk of --ctx {ctx}; use a longer text or a smaller --ctx",
-            tokens.len()
+            "the text has {tokens} tokens, fewer than one chunk of --ctx {ctx}; use a longer text or a smaller --ctx"
         )));
     }
+    Ok(chunks)
+}
+
+/// Log-probabilities of the scored positions of chunk `c`, `[scored,
+/// vocab]`, with the tokens they score. One chunk at a time: a chunk's
+/// figures are ~50 MB for SmolLM2 at ctx 512, so holding every chunk's
+/// (as this once did) took 6 GB for a 64 000-token text.
+fn chunk_log_probs(
+    model: &Llama,
+    tokens: &[u32],
+    ctx: usize,
+    c: usize,
+) -> Result<(Tensor, Vec<u32>)> {
     let first = ctx / 2;
-    (0..chunks)
-        .map(|c| {
-            let chunk = &tokens[c * ctx..(c + 1) * ctx];
-            let logits = model.forward(&[chunk.to_vec()], None, None, Logits::All)?;
-            // Position j predicts token j + 1; score j in [first, ctx − 1).
-            let scored = logits.get(0)?.narrow(0, first, ctx - 1 - first)?;
-            Ok((log_softmax(&scored)?, chunk[first + 1..].to_vec()))
-        })
-        .collect()
+    let chunk = &tokens[c * ctx..(c + 1) * ctx];
+    let logits = model.forward(&[chunk.to_vec()], None, None, Logits::All)?;
+    // Position j predicts token j + 1; score j in [first, ctx − 1).
+    let scored = logits.get(0)?.narrow(0, first, ctx - 1 - first)?;
+    Ok((log_softmax(&scored)?, chunk[first + 1..].to_vec()))
 }
 
 /// Perplexity of `model` on `tokens` (see [`Perplexity`]).
 pub fn perplexity(model: &Llama, tokens: &[u32], ctx: usize) -> Result<Perplexity> {
-    let chunks = chunk_log_probs(model, tokens, ctx)?;
+    let chunks = chunk_count(tokens.len(), ctx)?;
     let (mut nll, mut count) = (0.0f64, 0usize);
-    for (log_probs, targets) in &chunks {
+    for c in 0..chunks {
+        let (log_probs, targets) = chunk_log_probs(model, tokens, ctx, c)?;
         let rows = log_probs.to_vec2::<f32>()?;
-        for (row, &t) in rows.iter().zip(targets) {
+        for (row, &t) in rows.iter().zip(&targets) {
             nll -= f64::from(row[t as usize]);
             count += 1;
         }
@@ -455,7 +464,7 @@ pub fn perplexity(model: &Llama, tokens: &[u32], ctx: usize) -> Result<Perplexit
     Ok(Perplexity {
         perplexity: (nll / count as f64).exp(),
         tokens: count,
-        chunks: chunks.len(),
+        chunks,
     })
 }
 
@@ -487,7 +496,9 @@ impl ReferenceLogProbs {
     /// Runs `reference` over `tokens` in chunks of `ctx`.
     pub fn new(reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Self> {
         Ok(Self {
-            chunks: chunk_log_probs(reference, tokens, ctx)?,
+            chunks: (0..chunk_count(tokens.len(), ctx)?)
+                .map(|c| chunk_log_probs(reference, tokens, ctx, c))
+                .collect::<Result<_>>()?,
             ctx,
             tokens: tokens.len(),
         })
@@ -517,9 +528,10 @@ pub fn compare_to(
             tokens.len()
         )));
     }
-    let ours = chunk_log_probs(model, tokens, reference.ctx)?;
     let (mut nll, mut ref_nll, mut kl, mut agree, mut count) = (0.0, 0.0, 0.0, 0usize, 0usize);
-    for ((lp, targets), (rp, _)) in ours.iter().zip(&reference.chunks) {
+    for (c, (rp, _)) in reference.chunks.iter().enumerate() {
+        let (ours, targets) = chunk_log_probs(model, tokens, reference.ctx, c)?;
+        let lp = &ours;
         // KL(P_ref ‖ P_model) = Σ p_ref (log p_ref − log p_model), per row.
         let row_kl = (rp.exp()? * (rp - lp)?)?.sum(D::Minus1)?.to_vec1::<f32>()?;
         let our_top = lp.argmax(D::Minus1)?.to_vec1::<u32>()?;
