@@ -311,7 +311,10 @@ impl Sequence {
         let temperature = self.request.temperature;
         let drawn = sample(logits, temperature, &mut self.rng)?;
         let token = match &self.request.forced {
-            Some(forced) => forced[self.chosen.len()],
+            // `accept` ends the sequence at the last forced token.
+            Some(forced) => *forced.get(self.chosen.len()).ok_or_else(|| {
+                qforge_model::Error::Shape("no forced token is left to take".into())
+            })?,
             None => drawn,
         };
         self.chosen.push(drawn);
