@@ -16,13 +16,14 @@
 //! all-INT8 model scores the same tokens the same way however they are
 //! batched: the rollout engine's log-probabilities are the trainer's.
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
 thread_local! {
-    /// Attention scores of one head, per team thread.
+    /// Attention scores of one head, per thread (the decoder's team, rayon's
+    /// pool).
     pub(super) static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -116,8 +117,15 @@ pub(super) fn causal(
     }
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
-    let (q, k, v) = (flat(q)?, flat(k)?, flat(v)?);
+    // Read in place: a copy of the whole cache per layer and step would
+    // double what the cache's growth already copies.
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (q_storage, q_layout) = q.storage_and_layout();
+    let (k_storage, k_layout) = k.storage_and_layout();
+    let (v_storage, v_layout) = v.storage_and_layout();
+    let q = values(&q_storage, q_layout, q.elem_count())?;
+    let k = values(&k_storage, k_layout, k.elem_count())?;
+    let v = values(&v_storage, v_layout, v.elem_count())?;
     let row = heads * hd;
     let mut out = vec![0f32; b * seq * row];
     // One output row (a sequence's query position, every head) per task.
@@ -143,4 +151,13 @@ pub(super) fn causal(
         });
     });
     Ok(Tensor::from_vec(out, (b, seq, row), &Device::Cpu)?)
+}
+
+/// The `len` f32 values of a contiguous CPU tensor's storage, in place.
+fn values<'a>(storage: &'a Storage, layout: &Layout, len: usize) -> Result<&'a [f32]> {
+    let Storage::Cpu(cpu) = storage else {
+        return Err(Error::Unsupported("attention off the CPU".into()));
+    };
+    let start = layout.start_offset();
+    Ok(&cpu.as_slice::<f32>()?[start..start + len])
 }
