@@ -127,6 +127,12 @@ pub struct ServeArgs {
     /// judged over.
     #[arg(long, default_value_t = 1000, value_name = "OBSERVATIONS")]
     agreement_window: usize,
+    /// Raise qforge_log_prob_gap_alert while the shadow's mean
+    /// |log π_int8 − log π_fp| over the agreement window exceeds this
+    /// (nats). At 0.1 nats a truncated importance weight (C = 2, at
+    /// ln 2 = 0.69) still rarely clips.
+    #[arg(long, default_value_t = 0.1, value_name = "NATS")]
+    log_prob_gap_alert: f64,
     /// Episodes per arm (from /v1/feedback) reward consistency is judged over.
     #[arg(long, default_value_t = 20, value_name = "EPISODES")]
     reward_window: usize,
@@ -280,6 +286,9 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&args.rollback_below) {
         return Err(UsageError("--rollback-below must be in [0, 1]".into()).into());
     }
+    if !(args.log_prob_gap_alert.is_finite() && args.log_prob_gap_alert >= 0.0) {
+        return Err(UsageError("--log-prob-gap-alert must be a number of nats ≥ 0".into()).into());
+    }
     if args.agreement_window == 0 || args.reward_window == 0 {
         return Err(UsageError("--agreement-window and --reward-window must be ≥ 1".into()).into());
     }
@@ -353,6 +362,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
             agreement_window: args.agreement_window,
             reward_window: args.reward_window,
             random_return: args.random_return,
+            log_prob_gap_alert: args.log_prob_gap_alert,
         },
         drift: DriftOptions {
             sample: args.drift_sample,

@@ -580,6 +580,9 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     let good_gap = good.metric("qforge_shadow_log_prob_gap_sum").unwrap()
         / good.metric("qforge_shadow_log_prob_gap_count").unwrap();
     assert_eq!(good.metric("qforge_rolled_back"), Some(0.0));
+    // Its mean gap over the window stays under the default alert (0.1 nats).
+    assert!(good.metric("qforge_shadow_log_prob_gap_mean").unwrap() < 0.1);
+    assert_eq!(good.metric("qforge_log_prob_gap_alert"), Some(0.0));
     drop(good);
 
     // The bad one: once 200 shadowed observations agree < 95 %, traffic
@@ -1196,6 +1199,13 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
     let gap = server.metric("qforge_shadow_log_prob_gap_sum").unwrap()
         / server.metric("qforge_shadow_log_prob_gap_count").unwrap();
     assert!(gap > 1.0, "mean log-prob gap {gap}");
+    // The alert follows the mean over the last 30 tokens (default 0.1 nats).
+    let window_mean = server.metric("qforge_shadow_log_prob_gap_mean").unwrap();
+    assert!(window_mean > 0.0);
+    assert_eq!(
+        server.metric("qforge_log_prob_gap_alert"),
+        Some(f64::from(u8::from(window_mean > 0.1)))
+    );
     assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));
 }
 

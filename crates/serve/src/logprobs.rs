@@ -468,6 +468,8 @@ mod tests {
             Some(tokens as f64)
         );
         assert_eq!(server.metric("qforge_shadow_log_prob_gap_sum"), Some(0.0));
+        assert_eq!(server.metric("qforge_shadow_log_prob_gap_mean"), Some(0.0));
+        assert_eq!(server.metric("qforge_log_prob_gap_alert"), Some(0.0));
         assert_eq!(
             server.metric("qforge_shadow_observations_total"),
             Some(tokens as f64)

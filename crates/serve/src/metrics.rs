@@ -61,6 +61,10 @@ pub struct Metrics {
     /// log π_fp(a)| of what INT8 answered: the train/rollout mismatch an
     /// importance weight corrects.
     pub shadow_log_prob_gap: Histogram,
+    /// The mean of that gap over the rollout window.
+    pub shadow_log_prob_gap_mean: FloatGauge,
+    /// 1 while that mean exceeds the alert threshold.
+    pub log_prob_gap_alert: Gauge,
     /// Episode rewards received, by arm.
     pub feedback_episodes: Family<Labels, Counter>,
     /// Mean episode reward over the rollout window, by arm.
@@ -130,6 +134,8 @@ impl Metrics {
             shadow_observations: Counter::default(),
             shadow_agreement: FloatGauge::default(),
             shadow_log_prob_gap: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
+            shadow_log_prob_gap_mean: FloatGauge::default(),
+            log_prob_gap_alert: Gauge::default(),
             feedback_episodes: Family::default(),
             mean_episode_reward: Family::default(),
             reward_consistency: FloatGauge::default(),
@@ -237,6 +243,16 @@ impl Metrics {
             "shadow_log_prob_gap",
             "Per shadowed action or generated token, |log pi_int8(a) - log pi_fp(a)| of what INT8 answered",
             self.shadow_log_prob_gap.clone(),
+        );
+        registry.register(
+            "shadow_log_prob_gap_mean",
+            "Mean |log pi_int8(a) - log pi_fp(a)| over the rollout window",
+            self.shadow_log_prob_gap_mean.clone(),
+        );
+        registry.register(
+            "log_prob_gap_alert",
+            "1 while the mean shadow log-prob gap over the rollout window exceeds the alert threshold",
+            self.log_prob_gap_alert.clone(),
         );
         registry.register(
             "feedback_episodes",

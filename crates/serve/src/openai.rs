@@ -44,7 +44,8 @@ const MAX_STOP_STRINGS: usize = 4;
 /// tokens on the same prompt (teacher forcing, same seed): at each position
 /// whether FP's own draw is INT8's token counts toward the agreement, and
 /// |log π_int8 − log π_fp| of the token goes to
-/// `qforge_shadow_log_prob_gap`. The client never waits for it.
+/// `qforge_shadow_log_prob_gap` (and its windowed mean, which raises
+/// `qforge_log_prob_gap_alert`). The client never waits for it.
 async fn shadow(lm: Arc<AppState>, script: Script, int8: oneshot::Receiver<Finished>) {
     let Backend::Language(backend) = &lm.backend else {
         return;
@@ -70,11 +71,13 @@ async fn shadow(lm: Arc<AppState>, script: Script, int8: oneshot::Receiver<Finis
         .map(|(ours, theirs)| ours == theirs)
         .collect();
     backend.rollout.record_agreement(&agreements);
-    for (ours, theirs) in int8.log_probs.iter().zip(&fp.log_probs) {
-        lm.metrics
-            .shadow_log_prob_gap
-            .observe((ours - theirs).abs());
-    }
+    let gaps: Vec<f64> = int8
+        .log_probs
+        .iter()
+        .zip(&fp.log_probs)
+        .map(|(ours, theirs)| (ours - theirs).abs())
+        .collect();
+    backend.rollout.record_log_prob_gaps(&gaps);
 }
 
 /// Why [`check`] refused a request.

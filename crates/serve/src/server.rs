@@ -377,14 +377,13 @@ async fn shadow(state: Arc<AppState>, observations: Vec<f32>, rows: usize, int8:
     if let Ok(Ok(Ok(fp))) = tokio::time::timeout(state.options.timeout, answer).await
         && fp.version == int8.version
     {
-        for (ours, theirs) in int8.log_probs.iter().zip(&fp.log_probs) {
-            if let (Some(ours), Some(theirs)) = (ours, theirs) {
-                state
-                    .metrics
-                    .shadow_log_prob_gap
-                    .observe((ours - theirs).abs());
-            }
-        }
+        let gaps: Vec<f64> = int8
+            .log_probs
+            .iter()
+            .zip(&fp.log_probs)
+            .filter_map(|(ours, theirs)| Some((ours.as_ref()? - theirs.as_ref()?).abs()))
+            .collect();
+        policy.rollout.record_log_prob_gaps(&gaps);
         if int8.greedy {
             let agreements: Vec<bool> = int8
                 .actions
@@ -629,6 +628,11 @@ fn check_options(options: &ServeOptions) -> Result<()> {
     {
         return Err(Error::Options(
             "the rollback threshold must be in [0, 1] and its windows at least 1".into(),
+        ));
+    }
+    if !(rollout.log_prob_gap_alert.is_finite() && rollout.log_prob_gap_alert >= 0.0) {
+        return Err(Error::Options(
+            "the log-prob gap alert threshold must be a number of nats ≥ 0".into(),
         ));
     }
     let drift = options.drift;
