@@ -23,7 +23,9 @@ fn model() -> Llama {
     Llama::from_gguf(&path).expect("load SmolLM2")
 }
 
-/// `prefill_128` and `decode_step_at_128` of `model` in `group`.
+/// `prefill_128`, `decode_step_at_128` and `decode_step_at_2048` (a step
+/// after a 2 048-token context, where reading the cache dominates) of
+/// `model` in `group`.
 fn prefill_and_decode(group: &mut BenchmarkGroup<'_, WallTime>, model: &Llama, prompt: &[u32]) {
     group.sample_size(10);
     group.throughput(Throughput::Elements(prompt.len() as u64));
@@ -34,22 +36,27 @@ fn prefill_and_decode(group: &mut BenchmarkGroup<'_, WallTime>, model: &Llama, p
                 .unwrap()
         })
     });
+    let long: Vec<u32> = (0..2048u32).map(|i| (i * 997 + 13) % 49152).collect();
     group.throughput(Throughput::Elements(1));
-    group.bench_function("decode_step_at_128", |b| {
+    for context in [prompt, &long[..]] {
         let mut cache = model.new_cache();
+        // Room for the prefill and every step criterion runs on a clone.
+        cache.reserve(context.len() + 1);
         model
-            .forward(&[prompt.to_vec()], Some(&mut cache), None, Logits::Last)
+            .forward(&[context.to_vec()], Some(&mut cache), None, Logits::Last)
             .unwrap();
-        b.iter_batched(
-            || cache.clone(),
-            |mut cache| {
-                model
-                    .forward(black_box(&[vec![42]]), Some(&mut cache), None, Logits::Last)
-                    .unwrap()
-            },
-            criterion::BatchSize::LargeInput,
-        )
-    });
+        group.bench_function(format!("decode_step_at_{}", context.len()), |b| {
+            b.iter_batched(
+                || cache.clone(),
+                |mut cache| {
+                    model
+                        .forward(black_box(&[vec![42]]), Some(&mut cache), None, Logits::Last)
+                        .unwrap()
+                },
+                criterion::BatchSize::LargeInput,
+            )
+        });
+    }
 }
 
 fn bench(c: &mut Criterion) {

@@ -182,6 +182,7 @@ impl LanguageModel {
             return Err(Error::Shape("the prompt has no tokens".into()));
         }
         let mut cache = self.model.new_cache();
+        cache.reserve(prompt.len() + options.max_tokens);
         let mut rng = StdRng::seed_from_u64(options.seed);
         let started = Instant::now();
         let logits =

@@ -312,8 +312,12 @@ fn padding_kv_cache_and_observation_keep_their_contracts() {
         ) < 1e-4
     );
 
-    // Decoding token by token with the cache gives the full forward's logits.
+    // Decoding token by token with the cache gives the full forward's logits,
+    // and within its reservation the cache never reallocates.
     let mut cache = model.new_cache();
+    cache.reserve(long.len());
+    let reserved = cache.capacity();
+    assert!(reserved >= long.len(), "{reserved}");
     model
         .forward(&[long[..8].to_vec()], Some(&mut cache), None, Logits::Last)
         .unwrap();
@@ -325,6 +329,18 @@ fn padding_kv_cache_and_observation_keep_their_contracts() {
                 .unwrap(),
         );
     }
+    assert_eq!(cache.len(), long.len());
+    assert_eq!(cache.capacity(), reserved, "the cache reallocated");
+    assert_eq!(
+        cache.clone().capacity(),
+        reserved,
+        "a clone lost the reservation"
+    );
+    let err = model
+        .forward(&[vec![1], vec![2]], Some(&mut cache), None, Logits::Last)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("one sequence"), "{err}");
     assert_eq!(cache.len(), long.len());
     let step: Vec<f32> = step.unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert!(max_diff(&step, &last_logits(&model, std::slice::from_ref(&long))[0]) < 1e-4);

@@ -429,8 +429,13 @@ impl Scheduler<'_> {
             if let Some(admitted) = request.admitted.take() {
                 let _ = admitted.send(());
             }
+            // The cache takes its whole reservation now: a long sequence
+            // never reallocates (and copies) what it has cached, and memory
+            // is what the KV budget says from admission on.
+            let mut cache = self.lm.model.new_cache();
+            cache.reserve(cost(&request));
             self.prefilling.push_back(Sequence {
-                cache: self.lm.model.new_cache(),
+                cache,
                 rng: StdRng::seed_from_u64(request.seed),
                 request,
                 prefilled: 0,

@@ -86,63 +86,77 @@ fn softmax(scores: &mut [f32]) {
     }
 }
 
-/// Causal attention of `q: [b, heads, seq, hd]` (queries at positions
-/// `start..start + seq`) over `k`, `v: [b, kv_heads, keys, hd]` (keys at
-/// positions `0..keys`, `keys = start + seq`): query `i` of sequence `s`
-/// sees keys up to its own position and before the sequence's padding
-/// (`lengths[s]` real tokens from `start`). Returns `[b, seq, heads · hd]`.
+/// Where one sequence's keys and values lie: the key of kv head `g` at
+/// position `t` starts at `g * head_step + t * stride` in `keys` (and its value
+/// at the same index in `values`). A KV cache is position-major
+/// (`head_step = head_dim`, `stride = kv_heads · head_dim`); the keys of a
+/// forward without a cache are head-major tensors (`head_step = keys ·
+/// head_dim`, `stride = head_dim`). The key and value of a position sit at the
+/// same index whatever the layout, so every layout gives the same bits.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SequenceKv<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub head_step: usize,
+    pub stride: usize,
+    /// Position of the sequence's first query.
+    pub start: usize,
+}
+
+/// Causal attention of `q: [b, heads, seq, hd]` over the keys and values of
+/// each sequence (`kv[s]`, whose queries sit at positions `kv[s].start..`):
+/// query `i` of sequence `s` sees keys up to its own position and before the
+/// sequence's padding (`lengths[s]` real tokens from its start). Every query
+/// of every sequence is one task of one parallel loop, so a batched decode
+/// step attends all its sequences in one call. Returns
+/// `[b, seq, heads · hd]`.
 pub(super) fn causal(
     q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    start: usize,
+    kv: &[SequenceKv<'_>],
+    kv_heads: usize,
     lengths: &[usize],
 ) -> Result<Tensor> {
     let (b, heads, seq, hd) = q.dims4()?;
-    let (kb, kv_heads, keys, khd) = k.dims4()?;
-    if kb != b
-        || khd != hd
-        || v.dims4()? != (b, kv_heads, keys, hd)
-        || keys != start + seq
+    let fits = |s: &SequenceKv<'_>, len: usize| {
+        let last = (kv_heads - 1) * s.head_step + (s.start + len - 1) * s.stride + hd;
+        s.keys.len() >= last && s.values.len() >= last
+    };
+    if kv.len() != b
         || lengths.len() != b
         || kv_heads == 0
         || heads % kv_heads != 0
+        || lengths.iter().any(|&len| len == 0 || len > seq)
+        || kv.iter().zip(lengths).any(|(s, &len)| !fits(s, len))
     {
         return Err(Error::Shape(format!(
-            "attention of queries {:?} over keys {:?} and values {:?} from position {start}",
+            "attention of queries {:?} over {} sequences of keys ({kv_heads} kv heads, lengths {lengths:?})",
             q.dims(),
-            k.dims(),
-            v.dims()
+            kv.len(),
         )));
     }
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    // Read in place: a copy of the whole cache per layer and step would
-    // double what the cache's growth already copies.
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let q = q.contiguous()?;
     let (q_storage, q_layout) = q.storage_and_layout();
-    let (k_storage, k_layout) = k.storage_and_layout();
-    let (v_storage, v_layout) = v.storage_and_layout();
     let q = values(&q_storage, q_layout, q.elem_count())?;
-    let k = values(&k_storage, k_layout, k.elem_count())?;
-    let v = values(&v_storage, v_layout, v.elem_count())?;
     let row = heads * hd;
     let mut out = vec![0f32; b * seq * row];
     // One output row (a sequence's query position, every head) per task.
     out.par_chunks_mut(row).enumerate().for_each(|(at, out)| {
         let (s, i) = (at / seq, at % seq);
-        let visible = (start + i + 1).min(start + lengths[s]);
+        let sequence = &kv[s];
+        // A padding query (never observed) sees the real keys only.
+        let visible = sequence.start + (i + 1).min(lengths[s]);
         SCORES.with_borrow_mut(|scores| {
             if scores.len() < visible {
                 scores.resize(visible, 0.0);
             }
             for (h, out) in out.chunks_exact_mut(hd).enumerate() {
                 let query = ((s * heads + h) * seq + i) * hd;
-                let kv = (s * kv_heads + h / group) * keys * hd;
                 attend_head(
                     &q[query..query + hd],
-                    (&k[kv..kv + keys * hd], &v[kv..kv + keys * hd]),
-                    (0, hd),
+                    (sequence.keys, sequence.values),
+                    (h / group * sequence.head_step, sequence.stride),
                     scale,
                     &mut scores[..visible],
                     out,
@@ -153,8 +167,45 @@ pub(super) fn causal(
     Ok(Tensor::from_vec(out, (b, seq, row), &Device::Cpu)?)
 }
 
+/// [`causal`] over the keys and values of a forward without a cache,
+/// `k`, `v: [b, kv_heads, keys, hd]`, every query from position 0.
+pub(super) fn causal_over_tensors(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lengths: &[usize],
+) -> Result<Tensor> {
+    let (b, kv_heads, keys, hd) = k.dims4()?;
+    if v.dims4()? != (b, kv_heads, keys, hd) || q.dim(0)? != b || q.dim(3)? != hd {
+        return Err(Error::Shape(format!(
+            "attention of queries {:?} over keys {:?} and values {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let (k_storage, k_layout) = k.storage_and_layout();
+    let (v_storage, v_layout) = v.storage_and_layout();
+    let k = values(&k_storage, k_layout, k.elem_count())?;
+    let v = values(&v_storage, v_layout, v.elem_count())?;
+    let per_sequence = kv_heads * keys * hd;
+    let kv: Vec<SequenceKv<'_>> = k
+        .chunks_exact(per_sequence.max(1))
+        .zip(v.chunks_exact(per_sequence.max(1)))
+        .map(|(keys_of, values_of)| SequenceKv {
+            keys: keys_of,
+            values: values_of,
+            head_step: keys * hd,
+            stride: hd,
+            start: 0,
+        })
+        .collect();
+    causal(q, &kv, kv_heads, lengths)
+}
+
 /// The `len` f32 values of a contiguous CPU tensor's storage, in place.
-fn values<'a>(storage: &'a Storage, layout: &Layout, len: usize) -> Result<&'a [f32]> {
+pub(super) fn values<'a>(storage: &'a Storage, layout: &Layout, len: usize) -> Result<&'a [f32]> {
     let Storage::Cpu(cpu) = storage else {
         return Err(Error::Unsupported("attention off the CPU".into()));
     };

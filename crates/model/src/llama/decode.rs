@@ -256,26 +256,12 @@ impl<'m> Decoder<'m> {
                 cache.len, self.capacity
             )));
         }
-        let c = self.model.config();
-        let (kvh, hd) = (c.num_kv_heads, c.head_dim);
+        self.model.check_cache(cache)?;
+        let values = cache.len * cache.kv_heads * cache.head_dim;
+        // Both keep keys position-major: a copy of the cached rows.
         for (layer, cached) in self.layers.iter_mut().zip(&cache.layers) {
-            let Some((k, v)) = cached else {
-                return Err(Error::Shape("the cache holds no keys for a layer".into()));
-            };
-            // [1, kv_heads, len, head_dim] → [len, kv_heads·head_dim].
-            for (tensor, target) in [(k, &mut layer.keys), (v, &mut layer.values)] {
-                let t = tensor
-                    .squeeze(0)?
-                    .transpose(0, 1)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                if t.len() != cache.len * kvh * hd {
-                    return Err(Error::Shape(
-                        "the cache holds more than one sequence".into(),
-                    ));
-                }
-                target[..t.len()].copy_from_slice(&t);
-            }
+            layer.keys[..values].copy_from_slice(&cached.keys[..values]);
+            layer.values[..values].copy_from_slice(&cached.values[..values]);
         }
         self.len = cache.len;
         Ok(())

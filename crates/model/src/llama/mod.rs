@@ -83,17 +83,121 @@ pub enum Logits {
     Last,
 }
 
-/// Keys and values of the positions seen so far, per layer.
+/// Keys and values of one sequence's positions seen so far, per layer,
+/// position-major (`[positions, kv_heads · head_dim]`, the layout the INT8
+/// [`Decoder`] keeps too). A position's keys are appended in place:
+/// [`KvCache::reserve`] sizes the buffers once for a sequence's whole
+/// reservation, so decoding a long sequence never copies what is cached
+/// (without a reservation they grow as a `Vec` does, by doubling).
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<CachedLayer>,
     len: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// One layer's cached keys and values, `[len, kv_heads · head_dim]` each.
+#[derive(Debug, Default)]
+struct CachedLayer {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+/// A clone keeps the reservation (a `Vec`'s clone would drop it): a sequence
+/// forked from a cache grows as the original would.
+impl Clone for CachedLayer {
+    fn clone(&self) -> Self {
+        let copy = |v: &Vec<f32>| {
+            let mut out = Vec::with_capacity(v.capacity());
+            out.extend_from_slice(v);
+            out
+        };
+        Self {
+            keys: copy(&self.keys),
+            values: copy(&self.values),
+        }
+    }
 }
 
 impl KvCache {
     /// Number of cached positions.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Makes room for `positions` positions in all (cached ones included),
+    /// so that growing to them allocates nothing more.
+    pub fn reserve(&mut self, positions: usize) {
+        let values = positions.saturating_sub(self.len) * self.kv_heads * self.head_dim;
+        for layer in &mut self.layers {
+            layer.keys.reserve(values);
+            layer.values.reserve(values);
+        }
+    }
+
+    /// Positions the cache holds room for without reallocating.
+    pub fn capacity(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| {
+                l.keys.capacity().min(l.values.capacity()) / (self.kv_heads * self.head_dim).max(1)
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Appends to layer `layer` the keys and values of sequence `sequence`
+    /// of `k`, `v: [b, kv_heads, seq, head_dim]`, transposed to rows.
+    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor, sequence: usize) -> Result<()> {
+        let (b, kv_heads, seq, hd) = k.dims4()?;
+        if (kv_heads, hd) != (self.kv_heads, self.head_dim)
+            || v.dims4()? != (b, kv_heads, seq, hd)
+            || sequence >= b
+        {
+            return Err(Error::Shape(format!(
+                "keys {:?} and values {:?} for a cache of {} kv heads of {} values",
+                k.dims(),
+                v.dims(),
+                self.kv_heads,
+                self.head_dim
+            )));
+        }
+        let cached = &mut self.layers[layer];
+        for (tensor, target) in [(k, &mut cached.keys), (v, &mut cached.values)] {
+            let tensor = tensor.contiguous()?;
+            let (storage, layout) = tensor.storage_and_layout();
+            let all = attention::values(&storage, layout, tensor.elem_count())?;
+            let of_sequence = &all[sequence * kv_heads * seq * hd..][..kv_heads * seq * hd];
+            for t in 0..seq {
+                for head in of_sequence.chunks_exact(seq * hd) {
+                    target.extend_from_slice(&head[t * hd..(t + 1) * hd]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops what a failed forward appended past the committed positions.
+    fn forget_uncommitted(&mut self) {
+        let values = self.len * self.kv_heads * self.head_dim;
+        for layer in &mut self.layers {
+            layer.keys.truncate(values);
+            layer.values.truncate(values);
+        }
+    }
+
+    /// The cached keys and values of `layer` as attention reads them, the
+    /// queries from position `start`.
+    fn view(&self, layer: usize, start: usize) -> attention::SequenceKv<'_> {
+        let cached = &self.layers[layer];
+        attention::SequenceKv {
+            keys: &cached.keys,
+            values: &cached.values,
+            head_step: self.head_dim,
+            stride: self.kv_heads * self.head_dim,
+            start,
+        }
     }
 
     /// Whether nothing is cached.
@@ -603,17 +707,20 @@ impl Llama {
     /// An empty KV cache for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache {
-            layers: vec![None; self.layers.len()],
+            layers: vec![CachedLayer::default(); self.layers.len()],
             len: 0,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
         }
     }
 
     /// Runs the decoder over a batch of token sequences.
     ///
     /// Sequences of different lengths are right-padded; padded positions are
-    /// masked out of attention and never observed. With a `cache`, every
-    /// sequence must have the same length and positions continue after the
-    /// cached ones. Every distinct linear input is handed to `observer`.
+    /// masked out of attention and never observed. With a `cache`, the batch is
+    /// one sequence whose positions continue after the cached ones (a failed
+    /// forward leaves the cache as it was). Every distinct linear input is
+    /// handed to `observer`.
     pub fn forward(
         &self,
         batch: &[Vec<u32>],
@@ -622,10 +729,14 @@ impl Llama {
         logits: Logits,
     ) -> Result<Tensor> {
         let start = cache.as_ref().map_or(0, |k| k.len);
-        if cache.is_some() && batch.iter().any(|s| s.len() != batch[0].len()) {
-            return Err(Error::Shape(
-                "with a KV cache, every sequence of a batch must have the same length".into(),
-            ));
+        if let Some(kv) = cache.as_ref() {
+            self.check_cache(kv)?;
+            if batch.len() != 1 {
+                return Err(Error::Shape(format!(
+                    "a KV cache holds one sequence: a batch of {} with a cache",
+                    batch.len()
+                )));
+            }
         }
         let Embedded {
             x,
@@ -635,23 +746,29 @@ impl Llama {
         } = self.embedded(batch, start)?;
         let seq = x.dim(1)?;
         let mut cache = cache;
-        let x = self.decoder_stack(x, (&cos, &sin), &lengths, observer, false, |i, q, k, v| {
-            let (k, v) = match cache.as_deref_mut() {
-                Some(kv) => {
-                    let (k, v) = match &kv.layers[i] {
-                        Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?),
-                        None => (k.clone(), v.clone()),
-                    };
-                    kv.layers[i] = Some((k.clone(), v.clone()));
-                    (k, v)
-                }
-                None => (k.clone(), v.clone()),
-            };
-            attention::causal(q, &k, &v, start, &lengths)
-        })?;
+        let kv_heads = self.config.num_kv_heads;
+        let x =
+            self.decoder_stack(
+                x,
+                (&cos, &sin),
+                &lengths,
+                observer,
+                false,
+                |i, q, k, v| match cache.as_deref_mut() {
+                    Some(kv) => {
+                        kv.append(i, k, v, 0)?;
+                        attention::causal(q, &[kv.view(i, start)], kv_heads, &lengths)
+                    }
+                    None => attention::causal_over_tensors(q, k, v, &lengths),
+                },
+            );
         if let Some(kv) = cache {
-            kv.len += seq;
+            match x {
+                Ok(_) => kv.len += seq,
+                Err(_) => kv.forget_uncommitted(),
+            }
         }
+        let x = x?;
         let x = match logits {
             Logits::All => x,
             Logits::Last => {
@@ -684,7 +801,7 @@ impl Llama {
             &lengths,
             Some(observer),
             true,
-            |_, q, k, v| attention::causal(q, k, v, 0, &lengths),
+            |_, q, k, v| attention::causal_over_tensors(q, k, v, &lengths),
         )?;
         Ok(())
     }
@@ -747,12 +864,8 @@ impl Llama {
         if let Some(longest) = caches.iter().map(|k| k.len + 1).max() {
             self.check_positions(longest)?;
         }
-        if let Some(foreign) = caches.iter().find(|k| k.layers.len() != self.layers.len()) {
-            return Err(Error::Shape(format!(
-                "a KV cache of {} layers for a model of {}",
-                foreign.layers.len(),
-                self.layers.len()
-            )));
+        for cache in caches.iter() {
+            self.check_cache(cache)?;
         }
         let ids = Tensor::from_vec(tokens.to_vec(), n, &Device::Cpu)?;
         let x = self
@@ -771,31 +884,46 @@ impl Llama {
             .index_select(&positions, 0)?
             .reshape((n, 1, half))?;
         let lengths = vec![1; n];
+        let kv_heads = c.num_kv_heads;
         let x = self.decoder_stack(x, (&cos, &sin), &lengths, observer, false, |i, q, k, v| {
-            let mut attended = Vec::with_capacity(n);
             for (s, cache) in caches.iter_mut().enumerate() {
-                let (k, v) = (k.narrow(0, s, 1)?, v.narrow(0, s, 1)?);
-                let (k, v) = match &cache.layers[i] {
-                    Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
-                    None => (k.contiguous()?, v.contiguous()?),
-                };
-                // One query at the newest position sees every cached key.
-                let newest = k.dim(2)? - 1;
-                attended.push(attention::causal(
-                    &q.narrow(0, s, 1)?,
-                    &k,
-                    &v,
-                    newest,
-                    &[1],
-                )?);
-                cache.layers[i] = Some((k, v));
+                cache.append(i, k, v, s)?;
             }
-            Ok(Tensor::cat(&attended, 0)?)
-        })?;
+            // One query per sequence at its newest position, every sequence
+            // in one call.
+            let views: Vec<_> = caches
+                .iter()
+                .map(|cache| cache.view(i, cache.len))
+                .collect();
+            attention::causal(q, &views, kv_heads, &lengths)
+        });
         for cache in caches.iter_mut() {
-            cache.len += 1;
+            match x {
+                Ok(_) => cache.len += 1,
+                Err(_) => cache.forget_uncommitted(),
+            }
         }
+        let x = x?;
         self.lm_head.forward(&x.reshape((n, c.hidden_size))?)
+    }
+
+    /// Refuses a KV cache made for another model.
+    fn check_cache(&self, cache: &KvCache) -> Result<()> {
+        let c = &self.config;
+        if cache.layers.len() != self.layers.len()
+            || (cache.kv_heads, cache.head_dim) != (c.num_kv_heads, c.head_dim)
+        {
+            return Err(Error::Shape(format!(
+                "a KV cache of {} layers of {} kv heads of {} values for a model of {} layers of {} of {}",
+                cache.layers.len(),
+                cache.kv_heads,
+                cache.head_dim,
+                self.layers.len(),
+                c.num_kv_heads,
+                c.head_dim
+            )));
+        }
+        Ok(())
     }
 
     /// Refuses a token id outside the vocabulary.
