@@ -1209,6 +1209,134 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
     assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));
 }
 
+/// A weight sync of a language model: `POST /admin/reload` swaps the served
+/// INT8 artifact once the completions already admitted are done (each runs
+/// on one version), every answer names its version, and after the swap the
+/// server answers as one started on the new artifact does.
+#[test]
+fn a_language_model_reload_swaps_after_admitted_completions_and_answers_name_their_version() {
+    let dir = support::temp("serve", "lm-reload");
+    let dir = dir.path();
+    let (model, data) = (path(SMOLLM2), path("fixtures/episodes/arithmetic.jsonl"));
+    // The guard is not under test: a short held-out text and one method keep
+    // the two quantizations quick.
+    let eval = dir.join("eval.txt");
+    std::fs::write(
+        &eval,
+        "The capital of France is Paris. Once upon a time there was a small town by a river, \
+         and every morning the baker opened his shop before the sun rose.",
+    )
+    .unwrap();
+    let eval = eval.to_str().unwrap();
+    let quantize = |out: &str, extra: &[&str]| {
+        let mut args = vec![
+            "quantize",
+            "--model",
+            &model,
+            "--data",
+            &data,
+            "--eval-data",
+            eval,
+            "--no-method-search",
+            "--max-perplexity-increase",
+            "1e12",
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "-o",
+            out,
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        json(&qforge_in(dir, &args));
+    };
+    // Version 1 clips every static scale at the 20th percentile; version 2
+    // is the default recipe: their greedy completions differ.
+    quantize("v1", &["--calibrator", "percentile(20)"]);
+    quantize("v2", &[]);
+    let token = "sync-token";
+    let auth = format!("Authorization: Bearer {token}");
+    let complete = |server: &Server, prompt: &str, max_tokens: usize| -> (u64, String) {
+        let body =
+            serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+                .to_string();
+        let (status, head, text) = server.request("POST", "/v1/completions", &[&auth], &body);
+        assert_eq!(status, 200, "{text}");
+        let version = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("x-qforge-model-version: ")
+                    .map(|v| v.trim().parse().unwrap())
+            })
+            .unwrap_or_else(|| panic!("no version header in {head}"));
+        let v: Value = serde_json::from_str(&text).unwrap();
+        (
+            version,
+            v["choices"][0]["text"].as_str().unwrap().to_owned(),
+        )
+    };
+    let (short, long) = ("The capital of France is", "Once upon a time");
+    let fresh = Server::start(&dir.join("v2"), &[], Some(token));
+    let v2_short = complete(&fresh, short, 12).1;
+    drop(fresh);
+
+    let server = Server::start(&dir.join("v1"), &[], Some(token));
+    let (version, v1_short) = complete(&server, short, 12);
+    assert_eq!(version, 1);
+    assert_ne!(v1_short, v2_short, "the two artifacts complete alike");
+    let v1_long = complete(&server, long, 64);
+    let reload = |model: &Path| {
+        let body = serde_json::json!({ "model": model }).to_string();
+        server.request("POST", "/admin/reload", &[&auth], &body)
+    };
+    // A policy is not a language model's weights.
+    json(&qforge_in(
+        dir,
+        &[
+            "quantize",
+            "--model",
+            &path("fixtures/policies/pendulum"),
+            "--data",
+            &path("fixtures/policies/pendulum/rollouts.jsonl"),
+            "-o",
+            "pendulum",
+            "--json",
+        ],
+    ));
+    let (status, _, text) = reload(&dir.join("pendulum"));
+    assert_eq!(status, 409, "{text}");
+    assert!(text.contains("control policy"), "{text}");
+
+    let running = || {
+        let (_, _, metrics) = server.request("GET", "/metrics", &[&auth], "");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("qforge_running_sequences "))
+            .is_some_and(|v| v.trim() != "0")
+    };
+    std::thread::scope(|scope| {
+        // A completion admitted before the reload finishes on version 1.
+        let in_flight = scope.spawn(|| complete(&server, long, 64));
+        wait_until("the completion's admission (or its end)", || {
+            running() || in_flight.is_finished()
+        });
+        let (status, _, text) = reload(&dir.join("v2"));
+        assert_eq!(status, 200, "{text}");
+        let answer: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(answer["version"], 2);
+        assert_eq!(in_flight.join().unwrap(), v1_long);
+    });
+    assert_eq!(complete(&server, short, 12), (2, v2_short));
+    let (_, _, metrics) = server.request("GET", "/metrics", &[&auth], "");
+    assert!(metrics.contains("qforge_model_version 2"), "{metrics}");
+    assert!(
+        metrics.contains(r#"qforge_reloads_total{outcome="swapped"} 1"#),
+        "{metrics}"
+    );
+}
+
 /// The CartPole policy directory, which serves without quantizing.
 fn cartpole() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole")

@@ -25,6 +25,11 @@ pub struct TextSide {
 }
 
 impl TextSide {
+    /// Whether `other` tokenizes and templates text exactly as this does.
+    pub fn same_as(&self, other: &TextSide) -> bool {
+        self.chat_template == other.chat_template && self.tokenizer.same_as(&other.tokenizer)
+    }
+
     /// The tokenizer and chat template of a GGUF file or a Hugging Face
     /// directory (`config.json`, `tokenizer.json`, `tokenizer_config.json`).
     pub fn load(path: &Path) -> Result<Self> {

@@ -67,6 +67,15 @@ fn tk_error(context: &str, e: impl std::fmt::Display) -> Error {
 }
 
 impl TextTokenizer {
+    /// Whether `other` turns every text into the same tokens and back: the
+    /// same vocabulary, merges, normalization and special tokens.
+    pub fn same_as(&self, other: &TextTokenizer) -> bool {
+        let spelled = |t: &TextTokenizer| t.inner.to_string(false).ok();
+        (self.bos, self.add_bos, &self.eos) == (other.bos, other.add_bos, &other.eos)
+            && spelled(self).is_some()
+            && spelled(self) == spelled(other)
+    }
+
     /// Loads a Hugging Face `tokenizer.json`. Special tokens are taken from the
     /// model's config: `bos`, whether to add it, and `eos`.
     pub fn from_file(path: &Path, bos: Option<u32>, add_bos: bool, eos: Vec<u32>) -> Result<Self> {

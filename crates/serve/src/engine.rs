@@ -26,6 +26,12 @@
 //! read, and a failed step's caches are dropped with its sequences. Should
 //! the engine's thread end all the same, [`Engine::alive`] says so and
 //! `/ready` turns 503.
+//!
+//! A reload ([`Engine::swap`]) stops admitting, lets the admitted sequences
+//! finish on the weights they started with, swaps, and admits again: a
+//! completion is computed by one model version from its first token to its
+//! last (the version its admission notice names), and the requests still
+//! queued run on the new weights.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -35,7 +41,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use qforge_model::lm::{TokenLogProb, sample, token_log_prob};
-use qforge_model::{KvCache, LanguageModel, Logits, Observer};
+use qforge_model::{KvCache, LanguageModel, Logits};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde::Serialize;
@@ -115,8 +121,8 @@ pub struct Request {
     /// comparison needs it; the client gets text).
     pub finished: Option<oneshot::Sender<Finished>>,
     /// Hears that the request left the queue and its prompt is about to
-    /// run.
-    pub admitted: Option<oneshot::Sender<()>>,
+    /// run, on the model version sent.
+    pub admitted: Option<oneshot::Sender<u64>>,
 }
 
 /// What a finished request generated.
@@ -130,6 +136,8 @@ pub struct Finished {
     pub chosen: Vec<u32>,
     /// The log-probability of each token, when the request asked for them.
     pub log_probs: Vec<f64>,
+    /// The model version that computed them.
+    pub version: u64,
 }
 
 /// A copy of a request for another engine (the shadow reference), with the
@@ -205,17 +213,33 @@ pub struct EngineLimits {
     pub prefill_chunk: usize,
 }
 
+/// What the engine's queue carries.
+enum Message {
+    Request(Request),
+    Swap(Box<Swap>),
+}
+
+/// A reload: the model to serve once the admitted sequences are done.
+struct Swap {
+    lm: LanguageModel,
+    monitor: Option<DriftMonitor>,
+    version: u64,
+    /// Hears that the new model serves.
+    done: oneshot::Sender<()>,
+}
+
 /// The sending end of the engine's queue.
 #[derive(Clone)]
 pub struct Engine {
-    queue: mpsc::Sender<Request>,
+    queue: mpsc::Sender<Message>,
     metrics: Arc<Metrics>,
     /// False once the scheduler has ended.
     alive: Arc<AtomicBool>,
 }
 
 impl Engine {
-    /// Starts the engine thread, which owns `lm` and its drift `monitor`.
+    /// Starts the engine thread, which owns `lm` (model version 1) and its
+    /// drift `monitor`.
     pub fn start(
         lm: LanguageModel,
         monitor: Option<DriftMonitor>,
@@ -240,7 +264,7 @@ impl Engine {
             })
             .build()
             .map_err(|e| Error::Start(format!("the engine's thread pool: {e}")))?;
-        let (queue, requests) = mpsc::channel::<Request>();
+        let (queue, messages) = mpsc::channel::<Message>();
         let thread_metrics = Arc::clone(&metrics);
         let alive = Arc::new(AtomicBool::new(true));
         let scheduler_alive = Alive(Arc::clone(&alive));
@@ -249,7 +273,9 @@ impl Engine {
         pool.spawn(move || {
             let _alive = scheduler_alive;
             Scheduler {
-                lm: &lm,
+                lm,
+                version: 1,
+                swap: None,
                 monitor,
                 limits,
                 metrics: &thread_metrics,
@@ -257,7 +283,7 @@ impl Engine {
                 prefilling: VecDeque::new(),
                 running: Vec::new(),
             }
-            .run(&requests)
+            .run(&messages)
         });
         Ok(Self {
             queue,
@@ -274,11 +300,31 @@ impl Engine {
     /// Queues `request`; false when the engine thread is gone.
     pub fn submit(&self, request: Request) -> bool {
         self.metrics.queue_depth.inc();
-        let sent = self.queue.send(request).is_ok();
+        let sent = self.queue.send(Message::Request(request)).is_ok();
         if !sent {
             self.metrics.queue_depth.dec();
         }
         sent
+    }
+
+    /// Queues a swap to `lm` (watched by `monitor`) as model `version` (see
+    /// the module docs); the receiver hears when the new model serves.
+    /// `None` when the engine thread is gone.
+    pub fn swap(
+        &self,
+        lm: LanguageModel,
+        monitor: Option<DriftMonitor>,
+        version: u64,
+    ) -> Option<oneshot::Receiver<()>> {
+        let (done, swapped) = oneshot::channel();
+        let swap = Swap {
+            lm,
+            monitor,
+            version,
+            done,
+        };
+        self.queue.send(Message::Swap(Box::new(swap))).ok()?;
+        Some(swapped)
     }
 }
 
@@ -336,7 +382,11 @@ impl Sequence {
 }
 
 struct Scheduler<'a> {
-    lm: &'a LanguageModel,
+    lm: LanguageModel,
+    /// The version of `lm`.
+    version: u64,
+    /// A reload waiting for the admitted sequences to finish.
+    swap: Option<Box<Swap>>,
     monitor: Option<DriftMonitor>,
     limits: EngineLimits,
     metrics: &'a Metrics,
@@ -368,24 +418,54 @@ fn cost(r: &Request) -> usize {
 }
 
 impl Scheduler<'_> {
-    fn run(mut self, requests: &mpsc::Receiver<Request>) {
+    fn run(mut self, messages: &mpsc::Receiver<Message>) {
         loop {
-            // Idle: sleep until a request comes (or the server is gone).
+            self.swap_when_drained();
+            // Idle: sleep until a message comes (or the server is gone).
             if self.idle() {
-                match requests.recv() {
-                    Ok(r) => self.waiting.push_back(r),
+                match messages.recv() {
+                    Ok(m) => self.take(m),
                     Err(_) => return,
                 }
             }
-            while let Ok(r) = requests.try_recv() {
-                self.waiting.push_back(r);
+            while let Ok(m) = messages.try_recv() {
+                self.take(m);
             }
             self.iteration();
         }
     }
 
+    fn take(&mut self, message: Message) {
+        match message {
+            Message::Request(r) => self.waiting.push_back(r),
+            // The server reloads one model at a time; a newer swap would
+            // replace an older one still waiting (whose caller then hears
+            // that it did not happen).
+            Message::Swap(swap) => self.swap = Some(swap),
+        }
+    }
+
     fn idle(&self) -> bool {
         self.waiting.is_empty() && self.prefilling.is_empty() && self.running.is_empty()
+    }
+
+    /// Swaps the model in once no admitted sequence is left on the old one.
+    fn swap_when_drained(&mut self) {
+        if !(self.prefilling.is_empty() && self.running.is_empty()) {
+            return;
+        }
+        if let Some(swap) = self.swap.take() {
+            let Swap {
+                lm,
+                monitor,
+                version,
+                done,
+            } = *swap;
+            self.lm = lm;
+            self.monitor = monitor;
+            self.version = version;
+            let _ = done.send(());
+        }
     }
 
     /// Admits what the budget allows, prefills one chunk, decodes one token.
@@ -403,13 +483,12 @@ impl Scheduler<'_> {
         self.step();
     }
 
-    fn observer(&mut self) -> Option<&mut dyn Observer> {
-        DriftMonitor::observer_for_next(self.monitor.as_mut())
-    }
-
-    /// Starts waiting requests, oldest first, while the budget allows.
+    /// Starts waiting requests, oldest first, while the budget allows and
+    /// no reload waits.
     fn admit(&mut self) {
-        while self.prefilling.len() + self.running.len() < self.limits.max_sequences {
+        while self.swap.is_none()
+            && self.prefilling.len() + self.running.len() < self.limits.max_sequences
+        {
             let Some(front) = self.waiting.front() else {
                 break;
             };
@@ -427,7 +506,7 @@ impl Scheduler<'_> {
             };
             self.metrics.queue_depth.dec();
             if let Some(admitted) = request.admitted.take() {
-                let _ = admitted.send(());
+                let _ = admitted.send(self.version);
             }
             // The cache takes its whole reservation now: a long sequence
             // never reallocates (and copies) what it has cached, and memory
@@ -500,9 +579,9 @@ impl Scheduler<'_> {
         if sequence.request.stop.iter().any(|s| s == FAULT_EXIT) {
             panic!("injected fault outside the model");
         }
-        let lm = self.lm;
+        let lm = &self.lm;
         let metrics = self.metrics;
-        let observer = self.observer();
+        let observer = DriftMonitor::observer_for_next(self.monitor.as_mut());
         let chunk = sequence.prefilled..sequence.prefilled + take;
         let last = chunk.end == sequence.request.prompt.len();
         let first = caught(metrics, "this prompt", || {
@@ -548,10 +627,10 @@ impl Scheduler<'_> {
         let tokens: Vec<u32> = self.running.iter().map(|s| s.next).collect();
         self.metrics.batch_rows.observe(tokens.len() as f64);
         let mut running = std::mem::take(&mut self.running);
-        let lm = self.lm;
+        let lm = &self.lm;
         let metrics = self.metrics;
         let logits = {
-            let observer = self.observer();
+            let observer = DriftMonitor::observer_for_next(self.monitor.as_mut());
             let mut caches: Vec<&mut KvCache> = running.iter_mut().map(|s| &mut s.cache).collect();
             caught(metrics, "this decode step", || {
                 lm.model
@@ -664,6 +743,7 @@ impl Scheduler<'_> {
                     tokens,
                     chosen: std::mem::take(&mut sequence.chosen),
                     log_probs: std::mem::take(&mut sequence.scored),
+                    version: self.version,
                 });
             }
             return true;
@@ -722,9 +802,11 @@ mod tests {
             .collect()
     }
 
-    fn scheduler<'a>(lm: &'a LanguageModel, metrics: &'a Metrics, chunk: usize) -> Scheduler<'a> {
+    fn scheduler(lm: LanguageModel, metrics: &Metrics, chunk: usize) -> Scheduler<'_> {
         Scheduler {
             lm,
+            version: 1,
+            swap: None,
             monitor: None,
             limits: EngineLimits {
                 max_sequences: 4,
@@ -751,7 +833,7 @@ mod tests {
     /// an iteration.
     fn complete(lm: &LanguageModel, prompt: &[u32], chunk: usize) -> Vec<Event> {
         let metrics = Metrics::default();
-        let mut scheduler = scheduler(lm, &metrics, chunk);
+        let mut scheduler = scheduler(lm.clone(), &metrics, chunk);
         let (request, mut receiver) = request(prompt.to_vec(), 8);
         scheduler.waiting.push_back(request);
         let mut events = Vec::new();
@@ -788,7 +870,7 @@ mod tests {
         let lm = smollm2();
         let metrics = Metrics::default();
         let chunk = 16;
-        let mut scheduler = scheduler(&lm, &metrics, chunk);
+        let mut scheduler = scheduler(lm, &metrics, chunk);
         let (long, mut long_events) = request(prompt(320, 1), 1);
         let (short, mut short_events) = request(prompt(9, 2), 3);
         scheduler.waiting.extend([long, short]);
@@ -867,7 +949,7 @@ mod tests {
     fn a_prefill_whose_client_has_gone_is_dropped_at_the_next_chunk() {
         let lm = smollm2();
         let metrics = Metrics::default();
-        let mut scheduler = scheduler(&lm, &metrics, 32);
+        let mut scheduler = scheduler(lm, &metrics, 32);
         let (long, events) = request(prompt(320, 3), 4);
         scheduler.waiting.push_back(long);
         scheduler.iteration();
@@ -916,5 +998,62 @@ mod tests {
         let (status, body) = server.request("POST", "/v1/completions", &completion("\n\n"));
         assert_eq!(status, 503, "{body}");
         assert_eq!(server.request("GET", "/health", "").0, 200);
+    }
+
+    #[test]
+    fn a_swap_waits_for_the_admitted_sequences_and_the_queued_run_on_the_new_version() {
+        let lm = smollm2();
+        let metrics = Metrics::default();
+        let mut scheduler = scheduler(lm.clone(), &metrics, 64);
+        let (mut first, mut first_events) = request(prompt(8, 1), 6);
+        let (finished, mut first_finished) = oneshot::channel();
+        first.finished = Some(finished);
+        scheduler.take(Message::Request(first));
+        scheduler.iteration();
+        assert_eq!(scheduler.running.len(), 1);
+
+        let (done, mut swapped) = oneshot::channel();
+        scheduler.take(Message::Swap(Box::new(Swap {
+            lm,
+            monitor: None,
+            version: 2,
+            done,
+        })));
+        let (mut second, mut second_events) = request(prompt(8, 2), 2);
+        let (admitted, mut admission) = oneshot::channel();
+        second.admitted = Some(admitted);
+        scheduler.take(Message::Request(second));
+
+        // The admitted sequence finishes on version 1; nothing is admitted
+        // and nothing swapped meanwhile.
+        let mut seen = Vec::new();
+        for _ in 0..32 {
+            scheduler.swap_when_drained();
+            if drain(&mut first_events, &mut seen) {
+                break;
+            }
+            assert!(
+                swapped.try_recv().is_err(),
+                "swapped under a running sequence"
+            );
+            assert!(admission.try_recv().is_err(), "admitted during a reload");
+            scheduler.iteration();
+        }
+        assert!(matches!(seen.last(), Some(Event::Done { .. })), "{seen:?}");
+        assert_eq!(first_finished.try_recv().unwrap().version, 1);
+
+        scheduler.swap_when_drained();
+        assert!(swapped.try_recv().is_ok());
+        assert_eq!(scheduler.version, 2);
+        scheduler.iteration();
+        assert_eq!(admission.try_recv(), Ok(2));
+        let mut seen = Vec::new();
+        for _ in 0..32 {
+            if drain(&mut second_events, &mut seen) {
+                break;
+            }
+            scheduler.iteration();
+        }
+        assert!(matches!(seen.last(), Some(Event::Done { .. })), "{seen:?}");
     }
 }

@@ -12,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::json;
 
+use crate::reload::VERSION_HEADER;
 use crate::rollout::Arm;
 use crate::state::AppState;
 use crate::token::authorized;
@@ -32,6 +33,14 @@ pub(crate) fn with_arm(mut response: Response, arm: Arm) -> Response {
     response
         .headers_mut()
         .insert(ARM_HEADER, HeaderValue::from_static(arm.name()));
+    response
+}
+
+/// Names the model version that answered in a header.
+pub(crate) fn with_version(mut response: Response, version: u64) -> Response {
+    response
+        .headers_mut()
+        .insert(VERSION_HEADER, HeaderValue::from(version));
     response
 }
 

@@ -30,7 +30,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::sync::oneshot;
 
 use crate::engine::{Event, FinishReason, Finished, Replay, Request, Script};
-use crate::http::{api_error, session, too_many_requests, with_arm, worker_stopped};
+use crate::http::{api_error, session, too_many_requests, with_arm, with_version, worker_stopped};
 use crate::logprobs;
 use crate::rollout::Arm;
 use crate::state::{AppState, Backend, LanguageBackend};
@@ -64,6 +64,11 @@ async fn shadow(lm: Arc<AppState>, script: Script, int8: oneshot::Receiver<Finis
         return;
     }
     let Ok(fp) = scored.await else { return };
+    if fp.version != int8.version {
+        // A reload came between the two runs: they are not one model's
+        // INT8 and FP twins.
+        return;
+    }
     let agreements: Vec<bool> = int8
         .tokens
         .iter()
@@ -458,19 +463,20 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
     // endless because a client that waited the timeout is better told to
     // retry (or try another replica) than kept on an open connection.
     let timeout = state.options.timeout;
-    match tokio::time::timeout(timeout, admitted).await {
-        Ok(Ok(())) => {}
+    let version = match tokio::time::timeout(timeout, admitted).await {
+        Ok(Ok(version)) => version,
         // The engine let go of the request unadmitted: it has stopped.
         Ok(Err(_)) => return worker_stopped(),
         // Dropping the receiver takes the request out of the queue.
         Err(_) => return not_admitted(timeout),
-    }
+    };
     let meta = Meta::new(kind, number, &lm.name, spelling);
-    if stream {
+    let response = if stream {
         streamed(meta, receiver, include_usage, permit, arm).await
     } else {
         collected(meta, receiver, permit, arm).await
-    }
+    };
+    with_version(response, version)
 }
 
 /// 503 in OpenAI's shape, with Retry-After: the request waited the
@@ -501,7 +507,7 @@ fn submit(
     checked: Checked,
     number: u64,
     arm: Arm,
-) -> Option<(UnboundedReceiver<Event>, oneshot::Receiver<()>)> {
+) -> Option<(UnboundedReceiver<Event>, oneshot::Receiver<u64>)> {
     let (events, receiver) = unbounded_channel();
     let (admitted, admission) = oneshot::channel();
     let request = Request {

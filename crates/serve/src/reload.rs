@@ -1,12 +1,16 @@
-//! `POST /admin/reload {"model": DIR}`: a policy server swaps in a new
-//! artifact (the output of `qforge quantize` or `qforge requantize` at a
-//! weight sync) without a restart. The artifact is checked against its
-//! manifest and must act like the one served (same observation width and
-//! head); its FP source replaces the reference when a rollout needs one.
-//! The swap happens between batches: requests queued before it are answered
-//! by the old weights, and every `/v1/act` answer names the model version
-//! that computed it (`X-Qforge-Model-Version`). Reloading needs the bearer
-//! token: a server started without one refuses.
+//! `POST /admin/reload {"model": DIR}`: a server swaps in a new artifact
+//! (the output of `qforge quantize` or `qforge requantize` at a weight
+//! sync) without a restart. The artifact is checked against its manifest
+//! and must answer like the one served (a policy: the same observation
+//! width and head; a language model: the same tokenizer, chat template and
+//! context); its FP source replaces the reference when a rollout needs one.
+//! A policy swaps between batches: requests queued before it are answered
+//! by the old weights. A language model swaps once its admitted completions
+//! are done (each is computed by one version from first token to last);
+//! queued ones run on the new weights. Every `/v1/act` and completion
+//! answer names the model version that computed it
+//! (`X-Qforge-Model-Version`). Reloading needs the bearer token: a server
+//! started without one refuses.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,14 +22,16 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use qforge_model::artifact::is_artifact;
-use qforge_model::{MlpPolicy, Model};
+use qforge_model::{LanguageModel, MlpPolicy, Model};
 use serde::Deserialize;
 use serde_json::json;
+use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
 use crate::http::{error, worker_stopped};
+use crate::rollout::Arm;
 use crate::served::{Calibration, reference_for};
-use crate::state::{AppState, Backend, PolicyBackend};
+use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 
 /// The response header naming the model version that answered.
 pub const VERSION_HEADER: &str = "x-qforge-model-version";
@@ -39,66 +45,82 @@ struct ReloadRequest {
 
 /// What a reload swaps in.
 struct Loaded {
-    policy: MlpPolicy,
-    reference: Option<MlpPolicy>,
+    model: Model,
+    reference: Option<Model>,
     calibration: Option<Calibration>,
 }
 
+/// Why a reload was refused.
+type Refusal = (StatusCode, String);
+
 pub(crate) async fn reload(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let refuse = |status: StatusCode, message: String| {
+    let refuse = |(status, message): Refusal| {
         count(&state, "refused");
         error(status, message)
     };
     if state.token.is_none() {
-        return refuse(
+        return refuse((
             StatusCode::FORBIDDEN,
             "POST /admin/reload needs a bearer token: start the server with QFORGE_SERVE_TOKEN set"
                 .into(),
-        );
+        ));
     }
-    let Backend::Policy(policy) = &state.backend else {
-        return refuse(
-            StatusCode::NOT_IMPLEMENTED,
-            "reloading a language model is not supported yet: start a server on the new artifact"
-                .into(),
-        );
-    };
     let request: ReloadRequest = match serde_json::from_slice(&body) {
         Ok(request) => request,
         Err(e) => {
-            return refuse(
+            return refuse((
                 StatusCode::BAD_REQUEST,
                 format!("the body must be {{\"model\": \"ARTIFACT_DIR\"}}: {e}"),
-            );
+            ));
         }
     };
-    let _one_at_a_time = policy.reloading.lock().await;
+    let _one_at_a_time = state.reloading.lock().await;
     let started = Instant::now();
     let path = request.model.clone();
-    let needs_reference = policy.fp.is_some();
+    let needs_reference = match &state.backend {
+        Backend::Policy(policy) => policy.fp.is_some(),
+        Backend::Language(lm) => lm.fp.is_some(),
+    };
     let loaded = tokio::task::spawn_blocking(move || load(&path, needs_reference)).await;
     let loaded = match loaded {
         Ok(Ok(loaded)) => loaded,
-        Ok(Err(e)) => return refuse(StatusCode::BAD_REQUEST, e.to_string()),
+        Ok(Err(e)) => return refuse((StatusCode::BAD_REQUEST, e.to_string())),
         Err(e) => {
-            return refuse(
+            return refuse((
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!("loading the artifact failed: {e}"),
-            );
+            ));
         }
     };
-    if let Err(why) = acts_alike(policy, &loaded.policy) {
-        return refuse(StatusCode::CONFLICT, why);
-    }
     let monitor = loaded
         .calibration
         .map(|c| c.into_monitor(state.options.drift, &state.metrics));
-    let version = policy.version.load(Ordering::SeqCst) + 1;
-    let mut swaps = vec![policy.int8.swap(loaded.policy, monitor, version)];
-    if let (Some(fp), Some(reference)) = (&policy.fp, loaded.reference) {
-        // The reference was not calibrated: nothing to watch.
-        swaps.push(fp.swap(reference, None, version));
-    }
+    let version = state.version.load(Ordering::SeqCst) + 1;
+    // The reference was not calibrated: nothing to watch.
+    let swaps = match &state.backend {
+        Backend::Policy(served) => {
+            policy_swaps(served, loaded.model, loaded.reference).map(|(policy, reference)| {
+                let mut swaps = vec![served.int8.swap(policy, monitor, version)];
+                if let (Some(fp), Some(reference)) = (&served.fp, reference) {
+                    swaps.push(fp.swap(reference, None, version));
+                }
+                swaps
+            })
+        }
+        Backend::Language(served) => {
+            language_swaps(served, loaded.model, loaded.reference).map(|(lm, reference)| {
+                let mut swaps = vec![served.engine(Arm::Int8).swap(lm, monitor, version)];
+                if let (Some(fp), Some(reference)) = (&served.fp, reference) {
+                    swaps.push(fp.swap(reference, None, version));
+                }
+                swaps
+            })
+        }
+    };
+    let swaps: Vec<Option<oneshot::Receiver<()>>> = match swaps {
+        Ok(swaps) => swaps,
+        Err(refusal) => return refuse(refusal),
+    };
     for swap in swaps {
         let Some(swapped) = swap else {
             return worker_stopped();
@@ -107,7 +129,7 @@ pub(crate) async fn reload(State(state): State<Arc<AppState>>, body: Bytes) -> R
             return worker_stopped();
         }
     }
-    policy.version.store(version, Ordering::SeqCst);
+    state.version.store(version, Ordering::SeqCst);
     state.metrics.model_version.set(version as i64);
     count(&state, "swapped");
     tracing::info!(
@@ -139,35 +161,79 @@ fn load(path: &Path, needs_reference: bool) -> Result<Loaded> {
             path.display()
         )));
     }
-    let policy_at = |p: &Path| match qforge_model::open(p)? {
-        Model::Policy(policy) => Ok(*policy),
-        Model::Language(_) => Err(Error::Options(format!(
-            "{} is a language model; this server runs a policy",
-            p.display()
-        ))),
-    };
-    let policy = policy_at(path)?;
+    let model = qforge_model::open(path)?;
     let calibration = Calibration::of(path)?;
     let reference = reference_for(path, None, needs_reference)?
-        .map(|p| policy_at(&p))
+        .map(|p| qforge_model::open(&p))
         .transpose()?;
     Ok(Loaded {
-        policy,
+        model,
         reference,
         calibration,
     })
 }
 
-/// The new policy must take what the served one takes and answer alike
-/// (its `log_std` may have been trained on; whether it has one may not
-/// change).
-fn acts_alike(served: &PolicyBackend, new: &MlpPolicy) -> std::result::Result<(), String> {
-    let config = new.config();
-    if config.observation_dim == served.observation_dim && config.head.answers_like(&served.head) {
-        return Ok(());
-    }
-    Err(format!(
-        "the new artifact takes {} observation values and has head {:?}; the served model takes {} and has {:?}: clients would break, so it is not swapped in",
-        config.observation_dim, config.head, served.observation_dim, served.head
-    ))
+fn conflict(message: String) -> Refusal {
+    (StatusCode::CONFLICT, message)
+}
+
+/// The new policy (and reference) for a policy server. Both must take what
+/// the served one takes and answer alike (a `log_std` may have been trained
+/// on; whether there is one may not change).
+fn policy_swaps(
+    served: &PolicyBackend,
+    model: Model,
+    reference: Option<Model>,
+) -> std::result::Result<(MlpPolicy, Option<MlpPolicy>), Refusal> {
+    let policy = |model: Model| match model {
+        Model::Policy(policy) => {
+            let config = policy.config();
+            if config.observation_dim == served.observation_dim
+                && config.head.answers_like(&served.head)
+            {
+                Ok(*policy)
+            } else {
+                Err(conflict(format!(
+                    "the new artifact takes {} observation values and has head {:?}; the served model takes {} and has {:?}: clients would break, so it is not swapped in",
+                    config.observation_dim, config.head, served.observation_dim, served.head
+                )))
+            }
+        }
+        Model::Language(_) => Err(conflict(
+            "the new artifact is a language model; this server runs a policy".into(),
+        )),
+    };
+    Ok((policy(model)?, reference.map(policy).transpose()?))
+}
+
+/// The new model (and reference) for a language-model server. Both must
+/// read and write text as the served one does (tokenizer, chat template)
+/// and take as long a context: requests are tokenized and checked before
+/// they reach the engine.
+fn language_swaps(
+    served: &LanguageBackend,
+    model: Model,
+    reference: Option<Model>,
+) -> std::result::Result<(LanguageModel, Option<LanguageModel>), Refusal> {
+    let language = |model: Model| match model {
+        Model::Language(lm) => {
+            let context = lm.model.config().max_position_embeddings;
+            if !lm.text.same_as(&served.text) {
+                Err(conflict(
+                    "the new artifact's tokenizer or chat template differs from the served model's: clients would get other tokens, so it is not swapped in".into(),
+                ))
+            } else if context != served.context {
+                Err(conflict(format!(
+                    "the new artifact has a context of {context} positions, the served model {}: it is not swapped in",
+                    served.context
+                )))
+            } else {
+                Ok(*lm)
+            }
+        }
+        Model::Policy(_) => Err(conflict(
+            "the new artifact is a control policy; this server runs a language model".into(),
+        )),
+    };
+    Ok((language(model)?, reference.map(language).transpose()?))
 }

@@ -8,6 +8,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -29,11 +30,11 @@ use crate::conn;
 use crate::error::{Error, Result};
 use crate::http::{
     Shape, error, read_body, require_token, session, timed_out, too_many_requests, with_arm,
-    worker_stopped,
+    with_version, worker_stopped,
 };
 use crate::metrics::Metrics;
 use crate::openai;
-use crate::reload::{self, VERSION_HEADER};
+use crate::reload;
 use crate::rollout::{Arm, FeedbackLimit, RolloutMode};
 use crate::served::{Calibration, Served};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
@@ -111,11 +112,7 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
                 };
                 tokio::spawn(shadow(Arc::clone(state), observations, rows, int8));
             }
-            let mut response = with_arm(axum::Json(body).into_response(), arm);
-            response
-                .headers_mut()
-                .insert(VERSION_HEADER, header::HeaderValue::from(version));
-            response
+            with_version(with_arm(axum::Json(body).into_response(), arm), version)
         }
         Ok(Ok(Err(message))) => error(StatusCode::INTERNAL_SERVER_ERROR, message),
         Ok(Err(_)) => worker_stopped(),
@@ -471,9 +468,9 @@ const OPENAPI: &str = include_str!("../api/openapi.json");
 /// per request), so a client or a fuzzer reads the real contract.
 fn openapi_document(backend: &Backend, options: &ServeOptions) -> String {
     let mut doc: Value = serde_json::from_str(OPENAPI).expect("the bundled document is JSON");
-    // Only a policy server with a token takes reloads; elsewhere the route
+    // Only a server with a token takes reloads; without one the route
     // refuses every request, so it is no part of the contract.
-    if !(matches!(backend, Backend::Policy(_)) && options.token.is_some())
+    if options.token.is_none()
         && let Some(paths) = doc["paths"].as_object_mut()
     {
         paths.remove("/admin/reload");
@@ -584,6 +581,8 @@ pub async fn serve(
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
         feedback: FeedbackLimit::new(options.feedback_interval),
         options: options.clone(),
+        version: AtomicU64::new(1),
+        reloading: tokio::sync::Mutex::new(()),
     });
     let app = router(state);
     let listener = tokio::net::TcpListener::bind(options.addr)

@@ -69,6 +69,10 @@ pub(crate) struct AppState {
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) feedback: FeedbackLimit,
     pub(crate) options: ServeOptions,
+    /// The version of the model answering: 1 at start, one more per reload.
+    pub(crate) version: AtomicU64,
+    /// Held while a reload loads and swaps, so reloads happen one at a time.
+    pub(crate) reloading: tokio::sync::Mutex<()>,
 }
 
 /// The model side of a server.
@@ -97,10 +101,6 @@ pub(crate) struct PolicyBackend {
     pub(crate) head: Head,
     pub(crate) rollout: Rollout,
     pub(crate) observation_dim: usize,
-    /// The version of the model answering: 1 at start, one more per reload.
-    pub(crate) version: AtomicU64,
-    /// Held while a reload loads and swaps, so reloads happen one at a time.
-    pub(crate) reloading: tokio::sync::Mutex<()>,
 }
 
 impl PolicyBackend {
@@ -153,8 +153,6 @@ impl PolicyBackend {
             head,
             rollout: Rollout::new(rollout, Arc::clone(metrics)),
             observation_dim,
-            version: AtomicU64::new(1),
-            reloading: tokio::sync::Mutex::new(()),
         })
     }
 

@@ -2,7 +2,7 @@
 //! its keys and its values: not on how many other queries run beside it,
 //! whether the keys came from a cache, or how a prompt was chunked.
 //!
-//! Every path of the decoder attends through [`attend_head`] (the
+//! Every path of the decoder attends through [`attend_group`] (the
 //! batched forward and `step` here, the INT8 decoder in `decode`), so a
 //! prefill, a chunked prefill, a decode step and teacher forcing over the
 //! same tokens compute the same attention bits. That matters more than it
@@ -27,30 +27,46 @@ thread_local! {
     pub(super) static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Attention of one query head over the first `scores.len()` positions of
-/// its key/value head, which starts at `offset` in cache rows of `stride`
-/// values: the scores in key order, their softmax, the values summed in key
-/// order. Nothing in it depends on other queries, so every path that calls
-/// it gives a query the same bits.
-pub(super) fn attend_head(
-    q: &[f32],
+/// Attention of the query heads that share one key/value head (GQA's
+/// group: `out.len() / head_dim` heads, head `g`'s query at `g ·
+/// query_stride` in `queries`) over the
+/// first `visible` positions of that head, which starts at `offset` in cache
+/// rows of `stride` values. Each key and value is read once for the whole
+/// group (a decode step at a long context is bound by reading the cache).
+/// For each query: the scores in key order, their softmax, the values
+/// summed in key order; nothing depends on the other queries of the group,
+/// so every path that calls it gives a query the same bits.
+/// `scores` holds `group · visible` values, `out` `group · head_dim`.
+pub(super) fn attend_group(
+    (queries, query_stride): (&[f32], usize),
     (keys, values): (&[f32], &[f32]),
     (offset, stride): (usize, usize),
-    scale: f32,
+    (head_dim, scale): (usize, f32),
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    let hd = q.len();
-    for (t, s) in scores.iter_mut().enumerate() {
+    let group = out.len() / head_dim;
+    let visible = scores.len() / group;
+    for t in 0..visible {
         let at = t * stride + offset;
-        *s = dot(q, &keys[at..at + hd]) * scale;
+        let key = &keys[at..at + head_dim];
+        for g in 0..group {
+            let query = &queries[g * query_stride..g * query_stride + head_dim];
+            scores[g * visible + t] = dot(query, key) * scale;
+        }
     }
-    softmax(scores);
+    for scores in scores.chunks_exact_mut(visible) {
+        softmax(scores);
+    }
     out.fill(0.0);
-    for (t, &p) in scores.iter().enumerate() {
+    for t in 0..visible {
         let at = t * stride + offset;
-        for (o, &v) in out.iter_mut().zip(&values[at..at + hd]) {
-            *o += p * v;
+        let value = &values[at..at + head_dim];
+        for (g, out) in out.chunks_exact_mut(head_dim).enumerate() {
+            let p = scores[g * visible + t];
+            for (o, &v) in out.iter_mut().zip(value) {
+                *o += p * v;
+            }
         }
     }
 }
@@ -141,29 +157,31 @@ pub(super) fn causal(
     let q = values(&q_storage, q_layout, q.elem_count())?;
     let row = heads * hd;
     let mut out = vec![0f32; b * seq * row];
-    // One output row (a sequence's query position, every head) per task.
-    out.par_chunks_mut(row).enumerate().for_each(|(at, out)| {
-        let (s, i) = (at / seq, at % seq);
-        let sequence = &kv[s];
-        // A padding query (never observed) sees the real keys only.
-        let visible = sequence.start + (i + 1).min(lengths[s]);
-        SCORES.with_borrow_mut(|scores| {
-            if scores.len() < visible {
-                scores.resize(visible, 0.0);
-            }
-            for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-                let query = ((s * heads + h) * seq + i) * hd;
-                attend_head(
-                    &q[query..query + hd],
+    // One task per (sequence, query position, key/value head): the group of
+    // query heads sharing that key/value head is contiguous in the output
+    // row, and a single decode step still spreads over the threads.
+    out.par_chunks_mut(group * hd)
+        .enumerate()
+        .for_each(|(at, out)| {
+            let (s, i, g) = (at / (seq * kv_heads), at / kv_heads % seq, at % kv_heads);
+            let sequence = &kv[s];
+            // A padding query (never observed) sees the real keys only.
+            let visible = sequence.start + (i + 1).min(lengths[s]);
+            let query = ((s * heads + g * group) * seq + i) * hd;
+            SCORES.with_borrow_mut(|scores| {
+                if scores.len() < group * visible {
+                    scores.resize(group * visible, 0.0);
+                }
+                attend_group(
+                    (&q[query..], seq * hd),
                     (sequence.keys, sequence.values),
-                    (h / group * sequence.head_step, sequence.stride),
-                    scale,
-                    &mut scores[..visible],
+                    (g * sequence.head_step, sequence.stride),
+                    (hd, scale),
+                    &mut scores[..group * visible],
                     out,
                 );
-            }
+            });
         });
-    });
     Ok(Tensor::from_vec(out, (b, seq, row), &Device::Cpu)?)
 }
 

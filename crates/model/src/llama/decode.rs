@@ -10,7 +10,7 @@ use candle_core::{DType, Storage, Tensor};
 use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD, share};
 use qforge_kernels::{Int8Linear, Team};
 
-use super::attention::{SCORES, attend_head};
+use super::attention::{SCORES, attend_group};
 use super::{KvCache, Layer, Llama, RotatedInput};
 use crate::error::{Error, Result};
 use crate::linear::Linear;
@@ -325,24 +325,25 @@ impl<'m> Decoder<'m> {
             layer.values[pos * kv..(pos + 1) * kv].copy_from_slice(&self.v);
             let (q, keys, values) = (&self.q, &layer.keys, &layer.values);
             let capacity = self.capacity;
-            // Heads are independent: each thread of the team attends a share.
+            // Groups of heads sharing a key/value head are independent:
+            // each thread of the team attends a share of them.
             self.projector
                 .team
-                .run_chunks(&mut self.attended, hd, |start, out| {
+                .run_chunks(&mut self.attended, group * hd, |start, out| {
                     SCORES.with_borrow_mut(|scores| {
                         // Sized once per thread for the longest sequence, so
                         // that steps do not allocate.
-                        if scores.len() < capacity {
-                            scores.resize(capacity, 0.0);
+                        if scores.len() < group * capacity {
+                            scores.resize(group * capacity, 0.0);
                         }
-                        for (i, out) in out.chunks_exact_mut(hd).enumerate() {
-                            let head = start / hd + i;
-                            attend_head(
-                                &q[head * hd..(head + 1) * hd],
+                        for (i, out) in out.chunks_exact_mut(group * hd).enumerate() {
+                            let kv_head = start / (group * hd) + i;
+                            attend_group(
+                                (&q[kv_head * group * hd..], hd),
                                 (keys, values),
-                                (head / group * hd, kv),
-                                scale,
-                                &mut scores[..pos + 1],
+                                (kv_head * hd, kv),
+                                (hd, scale),
+                                &mut scores[..group * (pos + 1)],
                                 out,
                             );
                         }
