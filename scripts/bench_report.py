@@ -350,7 +350,11 @@ def main():
         print("|---|---|")
         print(f"| prefill, 128 tokens | {prefill:.0f} |")
         print(f"| prefill, 128 tokens, observed | {observed:.0f} ({100 * (prefill / observed - 1):.1f} % slower) |")
-        print(f"| decode, one token after 128 | {1e9 / decode:.1f} |\n")
+        print(f"| decode, one token after 128 | {1e9 / decode:.1f} |")
+        long = mean_ns("smollm2_fp32", "decode_step_at_2048")
+        if long:
+            print(f"| decode, one token after 2 048 | {1e9 / long:.1f} |")
+        print()
     else:
         print("(not run)\n")
     with open("benchmarks/llamacpp-reference.md") as f:
@@ -430,7 +434,13 @@ def main():
         print("|---|---|---|---|")
         print(f"| prefill, 128 tokens | {prefill8:.0f} | {prefill:.0f} | {prefill8 / prefill:.2f}× |")
         print(f"| decode, one token after 128 (tensor forward) | {1e9 / decode8:.1f} | {1e9 / decode:.1f} | "
-              f"{decode / decode8:.2f}× |\n")
+              f"{decode / decode8:.2f}× |")
+        long8 = mean_ns("smollm2_int8_dynamic", "decode_step_at_2048")
+        long = mean_ns("smollm2_fp32", "decode_step_at_2048")
+        if long8 and long:
+            print(f"| decode, one token after 2 048 (tensor forward) | {1e9 / long8:.1f} | "
+                  f"{1e9 / long:.1f} | {long / long8:.2f}× |")
+        print()
     runs = generation_runs()
     if runs["f32"] and runs["int8-dynamic"]:
         print("Generation: `qforge generate --max-tokens 64 --json` (a 13-token prompt, greedy), "
