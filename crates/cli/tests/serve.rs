@@ -1218,15 +1218,12 @@ fn a_language_model_reload_swaps_after_admitted_completions_and_answers_name_the
     let dir = support::temp("serve", "lm-reload");
     let dir = dir.path();
     let (model, data) = (path(SMOLLM2), path("fixtures/episodes/arithmetic.jsonl"));
-    // The guard is not under test: a short held-out text and one method keep
-    // the two quantizations quick.
+    // The guard is not under test: a short held-out text (the first 2 000
+    // characters of the evaluation text, a few hundred tokens) and one
+    // method keep the two quantizations quick.
     let eval = dir.join("eval.txt");
-    std::fs::write(
-        &eval,
-        "The capital of France is Paris. Once upon a time there was a small town by a river, \
-         and every morning the baker opened his shop before the sun rose.",
-    )
-    .unwrap();
+    let text = std::fs::read_to_string(path("models/debian-handbook-eval.txt")).unwrap();
+    std::fs::write(&eval, text.chars().take(2000).collect::<String>()).unwrap();
     let eval = eval.to_str().unwrap();
     let quantize = |out: &str, extra: &[&str]| {
         let mut args = vec![
