@@ -1260,14 +1260,7 @@ fn a_language_model_reload_swaps_after_admitted_completions_and_answers_name_the
                 .to_string();
         let (status, head, text) = server.request("POST", "/v1/completions", &[&auth], &body);
         assert_eq!(status, 200, "{text}");
-        let version = head
-            .lines()
-            .find_map(|l| {
-                l.to_ascii_lowercase()
-                    .strip_prefix("x-qforge-model-version: ")
-                    .map(|v| v.trim().parse().unwrap())
-            })
-            .unwrap_or_else(|| panic!("no version header in {head}"));
+        let version = model_version(&head);
         let v: Value = serde_json::from_str(&text).unwrap();
         (
             version,
@@ -1332,6 +1325,17 @@ fn a_language_model_reload_swaps_after_admitted_completions_and_answers_name_the
         metrics.contains(r#"qforge_reloads_total{outcome="swapped"} 1"#),
         "{metrics}"
     );
+}
+
+/// The model version a response's headers name (`X-Qforge-Model-Version`).
+fn model_version(head: &str) -> u64 {
+    head.lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("x-qforge-model-version: ")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no version header in {head}"))
 }
 
 /// The CartPole policy directory, which serves without quantizing.
@@ -1823,17 +1827,7 @@ fn reload_swaps_the_policy_between_batches_and_every_answer_names_its_version() 
     let act = |server: &Server| -> (u64, Value) {
         let (status, headers, text) = server.request("POST", "/v1/act", &[&auth], &body);
         assert_eq!(status, 200, "{text}");
-        let version = headers
-            .lines()
-            .find_map(|l| {
-                l.to_ascii_lowercase()
-                    .strip_prefix("x-qforge-model-version: ")
-                    .map(str::to_owned)
-            })
-            .expect("a version header")
-            .trim()
-            .parse()
-            .unwrap();
+        let version = model_version(&headers);
         let answer: Value = serde_json::from_str(&text).unwrap();
         (version, answer["actions"].clone())
     };
