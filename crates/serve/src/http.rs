@@ -12,7 +12,6 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::json;
 
-use crate::reload::VERSION_HEADER;
 use crate::rollout::Arm;
 use crate::state::AppState;
 use crate::token::authorized;
@@ -22,6 +21,8 @@ use crate::token::authorized;
 pub const SESSION_HEADER: &str = "x-session-id";
 /// The response header naming the arm that answered.
 pub const ARM_HEADER: &str = "x-qforge-arm";
+/// The response header naming the model version that answered.
+pub const VERSION_HEADER: &str = "x-qforge-model-version";
 
 /// The session a request names, if any.
 pub(crate) fn session(headers: &HeaderMap) -> Option<&str> {

@@ -33,9 +33,6 @@ use crate::rollout::Arm;
 use crate::served::{Calibration, reference_for};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 
-/// The response header naming the model version that answered.
-pub const VERSION_HEADER: &str = "x-qforge-model-version";
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ReloadRequest {
