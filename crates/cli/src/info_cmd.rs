@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::Args;
 use qforge_core::{CpuFeatures, ObserveTier};
-use qforge_kernels::{GemmTier, QuantizeTier};
+use qforge_kernels::{AttentionTier, GemmTier, HadamardTier, QuantizeTier};
 use serde_json::json;
 
 use crate::OutputFlags;
@@ -24,6 +24,8 @@ pub fn info(args: InfoArgs) -> Result<()> {
         ("observe", format!("{:?}", ObserveTier::detect())),
         ("quantize", format!("{:?}", QuantizeTier::detect())),
         ("gemm", format!("{:?}", GemmTier::detect())),
+        ("attention", format!("{:?}", AttentionTier::detect())),
+        ("hadamard", format!("{:?}", HadamardTier::detect())),
     ];
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     if args.flags.json {
@@ -50,7 +52,7 @@ pub fn info(args: InfoArgs) -> Result<()> {
     );
     println!("cpu features: {}", features.join(" "));
     for (kernel, tier) in &tiers {
-        println!("{kernel:<9} tier: {}", tier.to_lowercase());
+        println!("{kernel:<10} tier: {}", tier.to_lowercase());
     }
     println!("threads:  {threads}");
     Ok(())

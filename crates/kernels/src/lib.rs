@@ -6,6 +6,9 @@
 //!   weights, prepacked once for the GEMM, and a fused epilogue that turns the
 //!   i32 accumulators into f32 (activation scale × channel scale, + bias).
 //!
+//! * [`attention`]: one GQA group's attention over its keys and values, in
+//!   a fixed arithmetic order that the AVX2 tier and its scalar twin share.
+//!
 //! * [`Hadamard`]: the normalized Walsh–Hadamard rotation that spreads an
 //!   outlier channel over all channels before a layer's input is quantized.
 //!
@@ -15,6 +18,7 @@
 //! Activations are symmetric int8 stored as u8 with zero point 128, the
 //! operand layout of the VNNI instructions.
 
+pub mod attention;
 pub mod error;
 pub mod gemm;
 pub mod hadamard;
@@ -22,6 +26,7 @@ pub mod linear;
 pub mod quantize;
 pub mod team;
 
+pub use attention::{AttentionTier, KeyValues, QueryGroup};
 pub use error::{Error, Result};
 pub use gemm::{GemmTier, PackedWeights, WEIGHT_QMAX};
 pub use hadamard::{Hadamard, HadamardTier};

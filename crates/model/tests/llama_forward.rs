@@ -417,8 +417,12 @@ fn bad_inputs_are_clear_errors() {
 
 /// The allocation-free INT8 decoder against the tensor forward of the same
 /// INT8 model, step by step, on a random GQA Llama (tied lm_head) and a
-/// Qwen2 (q/k/v biases): the integer parts are identical, only the f32
-/// summation order of norms and attention differs.
+/// Qwen2 (q/k/v biases): the same bits. Dynamic INT8 activations turn any
+/// difference of one ulp before a linear layer into a whole step of its
+/// input when a value crosses a rounding boundary (the decoder's RMSNorm
+/// once multiplied by the inverse root where candle divides by the root,
+/// and Qwen2's logits then moved by 0.18), so nothing less than equality
+/// holds up.
 #[test]
 fn int8_decoder_steps_match_the_tensor_forward() {
     for qwen2 in [false, true] {
@@ -451,7 +455,7 @@ fn int8_decoder_steps_match_the_tensor_forward() {
         for step in 0..12u32 {
             let token = (step * 37 + 3) % VOCAB as u32;
             let diff = step_difference(&model, &mut cache, &mut decoder, token);
-            assert!(diff < 1e-4, "qwen2 {qwen2}, step {step}: max |Δ| {diff}");
+            assert_eq!(diff, 0.0, "qwen2 {qwen2}, step {step}: max |Δ| {diff}");
         }
         assert!(
             decoder.step(VOCAB as u32).is_err(),

@@ -3,8 +3,9 @@
 
 use std::path::Path;
 
+use candle_core::Tensor;
 use qforge_model::lm::{continuation_log_probs, sample, token_log_prob};
-use qforge_model::{Activations, LanguageModel, Logits};
+use qforge_model::{Activations, Decoder, LanguageModel, Logits};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -21,6 +22,8 @@ enum Feed {
     Forward,
     /// The batched `step`, as the server's engine (a batch of one).
     Step,
+    /// The allocation-free INT8 `Decoder`, as `generate` (all-INT8 only).
+    Decoder,
 }
 
 /// Samples `n` tokens after `prompt` one decode step at a time, with each
@@ -35,22 +38,36 @@ fn decode(
     let mut cache = lm.model.new_cache();
     let mut rng = StdRng::seed_from_u64(11);
     let (mut tokens, mut log_probs) = (Vec::new(), Vec::new());
-    let mut logits = lm
-        .model
-        .forward(&[prompt.to_vec()], Some(&mut cache), None, Logits::Last)
-        .unwrap();
+    let flat = |logits: Tensor| logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut row = flat(
+        lm.model
+            .forward(&[prompt.to_vec()], Some(&mut cache), None, Logits::Last)
+            .unwrap(),
+    );
+    let mut decoder = match feed {
+        Feed::Decoder => {
+            let mut decoder = Decoder::new(&lm.model, prompt.len() + n)
+                .unwrap()
+                .expect("every linear INT8");
+            decoder.load_cache(&cache).unwrap();
+            Some(decoder)
+        }
+        Feed::Forward | Feed::Step => None,
+    };
     for _ in 0..n {
-        let row = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let token = sample(&row, Some(temperature), &mut rng).unwrap();
         log_probs.push(token_log_prob(&row, Some(temperature), token, 0).log_prob);
         tokens.push(token);
-        logits = match feed {
-            Feed::Forward => lm
-                .model
-                .forward(&[vec![token]], Some(&mut cache), None, Logits::Last),
-            Feed::Step => lm.model.step(&mut [&mut cache], &[token], None),
-        }
-        .unwrap();
+        row = match (feed, decoder.as_mut()) {
+            (Feed::Forward, _) => flat(
+                lm.model
+                    .forward(&[vec![token]], Some(&mut cache), None, Logits::Last)
+                    .unwrap(),
+            ),
+            (Feed::Step, _) => flat(lm.model.step(&mut [&mut cache], &[token], None).unwrap()),
+            (Feed::Decoder, Some(decoder)) => decoder.step(token).unwrap().to_vec(),
+            (Feed::Decoder, None) => unreachable!("the decoder is made above"),
+        };
     }
     (tokens, log_probs)
 }
@@ -92,10 +109,10 @@ fn teacher_forced_log_probs_equal_the_decodes_own() {
         let (at, by) = worst(&stepped, &forced);
         assert!(by < 1e-4, "fp32 {feed:?}, token {at}: off by {by}");
     }
-    // INT8 linears sum exactly per row and attention is per query: the
-    // same bits however the tokens are fed.
+    // INT8 linears sum exactly per row, attention is per query and the
+    // decoder's norms are candle's: the same bits however the tokens are fed.
     let lm = int8(fp);
-    for feed in [Feed::Forward, Feed::Step] {
+    for feed in [Feed::Forward, Feed::Step, Feed::Decoder] {
         let (tokens, stepped) = decode(&lm, &prompt, n, 0.8, feed);
         let forced = continuation_log_probs(&lm.model, &prompt, &tokens, Some(0.8)).unwrap();
         assert_eq!(stepped, forced, "int8 {feed:?}");

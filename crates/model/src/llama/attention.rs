@@ -2,8 +2,10 @@
 //! its keys and its values: not on how many other queries run beside it,
 //! whether the keys came from a cache, or how a prompt was chunked.
 //!
-//! Every path of the decoder attends through [`attend_group`] (the
-//! batched forward and `step` here, the INT8 decoder in `decode`), so a
+//! Every path of the decoder attends through the kernel
+//! [`qforge_kernels::attention::attend_group`] (the batched forward and
+//! `step` here, the INT8 decoder in `decode`), whose arithmetic is fixed to
+//! the order of every addition and the same on every CPU tier, so a
 //! prefill, a chunked prefill, a decode step and teacher forcing over the
 //! same tokens compute the same attention bits. That matters more than it
 //! seems: with dynamic INT8 activations a one-ulp difference can move a
@@ -17,90 +19,10 @@
 //! batched: the rollout engine's log-probabilities are the trainer's.
 
 use candle_core::{Device, Layout, Storage, Tensor};
+use qforge_kernels::attention::{KeyValues, QueryGroup, attend_group};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-
-thread_local! {
-    /// Attention scores of one head, per thread (the decoder's team, rayon's
-    /// pool).
-    pub(super) static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Attention of the query heads that share one key/value head (GQA's
-/// group: `out.len() / head_dim` heads, head `g`'s query at `g ·
-/// query_stride` in `queries`) over the
-/// first `visible` positions of that head, which starts at `offset` in cache
-/// rows of `stride` values. Each key and value is read once for the whole
-/// group (a decode step at a long context is bound by reading the cache).
-/// For each query: the scores in key order, their softmax, the values
-/// summed in key order; nothing depends on the other queries of the group,
-/// so every path that calls it gives a query the same bits.
-/// `scores` holds `group · visible` values, `out` `group · head_dim`.
-pub(super) fn attend_group(
-    (queries, query_stride): (&[f32], usize),
-    (keys, values): (&[f32], &[f32]),
-    (offset, stride): (usize, usize),
-    (head_dim, scale): (usize, f32),
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let group = out.len() / head_dim;
-    let visible = scores.len() / group;
-    for t in 0..visible {
-        let at = t * stride + offset;
-        let key = &keys[at..at + head_dim];
-        for g in 0..group {
-            let query = &queries[g * query_stride..g * query_stride + head_dim];
-            scores[g * visible + t] = dot(query, key) * scale;
-        }
-    }
-    for scores in scores.chunks_exact_mut(visible) {
-        softmax(scores);
-    }
-    out.fill(0.0);
-    for t in 0..visible {
-        let at = t * stride + offset;
-        let value = &values[at..at + head_dim];
-        for (g, out) in out.chunks_exact_mut(head_dim).enumerate() {
-            let p = scores[g * visible + t];
-            for (o, &v) in out.iter_mut().zip(value) {
-                *o += p * v;
-            }
-        }
-    }
-}
-
-/// Sixteen independent partial sums, so that the loop vectorizes (a single
-/// f32 running sum must add in order).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let (a, b) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = a
-        .remainder()
-        .iter()
-        .zip(b.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a.zip(b) {
-        for i in 0..16 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-fn softmax(scores: &mut [f32]) {
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let mut total = 0.0;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        total += *s;
-    }
-    for s in scores.iter_mut() {
-        *s /= total;
-    }
-}
 
 /// Where one sequence's keys and values lie: the key of kv head `g` at
 /// position `t` starts at `g * head_step + t * stride` in `keys` (and its value
@@ -162,26 +84,29 @@ pub(super) fn causal(
     // row, and a single decode step still spreads over the threads.
     out.par_chunks_mut(group * hd)
         .enumerate()
-        .for_each(|(at, out)| {
+        .try_for_each(|(at, out)| {
             let (s, i, g) = (at / (seq * kv_heads), at / kv_heads % seq, at % kv_heads);
             let sequence = &kv[s];
             // A padding query (never observed) sees the real keys only.
             let visible = sequence.start + (i + 1).min(lengths[s]);
             let query = ((s * heads + g * group) * seq + i) * hd;
-            SCORES.with_borrow_mut(|scores| {
-                if scores.len() < group * visible {
-                    scores.resize(group * visible, 0.0);
-                }
-                attend_group(
-                    (&q[query..], seq * hd),
-                    (sequence.keys, sequence.values),
-                    (g * sequence.head_step, sequence.stride),
-                    (hd, scale),
-                    &mut scores[..group * visible],
-                    out,
-                );
-            });
-        });
+            attend_group(
+                QueryGroup {
+                    rows: &q[query..],
+                    stride: seq * hd,
+                },
+                KeyValues {
+                    keys: sequence.keys,
+                    values: sequence.values,
+                    offset: g * sequence.head_step,
+                    stride: sequence.stride,
+                    visible,
+                },
+                hd,
+                scale,
+                out,
+            )
+        })?;
     Ok(Tensor::from_vec(out, (b, seq, row), &Device::Cpu)?)
 }
 

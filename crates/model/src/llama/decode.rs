@@ -7,10 +7,10 @@
 //! norms, rotary embedding and attention, each op allocating its result.
 
 use candle_core::{DType, Storage, Tensor};
+use qforge_kernels::attention::{KeyValues, QueryGroup, attend_group, reserve};
 use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD, share};
 use qforge_kernels::{Int8Linear, Team};
 
-use super::attention::{SCORES, attend_group};
 use super::{KvCache, Layer, Llama, RotatedInput};
 use crate::error::{Error, Result};
 use crate::linear::Linear;
@@ -327,28 +327,39 @@ impl<'m> Decoder<'m> {
             let capacity = self.capacity;
             // Groups of heads sharing a key/value head are independent:
             // each thread of the team attends a share of them.
+            let failure = std::sync::OnceLock::new();
             self.projector
                 .team
                 .run_chunks(&mut self.attended, group * hd, |start, out| {
-                    SCORES.with_borrow_mut(|scores| {
-                        // Sized once per thread for the longest sequence, so
-                        // that steps do not allocate.
-                        if scores.len() < group * capacity {
-                            scores.resize(group * capacity, 0.0);
+                    // Sized once per thread for the longest sequence, so
+                    // that steps do not allocate.
+                    reserve(group, capacity);
+                    for (i, out) in out.chunks_exact_mut(group * hd).enumerate() {
+                        let kv_head = start / (group * hd) + i;
+                        let attended = attend_group(
+                            QueryGroup {
+                                rows: &q[kv_head * group * hd..],
+                                stride: hd,
+                            },
+                            KeyValues {
+                                keys,
+                                values,
+                                offset: kv_head * hd,
+                                stride: kv,
+                                visible: pos + 1,
+                            },
+                            hd,
+                            scale,
+                            out,
+                        );
+                        if let Err(error) = attended {
+                            let _ = failure.set(error);
                         }
-                        for (i, out) in out.chunks_exact_mut(group * hd).enumerate() {
-                            let kv_head = start / (group * hd) + i;
-                            attend_group(
-                                (&q[kv_head * group * hd..], hd),
-                                (keys, values),
-                                (kv_head * hd, kv),
-                                (hd, scale),
-                                &mut scores[..group * (pos + 1)],
-                                out,
-                            );
-                        }
-                    });
+                    }
                 });
+            if let Some(error) = failure.into_inner() {
+                return Err(error.into());
+            }
             rotate(RotatedInput::AttentionOutput, &mut self.attended)?;
             let out = &mut self.out[..d];
             self.projector
@@ -379,11 +390,14 @@ impl<'m> Decoder<'m> {
     }
 }
 
+/// RMSNorm in the arithmetic of candle's `rms_norm`, which the tensor
+/// forward runs (the squares summed in order, each value divided by the root
+/// mean square, then scaled), so a decode step computes the tensor path's
+/// bits.
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let inverse = 1.0 / (mean_square + eps).sqrt();
+    let root_mean_square = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
-        *o = v * inverse * w;
+        *o = v / root_mean_square * w;
     }
 }
 

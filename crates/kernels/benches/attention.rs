@@ -1,0 +1,71 @@
+//! One decode step's attention for one GQA group on SmolLM2-135M's shape
+//! (3 query heads per key/value head, head size 64) and Llama-3-8B's (4
+//! heads of 128), over 128 to 8 192 cached positions laid out as the KV
+//! cache holds them: every tier of `attention::attend_group`. Throughput is
+//! in cached positions attended per second.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use qforge_kernels::attention::{AttentionTier, KeyValues, QueryGroup, attend_group_with};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// (name, query heads per group, head size, key/value heads in a cache row).
+const SHAPES: [(&str, usize, usize, usize); 2] =
+    [("smollm2_3x64", 3, 64, 3), ("llama3_8b_4x128", 4, 128, 8)];
+const POSITIONS: [usize; 4] = [128, 512, 2048, 8192];
+
+fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn attention(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(0);
+    let mut group = c.benchmark_group("attention");
+    for (name, heads, hd, kv_heads) in SHAPES {
+        let queries = values(&mut rng, heads * hd);
+        let row = kv_heads * hd;
+        let longest = POSITIONS[POSITIONS.len() - 1];
+        let keys = values(&mut rng, longest * row);
+        let cached = values(&mut rng, longest * row);
+        let mut out = vec![0f32; heads * hd];
+        for visible in POSITIONS {
+            group.throughput(Throughput::Elements(visible as u64));
+            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+                let id = BenchmarkId::new(format!("{name}/{tier:?}"), visible);
+                group.bench_function(id, |b| {
+                    b.iter(|| {
+                        attend_group_with(
+                            tier,
+                            QueryGroup {
+                                rows: &queries,
+                                stride: hd,
+                            },
+                            KeyValues {
+                                keys: &keys,
+                                values: &cached,
+                                offset: 0,
+                                stride: row,
+                                visible,
+                            },
+                            hd,
+                            1.0 / (hd as f32).sqrt(),
+                            &mut out,
+                        )
+                        .expect("shapes fit")
+                    })
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(std::time::Duration::from_millis(500))
+        .measurement_time(std::time::Duration::from_secs(2))
+        .sample_size(20);
+    targets = attention
+}
+criterion_main!(benches);

@@ -1,0 +1,718 @@
+//! Scaled dot-product attention of one GQA group of query heads over one
+//! key/value head: the decoder's attention for a single query position.
+//!
+//! For each query of the group: the scores `q·k · scale` in key order, their
+//! softmax, and the values weighted by it. The arithmetic is fixed down to
+//! the order of every addition, and nothing depends on the other queries of
+//! the group, so a prefill, a chunked prefill, a decode step and teacher
+//! forcing over the same tokens give a query the same bits (the decoder's
+//! batch invariance rests on it).
+//!
+//! The order is that of eight f32 lanes, so the AVX2 tier and its scalar twin
+//! compute the same bits (tested): a dot product accumulates dimension `d` in
+//! lane `d mod 8` with fused multiply-adds and sums the lanes as
+//! `((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`; the softmax's denominator sums key
+//! `t` in lane `t mod 8` with the same tree; each output value accumulates
+//! the keys in order with fused multiply-adds and is divided by the
+//! denominator once at the end. `exp` is a degree-7 polynomial after the
+//! usual `x = n·ln 2 + r` reduction (as Cephes' `expf`), within 2 ulp of the
+//! exact value, and exactly 0 below `ln(f32::MIN_POSITIVE)` (a term that
+//! small moves no f32 sum whose largest term is 1). A wider tier (AVX-512)
+//! would have to keep eight lanes to keep the bits, so there is none: a
+//! machine with AVX-512 and one without compute the same activations.
+//!
+//! The two passes over one query's scores (max, then exponentials) read a
+//! row of `visible` floats (32 KiB at 8 192 keys) that stays in the cache;
+//! no matrix of scores over queries exists. Keys are read once per group in
+//! blocks of eight, values once per group in blocks that stay in L1.
+
+use std::cell::RefCell;
+
+use crate::error::{Error, Result};
+
+thread_local! {
+    /// One group's padded rows of scores and their softmax denominators,
+    /// grown per thread to the longest rows seen (or [`reserve`]d).
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Lanes of the fixed summation order.
+const LANES: usize = 8;
+/// Keys whose values are accumulated for every query of the group before
+/// the next block is read: 64 values of 128 dimensions are 32 KiB.
+const VALUE_BLOCK: usize = 64;
+/// Below `ln(f32::MIN_POSITIVE)`, `exp` is 0 (no subnormal results).
+const EXP_MIN: f32 = -87.336_55;
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// `ln 2` split so that `n · LN2_HI` is exact for |n| ≤ 2⁸ and the reduced
+/// argument keeps its precision.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Taylor coefficients of `e^r`, highest first (`r` within ±ln 2 / 2, where
+/// the degree-8 term is below 6e-9 relative).
+const EXP_POLY: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+/// Adding then subtracting 1.5 · 2²³ rounds to the nearest integer.
+const ROUNDER: f32 = 12_582_912.0;
+
+/// A CPU tier of the attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionTier {
+    /// Compiled for the target's baseline instruction set.
+    Portable,
+    /// AVX2 with FMA (x86-64 only).
+    Avx2,
+}
+
+impl AttentionTier {
+    /// Every tier, slowest first.
+    pub const ALL: [AttentionTier; 2] = [Self::Portable, Self::Avx2];
+
+    /// The fastest tier this CPU supports.
+    pub fn detect() -> Self {
+        if Self::Avx2.is_supported() {
+            Self::Avx2
+        } else {
+            Self::Portable
+        }
+    }
+
+    /// Whether this CPU can run the tier.
+    pub fn is_supported(self) -> bool {
+        let cpu = qforge_core::CpuFeatures::get();
+        match self {
+            Self::Portable => true,
+            Self::Avx2 => cpu.avx2 && cpu.fma,
+        }
+    }
+}
+
+/// The query heads of one GQA group: head `g` at `g · stride` in `rows`.
+#[derive(Debug, Clone, Copy)]
+pub struct QueryGroup<'a> {
+    /// The queries, each `head_dim` values.
+    pub rows: &'a [f32],
+    /// Distance between the first values of consecutive heads.
+    pub stride: usize,
+}
+
+/// The first `visible` positions of one key/value head: the key of position
+/// `t` at `offset + t · stride` in `keys`, its value at the same index in
+/// `values`.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyValues<'a> {
+    /// Keys, `head_dim` values each.
+    pub keys: &'a [f32],
+    /// Values, laid out as the keys.
+    pub values: &'a [f32],
+    /// Index of position 0's key.
+    pub offset: usize,
+    /// Distance between consecutive positions' keys.
+    pub stride: usize,
+    /// Positions attended (at least 1).
+    pub visible: usize,
+}
+
+/// Attention of every query head in `queries` over `kv`, on the fastest
+/// tier: `out` holds the group's outputs, `head_dim` values per head (so the
+/// group has `out.len() / head_dim` heads); `scale` multiplies each score.
+pub fn attend_group(
+    queries: QueryGroup<'_>,
+    kv: KeyValues<'_>,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    attend_group_with(AttentionTier::detect(), queries, kv, head_dim, scale, out)
+}
+
+/// [`attend_group`] on a chosen tier; errors if the CPU lacks it or the
+/// slices do not hold what the shapes say.
+pub fn attend_group_with(
+    tier: AttentionTier,
+    queries: QueryGroup<'_>,
+    kv: KeyValues<'_>,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    check(queries, kv, head_dim, out)?;
+    if !tier.is_supported() {
+        return Err(Error::UnsupportedTier(format!("{tier:?}")));
+    }
+    let group = out.len() / head_dim;
+    let padded = kv.visible.next_multiple_of(LANES);
+    reserve(group, kv.visible);
+    SCRATCH.with_borrow_mut(|scratch| {
+        let (scores, rest) = scratch.split_at_mut(group * padded);
+        let totals = &mut rest[..group];
+        match tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2 and FMA (checked above), and `check`
+            // accepted the shapes.
+            AttentionTier::Avx2 if head_dim.is_multiple_of(LANES) => unsafe {
+                x86::attend(queries, kv, head_dim, (scores, totals), scale, out)
+            },
+            // Head sizes that are not whole vectors take the scalar order,
+            // which is the vector order too.
+            _ => portable::attend(queries, kv, head_dim, scores, scale, out),
+        }
+    });
+    Ok(())
+}
+
+/// Grows the calling thread's scratch so that attending `group` query heads
+/// over up to `visible` positions does not allocate: a decoder of fixed
+/// capacity reserves it once per thread, and its steps then allocate
+/// nothing.
+pub fn reserve(group: usize, visible: usize) {
+    let needed = group * (visible.next_multiple_of(LANES) + 1);
+    SCRATCH.with_borrow_mut(|scratch| {
+        if scratch.len() < needed {
+            scratch.resize(needed, 0.0);
+        }
+    });
+}
+
+fn check(queries: QueryGroup<'_>, kv: KeyValues<'_>, head_dim: usize, out: &[f32]) -> Result<()> {
+    let fits = |len: usize, at: usize, step: usize, count: usize| {
+        count == 0 || len >= at + (count - 1) * step + head_dim
+    };
+    let group = out.len().checked_div(head_dim).unwrap_or(0);
+    if group == 0
+        || !out.len().is_multiple_of(head_dim)
+        || kv.visible == 0
+        || !fits(queries.rows.len(), 0, queries.stride, group)
+        || !fits(kv.keys.len(), kv.offset, kv.stride, kv.visible)
+        || !fits(kv.values.len(), kv.offset, kv.stride, kv.visible)
+    {
+        return Err(Error::Shape(format!(
+            "attention of {} output values in heads of {head_dim} (queries: {} values, stride {}) \
+             over {} positions at offset {} stride {} ({} keys, {} values)",
+            out.len(),
+            queries.rows.len(),
+            queries.stride,
+            kv.visible,
+            kv.offset,
+            kv.stride,
+            kv.keys.len(),
+            kv.values.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `max` as x86's `maxps` computes it (the second operand when unordered),
+/// so both tiers agree even on NaN.
+fn max_ps(a: f32, b: f32) -> f32 {
+    if a > b { a } else { b }
+}
+
+/// The lanes' sum in the fixed tree.
+fn tree_sum(l: [f32; LANES]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+/// `e^x` in the kernel's arithmetic (see the module's note); NaN stays NaN.
+fn exp(x: f32) -> f32 {
+    if x < EXP_MIN {
+        return 0.0;
+    }
+    let n = (x * LOG2_E + ROUNDER) - ROUNDER;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let p = EXP_POLY[1..]
+        .iter()
+        .fold(EXP_POLY[0], |p, &c| p.mul_add(r, c));
+    // `n` is in [-126, 0] for x in [EXP_MIN, 0], so 2^n is a normal float
+    // (a NaN `x` makes `p` NaN, whatever this gives).
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+mod portable {
+    use super::*;
+
+    pub(super) fn attend(
+        queries: QueryGroup<'_>,
+        kv: KeyValues<'_>,
+        hd: usize,
+        scores: &mut [f32],
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let padded = scores.len() / (out.len() / hd);
+        for (g, row) in scores.chunks_exact_mut(padded).enumerate() {
+            let query = &queries.rows[g * queries.stride..][..hd];
+            for (t, score) in row[..kv.visible].iter_mut().enumerate() {
+                *score = dot(query, &kv.keys[kv.offset + t * kv.stride..][..hd]) * scale;
+            }
+            row[kv.visible..].fill(f32::NEG_INFINITY);
+        }
+        for (row, out) in scores
+            .chunks_exact_mut(padded)
+            .zip(out.chunks_exact_mut(hd))
+        {
+            let total = exponentials(row);
+            out.fill(0.0);
+            for (t, &e) in row[..kv.visible].iter().enumerate() {
+                let value = &kv.values[kv.offset + t * kv.stride..][..hd];
+                for (o, &v) in out.iter_mut().zip(value) {
+                    *o = e.mul_add(v, *o);
+                }
+            }
+            out.iter_mut().for_each(|o| *o /= total);
+        }
+    }
+
+    /// `q·k`: dimension `d` in lane `d mod 8`, lanes summed by the tree.
+    fn dot(q: &[f32], k: &[f32]) -> f32 {
+        let mut lanes = [0f32; LANES];
+        for (d, (&a, &b)) in q.iter().zip(k).enumerate() {
+            lanes[d % LANES] = a.mul_add(b, lanes[d % LANES]);
+        }
+        tree_sum(lanes)
+    }
+
+    /// Replaces a padded row of scores by `e^(s - max)` and returns their sum.
+    fn exponentials(row: &mut [f32]) -> f32 {
+        let mut lanes = [f32::NEG_INFINITY; LANES];
+        for block in row.chunks_exact(LANES) {
+            for (m, &s) in lanes.iter_mut().zip(block) {
+                *m = max_ps(*m, s);
+            }
+        }
+        // The order of `x86::max_lanes`.
+        let max = max_ps(
+            max_ps(max_ps(lanes[0], lanes[4]), max_ps(lanes[2], lanes[6])),
+            max_ps(max_ps(lanes[1], lanes[5]), max_ps(lanes[3], lanes[7])),
+        );
+        let mut sums = [0f32; LANES];
+        for block in row.chunks_exact_mut(LANES) {
+            for (sum, s) in sums.iter_mut().zip(block) {
+                *s = exp(*s - max);
+                *sum += *s;
+            }
+        }
+        tree_sum(sums)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    /// [`portable::attend`] in AVX2 registers: the same arithmetic in the
+    /// same order. `hd` is a multiple of 8.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA, and [`check`] accepted the shapes.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend(
+        queries: QueryGroup<'_>,
+        kv: KeyValues<'_>,
+        hd: usize,
+        (scores, totals): (&mut [f32], &mut [f32]),
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let padded = scores.len() / totals.len();
+        // SAFETY: `check` proved that the query of head g < group lies at
+        // g · stride within `queries.rows`, and the key and value of every
+        // position t < visible at offset + t · stride within theirs; scores
+        // hold `group` padded rows and `out` `group` rows of `hd`.
+        unsafe {
+            let keys = kv.keys.as_ptr().add(kv.offset);
+            let values = kv.values.as_ptr().add(kv.offset);
+            let q = queries.rows.as_ptr();
+            let s = scores.as_mut_ptr();
+            let full = kv.visible / LANES * LANES;
+            // Eight keys at a time for every query of the group, so a block
+            // of keys is read from memory once.
+            for t in (0..full).step_by(LANES) {
+                for g in 0..totals.len() {
+                    let query = q.add(g * queries.stride);
+                    let mut acc = [_mm256_setzero_ps(); LANES];
+                    for c in (0..hd).step_by(LANES) {
+                        let qc = _mm256_loadu_ps(query.add(c));
+                        for (j, acc) in acc.iter_mut().enumerate() {
+                            let k = _mm256_loadu_ps(keys.add((t + j) * kv.stride + c));
+                            *acc = _mm256_fmadd_ps(qc, k, *acc);
+                        }
+                    }
+                    let each = _mm256_mul_ps(sum_each(acc), _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(s.add(g * padded + t), each);
+                }
+            }
+            for t in full..kv.visible {
+                for g in 0..totals.len() {
+                    let query = q.add(g * queries.stride);
+                    let mut acc = _mm256_setzero_ps();
+                    for c in (0..hd).step_by(LANES) {
+                        let k = _mm256_loadu_ps(keys.add(t * kv.stride + c));
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(query.add(c)), k, acc);
+                    }
+                    *s.add(g * padded + t) = sum(acc) * scale;
+                }
+            }
+            for (row, total) in scores.chunks_exact_mut(padded).zip(totals.iter_mut()) {
+                row[kv.visible..].fill(f32::NEG_INFINITY);
+                *total = exponentials(row);
+            }
+            // Each output accumulates the keys in order; the group's queries
+            // take a block of values in turn while it is in L1.
+            out.fill(0.0);
+            let o = out.as_mut_ptr();
+            let s = scores.as_ptr();
+            for block in (0..kv.visible).step_by(VALUE_BLOCK) {
+                let end = (block + VALUE_BLOCK).min(kv.visible);
+                for g in 0..totals.len() {
+                    for c in (0..hd).step_by(LANES * LANES) {
+                        let width = (hd - c).min(LANES * LANES) / LANES;
+                        let at = o.add(g * hd + c);
+                        let mut acc = [_mm256_setzero_ps(); LANES];
+                        for (i, acc) in acc.iter_mut().enumerate().take(width) {
+                            *acc = _mm256_loadu_ps(at.add(i * LANES));
+                        }
+                        for t in block..end {
+                            let e = _mm256_set1_ps(*s.add(g * padded + t));
+                            let value = values.add(t * kv.stride + c);
+                            for (i, acc) in acc.iter_mut().enumerate().take(width) {
+                                let v = _mm256_loadu_ps(value.add(i * LANES));
+                                *acc = _mm256_fmadd_ps(e, v, *acc);
+                            }
+                        }
+                        for (i, acc) in acc.iter().enumerate().take(width) {
+                            _mm256_storeu_ps(at.add(i * LANES), *acc);
+                        }
+                    }
+                }
+            }
+        }
+        for (out, &total) in out.chunks_exact_mut(hd).zip(totals.iter()) {
+            out.iter_mut().for_each(|o| *o /= total);
+        }
+    }
+
+    /// Each of eight vectors' lanes summed by the tree, as one vector.
+    #[target_feature(enable = "avx2,fma")]
+    fn sum_each(a: [__m256; LANES]) -> __m256 {
+        // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3, x4+x5, x6+x7, y4+y5, y6+y7],
+        // so u = [a0(0..4), a1(0..4), a2(0..4), a3(0..4), a0(4..8), …, a3(4..8)]
+        // and v the same for a4..a7: the low halves of u and v hold the sums
+        // of the first four lanes, the high halves those of the last four.
+        let u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        let v = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        _mm256_add_ps(
+            _mm256_permute2f128_ps(u, v, 0x20),
+            _mm256_permute2f128_ps(u, v, 0x31),
+        )
+    }
+
+    /// One vector's lanes summed by the tree.
+    #[target_feature(enable = "avx2,fma")]
+    fn sum(a: __m256) -> f32 {
+        let h = _mm256_hadd_ps(a, a);
+        let h = _mm256_hadd_ps(h, h);
+        _mm_cvtss_f32(_mm_add_ss(
+            _mm256_castps256_ps128(h),
+            _mm256_extractf128_ps(h, 1),
+        ))
+    }
+
+    /// [`portable::exponentials`] in registers.
+    #[target_feature(enable = "avx2,fma")]
+    fn exponentials(row: &mut [f32]) -> f32 {
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for block in row.chunks_exact(LANES) {
+            m = _mm256_max_ps(m, load(block));
+        }
+        let max = _mm256_set1_ps(max_lanes(m));
+        let mut total = _mm256_setzero_ps();
+        for block in row.chunks_exact_mut(LANES) {
+            let e = exp(_mm256_sub_ps(load(block), max));
+            // SAFETY: a block holds eight values.
+            unsafe { _mm256_storeu_ps(block.as_mut_ptr(), e) };
+            total = _mm256_add_ps(total, e);
+        }
+        sum(total)
+    }
+
+    /// Eight values from a block of eight.
+    #[target_feature(enable = "avx2,fma")]
+    fn load(block: &[f32]) -> __m256 {
+        assert_eq!(block.len(), LANES);
+        // SAFETY: the block holds eight values (asserted).
+        unsafe { _mm256_loadu_ps(block.as_ptr()) }
+    }
+
+    /// max((m0, m4), (m2, m6)), max((m1, m5), (m3, m7)), then those two.
+    #[target_feature(enable = "avx2,fma")]
+    fn max_lanes(m: __m256) -> f32 {
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)))
+    }
+
+    /// [`super::exp`] of eight values.
+    #[target_feature(enable = "avx2,fma")]
+    fn exp(x: __m256) -> __m256 {
+        // Not below the minimum; true for NaN, as the scalar comparison.
+        let keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_NLT_UQ);
+        let rounder = _mm256_set1_ps(ROUNDER);
+        let n = _mm256_sub_ps(
+            _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2_E)), rounder),
+            rounder,
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let bits = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        );
+        _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seeded(len: usize, seed: u32, spread: f32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i as f32 + seed as f32 * 0.173) * 0.618).sin() * spread)
+            .collect()
+    }
+
+    /// Attention in f64 with the exact softmax.
+    fn reference(q: &[f32], keys: &[f32], values: &[f32], hd: usize, scale: f32) -> Vec<f64> {
+        let visible = keys.len() / hd;
+        let scores: Vec<f64> = keys
+            .chunks_exact(hd)
+            .map(|k| {
+                q.iter()
+                    .zip(k)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+                    * scale as f64
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = e.iter().sum();
+        (0..hd)
+            .map(|d| {
+                (0..visible)
+                    .map(|t| e[t] * values[t * hd + d] as f64)
+                    .sum::<f64>()
+                    / total
+            })
+            .collect()
+    }
+
+    struct Case {
+        hd: usize,
+        group: usize,
+        visible: usize,
+    }
+
+    fn run(
+        tier: AttentionTier,
+        case: &Case,
+        spread: f32,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let Case { hd, group, visible } = *case;
+        // Two kv heads interleaved per position, as a KV cache lays them out;
+        // the group attends the second.
+        let stride = 2 * hd;
+        let q = seeded(group * hd, 1, spread);
+        let keys = seeded(visible * stride, 2, spread);
+        let values = seeded(visible * stride, 3, 1.0);
+        let mut out = vec![0f32; group * hd];
+        attend_group_with(
+            tier,
+            QueryGroup {
+                rows: &q,
+                stride: hd,
+            },
+            KeyValues {
+                keys: &keys,
+                values: &values,
+                offset: hd,
+                stride,
+                visible,
+            },
+            hd,
+            1.0 / (hd as f32).sqrt(),
+            &mut out,
+        )
+        .unwrap();
+        (q, keys, values, out)
+    }
+
+    const CASES: [Case; 5] = [
+        Case {
+            hd: 64,
+            group: 3,
+            visible: 1,
+        },
+        Case {
+            hd: 64,
+            group: 3,
+            visible: 200,
+        },
+        Case {
+            hd: 128,
+            group: 4,
+            visible: 77,
+        },
+        Case {
+            hd: 20,
+            group: 2,
+            visible: 13,
+        },
+        Case {
+            hd: 64,
+            group: 1,
+            visible: 8,
+        },
+    ];
+
+    #[test]
+    fn every_tier_gives_the_same_bits() {
+        for case in &CASES {
+            let (.., reference) = run(AttentionTier::Portable, case, 3.0);
+            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+                let (.., out) = run(tier, case, 3.0);
+                let same = out
+                    .iter()
+                    .zip(&reference)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{tier:?} differs from the portable tier at hd {}",
+                    case.hd
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn attention_matches_the_exact_softmax() {
+        for case in &CASES {
+            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+                // A spread of 6 gives scores tens of nats apart.
+                let (q, keys, values, out) = run(tier, case, 6.0);
+                let hd = case.hd;
+                let head = |rows: &[f32]| -> Vec<f32> {
+                    rows.chunks_exact(2 * hd)
+                        .flat_map(|r| r[hd..].to_vec())
+                        .collect()
+                };
+                let (keys, values) = (head(&keys), head(&values));
+                for (g, out) in out.chunks_exact(hd).enumerate() {
+                    let expected = reference(
+                        &q[g * hd..(g + 1) * hd],
+                        &keys,
+                        &values,
+                        hd,
+                        1.0 / (hd as f32).sqrt(),
+                    );
+                    for (&o, &e) in out.iter().zip(&expected) {
+                        assert!(
+                            (o as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                            "{o} vs {e} ({tier:?})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_and_vanishes_below_the_normal_range() {
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let exact = (x as f64).exp();
+            let ulp = (exact as f32).to_bits().abs_diff(exp(x).to_bits());
+            assert!(ulp <= 2, "exp({x}) = {} vs {exact} ({ulp} ulp)", exp(x));
+            x += 0.0137;
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-88.0), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn a_nan_key_makes_the_output_nan_on_every_tier() {
+        let hd = 16;
+        let q = vec![0.5f32; hd];
+        let mut keys = seeded(10 * hd, 4, 1.0);
+        keys[3 * hd + 5] = f32::NAN;
+        let values = seeded(10 * hd, 5, 1.0);
+        for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+            let mut out = vec![0f32; hd];
+            attend_group_with(
+                tier,
+                QueryGroup {
+                    rows: &q,
+                    stride: hd,
+                },
+                KeyValues {
+                    keys: &keys,
+                    values: &values,
+                    offset: 0,
+                    stride: hd,
+                    visible: 10,
+                },
+                hd,
+                0.25,
+                &mut out,
+            )
+            .unwrap();
+            assert!(out.iter().all(|o| o.is_nan()), "{tier:?}: {out:?}");
+        }
+    }
+
+    #[test]
+    fn slices_shorter_than_the_shapes_are_refused() {
+        let (q, keys, values) = (vec![0f32; 64], vec![0f32; 64 * 4], vec![0f32; 64 * 4]);
+        let mut out = vec![0f32; 64];
+        let attend = |visible: usize, offset: usize, out: &mut [f32]| {
+            attend_group(
+                QueryGroup {
+                    rows: &q,
+                    stride: 64,
+                },
+                KeyValues {
+                    keys: &keys,
+                    values: &values,
+                    offset,
+                    stride: 64,
+                    visible,
+                },
+                64,
+                1.0,
+                out,
+            )
+        };
+        assert!(attend(4, 0, &mut out).is_ok());
+        assert!(attend(5, 0, &mut out).is_err());
+        assert!(attend(4, 1, &mut out).is_err());
+        assert!(attend(0, 0, &mut out).is_err());
+        assert!(attend(1, 0, &mut vec![0f32; 128]).is_err());
+        assert!(attend(1, 0, &mut vec![0f32; 60]).is_err());
+    }
+}
