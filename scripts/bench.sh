@@ -13,6 +13,7 @@ fi
 scripts/fetch-models.sh
 cargo bench -p qforge-core --bench observe -- --warm-up-time 2 --measurement-time 5
 cargo bench -p qforge-kernels --bench gemm
+cargo bench -p qforge-kernels --bench attention
 .venv/bin/python scripts/bench_ort_gemm.py
 cargo bench -p qforge-model --bench forward
 # llama.cpp beside it, when a build is at hand (benchmarks/llamacpp-reference.md says

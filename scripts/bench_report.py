@@ -310,6 +310,34 @@ def completions_section():
           f"all cores: {noise or 'not measured'} (at most {100 * worst:.0f} % in one row).\n")
 
 
+def attention_section():
+    """One GQA group's decode-step attention per tier (crates/kernels/benches/attention.rs)."""
+    print("## Attention kernel\n")
+    print("Command: `cargo bench -p qforge-kernels --bench attention` (one thread; one decode "
+          "step's attention of one GQA group over a KV cache of N positions, laid out as the "
+          "cache holds them: SmolLM2's 3 query heads of 64 per key/value head, Llama-3-8B's 4 of "
+          "128). The tiers compute the same bits (tested), so the portable tier is the "
+          "reference the AVX2 tier is measured against.\n")
+    shapes = (("smollm2_3x64", "SmolLM2 (3 × 64)"), ("llama3_8b_4x128", "Llama-3-8B (4 × 128)"))
+    positions = (128, 512, 2048, 8192)
+    rows = []
+    for shape, label in shapes:
+        for n in positions:
+            portable = throughput("attention", f"{shape}_Portable", str(n))
+            avx2 = throughput("attention", f"{shape}_Avx2", str(n))
+            if portable:
+                rows.append((label, n, portable, avx2))
+    if not rows:
+        print("(not run)\n")
+        return
+    print("| group | positions | portable (M positions/s) | AVX2 (M positions/s) | AVX2 / portable |")
+    print("|---|---|---|---|---|")
+    for label, n, portable, avx2 in rows:
+        fast = f"{avx2 / 1e6:.1f} | {avx2 / portable:.2f}×" if avx2 else "— | —"
+        print(f"| {label} | {n} | {portable / 1e6:.1f} | {fast} |")
+    print()
+
+
 def main():
     rustc = subprocess.run(["rustc", "--version"], capture_output=True, text=True).stdout.strip()
     print("# Benchmarks\n")
@@ -360,6 +388,7 @@ def main():
     with open("benchmarks/llamacpp-reference.md") as f:
         print(f.read())
 
+    attention_section()
     print("## INT8 engine\n")
     print("Command: `cargo bench -p qforge-kernels --bench gemm`, 2 threads (rayon's default "
           "pool), G MAC/s = m·n·k per second. *qforge GEMM*: our u8×i8→i32 kernel on "
