@@ -58,6 +58,9 @@ for run in 1 2 3 4 5; do
             -p 0 -n 64 -t 2 -r 1 -o json 2>/dev/null > "target/llamacpp-tg64-$run.json"
     fi
 done
+# Prefill from 128 to 8 192 prompt tokens and decode at a 4 096-token context, beside
+# llama.cpp's F32 and Q8_0 when a build is at hand.
+QFORGE=target/release/qforge python3 scripts/bench_long_prompts.py >/dev/null
 .venv/bin/python tests/python/ort_crosscheck.py --markdown --qforge target/release/qforge \
     > target/ort_crosscheck.md
 .venv/bin/python scripts/bench_report.py > BENCHMARKS.md

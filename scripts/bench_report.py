@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 
+from bench_long_prompts import markdown as long_prompts_markdown
 from bench_quality import markdown as quality_markdown
 
 CRITERION = "target/criterion"
@@ -310,6 +311,22 @@ def completions_section():
           f"all cores: {noise or 'not measured'} (at most {100 * worst:.0f} % in one row).\n")
 
 
+def long_prompts_section():
+    """Prefill by prompt length and decode at depth, beside llama.cpp (bench_long_prompts.py)."""
+    try:
+        with open("target/bench-long-prompts.json") as f:
+            results = json.load(f)
+    except OSError:
+        return
+    print("## Long prompts: prefill by length, decode at depth\n")
+    print("Command: `QFORGE=target/release/qforge python3 scripts/bench_long_prompts.py` (run by "
+          "`scripts/bench.sh`; llama.cpp's columns when LLAMA_CPP_BIN and LLAMA_CPP_MODELS are "
+          "set). Prefill tokens/s of `qforge generate --json` on the start of the handbook text "
+          "(its token count in brackets) and of `llama-bench -p N -n 0 -t 2`; decode: 64 tokens "
+          "after the prompt (`llama-bench -p 0 -n 64 -d N`).\n")
+    print(long_prompts_markdown(results))
+
+
 def attention_section():
     """One GQA group's decode-step attention per tier (crates/kernels/benches/attention.rs)."""
     print("## Attention kernel\n")
@@ -333,8 +350,8 @@ def attention_section():
     print("| group | positions | portable (M positions/s) | AVX2 (M positions/s) | AVX2 / portable |")
     print("|---|---|---|---|---|")
     for label, n, portable, avx2 in rows:
-        fast = f"{avx2 / 1e6:.1f} | {avx2 / portable:.2f}×" if avx2 else "— | —"
-        print(f"| {label} | {n} | {portable / 1e6:.1f} | {fast} |")
+        fast = f"{avx2 / 1e6:.1f} | {avx2 / portable:.0f}×" if avx2 else "— | —"
+        print(f"| {label} | {n} | {portable / 1e6:.2f} | {fast} |")
     print()
 
 
@@ -389,6 +406,7 @@ def main():
         print(f.read())
 
     attention_section()
+    long_prompts_section()
     print("## INT8 engine\n")
     print("Command: `cargo bench -p qforge-kernels --bench gemm`, 2 threads (rayon's default "
           "pool), G MAC/s = m·n·k per second. *qforge GEMM*: our u8×i8→i32 kernel on "
