@@ -1219,10 +1219,10 @@ fn a_language_model_reload_swaps_after_admitted_completions_and_answers_name_the
     let dir = dir.path();
     let (model, data) = (path(SMOLLM2), path("fixtures/episodes/arithmetic.jsonl"));
     // The guard is not under test: a short held-out text (the first 2 000
-    // characters of the evaluation text, a few hundred tokens) and one
-    // method keep the two quantizations quick.
+    // characters of the committed evaluation fixture, a few hundred tokens)
+    // and one method keep the two quantizations quick.
     let eval = dir.join("eval.txt");
-    let text = std::fs::read_to_string(path("models/debian-handbook-eval.txt")).unwrap();
+    let text = std::fs::read_to_string(path("fixtures/text/eval.txt")).unwrap();
     std::fs::write(&eval, text.chars().take(2000).collect::<String>()).unwrap();
     let eval = eval.to_str().unwrap();
     let quantize = |out: &str, extra: &[&str]| {
