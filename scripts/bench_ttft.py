@@ -17,9 +17,7 @@ import threading
 import time
 import urllib.request
 
-TEXT = "models/debian-handbook-eval.txt"
-# Characters per SmolLM2 token at the start of the handbook text (bench_long_prompts.py).
-CHARS_PER_TOKEN = 4.6
+from bench_long_prompts import CHARS_PER_TOKEN, TEXT
 
 
 def free_port():
