@@ -7,17 +7,17 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use qforge_calib::{Job, Pass, Plan, Recipe, Session, Stratify};
+use qforge_calib::{Pass, Recipe, Session, Stratify};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{RedisAddress, WorkerOptions, hostname, serve};
 use qforge_dist::{
     CheckpointStore, ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition,
-    RedisExecutor, RunOptions, RunSummary,
+    RedisExecutor, RunOptions,
 };
-use serde_json::json;
 
-use crate::output::write_atomic;
+use crate::output::{Written, print_json};
 use crate::{OutputFlags, OutputPath, UsageError};
+use qforge_model::output::write_atomic;
 
 /// `--stratify`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -330,7 +330,6 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
     for warning in &summary.warnings {
         eprintln!("warning: {warning}");
     }
-    let backend = executor.name();
     let workers = match &args.backend.cluster {
         Some(_) => summary.workers.len(),
         None => args
@@ -338,106 +337,14 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
             .workers
             .unwrap_or_else(|| EmbeddedExecutor::per_core().threads),
     };
-    write_atomic(&args.output.output, &encode(&summary.stats))?;
+    let output = &args.output.output;
+    write_atomic(output, &encode(&summary.stats))?;
+    let report = summary.report(&session, &job, &run_name, executor.name(), workers);
     if args.flags.json {
-        print_calibration_json(&args, &session, &job, &summary, &run_name, backend)?;
+        print_json(&Written::new(output, &report))
     } else {
-        print_calibration(&args, plan, &summary, workers);
-    }
-    Ok(())
-}
-
-/// `qforge calibrate --json`'s output.
-fn print_calibration_json(
-    args: &CalibrateArgs,
-    session: &Session,
-    job: &Job,
-    summary: &RunSummary,
-    run_name: &str,
-    backend: &str,
-) -> Result<()> {
-    let plan = &session.plan;
-    let workers: serde_json::Map<String, serde_json::Value> = summary
-        .workers
-        .iter()
-        .map(|(name, w)| {
-            (
-                name.clone(),
-                json!({
-                    "merged": w.merged,
-                    "duplicates": w.duplicates,
-                    "failures": w.failures,
-                    "batches_per_s": w.merged as f64 / w.busy_seconds.max(1e-9),
-                }),
-            )
-        })
-        .collect();
-    println!(
-        "{}",
-        serde_json::to_string_pretty(&json!({
-            "output": args.output.output.display().to_string(),
-            "run": run_name,
-            "backend": backend,
-            "planned_batches": summary.planned,
-            "merged_batches": summary.merged,
-            "coverage": summary.coverage,
-            "resumed_batches": summary.resumed,
-            "duplicates": summary.duplicates,
-            "quarantined_results": summary.quarantined_results,
-            "retries": summary.retries,
-            "speculative_executions": summary.speculative,
-            "mixed_hardware": summary.stats.provenance.mixed_hardware,
-            "quarantined": summary.quarantined.iter().map(|(id, e)| json!({"batch": id.to_string(), "error": e})).collect::<Vec<_>>(),
-            "checkpoints_written": summary.checkpoints_written,
-            "samples": plan.samples,
-            "rows": plan.rows,
-            "seconds": summary.seconds,
-            "rows_per_s": plan.rows as f64 / summary.seconds.max(1e-9),
-            // Which rewards the samples came from (`--stratify reward`;
-            // empty otherwise), lowest first.
-            "reward_strata": plan.strata,
-            "workers": workers,
-            "model_sha256": job.model.to_hex(),
-            "data_sha256": job.data.to_hex(),
-            "recipe_sha256": job.recipe.digest().to_hex(),
-        }))?
-    );
-    Ok(())
-}
-
-/// `qforge calibrate`'s summary for a person.
-fn print_calibration(args: &CalibrateArgs, plan: &Plan, summary: &RunSummary, workers: usize) {
-    println!(
-        "wrote {}: {}/{} batches ({:.1} % coverage), {} samples, {} rows in {:.1} s with {} workers{}",
-        args.output.output.display(),
-        summary.merged,
-        summary.planned,
-        100.0 * summary.coverage,
-        plan.samples,
-        plan.rows,
-        summary.seconds,
-        workers,
-        if summary.resumed > 0 {
-            format!(", {} batches resumed from a checkpoint", summary.resumed)
-        } else {
-            String::new()
-        }
-    );
-    if !plan.strata.is_empty() {
-        let strata: Vec<String> = plan
-            .strata
-            .iter()
-            .map(|s| {
-                format!(
-                    "[{}, {}] {}/{}",
-                    s.min_reward, s.max_reward, s.drawn, s.available
-                )
-            })
-            .collect();
-        println!(
-            "reward strata (rewards, drawn/available): {}",
-            strata.join(", ")
-        );
+        println!("wrote {}: {report}", output.display());
+        Ok(())
     }
 }
 

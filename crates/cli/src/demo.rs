@@ -6,13 +6,11 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use qforge_core::demo::{CHANNELS, DemoOptions, TENSORS};
-use qforge_core::{Calibrator, Digest};
-use serde_json::json;
+use qforge_core::demo::{CHANNELS, DemoOptions};
 
-use crate::output::write_atomic;
-use crate::stats_cmd::stats_json;
+use crate::output::{Written, print_json};
 use crate::{OutputFlags, UsageError};
+use qforge_model::output::write_atomic;
 
 /// Arguments of `qforge demo`.
 #[derive(Args)]
@@ -56,59 +54,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
         workers,
         seed: args.seed,
     })?;
-    let (single, single_bytes) = (&demo.stats, &demo.encoded);
     let path = args.output.join("demo.qstats");
-    write_atomic(&path, single_bytes)?;
-    let file_digest = Digest::of(single_bytes);
-
+    write_atomic(&path, &demo.encoded)?;
     if args.flags.json {
-        let mut out = stats_json(single, &Calibrator::defaults());
-        out["demo"] = json!({
-            "output": path.display().to_string(),
-            "batches": args.batches,
-            "values_per_tensor": demo.values_per_tensor,
-            "workers": workers,
-            "identical": true,
-            "sha256": file_digest.to_hex(),
-            "single_worker_seconds": demo.single_worker.as_secs_f64(),
-            "sharded_seconds": demo.sharded.as_secs_f64(),
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+        return print_json(&Written::new(&path, &demo.report()));
     }
-    println!(
-        "observed {} tensors × {} values in {} batches",
-        TENSORS.len(),
-        demo.values_per_tensor,
-        args.batches
-    );
-    println!(
-        "  1 worker:  {:.2} s\n  {workers} workers: {:.2} s (round-robin shards, merged in reverse order)",
-        demo.single_worker.as_secs_f64(),
-        demo.sharded.as_secs_f64()
-    );
-    println!(
-        "byte-identical statistics: yes (sha256 {})",
-        &file_digest.to_hex()[..16]
-    );
-    println!();
-    println!(
-        "{:<12} {:>11} {:>11} {:>11} {:>11} {:>11}",
-        "tensor", "minmax", "p99.99", "entropy", "mse", "sigma(3)"
-    );
-    for (name, tensor) in &single.tensors {
-        let h = tensor.histogram();
-        let cells: Vec<String> = Calibrator::defaults()
-            .iter()
-            .map(|c| c.threshold(h).map_or("-".into(), |t| format!("{t:.4}")))
-            .collect();
-        println!(
-            "{name:<12} {:>11} {:>11} {:>11} {:>11} {:>11}",
-            cells[0], cells[1], cells[2], cells[3], cells[4]
-        );
-    }
-    println!();
-    println!("wrote {}", path.display());
+    println!("{demo}\n\nwrote {}", path.display());
     println!("inspect it: qforge stats show {}", path.display());
     Ok(())
 }

@@ -216,7 +216,7 @@ fn main() -> ExitCode {
         Command::Quantize(args) => quantize_cmd::quantize_command(*args),
         Command::Verify(args) => quantize_cmd::verify_command(args),
         Command::Requantize(args) => requantize_cmd::requantize_command(args),
-        Command::Export(args) => export_cmd::export(args),
+        Command::Export(args) => export_cmd::export_command(args),
         Command::Serve(args) => serve_cmd::serve_command(args),
         Command::Generate(args) => model_cmd::generate(args),
         Command::Rollouts(args) => rollouts_cmd::rollouts(args),

@@ -14,8 +14,8 @@ use qforge_quant::{Inputs, Listener, Pipeline, QuantRecipe};
 use serde_json::json;
 
 use crate::calibrate_cmd::{BackendArgs, PassProgress, StratifyArg};
-use crate::output::write_dir_atomic;
 use crate::{GuardRefusal, OutputFlags, UsageError};
+use qforge_model::output::write_dir_atomic;
 
 /// The policy `qforge quantize` uses when given no model, relative to the
 /// repository root.
@@ -318,7 +318,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     };
     let quantized = pipeline.run(&inputs, &mut terminal)?;
     drop(terminal);
-    write_dir_atomic(&args.output, |dir| {
+    write_dir_atomic(&args.output, |dir| -> Result<()> {
         let mut info = quantized.write(dir)?;
         let Some(env) = args.env.as_ref().filter(|_| quantized.accepted()) else {
             return Ok(());

@@ -8,8 +8,8 @@ use clap::Args;
 use qforge_quant::requantize::requantize;
 use serde_json::json;
 
-use crate::output::write_dir_atomic;
 use crate::{OutputFlags, UsageError};
+use qforge_model::output::write_dir_atomic;
 
 /// Arguments of `qforge requantize`.
 #[derive(Args)]
@@ -43,7 +43,7 @@ pub fn requantize_command(args: RequantizeArgs) -> Result<()> {
         return Err(UsageError("--drift-threshold must be a number ≥ 0".into()).into());
     }
     let requantized = requantize(&args.model, &args.like, args.drift_threshold)?;
-    write_dir_atomic(&args.output, |dir| {
+    write_dir_atomic(&args.output, |dir| -> Result<()> {
         requantized.write(dir)?;
         Ok(())
     })?;

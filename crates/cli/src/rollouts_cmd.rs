@@ -14,8 +14,8 @@ use qforge_model::rollouts::RolloutOptions;
 use serde_json::json;
 
 use crate::model_cmd::load_language_model;
-use crate::output::write_atomic;
 use crate::{OutputFlags, OutputPath, UsageError};
+use qforge_model::output::write_atomic;
 
 /// A prompt set whose answers can be checked exactly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use qforge_serve::{
     ConnectionLimits, DriftOptions, EngineLimits, RolloutMode, RolloutOptions, ServeOptions,
-    Served, reference_for, serve,
+    Served, reference_for, serve, termination_signal,
 };
 
 use crate::UsageError;
@@ -110,8 +110,8 @@ pub struct ServeArgs {
     reference: Option<PathBuf>,
     /// Split sessions (the X-Session-Id header) between INT8 and the
     /// reference, e.g. `int8=0.9,fp=0.1`.
-    #[arg(long, value_name = "SHARES", value_parser = parse_ab, conflicts_with = "shadow")]
-    ab: Option<f64>,
+    #[arg(long, value_name = "SHARES", value_parser = RolloutMode::parse_split, conflicts_with = "shadow")]
+    ab: Option<RolloutMode>,
     /// INT8 answers; the reference runs a sample of requests alongside and
     /// their agreement (actions, or tokens) is measured.
     #[arg(long)]
@@ -166,149 +166,60 @@ pub struct ServeArgs {
     drift_threshold: f64,
 }
 
-/// `int8=A,fp=B` → the INT8 share A / (A + B).
-fn parse_ab(text: &str) -> std::result::Result<f64, String> {
-    let (mut int8, mut fp) = (None, None);
-    for part in text.split(',') {
-        let (arm, share) = part
-            .split_once('=')
-            .ok_or_else(|| format!("{part:?} is not ARM=SHARE (e.g. int8=0.9,fp=0.1)"))?;
-        let share: f64 = share
-            .trim()
-            .parse()
-            .ok()
-            .filter(|s: &f64| s.is_finite() && *s >= 0.0)
-            .ok_or_else(|| format!("the share of {arm} must be a number ≥ 0"))?;
-        match arm.trim() {
-            "int8" => int8 = Some(share),
-            "fp" => fp = Some(share),
-            other => return Err(format!("unknown arm {other:?}: the arms are int8 and fp")),
-        }
-    }
-    let (int8, fp) = (int8.unwrap_or(0.0), fp.unwrap_or(0.0));
-    if int8 + fp <= 0.0 {
-        return Err("the shares must not all be 0".into());
-    }
-    Ok(int8 / (int8 + fp))
-}
-
-/// Descriptors `serve` keeps for itself beyond its connections: the
-/// model's files, the runtime's, stdio, a refused connection's.
-const RESERVED_DESCRIPTORS: u64 = 64;
-/// The default connection cap where descriptors do not bound it.
-const DEFAULT_MAX_CONNECTIONS: u64 = 65_536;
-
-/// This process's open-file limit (the soft one, which is what `accept`
-/// runs into), if it has one.
-fn descriptor_limit() -> Option<u64> {
-    #[cfg(unix)]
-    {
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit only writes the struct it is given, which we own.
-        let read = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
-        (read && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
-    }
-    #[cfg(not(unix))]
-    None
-}
-
-/// `--max-connections`, or the default the descriptor limit leaves room
-/// for; refused when the limit cannot hold it.
-fn max_connections(asked: Option<usize>) -> Result<usize> {
-    let limit = descriptor_limit();
-    let room = limit.map_or(DEFAULT_MAX_CONNECTIONS, |l| {
-        l.saturating_sub(RESERVED_DESCRIPTORS)
-    });
-    let raise = |l: u64| {
-        format!(
-            "this process may open {l} descriptors and the server keeps {RESERVED_DESCRIPTORS} of them for itself; raise the limit (ulimit -n)"
-        )
-    };
-    match (asked, limit) {
-        (Some(0), _) => Err(UsageError("--max-connections must be ≥ 1".into()).into()),
-        (Some(n), Some(l)) if n as u64 > room => Err(UsageError(format!(
-            "--max-connections {n} does not fit: {}, or lower --max-connections to {room}",
-            raise(l)
-        ))
-        .into()),
-        (Some(n), _) => Ok(n),
-        (None, Some(l)) if room == 0 => {
-            Err(UsageError(format!("no room for connections: {}", raise(l))).into())
-        }
-        (None, _) => Ok(room.min(DEFAULT_MAX_CONNECTIONS) as usize),
-    }
-}
-
-async fn shutdown_signal(drain: Duration) {
-    let interrupt = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = interrupt => {},
-        () = terminate => {},
-    }
-    eprintln!(
-        "qforge serve: shutting down; finishing requests in flight (for at most {} ms)",
-        drain.as_millis()
-    );
-}
-
 /// `qforge serve`.
 pub fn serve_command(args: ServeArgs) -> Result<()> {
     if !(args.max_wait_ms.is_finite() && args.max_wait_ms >= 0.0) {
         return Err(UsageError("--max-wait-ms must be ≥ 0".into()).into());
     }
-    if !(args.shadow_sample > 0.0 && args.shadow_sample <= 1.0) {
-        return Err(UsageError("--shadow-sample must be in (0, 1]".into()).into());
-    }
-    if !(args.drift_sample > 0.0 && args.drift_sample <= 1.0) || args.drift_window == 0 {
-        return Err(
-            UsageError("--drift-sample must be in (0, 1] and --drift-window ≥ 1".into()).into(),
-        );
-    }
-    if !(args.drift_threshold.is_finite() && args.drift_threshold >= 0.0) {
-        return Err(UsageError("--drift-threshold must be ≥ 0".into()).into());
-    }
-    if !(0.0..=1.0).contains(&args.rollback_below) {
-        return Err(UsageError("--rollback-below must be in [0, 1]".into()).into());
-    }
-    if !(args.log_prob_gap_alert.is_finite() && args.log_prob_gap_alert >= 0.0) {
-        return Err(UsageError("--log-prob-gap-alert must be a number of nats ≥ 0".into()).into());
-    }
-    if args.agreement_window == 0 || args.reward_window == 0 {
-        return Err(UsageError("--agreement-window and --reward-window must be ≥ 1".into()).into());
-    }
     let mode = match (args.ab, args.shadow) {
-        (Some(int8_share), _) => RolloutMode::Split { int8_share },
+        (Some(split), _) => split,
         (None, true) => RolloutMode::Shadow {
             sample: args.shadow_sample,
         },
         (None, false) => RolloutMode::Int8Only,
     };
+    let options = ServeOptions {
+        addr: args.addr,
+        max_batch: args.max_batch,
+        max_wait: Duration::from_secs_f64(args.max_wait_ms / 1000.0),
+        max_body_bytes: args.max_body_bytes,
+        max_rows: args.max_rows,
+        max_tokens: args.max_tokens,
+        max_prompt_tokens: args.max_prompt_tokens,
+        max_concurrency: args.max_concurrency,
+        connections: ConnectionLimits {
+            header_timeout: Duration::from_millis(args.header_timeout_ms),
+            body_timeout: Duration::from_millis(args.body_timeout_ms),
+            keep_alive_timeout: Duration::from_millis(args.keep_alive_timeout_ms),
+            max_connections: ConnectionLimits::connection_cap(args.max_connections)
+                .map_err(usage)?,
+            drain_timeout: Duration::from_millis(args.shutdown_timeout_ms),
+        },
+        timeout: Duration::from_millis(args.timeout_ms),
+        feedback_interval: Duration::from_millis(args.feedback_interval_ms),
+        token: std::env::var(TOKEN_VARIABLE).ok().filter(|t| !t.is_empty()),
+        rollout: RolloutOptions {
+            mode,
+            threshold: args.rollback_below,
+            agreement_window: args.agreement_window,
+            reward_window: args.reward_window,
+            random_return: args.random_return,
+            log_prob_gap_alert: args.log_prob_gap_alert,
+        },
+        drift: DriftOptions {
+            sample: args.drift_sample,
+            window_rows: args.drift_window,
+            threshold: args.drift_threshold,
+        },
+    };
+    options.validate().map_err(usage)?;
     // A rollout without a reference to roll out against is a usage error.
     let reference = reference_for(
         &args.model,
         args.reference.as_deref(),
         mode.needs_reference(),
     )
-    .map_err(|e| match e {
-        qforge_serve::Error::Options(why) => anyhow::Error::from(UsageError(why)),
-        other => other.into(),
-    })?;
+    .map_err(usage)?;
     if let Some(path) = &reference {
         eprintln!("qforge serve: FP reference {}", path.display());
     }
@@ -324,73 +235,36 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         args.served_model_name.clone(),
         limits,
     )?;
-    if let Served::Language { model, name, .. } = &served {
-        let c = model.model.config();
-        // K and V, f32, per layer and KV head.
-        let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4;
+    if let Served::Language { name, .. } = &served {
         eprintln!(
             "qforge serve: {name}: up to {} sequences per step, KV budget {} tokens ({:.0} MiB)",
             args.max_batch,
             args.kv_budget_tokens,
-            (args.kv_budget_tokens * bytes_per_token) as f64 / (1 << 20) as f64
+            served.kv_bytes(args.kv_budget_tokens) as f64 / (1 << 20) as f64
         );
     }
-    let token = std::env::var(TOKEN_VARIABLE).ok().filter(|t| !t.is_empty());
-    let connections = ConnectionLimits {
-        header_timeout: positive_ms(args.header_timeout_ms, "--header-timeout-ms")?,
-        body_timeout: positive_ms(args.body_timeout_ms, "--body-timeout-ms")?,
-        keep_alive_timeout: positive_ms(args.keep_alive_timeout_ms, "--keep-alive-timeout-ms")?,
-        max_connections: max_connections(args.max_connections)?,
-        drain_timeout: Duration::from_millis(args.shutdown_timeout_ms),
-    };
-    let options = ServeOptions {
-        addr: args.addr,
-        max_batch: args.max_batch,
-        max_wait: Duration::from_secs_f64(args.max_wait_ms / 1000.0),
-        max_body_bytes: args.max_body_bytes,
-        max_rows: args.max_rows,
-        max_tokens: args.max_tokens,
-        max_prompt_tokens: args.max_prompt_tokens,
-        max_concurrency: args.max_concurrency,
-        connections,
-        timeout: Duration::from_millis(args.timeout_ms),
-        feedback_interval: Duration::from_millis(args.feedback_interval_ms),
-        token,
-        rollout: RolloutOptions {
-            mode,
-            threshold: args.rollback_below,
-            agreement_window: args.agreement_window,
-            reward_window: args.reward_window,
-            random_return: args.random_return,
-            log_prob_gap_alert: args.log_prob_gap_alert,
-        },
-        drift: DriftOptions {
-            sample: args.drift_sample,
-            window_rows: args.drift_window,
-            threshold: args.drift_threshold,
-        },
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
     let model = args.model.display().to_string();
+    let drain = options.connections.drain_timeout;
     runtime.block_on(serve(
         served,
         options,
         |addr| eprintln!("qforge serve: {model} listening on http://{addr}"),
-        shutdown_signal(connections.drain_timeout),
+        termination_signal(drain),
     ))?;
     eprintln!("qforge serve: stopped");
     Ok(())
 }
 
-/// `ms` milliseconds, refused when 0 (a timeout of 0 would close every
-/// connection at once).
-fn positive_ms(ms: u64, flag: &str) -> Result<Duration> {
-    if ms == 0 {
-        return Err(UsageError(format!("{flag} must be ≥ 1")).into());
+/// The server's refusal of its options (inconsistent flags) as a usage
+/// error; any other failure as it is.
+fn usage(error: qforge_serve::Error) -> anyhow::Error {
+    match error {
+        qforge_serve::Error::Options(why) => UsageError(why).into(),
+        other => other.into(),
     }
-    Ok(Duration::from_millis(ms))
 }

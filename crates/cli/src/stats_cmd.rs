@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::Args;
 use qforge_core::codec::{decode, encode};
-use qforge_core::{Calibrator, Digest, MergePolicy, QuantParams, Stats};
-use serde_json::{Value, json};
+use qforge_core::{Calibrator, MergePolicy, QuantParams, Stats, StatsReport};
 
-use crate::output::write_atomic;
+use crate::output::{Written, print_json, print_report};
 use crate::{OutputFlags, OutputPath, UsageError};
+use qforge_model::output::write_atomic;
 
 /// Arguments of `qforge stats observe`.
 #[derive(Args)]
@@ -104,24 +104,21 @@ pub fn merge(args: MergeArgs) -> Result<()> {
 /// Prints what was written.
 fn report(stats: &Stats, path: &Path, flags: OutputFlags) -> Result<()> {
     if flags.json {
-        let mut out = stats_json(stats, &Calibrator::defaults());
-        out["output"] = json!(path.display().to_string());
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        let values: u64 = stats.tensors.values().map(|t| t.histogram().count()).sum();
-        println!(
-            "wrote {}: {} tensor(s), {} finite value(s), {} batch(es){}",
-            path.display(),
-            stats.tensors.len(),
-            values,
-            stats.provenance.batches.len(),
-            if stats.provenance.forced {
-                " (forced merge)"
-            } else {
-                ""
-            }
-        );
+        let report = StatsReport::new(stats, &Calibrator::defaults());
+        return print_json(&Written::new(path, &report));
     }
+    let values: u64 = stats.tensors.values().map(|t| t.histogram().count()).sum();
+    let forced = if stats.provenance.forced {
+        " (forced merge)"
+    } else {
+        ""
+    };
+    println!(
+        "wrote {}: {} tensor(s), {values} finite value(s), {} batch(es){forced}",
+        path.display(),
+        stats.tensors.len(),
+        stats.provenance.batches.len(),
+    );
     Ok(())
 }
 
@@ -149,128 +146,5 @@ pub fn show(args: ShowArgs) -> Result<()> {
             eprintln!("warning: tensor {name}: no finite values; thresholds are null");
         }
     }
-    if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&stats_json(&stats, &calibrators))?
-        );
-        return Ok(());
-    }
-    print_human(&stats, &calibrators);
-    Ok(())
-}
-
-/// An f32 as JSON with its shortest round-tripping digits (`3.3002303`, not
-/// the `3.3002302646636963` of a widened f64); `null` for `None`.
-pub fn number(value: Option<f32>) -> Value {
-    value.map_or(Value::Null, f32_json)
-}
-
-/// An f32 as a JSON number with its shortest round-tripping digits.
-pub fn f32_json(value: f32) -> Value {
-    value
-        .to_string()
-        .parse::<f64>()
-        .ok()
-        .and_then(serde_json::Number::from_f64)
-        .map_or(Value::Null, Value::Number)
-}
-
-/// The JSON document of `stats show --json`.
-pub fn stats_json(stats: &Stats, calibrators: &[Calibrator]) -> Value {
-    let tensors: serde_json::Map<String, Value> = stats
-        .tensors
-        .iter()
-        .map(|(name, tensor)| {
-            let h = tensor.histogram();
-            let thresholds: serde_json::Map<String, Value> = calibrators
-                .iter()
-                .map(|c| (c.name().to_owned(), number(c.threshold(h))))
-                .collect();
-            let ranges: serde_json::Map<String, Value> = calibrators
-                .iter()
-                .filter_map(|c| {
-                    c.range(h)
-                        .map(|(lo, hi)| (c.name().to_owned(), json!([f32_json(lo), f32_json(hi)])))
-                })
-                .collect();
-            let mut entry = json!({
-                "count": h.count(),
-                "zero": h.zero(),
-                "min": number(h.min()),
-                "max": number(h.max()),
-                "nan": h.nan(),
-                "pos_inf": h.pos_inf(),
-                "neg_inf": h.neg_inf(),
-                "thresholds": thresholds,
-                "ranges": ranges,
-                "calibrators": calibrators.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
-            });
-            if let Some(channels) = tensor.channel_abs_max() {
-                entry["channel_abs_max"] = channels.into_iter().map(f32_json).collect();
-            }
-            (name.clone(), entry)
-        })
-        .collect();
-    json!({
-        "provenance": stats.provenance,
-        "coverage": stats.provenance.coverage(),
-        "tensors": tensors,
-    })
-}
-
-fn print_human(stats: &Stats, calibrators: &[Calibrator]) {
-    let p = &stats.provenance;
-    let hashes = |set: &std::collections::BTreeSet<Digest>| {
-        if set.is_empty() {
-            "-".to_owned()
-        } else {
-            set.iter()
-                .map(|d| d.to_hex()[..16].to_owned())
-                .collect::<Vec<_>>()
-                .join(", ")
-        }
-    };
-    println!("model:   {}", hashes(&p.models));
-    println!("data:    {}", hashes(&p.data));
-    println!("recipe:  {}", hashes(&p.recipes));
-    println!(
-        "pass:    {}",
-        p.passes.iter().cloned().collect::<Vec<_>>().join(", ")
-    );
-    println!(
-        "batches: {} of {} planned ({:.1} % coverage){}",
-        p.batches.len(),
-        p.planned,
-        100.0 * p.coverage(),
-        if p.forced { " (forced merge)" } else { "" }
-    );
-    if p.mixed_hardware {
-        println!(
-            "note:    observed on workers with different determinism fingerprints; \
-             exact only up to forward-pass rounding"
-        );
-    }
-    println!();
-    let fmt = |v: Option<f32>| v.map_or("-".to_owned(), |v| format!("{v:.6e}"));
-    for (name, tensor) in &stats.tensors {
-        let h = tensor.histogram();
-        println!("{name}");
-        println!(
-            "  count {}  zero {}  min {}  max {}  nan {}  +inf {}  -inf {}",
-            h.count(),
-            h.zero(),
-            fmt(h.min()),
-            fmt(h.max()),
-            h.nan(),
-            h.pos_inf(),
-            h.neg_inf()
-        );
-        for c in calibrators {
-            println!("  {:<18} {}", c.to_string(), fmt(c.threshold(h)));
-        }
-        if let Some(channels) = tensor.channel_abs_max() {
-            println!("  {} channels with abs-max", channels.len());
-        }
-    }
+    print_report(&StatsReport::new(&stats, &calibrators), args.flags)
 }

@@ -8,14 +8,19 @@
 //! under any sharding, retry order or worker count.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, Normal, StudentT};
 
+use serde::Serialize;
+
 use crate::codec::encode;
+use crate::report::StatsReport;
 use crate::{
-    BatchId, Digest, DigestBuilder, Error, MergePolicy, Provenance, Result, Stats, TensorStats,
+    BatchId, Calibrator, Digest, DigestBuilder, Error, MergePolicy, Provenance, Result, Stats,
+    TensorStats,
 };
 
 /// Channels of every synthetic activation (rows × CHANNELS per batch).
@@ -48,6 +53,90 @@ pub struct DemoRun {
     pub single_worker: Duration,
     /// Wall time of the sharded run.
     pub sharded: Duration,
+    /// The options it ran with.
+    pub options: DemoOptions,
+}
+
+/// What a demo shows: its statistics under the default calibrators, and how
+/// the two runs went.
+#[derive(Serialize)]
+pub struct DemoReport<'a> {
+    #[serde(flatten)]
+    stats: StatsReport<'a>,
+    demo: DemoSummary,
+}
+
+#[derive(Serialize)]
+struct DemoSummary {
+    batches: usize,
+    values_per_tensor: usize,
+    workers: usize,
+    /// Always true: a run whose two encodings differ is an error.
+    identical: bool,
+    sha256: String,
+    single_worker_seconds: f64,
+    sharded_seconds: f64,
+}
+
+impl DemoRun {
+    /// The report of this run.
+    pub fn report(&self) -> DemoReport<'_> {
+        DemoReport {
+            stats: StatsReport::new(&self.stats, &Calibrator::defaults()),
+            demo: DemoSummary {
+                batches: self.options.batches,
+                values_per_tensor: self.values_per_tensor,
+                workers: self.options.workers,
+                identical: true,
+                sha256: Digest::of(&self.encoded).to_hex(),
+                single_worker_seconds: self.single_worker.as_secs_f64(),
+                sharded_seconds: self.sharded.as_secs_f64(),
+            },
+        }
+    }
+}
+
+impl fmt::Display for DemoRun {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let o = &self.options;
+        writeln!(
+            f,
+            "observed {} tensors × {} values in {} batches",
+            TENSORS.len(),
+            self.values_per_tensor,
+            o.batches
+        )?;
+        writeln!(f, "  1 worker:  {:.2} s", self.single_worker.as_secs_f64())?;
+        writeln!(
+            f,
+            "  {} workers: {:.2} s (round-robin shards, merged in reverse order)",
+            o.workers,
+            self.sharded.as_secs_f64()
+        )?;
+        let digest = Digest::of(&self.encoded).to_hex();
+        writeln!(
+            f,
+            "byte-identical statistics: yes (sha256 {})",
+            &digest[..16]
+        )?;
+        write!(
+            f,
+            "\n{:<12} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            "tensor", "minmax", "p99.99", "entropy", "mse", "sigma(3)"
+        )?;
+        for (name, tensor) in &self.stats.tensors {
+            write!(f, "\n{name:<12}")?;
+            for c in Calibrator::defaults() {
+                let threshold = c.threshold(tensor.histogram());
+                write!(
+                    f,
+                    " {:>11}",
+                    threshold.map_or("-".into(), |t| format!("{t:.4}"))
+                )?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl DemoOptions {
@@ -127,6 +216,7 @@ pub fn run(options: DemoOptions) -> Result<DemoRun> {
         values_per_tensor: rows * CHANNELS * options.batches,
         single_worker,
         sharded,
+        options,
     })
 }
 

@@ -31,6 +31,7 @@ pub mod gram;
 pub mod histogram;
 pub mod metrics;
 pub mod params;
+pub mod report;
 pub mod stats;
 
 pub use calibrate::Calibrator;
@@ -40,4 +41,5 @@ pub use gram::{Gram, GramTier};
 pub use histogram::{Histogram, ObserveTier};
 pub use metrics::{ErrorMetrics, error_metrics};
 pub use params::{Fit, QuantParams, RangeWarning};
+pub use report::StatsReport;
 pub use stats::{BatchId, Digest, DigestBuilder, MergePolicy, Provenance, Stats, TensorStats};

@@ -25,7 +25,7 @@ pub use error::{Error, Result};
 pub use executor::{
     ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition, RedisExecutor,
 };
-pub use record::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
+pub use record::{Delivery, MAX_ATTEMPTS, PassReport, Progress, RunSummary, WorkerReport};
 
 /// The build a worker reports when it joins a run.
 pub const BUILD: &str = concat!("qforge ", env!("CARGO_PKG_VERSION"));

@@ -2,9 +2,12 @@
 //! merger both write, and that executors, the CLI and `report.json` read.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::PathBuf;
 
+use qforge_calib::{Job, Session, Stratum};
 use qforge_core::{BatchId, Stats};
+use serde::Serialize;
 
 use crate::backend::Failure;
 
@@ -91,4 +94,142 @@ pub struct RunSummary {
     /// Every result delivered in this session, in arrival order (the
     /// workers' timeline).
     pub timeline: Vec<Delivery>,
+}
+
+/// A calibration pass as `qforge calibrate` reports it: its run record, its
+/// plan and the hashes the statistics carry. JSON through `Serialize`; the
+/// line a person reads through `Display`.
+#[derive(Serialize)]
+pub struct PassReport<'a> {
+    run: &'a str,
+    backend: &'a str,
+    planned_batches: usize,
+    merged_batches: usize,
+    coverage: f64,
+    resumed_batches: usize,
+    duplicates: usize,
+    quarantined_results: usize,
+    retries: usize,
+    speculative_executions: usize,
+    mixed_hardware: bool,
+    quarantined: Vec<Quarantined<'a>>,
+    checkpoints_written: usize,
+    samples: usize,
+    rows: usize,
+    seconds: f64,
+    rows_per_s: f64,
+    /// Which rewards the samples came from (`Stratify::Reward`; empty
+    /// otherwise), lowest first.
+    reward_strata: &'a [Stratum],
+    workers: BTreeMap<&'a str, WorkerRate<'a>>,
+    model_sha256: String,
+    data_sha256: String,
+    recipe_sha256: String,
+    /// Workers the pass ran on (threads, or cluster workers that reported).
+    #[serde(skip)]
+    worker_count: usize,
+}
+
+#[derive(Serialize)]
+struct Quarantined<'a> {
+    batch: String,
+    error: &'a Failure,
+}
+
+#[derive(Serialize)]
+struct WorkerRate<'a> {
+    #[serde(flatten)]
+    report: &'a WorkerReport,
+    batches_per_s: f64,
+}
+
+impl RunSummary {
+    /// The report of this pass of `job` over `session`'s plan, run as `run`
+    /// on `backend` with `worker_count` workers.
+    pub fn report<'a>(
+        &'a self,
+        session: &'a Session,
+        job: &Job,
+        run: &'a str,
+        backend: &'a str,
+        worker_count: usize,
+    ) -> PassReport<'a> {
+        let plan = &session.plan;
+        PassReport {
+            run,
+            backend,
+            planned_batches: self.planned,
+            merged_batches: self.merged,
+            coverage: self.coverage,
+            resumed_batches: self.resumed,
+            duplicates: self.duplicates,
+            quarantined_results: self.quarantined_results,
+            retries: self.retries,
+            speculative_executions: self.speculative,
+            mixed_hardware: self.stats.provenance.mixed_hardware,
+            quarantined: self
+                .quarantined
+                .iter()
+                .map(|(id, error)| Quarantined {
+                    batch: id.to_string(),
+                    error,
+                })
+                .collect(),
+            checkpoints_written: self.checkpoints_written,
+            samples: plan.samples,
+            rows: plan.rows,
+            seconds: self.seconds,
+            rows_per_s: plan.rows as f64 / self.seconds.max(1e-9),
+            reward_strata: &plan.strata,
+            workers: self
+                .workers
+                .iter()
+                .map(|(name, report)| {
+                    let rate = report.merged as f64 / report.busy_seconds.max(1e-9);
+                    let rate = WorkerRate {
+                        report,
+                        batches_per_s: rate,
+                    };
+                    (name.as_str(), rate)
+                })
+                .collect(),
+            model_sha256: job.model.to_hex(),
+            data_sha256: job.data.to_hex(),
+            recipe_sha256: job.recipe.digest().to_hex(),
+            worker_count,
+        }
+    }
+}
+
+impl fmt::Display for PassReport<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{} batches ({:.1} % coverage), {} samples, {} rows in {:.1} s with {} workers",
+            self.merged_batches,
+            self.planned_batches,
+            100.0 * self.coverage,
+            self.samples,
+            self.rows,
+            self.seconds,
+            self.worker_count,
+        )?;
+        if self.resumed_batches > 0 {
+            let resumed = self.resumed_batches;
+            write!(f, ", {resumed} batches resumed from a checkpoint")?;
+        }
+        if !self.reward_strata.is_empty() {
+            let strata: Vec<String> = self
+                .reward_strata
+                .iter()
+                .map(|s| {
+                    let (lo, hi) = (s.min_reward, s.max_reward);
+                    format!("[{lo}, {hi}] {}/{}", s.drawn, s.available)
+                })
+                .collect();
+            let strata = strata.join(", ");
+            write!(f, "\nreward strata (rewards, drawn/available): {strata}")?;
+        }
+        Ok(())
+    }
 }

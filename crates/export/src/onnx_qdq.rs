@@ -28,7 +28,7 @@ use safetensors::{Dtype, SafeTensors};
 use crate::error::{Error, Result};
 
 /// The opset written: the first with per-axis QuantizeLinear/DequantizeLinear.
-const OPSET: i64 = 13;
+pub const OPSET: i64 = 13;
 /// ONNX IR version of opset 13 (ONNX 1.8).
 const IR_VERSION: i64 = 7;
 

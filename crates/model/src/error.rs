@@ -17,6 +17,10 @@ pub enum Error {
     /// A file's content is malformed.
     #[error("{0}")]
     Format(String),
+    /// An output location cannot be written as asked (it holds something
+    /// qforge did not write).
+    #[error("{0}")]
+    Output(String),
     /// A well-formed input uses something qforge does not support.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -23,6 +23,7 @@ pub mod mlp;
 pub mod observe;
 pub mod onnx;
 pub mod open;
+pub mod output;
 pub mod precision;
 pub mod profile;
 pub mod rollouts;

@@ -74,7 +74,8 @@ fn files_under(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
-fn hash_file(path: &Path) -> Result<FileEntry> {
+/// The SHA-256 and size of the file at `path`.
+pub fn hash_file(path: &Path) -> Result<FileEntry> {
     let mut file = crate::files::open_regular(path)?;
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];

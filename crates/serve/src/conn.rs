@@ -64,6 +64,59 @@ pub struct ConnectionLimits {
     pub drain_timeout: Duration,
 }
 
+/// Descriptors a server keeps for itself beyond its connections: the
+/// model's files, the runtime's, stdio, a refused connection's.
+const RESERVED_DESCRIPTORS: u64 = 64;
+/// The default connection cap where descriptors do not bound it.
+const DEFAULT_MAX_CONNECTIONS: u64 = 65_536;
+
+impl ConnectionLimits {
+    /// The connection cap: `asked`, or by default what this process's
+    /// descriptor limit leaves room for; refused when the limit cannot hold
+    /// it.
+    pub fn connection_cap(asked: Option<usize>) -> crate::Result<usize> {
+        let limit = descriptor_limit();
+        let room = limit.map_or(DEFAULT_MAX_CONNECTIONS, |l| {
+            l.saturating_sub(RESERVED_DESCRIPTORS)
+        });
+        let raise = |l: u64| {
+            format!(
+                "this process may open {l} descriptors and the server keeps {RESERVED_DESCRIPTORS} of them for itself; raise the limit (ulimit -n)"
+            )
+        };
+        let refuse = |why: String| Err(crate::Error::Options(why));
+        match (asked, limit) {
+            (Some(0), _) => refuse("--max-connections must be ≥ 1".into()),
+            (Some(n), Some(l)) if n as u64 > room => refuse(format!(
+                "--max-connections {n} does not fit: {}, or lower --max-connections to {room}",
+                raise(l)
+            )),
+            (Some(n), _) => Ok(n),
+            (None, Some(l)) if room == 0 => {
+                refuse(format!("no room for connections: {}", raise(l)))
+            }
+            (None, _) => Ok(room.min(DEFAULT_MAX_CONNECTIONS) as usize),
+        }
+    }
+}
+
+/// This process's open-file limit (the soft one, which is what `accept`
+/// runs into), if it has one.
+fn descriptor_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes the struct it is given, which we own.
+        let read = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+        (read && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+    }
+    #[cfg(not(unix))]
+    None
+}
+
 /// Why a connection closed, as `qforge_connections_closed_total` counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Closed {

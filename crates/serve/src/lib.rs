@@ -34,4 +34,4 @@ pub use engine::EngineLimits;
 pub use error::{Error, Result};
 pub use rollout::{Arm, RolloutMode, RolloutOptions};
 pub use served::{Calibration, Served, reference_for};
-pub use server::{ServeOptions, serve};
+pub use server::{ServeOptions, serve, termination_signal};

@@ -67,6 +67,34 @@ pub enum RolloutMode {
 }
 
 impl RolloutMode {
+    /// A split from its shares, `int8=A,fp=B`: the INT8 share A / (A + B)
+    /// (an arm left out has share 0).
+    pub fn parse_split(text: &str) -> std::result::Result<RolloutMode, String> {
+        let (mut int8, mut fp) = (0.0, 0.0);
+        for part in text.split(',') {
+            let (arm, share) = part
+                .split_once('=')
+                .ok_or_else(|| format!("{part:?} is not ARM=SHARE (e.g. int8=0.9,fp=0.1)"))?;
+            let share: f64 = share
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+                .ok_or_else(|| format!("the share of {arm} must be a number ≥ 0"))?;
+            match arm.trim() {
+                "int8" => int8 = share,
+                "fp" => fp = share,
+                other => return Err(format!("unknown arm {other:?}: the arms are int8 and fp")),
+            }
+        }
+        if int8 + fp <= 0.0 {
+            return Err("the shares must not all be 0".into());
+        }
+        Ok(RolloutMode::Split {
+            int8_share: int8 / (int8 + fp),
+        })
+    }
+
     /// Whether the mode needs the reference model.
     pub fn needs_reference(self) -> bool {
         !matches!(self, RolloutMode::Int8Only)

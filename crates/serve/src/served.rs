@@ -56,6 +56,18 @@ pub struct Calibration {
 }
 
 impl Served {
+    /// Bytes of KV cache `tokens` positions take (K and V, f32, per layer
+    /// and KV head); 0 for a policy.
+    pub fn kv_bytes(&self, tokens: usize) -> usize {
+        match self {
+            Served::Policy { .. } => 0,
+            Served::Language { model, .. } => {
+                let c = model.model.config();
+                tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+            }
+        }
+    }
+
     /// Opens the model at `path` and, if given, its full-precision
     /// `reference` (of the same kind); a language model answers to `name`
     /// (default: the file's stem) within `limits`.

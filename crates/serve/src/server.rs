@@ -561,6 +561,33 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// Completes on SIGTERM or Ctrl-C: the `shutdown` a server run from a
+/// terminal or by a process manager stops on.
+pub async fn termination_signal(drain: Duration) {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {},
+        () = terminate => {},
+    }
+    tracing::info!(
+        "shutting down; finishing requests in flight (for at most {} ms)",
+        drain.as_millis()
+    );
+}
+
 /// Serves `served` until `shutdown` completes, then lets in-flight requests
 /// finish for at most the drain timeout. `on_bound` hears the bound address
 /// (port 0 resolved) once the socket listens.
@@ -570,7 +597,7 @@ pub async fn serve(
     on_bound: impl FnOnce(SocketAddr),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    check_options(&options)?;
+    options.validate()?;
     let metrics = Arc::new(Metrics::default());
     let backend = start_backend(served, &options, &metrics)?;
     let state = Arc::new(AppState {
@@ -596,8 +623,14 @@ pub async fn serve(
     Ok(())
 }
 
-/// Refuses limits of zero, a rollback threshold or window out of range,
-/// and drift settings out of range.
+impl ServeOptions {
+    /// Refuses limits of zero, a rollout share, rollback threshold or
+    /// window out of range, and drift settings out of range.
+    pub fn validate(&self) -> Result<()> {
+        check_options(self)
+    }
+}
+
 fn check_options(options: &ServeOptions) -> Result<()> {
     if options.max_batch == 0
         || options.max_rows == 0
@@ -621,6 +654,16 @@ fn check_options(options: &ServeOptions) -> Result<()> {
         ));
     }
     let rollout = options.rollout;
+    let share_ok = match rollout.mode {
+        RolloutMode::Int8Only => true,
+        RolloutMode::Split { int8_share } => (0.0..=1.0).contains(&int8_share),
+        RolloutMode::Shadow { sample } => sample > 0.0 && sample <= 1.0,
+    };
+    if !share_ok {
+        return Err(Error::Options(
+            "the INT8 share of a split must be in [0, 1] and a shadow's sample in (0, 1]".into(),
+        ));
+    }
     if !(rollout.threshold.is_finite() && (0.0..=1.0).contains(&rollout.threshold))
         || rollout.agreement_window == 0
         || rollout.reward_window == 0
