@@ -229,7 +229,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(error) => {
             eprintln!("error: {}", message(&error));
-            if error.downcast_ref::<UsageError>().is_some() {
+            let wrong_kind = matches!(
+                error.downcast_ref(),
+                Some(qforge_model::Error::WrongKind(_))
+            );
+            if wrong_kind || error.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(EXIT_USAGE)
             } else if error.downcast_ref::<GuardRefusal>().is_some() {
                 ExitCode::from(EXIT_GUARD)

@@ -7,11 +7,12 @@ use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::Calibrator;
 use qforge_model::artifact::is_artifact;
 use qforge_model::lm::{compare, perplexity};
-use qforge_model::precision::StaticScales;
-use qforge_model::sensitivity::{llm_layer_sqnr, policy_layer_sqnr};
-use qforge_model::{Activations, GenerateOptions, LanguageModel, MlpPolicy, Model};
+use qforge_model::precision::{RunPrecision, StaticScales};
+use qforge_model::sensitivity::{LayerReport, llm_layer_sqnr, policy_layer_sqnr};
+use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy, Model};
 use serde_json::json;
 
+use crate::output::{print_json, print_report};
 use crate::{OutputFlags, UsageError};
 
 /// Numeric precision to run a model in.
@@ -27,10 +28,6 @@ pub enum Precision {
     /// calibration statistics (--stats) and a calibrator (--calibrator).
     Int8Static,
 }
-
-/// How the input of each linear layer (named by its observation point) is
-/// quantized.
-type ActivationsByPoint = Box<dyn Fn(&str) -> qforge_model::Result<Activations>>;
 
 /// How to run the model under test.
 #[derive(Args)]
@@ -49,11 +46,10 @@ pub struct PrecisionArgs {
 }
 
 impl PrecisionArgs {
-    /// How each linear layer's activations are quantized, by observation
-    /// point; `None` for full precision (or, for a native artifact, its
-    /// stored precisions).
-    fn activations(&self, model: &Path) -> Result<Option<ActivationsByPoint>> {
-        if is_artifact(model) && (self.precision != Precision::F32 || self.stats.is_some()) {
+    /// The precision these flags name for the model at `model`.
+    fn resolve(&self, model: &Path) -> Result<RunPrecision> {
+        let artifact = is_artifact(model);
+        if artifact && (self.precision != Precision::F32 || self.stats.is_some()) {
             return Err(UsageError(format!(
                 "{} is a quantized artifact and runs in the precisions stored in it; drop --precision/--stats (or point --model at its full-precision source)",
                 model.display()
@@ -61,12 +57,12 @@ impl PrecisionArgs {
             .into());
         }
         match (self.precision, &self.stats) {
-            (Precision::F32, None) => Ok(None),
-            (Precision::Int8Dynamic, None) => Ok(Some(Box::new(|_| Ok(Activations::Dynamic)))),
-            (Precision::Int8Static, Some(path)) => {
-                let scales = StaticScales::read(path, model, self.calibrator)?;
-                Ok(Some(Box::new(move |point: &str| scales.activations(point))))
-            }
+            (Precision::F32, None) if artifact => Ok(RunPrecision::Stored),
+            (Precision::F32, None) => Ok(RunPrecision::F32),
+            (Precision::Int8Dynamic, None) => Ok(RunPrecision::Int8Dynamic),
+            (Precision::Int8Static, Some(path)) => Ok(RunPrecision::Int8Static(
+                StaticScales::read(path, model, self.calibrator)?,
+            )),
             (Precision::Int8Static, None) => Err(UsageError(
                 "--precision int8-static needs --stats FILE.qstats (from `qforge calibrate`)"
                     .into(),
@@ -78,61 +74,18 @@ impl PrecisionArgs {
         }
     }
 
-    /// The language model in this precision.
-    fn apply_lm(&self, mut lm: LanguageModel, path: &Path) -> Result<LanguageModel> {
-        if let Some(activations) = self.activations(path)? {
-            lm.model = lm
-                .model
-                .with_linears(|point, layer| layer.to_int8(activations(point)?))?;
-        }
-        Ok(lm)
+    /// The language model at `path` in this precision.
+    fn language(&self, path: &Path) -> Result<(LanguageModel, RunPrecision)> {
+        let lm = qforge_model::open(path)?.into_language(path)?;
+        let precision = self.resolve(path)?;
+        Ok((precision.apply_language(lm)?, precision))
     }
 
-    /// The policy in this precision.
-    fn apply_policy(&self, policy: MlpPolicy, path: &Path) -> Result<MlpPolicy> {
-        Ok(match self.activations(path)? {
-            None => policy,
-            Some(activations) => {
-                policy.with_linears(|point, layer| layer.to_int8(activations(point)?))?
-            }
-        })
-    }
-
-    /// The name printed in JSON output.
-    fn name(&self, model: &Path) -> String {
-        if is_artifact(model) {
-            return "artifact (stored precisions)".into();
-        }
-        match self.precision {
-            Precision::F32 => "f32".into(),
-            Precision::Int8Dynamic => "int8-dynamic".into(),
-            Precision::Int8Static => format!("int8-static ({})", self.calibrator),
-        }
-    }
-}
-
-/// Loads a language model; a policy is a usage error.
-pub fn load_language_model(path: &Path) -> Result<LanguageModel> {
-    match qforge_model::open(path)? {
-        Model::Language(lm) => Ok(*lm),
-        Model::Policy(_) => Err(UsageError(format!(
-            "{} is a policy; this command needs a language model (GGUF file or Hugging Face directory)",
-            path.display()
-        ))
-        .into()),
-    }
-}
-
-/// Loads a policy directory, ONNX policy or policy artifact; a language
-/// model is a usage error.
-pub fn load_policy(path: &Path) -> Result<MlpPolicy> {
-    match qforge_model::open(path)? {
-        Model::Policy(policy) => Ok(*policy),
-        Model::Language(_) => Err(UsageError(format!(
-            "{} is a language model; this command runs policies (a policy directory, an ONNX policy or a policy artifact)",
-            path.display()
-        ))
-        .into()),
+    /// The policy at `path` in this precision.
+    fn policy(&self, path: &Path) -> Result<(MlpPolicy, RunPrecision)> {
+        let policy = qforge_model::open(path)?.into_policy(path)?;
+        let precision = self.resolve(path)?;
+        Ok((precision.apply_policy(policy)?, precision))
     }
 }
 
@@ -167,9 +120,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     {
         return Err(UsageError(format!("--temperature must be ≥ 0, got {t}")).into());
     }
-    let lm = args
-        .precision
-        .apply_lm(load_language_model(&args.model)?, &args.model)?;
+    let (lm, precision) = args.precision.language(&args.model)?;
     let prompt = lm.text.tokenizer.encode(&args.prompt)?;
     let generation = lm.generate(
         &prompt,
@@ -181,19 +132,16 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     )?;
     let text = lm.text.tokenizer.decode(&generation.tokens)?;
     if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "text": text,
-                "tokens": generation.tokens,
-                "prompt_tokens": generation.prompt_tokens,
-                "prefill_tokens_per_s": generation.prefill_tokens_per_second(),
-                "decode_tokens_per_s": generation.decode_tokens_per_second(),
-                // Bytes every decode step reads from the linear layers' weights.
-                "linear_weight_bytes": lm.model.linear_weight_bytes(),
-                "precision": args.precision.name(&args.model),
-            }))?
-        );
+        print_json(&json!({
+            "text": text,
+            "tokens": generation.tokens,
+            "prompt_tokens": generation.prompt_tokens,
+            "prefill_tokens_per_s": generation.prefill_tokens_per_second(),
+            "decode_tokens_per_s": generation.decode_tokens_per_second(),
+            // Bytes every decode step reads from the linear layers' weights.
+            "linear_weight_bytes": lm.model.linear_weight_bytes(),
+            "precision": precision.to_string(),
+        }))?;
     } else {
         println!("{text}");
         eprintln!(
@@ -326,114 +274,68 @@ pub fn eval(command: EvalCommand) -> Result<()> {
     match command {
         EvalCommand::Perplexity(args) => {
             check_ctx(args.ctx)?;
-            let lm = args
-                .precision
-                .apply_lm(load_language_model(&args.model)?, &args.model)?;
+            let (lm, _) = args.precision.language(&args.model)?;
             let tokens = read_text_tokens(&lm, &args.text)?;
-            let result = perplexity(&lm.model, &tokens, args.ctx)?;
-            if args.flags.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&json!({
-                        "perplexity": result.perplexity,
-                        "tokens": result.tokens,
-                        "chunks": result.chunks,
-                        "ctx": args.ctx,
-                    }))?
-                );
-            } else {
-                println!(
-                    "perplexity {:.4} over {} scored tokens ({} chunks of {})",
-                    result.perplexity, result.tokens, result.chunks, args.ctx
-                );
-            }
+            print_report(&perplexity(&lm.model, &tokens, args.ctx)?, args.flags)
         }
         EvalCommand::Compare(args) => {
             check_ctx(args.ctx)?;
-            let lm = args
-                .precision
-                .apply_lm(load_language_model(&args.model)?, &args.model)?;
-            let reference = load_language_model(&args.reference)?;
-            if lm.text.tokenizer.vocab_size() != reference.text.tokenizer.vocab_size() {
+            let (lm, _) = args.precision.language(&args.model)?;
+            let reference = qforge_model::open(&args.reference)?.into_language(&args.reference)?;
+            let (ours, theirs) = (
+                lm.text.tokenizer.vocab_size(),
+                reference.text.tokenizer.vocab_size(),
+            );
+            if ours != theirs {
                 bail!(
-                    "the models have different vocabularies ({} vs {} tokens); compare needs the same tokenizer",
-                    lm.text.tokenizer.vocab_size(),
-                    reference.text.tokenizer.vocab_size()
+                    "the models have different vocabularies ({ours} vs {theirs} tokens); compare needs the same tokenizer"
                 );
             }
             let tokens = read_text_tokens(&reference, &args.text)?;
-            let c = compare(&lm.model, &reference.model, &tokens, args.ctx)?;
-            if args.flags.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&json!({
-                        "perplexity": c.perplexity,
-                        "reference_perplexity": c.reference_perplexity,
-                        "kl_divergence": c.kl_divergence,
-                        "top1_agreement": c.top1_agreement,
-                        "tokens": c.tokens,
-                    }))?
-                );
-            } else {
-                println!(
-                    "perplexity {:.4} (reference {:.4}), mean KL {:.6}, top-1 agreement {:.2} % over {} tokens",
-                    c.perplexity,
-                    c.reference_perplexity,
-                    c.kl_divergence,
-                    100.0 * c.top1_agreement,
-                    c.tokens
-                );
-            }
+            let comparison = compare(&lm.model, &reference.model, &tokens, args.ctx)?;
+            print_report(&comparison, args.flags)
         }
-        EvalCommand::Layers(args) => layers(args)?,
-        EvalCommand::Agreement(args) => {
-            let model = args
-                .precision
-                .apply_policy(load_policy(&args.model)?, &args.model)?;
-            let reference = load_policy(&args.reference)?;
-            let dim = reference.config().observation_dim;
-            if model.config().observation_dim != dim
-                || model.config().head != reference.config().head
-            {
-                bail!(
-                    "the policies differ in observation width or head; agreement needs the same interface"
-                );
-            }
-            let observations = read_observations(&args.observations, dim)?;
-            let ours = model.act(&observations)?;
-            let theirs = reference.act(&observations)?;
-            let agreement = reference.agreement(&ours, &theirs);
-            if args.flags.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&json!({
-                        "agreement": agreement,
-                        "observations": ours.len(),
-                    }))?
-                );
-            } else {
-                println!(
-                    "action agreement {:.2} % over {} observations",
-                    100.0 * agreement,
-                    ours.len()
-                );
-            }
-        }
+        EvalCommand::Layers(args) => layers(args),
+        EvalCommand::Agreement(args) => agreement(args),
     }
+}
+
+/// `qforge eval agreement`.
+fn agreement(args: AgreementArgs) -> Result<()> {
+    let (model, _) = args.precision.policy(&args.model)?;
+    let reference = qforge_model::open(&args.reference)?.into_policy(&args.reference)?;
+    let dim = reference.config().observation_dim;
+    if model.config().observation_dim != dim || model.config().head != reference.config().head {
+        bail!(
+            "the policies differ in observation width or head; agreement needs the same interface"
+        );
+    }
+    let observations = read_observations(&args.observations, dim)?;
+    let ours = model.act(&observations)?;
+    let agreement = reference.agreement(&ours, &reference.act(&observations)?);
+    if args.flags.json {
+        return print_json(&json!({ "agreement": agreement, "observations": ours.len() }));
+    }
+    let percent = 100.0 * agreement;
+    println!(
+        "action agreement {percent:.2} % over {} observations",
+        ours.len()
+    );
     Ok(())
 }
 
 /// `qforge eval layers`.
 fn layers(args: LayersArgs) -> Result<()> {
     check_ctx(args.ctx)?;
-    let Some(activations) = args.precision.activations(&args.model)? else {
+    let precision = args.precision.resolve(&args.model)?;
+    let Some(activations) = precision.int8_activations() else {
         return Err(UsageError(
             "eval layers measures an INT8 configuration: pass --precision int8-dynamic or int8-static"
                 .into(),
         )
         .into());
     };
-    let mut report = match (
+    let report = match (
         qforge_model::open(&args.model)?,
         &args.text,
         &args.observations,
@@ -454,34 +356,10 @@ fn layers(args: LayersArgs) -> Result<()> {
             return Err(UsageError("a policy needs --observations".into()).into());
         }
     };
-    // Worst first; identical outputs (no noise) last.
-    report.sort_by(|a, b| {
-        let key = |s: Option<f64>| s.unwrap_or(f64::INFINITY);
-        key(a.sqnr_db).total_cmp(&key(b.sqnr_db))
-    });
-    if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "precision": args.precision.name(&args.model),
-                "layers": report,
-            }))?
-        );
-    } else {
-        println!(
-            "{:>9}  {:>6}  layer ({})",
-            "SQNR dB",
-            "rows",
-            args.precision.name(&args.model)
-        );
-        for layer in &report {
-            let db = layer
-                .sqnr_db
-                .map_or("exact".to_owned(), |db| format!("{db:.2}"));
-            println!("{db:>9}  {:>6}  {}", layer.rows, layer.name);
-        }
-    }
-    Ok(())
+    print_report(
+        &LayerReport::worst_first(precision.to_string(), report),
+        args.flags,
+    )
 }
 
 /// Every observation of a trajectories JSONL file (the calibration data
@@ -533,23 +411,16 @@ pub struct ActArgs {
 /// `qforge act`: a policy's raw head outputs and actions for every
 /// observation of a file.
 pub fn act(args: ActArgs) -> Result<()> {
-    let policy = args
-        .precision
-        .apply_policy(load_policy(&args.model)?, &args.model)?;
+    let (policy, precision) = args.precision.policy(&args.model)?;
     let observations = read_observations(&args.observations, policy.config().observation_dim)?;
     let outputs = policy.forward(&observations, None)?;
     let actions = policy.actions_from_outputs(&outputs);
     let width = policy.config().head.outputs();
     if args.flags.json {
         let rows: Vec<&[f32]> = outputs.chunks_exact(width).collect();
-        println!(
-            "{}",
-            serde_json::to_string(&json!({
-                "precision": args.precision.name(&args.model),
-                "outputs": rows,
-                "actions": actions,
-            }))?
-        );
+        let precision = precision.to_string();
+        let out = json!({ "precision": precision, "outputs": rows, "actions": actions });
+        println!("{}", serde_json::to_string(&out)?);
     } else {
         for action in &actions {
             println!("{}", serde_json::to_string(action)?);

@@ -8,12 +8,12 @@ use clap::{Args, ValueEnum};
 use qforge_dist::{PassEvent, PassPosition};
 use qforge_model::manifest::write_manifest;
 use qforge_model::{Format, RotatedInput};
-use qforge_quant::guard::describe;
 use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
 use qforge_quant::{Inputs, Listener, Pipeline, QuantRecipe};
 use serde_json::json;
 
 use crate::calibrate_cmd::{BackendArgs, PassProgress, StratifyArg};
+use crate::output::print_json;
 use crate::{GuardRefusal, OutputFlags, UsageError};
 use qforge_model::output::write_dir_atomic;
 
@@ -342,57 +342,26 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
         write_manifest(dir, info)?;
         Ok(())
     })?;
-    let d = &quantized.report.decision;
-    let held_description = &quantized.held_out;
-    let model_path = &inputs.model;
-    let out = args.output.display().to_string();
+    let outcome = quantized
+        .report
+        .outcome(&inputs.model, &quantized.held_out, &args.output);
     if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "output": out,
-                "accepted": d.accepted,
-                "artifact": d.accepted,
-                "refusal": d.refusal,
-                "report_json": format!("{out}/report.json"),
-                "report_html": format!("{out}/report.html"),
-                "held_out": held_description,
-                "reference": d.reference,
-                "before": d.before,
-                "after": d.after,
-                "fp_layers": d.fp_layers,
-                "total_layers": d.total_layers,
-                "method": quantized.report.method,
-                "fallback_steps": d.applied_steps,
-                "guard_evaluations": d.evaluations.len(),
-                "coverage": d.coverage,
-                "warnings": d.warnings,
-            }))?
-        );
+        print_json(&outcome)?;
     }
+    let d = &quantized.report.decision;
     for warning in &d.warnings {
         eprintln!("warning: {warning}");
     }
     if !d.accepted {
         return Err(GuardRefusal(format!(
-            "{} No artifact written; the report is in {out}/report.html",
-            d.refusal.as_deref().unwrap_or("the guard refused")
+            "{} No artifact written; the report is in {}/report.html",
+            d.refusal.as_deref().unwrap_or("the guard refused"),
+            args.output.display()
         ))
         .into());
     }
     if !args.flags.json {
-        let method = quantized.report.method.as_ref().map_or(String::new(), |m| {
-            format!(" ({} of {} methods tried)", m.chosen, m.tried.len())
-        });
-        println!(
-            "quantized {}{method}: {}; {} of {} linear layers in FP",
-            model_path.display(),
-            describe(&d.after),
-            d.fp_layers,
-            d.total_layers
-        );
-        println!("artifact: {out}/  (load it with --model {out})");
-        println!("report:   {out}/report.html");
+        println!("{outcome}");
     }
     Ok(())
 }

@@ -13,7 +13,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use qforge_model::rollouts::RolloutOptions;
 use serde_json::json;
 
-use crate::model_cmd::load_language_model;
 use crate::{OutputFlags, OutputPath, UsageError};
 use qforge_model::output::write_atomic;
 
@@ -93,7 +92,7 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
     }
     let output = &args.output.output;
     check_writable(output)?;
-    let lm = load_language_model(&args.model)?;
+    let lm = qforge_model::open(&args.model)?.into_language(&args.model)?;
     let bar = if args.flags.json {
         ProgressBar::hidden()
     } else {

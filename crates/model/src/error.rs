@@ -17,6 +17,10 @@ pub enum Error {
     /// A file's content is malformed.
     #[error("{0}")]
     Format(String),
+    /// The model is of the other kind (a policy where a language model is
+    /// needed, or the reverse): the caller asked for the wrong thing.
+    #[error("{0}")]
+    WrongKind(String),
     /// An output location cannot be written as asked (it holds something
     /// qforge did not write).
     #[error("{0}")]

@@ -410,7 +410,7 @@ fn argmax(values: &[f32]) -> u32 {
 /// `ctx` tokens; in each, only the second half is scored (every scored token
 /// has at least ctx/2 tokens of context), so figures are comparable with
 /// `llama-perplexity`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Perplexity {
     /// exp(mean negative log-likelihood).
     pub perplexity: f64,
@@ -418,6 +418,18 @@ pub struct Perplexity {
     pub tokens: usize,
     /// Number of chunks.
     pub chunks: usize,
+    /// Tokens per chunk.
+    pub ctx: usize,
+}
+
+impl std::fmt::Display for Perplexity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "perplexity {:.4} over {} scored tokens ({} chunks of {})",
+            self.perplexity, self.tokens, self.chunks, self.ctx
+        )
+    }
 }
 
 /// How many chunks of `ctx` a text of `tokens` has; a text shorter than
@@ -471,12 +483,13 @@ pub fn perplexity(model: &Llama, tokens: &[u32], ctx: usize) -> Result<Perplexit
         perplexity: (nll / count as f64).exp(),
         tokens: count,
         chunks,
+        ctx,
     })
 }
 
 /// Two models compared on the same text, as llama.cpp's `--kl-divergence`
 /// reports.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Comparison {
     /// Perplexity of the model under test.
     pub perplexity: f64,
@@ -488,6 +501,20 @@ pub struct Comparison {
     pub top1_agreement: f64,
     /// Number of scored positions.
     pub tokens: usize,
+}
+
+impl std::fmt::Display for Comparison {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "perplexity {:.4} (reference {:.4}), mean KL {:.6}, top-1 agreement {:.2} % over {} tokens",
+            self.perplexity,
+            self.reference_perplexity,
+            self.kl_divergence,
+            100.0 * self.top1_agreement,
+            self.tokens
+        )
+    }
 }
 
 /// A reference model's log-probabilities on a text, computed once so that

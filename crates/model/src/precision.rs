@@ -7,7 +7,70 @@ use std::path::Path;
 use qforge_core::codec::decode;
 use qforge_core::{Calibrator, Stats};
 
-use crate::{Activations, Error, Result};
+use crate::{Activations, Error, LanguageModel, MlpPolicy, Result};
+
+/// The precision a model runs in outside the quantization pipeline
+/// (`qforge generate/eval/act --precision`).
+pub enum RunPrecision {
+    /// Full precision: every weight as loaded, dequantized to f32.
+    F32,
+    /// A native artifact's own per-layer precisions, as stored.
+    Stored,
+    /// Every linear layer (lm_head included) int8, activations quantized
+    /// per token at run time.
+    Int8Dynamic,
+    /// Every linear layer int8, one activation scale per layer input.
+    Int8Static(StaticScales),
+}
+
+impl RunPrecision {
+    /// How the input at `point` is quantized; `None` when the model runs as
+    /// loaded.
+    pub fn activations(&self, point: &str) -> Option<Result<Activations>> {
+        match self {
+            RunPrecision::F32 | RunPrecision::Stored => None,
+            RunPrecision::Int8Dynamic => Some(Ok(Activations::Dynamic)),
+            RunPrecision::Int8Static(scales) => Some(scales.activations(point)),
+        }
+    }
+
+    /// The input quantization of every point, for the INT8 precisions.
+    pub fn int8_activations(&self) -> Option<impl Fn(&str) -> Result<Activations> + '_> {
+        let int8 = !matches!(self, RunPrecision::F32 | RunPrecision::Stored);
+        int8.then_some(|point: &str| self.activations(point).expect("an INT8 precision"))
+    }
+
+    /// `lm` in this precision.
+    pub fn apply_language(&self, mut lm: LanguageModel) -> Result<LanguageModel> {
+        if let Some(activations) = self.int8_activations() {
+            lm.model = lm
+                .model
+                .with_linears(|point, layer| layer.to_int8(activations(point)?))?;
+        }
+        Ok(lm)
+    }
+
+    /// `policy` in this precision.
+    pub fn apply_policy(&self, policy: MlpPolicy) -> Result<MlpPolicy> {
+        match self.int8_activations() {
+            None => Ok(policy),
+            Some(activations) => {
+                policy.with_linears(|point, layer| layer.to_int8(activations(point)?))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for RunPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunPrecision::F32 => f.write_str("f32"),
+            RunPrecision::Stored => f.write_str("artifact (stored precisions)"),
+            RunPrecision::Int8Dynamic => f.write_str("int8-dynamic"),
+            RunPrecision::Int8Static(scales) => write!(f, "int8-static ({})", scales.calibrator),
+        }
+    }
+}
 
 /// One static (per-tensor) activation scale per observation point, chosen by
 /// a calibrator from the statistics a calibration of this very model wrote.

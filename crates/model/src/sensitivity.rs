@@ -26,6 +26,42 @@ pub struct LayerSqnr {
     pub rows: usize,
 }
 
+/// Every layer's SQNR under one INT8 configuration, worst first
+/// (`qforge eval layers`).
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerReport {
+    /// The configuration measured (`int8-dynamic`, …).
+    pub precision: String,
+    /// Worst first; identical outputs (no noise) last.
+    pub layers: Vec<LayerSqnr>,
+}
+
+impl LayerReport {
+    /// `layers` measured under `precision`, sorted worst first.
+    pub fn worst_first(precision: String, mut layers: Vec<LayerSqnr>) -> Self {
+        let key = |s: Option<f64>| s.unwrap_or(f64::INFINITY);
+        layers.sort_by(|a, b| key(a.sqnr_db).total_cmp(&key(b.sqnr_db)));
+        Self { precision, layers }
+    }
+}
+
+impl std::fmt::Display for LayerReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:>9}  {:>6}  layer ({})",
+            "SQNR dB", "rows", self.precision
+        )?;
+        for layer in &self.layers {
+            let db = layer
+                .sqnr_db
+                .map_or("exact".to_owned(), |db| format!("{db:.2}"));
+            write!(f, "\n{db:>9}  {:>6}  {}", layer.rows, layer.name)?;
+        }
+        Ok(())
+    }
+}
+
 /// Every observation point's input rows, concatenated.
 #[derive(Default)]
 struct Capture(BTreeMap<String, (Vec<f32>, usize)>);

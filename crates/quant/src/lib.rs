@@ -38,4 +38,6 @@ pub use error::{Error, Result};
 pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
 pub use pipeline::{Inputs, Listener, Pipeline, Quantized};
 pub use recipe::{Method, QuantRecipe};
-pub use report::{CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, PassRecord, Report};
+pub use report::{
+    CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, Outcome, PassRecord, Report,
+};

@@ -570,3 +570,82 @@ fn histogram_chart(point: &PointReport) -> Result<String> {
     }
     Ok(svg)
 }
+
+/// What `qforge quantize` prints when it is done: the decision's headline,
+/// for people (`Display`, with the artifact's `out`) and programs
+/// (`Serialize`).
+#[derive(Serialize)]
+pub struct Outcome<'a> {
+    output: &'a std::path::Path,
+    accepted: bool,
+    /// The same as `accepted`: whether an artifact was written.
+    artifact: bool,
+    refusal: &'a Option<String>,
+    report_json: std::path::PathBuf,
+    report_html: std::path::PathBuf,
+    held_out: &'a str,
+    reference: &'a GuardMetrics,
+    before: &'a GuardMetrics,
+    after: &'a GuardMetrics,
+    fp_layers: usize,
+    total_layers: usize,
+    method: &'a Option<MethodSearch>,
+    fallback_steps: usize,
+    guard_evaluations: usize,
+    coverage: f64,
+    warnings: &'a [String],
+    #[serde(skip)]
+    model: &'a std::path::Path,
+}
+
+impl Report {
+    /// The outcome of quantizing `model` into `output`, the guard having
+    /// evaluated on `held_out`.
+    pub fn outcome<'a>(
+        &'a self,
+        model: &'a std::path::Path,
+        held_out: &'a str,
+        output: &'a std::path::Path,
+    ) -> Outcome<'a> {
+        let d = &self.decision;
+        Outcome {
+            output,
+            accepted: d.accepted,
+            artifact: d.accepted,
+            refusal: &d.refusal,
+            report_json: output.join("report.json"),
+            report_html: output.join("report.html"),
+            held_out,
+            reference: &d.reference,
+            before: &d.before,
+            after: &d.after,
+            fp_layers: d.fp_layers,
+            total_layers: d.total_layers,
+            method: &self.method,
+            fallback_steps: d.applied_steps,
+            guard_evaluations: d.evaluations.len(),
+            coverage: d.coverage,
+            warnings: &d.warnings,
+            model,
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let method = self.method.as_ref().map_or(String::new(), |m| {
+            format!(" ({} of {} methods tried)", m.chosen, m.tried.len())
+        });
+        writeln!(
+            f,
+            "quantized {}{method}: {}; {} of {} linear layers in FP",
+            self.model.display(),
+            crate::guard::describe(self.after),
+            self.fp_layers,
+            self.total_layers
+        )?;
+        let out = self.output.display();
+        writeln!(f, "artifact: {out}/  (load it with --model {out})")?;
+        write!(f, "report:   {}", self.report_html.display())
+    }
+}
