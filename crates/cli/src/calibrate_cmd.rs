@@ -173,12 +173,7 @@ impl BackendArgs {
             speculation: s.speculation,
             outage_limit: Duration::from_secs_f64(s.outage_limit),
         };
-        settings.validate().map_err(|_| {
-            UsageError(
-                "--heartbeat-timeout-ms must exceed --heartbeat-ms (at least 1), and --speculation be in [1, 2]"
-                    .into(),
-            )
-        })?;
+        settings.validate().map_err(|e| UsageError(e.to_string()))?;
         Ok(match &self.cluster {
             Some(url) => Box::new(RedisExecutor {
                 redis: self.password.address(url)?,

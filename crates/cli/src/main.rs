@@ -41,19 +41,6 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
-/// The accuracy guard refused every configuration within the FP cap; no
-/// artifact was written.
-#[derive(Debug)]
-pub struct GuardRefusal(pub String);
-
-impl std::fmt::Display for GuardRefusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for GuardRefusal {}
-
 #[derive(Parser)]
 #[command(
     name = "qforge",
@@ -235,7 +222,7 @@ fn main() -> ExitCode {
             );
             if wrong_kind || error.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(EXIT_USAGE)
-            } else if error.downcast_ref::<GuardRefusal>().is_some() {
+            } else if let Some(qforge_quant::Error::Refused(_)) = error.downcast_ref() {
                 ExitCode::from(EXIT_GUARD)
             } else {
                 ExitCode::from(EXIT_FAILURE)

@@ -1,21 +1,19 @@
 //! `qforge quantize`: calibrate → recipe → guard → native artifact, with
 //! `report.json`, `report.html` and `manifest.json`, written atomically.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow};
 use clap::{Args, ValueEnum};
 use qforge_dist::{PassEvent, PassPosition};
-use qforge_model::manifest::write_manifest;
 use qforge_model::{Format, RotatedInput};
 use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
+use qforge_quant::returns::{ReturnCheck, bundled};
 use qforge_quant::{Inputs, Listener, Pipeline, QuantRecipe};
-use serde_json::json;
 
 use crate::calibrate_cmd::{BackendArgs, PassProgress, StratifyArg};
-use crate::output::print_json;
-use crate::{GuardRefusal, OutputFlags, UsageError};
-use qforge_model::output::write_dir_atomic;
+use crate::output::{print_json, print_report};
+use crate::{OutputFlags, UsageError};
 
 /// The policy `qforge quantize` uses when given no model, relative to the
 /// repository root.
@@ -217,49 +215,6 @@ impl QuantizeArgs {
     }
 }
 
-/// The bundled default: found beside the working directory (a checkout) or
-/// in the source tree this binary was built from.
-fn bundled(relative: &str) -> Result<PathBuf> {
-    let candidates = [
-        PathBuf::from(relative),
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../..")
-            .join(relative),
-    ];
-    candidates
-        .into_iter()
-        .find(|p| p.exists())
-        .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
-        .with_context(|| {
-            format!(
-                "the bundled default {relative} is not here (run from a qforge checkout), or pass --model and --data"
-            )
-        })
-}
-
-/// Runs scripts/eval-return on the artifact in `dir` and returns its JSON.
-fn return_check(dir: &Path, env: &str, episodes: usize) -> Result<serde_json::Value> {
-    let script = bundled("scripts/eval-return")?;
-    let output = std::process::Command::new(&script)
-        .arg(env)
-        .arg(dir)
-        .arg("--episodes")
-        .arg(episodes.to_string())
-        .env(
-            "QFORGE",
-            std::env::current_exe().context("cannot locate this qforge")?,
-        )
-        .output()
-        .with_context(|| format!("cannot run {}", script.display()))?;
-    if !output.status.success() {
-        bail!(
-            "the return check failed: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    serde_json::from_slice(&output.stdout).context("the return check printed no JSON")
-}
-
 /// The pipeline's events on the terminal: progress bars per pass and lines
 /// on stderr (only warnings with `--json`).
 struct Terminal {
@@ -284,7 +239,11 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     let recipe = args.recipe()?;
     let (model, data) = match (&args.model, &args.data) {
         (Some(m), Some(d)) => (m.clone(), d.clone()),
-        _ => (bundled(BUNDLED_MODEL)?, bundled(BUNDLED_DATA)?),
+        _ => {
+            let default =
+                |path| bundled(path).map_err(|e| anyhow!("{e}, or pass --model and --data"));
+            (default(BUNDLED_MODEL)?, default(BUNDLED_DATA)?)
+        }
     };
     let is_policy = Format::is_policy(&model)?;
     if args.env.is_some() && !is_policy {
@@ -318,47 +277,34 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     };
     let quantized = pipeline.run(&inputs, &mut terminal)?;
     drop(terminal);
-    write_dir_atomic(&args.output, |dir| -> Result<()> {
-        let mut info = quantized.write(dir)?;
-        let Some(env) = args.env.as_ref().filter(|_| quantized.accepted()) else {
-            return Ok(());
-        };
-        // The return check needs the written artifact (and its manifest,
-        // which names the FP source); the manifest is then rewritten with
-        // the result.
-        let result = return_check(dir, env, args.env_episodes)?;
-        let consistency = result["consistency"].as_f64().unwrap_or(f64::NAN);
-        if !quiet {
-            eprintln!("guard: return in {env}: {result}");
-        }
-        info["guard"]["return"] = result;
-        if consistency.is_nan() || consistency < args.min_return_consistency {
-            return Err(GuardRefusal(format!(
-                "return consistency {consistency:.4} in {env} is below {}; no artifact written",
-                args.min_return_consistency
-            ))
-            .into());
-        }
-        write_manifest(dir, info)?;
-        Ok(())
-    })?;
+    let returns = match &args.env {
+        Some(env) => Some(ReturnCheck {
+            env: env.clone(),
+            episodes: args.env_episodes,
+            min_consistency: args.min_return_consistency,
+            qforge: std::env::current_exe().context("cannot locate this qforge")?,
+        }),
+        None => None,
+    };
+    if let Some(result) = quantized.write_to(&args.output, returns.as_ref())?
+        && !quiet
+    {
+        eprintln!(
+            "guard: return in {}: {result}",
+            args.env.as_deref().unwrap_or("")
+        );
+    }
     let outcome = quantized
         .report
         .outcome(&inputs.model, &quantized.held_out, &args.output);
     if args.flags.json {
         print_json(&outcome)?;
     }
-    let d = &quantized.report.decision;
-    for warning in &d.warnings {
+    for warning in &quantized.report.decision.warnings {
         eprintln!("warning: {warning}");
     }
-    if !d.accepted {
-        return Err(GuardRefusal(format!(
-            "{} No artifact written; the report is in {}/report.html",
-            d.refusal.as_deref().unwrap_or("the guard refused"),
-            args.output.display()
-        ))
-        .into());
+    if let Some(refusal) = quantized.refusal(&args.output) {
+        return Err(refusal.into());
     }
     if !args.flags.json {
         println!("{outcome}");
@@ -378,28 +324,7 @@ pub struct VerifyArgs {
 
 /// `qforge verify`: re-hash every file the manifest lists.
 pub fn verify_command(args: VerifyArgs) -> Result<()> {
-    let manifest = qforge_model::manifest::verify(&args.dir)?;
-    let bytes: u64 = manifest.files.values().map(|f| f.bytes).sum();
-    if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "dir": args.dir.display().to_string(),
-                "ok": true,
-                "files": manifest.files.len(),
-                "bytes": bytes,
-                "qforge_version": manifest.qforge_version,
-            }))?
-        );
-    } else {
-        println!(
-            "{}: {} files ({bytes} bytes) match manifest.json (written by qforge {})",
-            args.dir.display(),
-            manifest.files.len(),
-            manifest.qforge_version
-        );
-    }
-    Ok(())
+    print_report(&qforge_model::manifest::verified(&args.dir)?, args.flags)
 }
 
 /// `--hadamard`'s list.

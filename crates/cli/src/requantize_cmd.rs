@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use qforge_quant::requantize::requantize;
-use serde_json::json;
 
+use crate::output::{Written, print_json};
 use crate::{OutputFlags, UsageError};
 use qforge_model::output::write_dir_atomic;
 
@@ -47,40 +47,14 @@ pub fn requantize_command(args: RequantizeArgs) -> Result<()> {
         requantized.write(dir)?;
         Ok(())
     })?;
-    let w = requantized.weights;
+    let report = requantized.report();
     if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "output": args.output.display().to_string(),
-                "like": args.like.display().to_string(),
-                "int8_weights": w.int8_weights,
-                "changed_weights": w.changed,
-                "changed_share": w.share(),
-                "drift": requantized.drift,
-                "drift_threshold": args.drift_threshold,
-                "seconds": requantized.seconds,
-            }))?
-        );
+        print_json(&Written::new(&args.output, &report))?;
     } else {
-        println!(
-            "requantized {} like {} in {:.3} s: {} of {} int8 weights changed ({:.3} %)",
-            args.model.display(),
-            args.like.display(),
-            requantized.seconds,
-            w.changed,
-            w.int8_weights,
-            100.0 * w.share()
-        );
-        println!("artifact: {}/", args.output.display());
+        println!("{report}\nartifact: {}/", args.output.display());
     }
     for drift in &requantized.drift {
-        eprintln!(
-            "warning: {}: activations on the probe batch grew {:.1} % past the artifact's (threshold {:.1} %); its frozen scale clips: recalibrate with `qforge quantize`",
-            drift.point,
-            100.0 * (drift.ratio - 1.0),
-            100.0 * args.drift_threshold
-        );
+        eprintln!("warning: {}", drift.warning(args.drift_threshold));
     }
     Ok(())
 }

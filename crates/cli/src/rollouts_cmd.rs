@@ -10,9 +10,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use qforge_model::rollouts::RolloutOptions;
-use serde_json::json;
+use qforge_model::rollouts::{RolloutOptions, RolloutsSummary};
 
+use crate::output::{Written, print_json};
 use crate::{OutputFlags, OutputPath, UsageError};
 use qforge_model::output::write_atomic;
 
@@ -124,37 +124,13 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
         lines.push_str(&serde_json::to_string(episode)?);
         lines.push('\n');
     }
-    let rewarded = episodes.iter().filter(|e| e.reward > 0.0).count();
-    let cut_off = episodes.iter().filter(|e| e.finish == "length").count();
-    let tokens: usize = episodes.iter().map(|e| e.tokens).sum();
     bar.finish_and_clear();
     write_atomic(output, lines.as_bytes())?;
-    let seconds = started.elapsed().as_secs_f64();
-    let mean = rewarded as f64 / args.episodes as f64;
+    let summary = RolloutsSummary::of(&episodes, &options, started.elapsed().as_secs_f64());
     if args.flags.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "output": output.display().to_string(),
-                "task": options.task.name(),
-                "episodes": args.episodes,
-                "mean_reward": mean,
-                "reward_counts": {"0": args.episodes - rewarded, "1": rewarded},
-                "cut_off": cut_off,
-                "generated_tokens": tokens,
-                "seconds": seconds,
-                "seed": args.seed,
-                "temperature": args.temperature,
-                "max_tokens": args.max_tokens,
-            }))?
-        );
+        print_json(&Written::new(output, &summary))
     } else {
-        println!(
-            "wrote {}: {} episodes, mean reward {mean:.3} (reward 1: {rewarded}, reward 0: {}), {cut_off} cut off by --max-tokens, {tokens} tokens in {seconds:.1} s",
-            output.display(),
-            args.episodes,
-            args.episodes - rewarded,
-        );
+        println!("wrote {}: {summary}", output.display());
+        Ok(())
     }
-    Ok(())
 }

@@ -107,18 +107,7 @@ fn report(stats: &Stats, path: &Path, flags: OutputFlags) -> Result<()> {
         let report = StatsReport::new(stats, &Calibrator::defaults());
         return print_json(&Written::new(path, &report));
     }
-    let values: u64 = stats.tensors.values().map(|t| t.histogram().count()).sum();
-    let forced = if stats.provenance.forced {
-        " (forced merge)"
-    } else {
-        ""
-    };
-    println!(
-        "wrote {}: {} tensor(s), {values} finite value(s), {} batch(es){forced}",
-        path.display(),
-        stats.tensors.len(),
-        stats.provenance.batches.len(),
-    );
+    println!("wrote {}: {}", path.display(), stats.describe());
     Ok(())
 }
 

@@ -82,6 +82,24 @@ impl<'a> StatsReport<'a> {
     }
 }
 
+impl Stats {
+    /// One line on what these statistics hold: tensors, finite values,
+    /// batches, and whether a merge was forced.
+    pub fn describe(&self) -> String {
+        let values: u64 = self.tensors.values().map(|t| t.histogram().count()).sum();
+        let forced = if self.provenance.forced {
+            " (forced merge)"
+        } else {
+            ""
+        };
+        format!(
+            "{} tensor(s), {values} finite value(s), {} batch(es){forced}",
+            self.tensors.len(),
+            self.provenance.batches.len(),
+        )
+    }
+}
+
 /// The first 16 hex digits of each hash, or `-`.
 fn short_hashes(set: &BTreeSet<Digest>) -> String {
     if set.is_empty() {

@@ -25,6 +25,7 @@ pub mod hadamard;
 pub mod linear;
 pub mod quantize;
 pub mod team;
+pub mod tiers;
 
 pub use attention::{AttentionTier, KeyValues, QueryGroup};
 pub use error::{Error, Result};
@@ -33,3 +34,4 @@ pub use hadamard::{Hadamard, HadamardTier};
 pub use linear::{Activations, Int8Linear, Scratch, quantize_rows_symmetric};
 pub use quantize::{QuantizeTier, ZERO_POINT};
 pub use team::Team;
+pub use tiers::MachineReport;

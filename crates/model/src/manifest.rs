@@ -130,6 +130,46 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// A directory found to match its manifest (`qforge verify`).
+#[derive(Debug, Serialize)]
+pub struct Verified {
+    /// The directory.
+    pub dir: PathBuf,
+    /// Always true: a mismatch is an error.
+    pub ok: bool,
+    /// Files checked.
+    pub files: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// The qforge that wrote the directory.
+    pub qforge_version: String,
+}
+
+impl std::fmt::Display for Verified {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} files ({} bytes) match manifest.json (written by qforge {})",
+            self.dir.display(),
+            self.files,
+            self.bytes,
+            self.qforge_version
+        )
+    }
+}
+
+/// Verifies `dir` ([`verify`]) and reports what matched.
+pub fn verified(dir: &Path) -> Result<Verified> {
+    let manifest = verify(dir)?;
+    Ok(Verified {
+        dir: dir.to_owned(),
+        ok: true,
+        files: manifest.files.len(),
+        bytes: manifest.files.values().map(|f| f.bytes).sum(),
+        qforge_version: manifest.qforge_version,
+    })
+}
+
 /// What to do about a directory that no longer matches its manifest.
 const RESTORE: &str = "the directory is not as qforge wrote it: restore it, or write it again";
 

@@ -59,6 +59,66 @@ pub struct Episode {
     pub tokens: usize,
 }
 
+/// A set of episodes summed up: what `qforge rollouts` reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct RolloutsSummary {
+    /// The task's name.
+    pub task: &'static str,
+    /// Episodes generated.
+    pub episodes: usize,
+    /// Mean reward.
+    pub mean_reward: f64,
+    /// Episodes by reward: `"0"` and `"1"`.
+    pub reward_counts: std::collections::BTreeMap<&'static str, usize>,
+    /// Completions cut off at the token limit.
+    pub cut_off: usize,
+    /// Tokens generated over all episodes.
+    pub generated_tokens: usize,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+    /// Seed of the problems and samplers.
+    pub seed: u64,
+    /// Sampling temperature.
+    pub temperature: f64,
+    /// Most tokens per completion.
+    pub max_tokens: usize,
+}
+
+impl RolloutsSummary {
+    /// The summary of `episodes`, generated with `options` in `seconds`.
+    pub fn of(episodes: &[Episode], options: &RolloutOptions, seconds: f64) -> Self {
+        let rewarded = episodes.iter().filter(|e| e.reward > 0.0).count();
+        Self {
+            task: options.task.name(),
+            episodes: episodes.len(),
+            mean_reward: rewarded as f64 / episodes.len().max(1) as f64,
+            reward_counts: [("0", episodes.len() - rewarded), ("1", rewarded)].into(),
+            cut_off: episodes.iter().filter(|e| e.finish == "length").count(),
+            generated_tokens: episodes.iter().map(|e| e.tokens).sum(),
+            seconds,
+            seed: options.seed,
+            temperature: options.temperature,
+            max_tokens: options.max_tokens,
+        }
+    }
+}
+
+impl std::fmt::Display for RolloutsSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} episodes, mean reward {:.3} (reward 1: {}, reward 0: {}), {} cut off by --max-tokens, {} tokens in {:.1} s",
+            self.episodes,
+            self.mean_reward,
+            self.reward_counts["1"],
+            self.reward_counts["0"],
+            self.cut_off,
+            self.generated_tokens,
+            self.seconds
+        )
+    }
+}
+
 /// Operands are drawn from 1..=MAX_OPERAND.
 const MAX_OPERAND: i64 = 20;
 

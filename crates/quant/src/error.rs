@@ -3,6 +3,9 @@
 /// Errors of `qforge-quant`.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The guard refused the quantized model: no artifact was written.
+    #[error("{0}")]
+    Refused(String),
     /// The recipe is malformed or inconsistent.
     #[error("recipe: {0}")]
     Recipe(String),

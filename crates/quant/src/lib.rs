@@ -32,6 +32,7 @@ pub mod pipeline;
 pub mod recipe;
 pub mod report;
 pub mod requantize;
+pub mod returns;
 pub mod smoothing;
 
 pub use error::{Error, Result};

@@ -18,6 +18,7 @@ use qforge_core::{Gram, Stats};
 use qforge_dist::{Executor, PassEvent, PassPosition, RunOptions, RunSummary};
 use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
+use qforge_model::output::write_dir_atomic;
 use qforge_model::profile::CalibrationProfile;
 use qforge_model::{Int8Weight, Linear, Model};
 use rayon::prelude::*;
@@ -32,6 +33,7 @@ use crate::recipe::{Method, QuantRecipe};
 use crate::report::{
     CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, PassRecord, Report,
 };
+use crate::returns::ReturnCheck;
 use crate::smoothing::{Smoothing, SmoothingRecord};
 
 /// What the pipeline reports while it runs. Every method has a default that
@@ -746,6 +748,40 @@ impl Quantized {
         let info = self.manifest_info();
         write_manifest(dir, info.clone())?;
         Ok(info)
+    }
+
+    /// Writes the report into `output` (replaced atomically; an existing
+    /// one must be an earlier qforge output) and, when the guard accepted,
+    /// the artifact. With `returns`, the written policy artifact's return
+    /// is checked too and recorded in its manifest (the check's JSON is
+    /// returned); below its least consistency nothing is written.
+    pub fn write_to(&self, output: &Path, returns: Option<&ReturnCheck>) -> Result<Option<Value>> {
+        let mut checked = None;
+        write_dir_atomic(output, |dir| -> Result<()> {
+            let mut info = self.write(dir)?;
+            if let Some(check) = returns.filter(|_| self.accepted()) {
+                // The check serves the written artifact, whose manifest
+                // names the FP source; the manifest then records the result.
+                let result = check.run(dir)?;
+                info["guard"]["return"] = result.clone();
+                write_manifest(dir, info)?;
+                checked = Some(result);
+            }
+            Ok(())
+        })?;
+        Ok(checked)
+    }
+
+    /// A refusal when the guard refused, naming where the report is.
+    pub fn refusal(&self, output: &Path) -> Option<Error> {
+        let d = &self.report.decision;
+        (!d.accepted).then(|| {
+            Error::Refused(format!(
+                "{} No artifact written; the report is in {}",
+                d.refusal.as_deref().unwrap_or("the guard refused"),
+                output.join("report.html").display()
+            ))
+        })
     }
 
     /// What `manifest.json` records besides the file hashes.

@@ -284,7 +284,62 @@ fn drift(
     Ok(drift)
 }
 
+/// What `qforge requantize` reports: the weight change and the drift.
+#[derive(Serialize)]
+pub struct RequantizeReport<'a> {
+    like: &'a Path,
+    int8_weights: u64,
+    changed_weights: u64,
+    changed_share: f64,
+    drift: &'a [Drift],
+    drift_threshold: f64,
+    seconds: f64,
+    #[serde(skip)]
+    model: &'a Path,
+}
+
+impl std::fmt::Display for RequantizeReport<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "requantized {} like {} in {:.3} s: {} of {} int8 weights changed ({:.3} %)",
+            self.model.display(),
+            self.like.display(),
+            self.seconds,
+            self.changed_weights,
+            self.int8_weights,
+            100.0 * self.changed_share
+        )
+    }
+}
+
+impl Drift {
+    /// The warning a drifted input deserves, judged by `threshold`.
+    pub fn warning(&self, threshold: f64) -> String {
+        format!(
+            "{}: activations on the probe batch grew {:.1} % past the artifact's (threshold {:.1} %); its frozen scale clips: recalibrate with `qforge quantize`",
+            self.point,
+            100.0 * (self.ratio - 1.0),
+            100.0 * threshold
+        )
+    }
+}
+
 impl Requantized {
+    /// The report of this requantization.
+    pub fn report(&self) -> RequantizeReport<'_> {
+        RequantizeReport {
+            like: &self.like,
+            int8_weights: self.weights.int8_weights,
+            changed_weights: self.weights.changed,
+            changed_share: self.weights.share(),
+            drift: &self.drift,
+            drift_threshold: self.drift_threshold,
+            seconds: self.seconds,
+            model: &self.new,
+        }
+    }
+
     /// Writes the artifact into the empty directory `dir`: the weights, the
     /// artifact's calibration profile (the scales are its calibration's, so
     /// the server's drift monitor compares against it), and a manifest that
