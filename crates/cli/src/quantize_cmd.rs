@@ -199,7 +199,8 @@ impl QuantizeArgs {
         recipe.smoothing.enabled |= self.smoothquant;
         recipe.smoothing.alpha = self.alpha.or(recipe.smoothing.alpha);
         if let Some(list) = &self.hadamard {
-            recipe.rotation.inputs = rotated_inputs(list)?;
+            recipe.rotation.inputs = RotatedInput::parse_list(list)
+                .map_err(|e| UsageError(format!("--hadamard: {e}")))?;
         }
         recipe.gptq.enabled |= self.gptq || self.gptq_act_order;
         recipe.gptq.act_order |= self.gptq_act_order;
@@ -325,19 +326,4 @@ pub struct VerifyArgs {
 /// `qforge verify`: re-hash every file the manifest lists.
 pub fn verify_command(args: VerifyArgs) -> Result<()> {
     print_report(&qforge_model::manifest::verified(&args.dir)?, args.flags)
-}
-
-/// `--hadamard`'s list.
-fn rotated_inputs(list: &str) -> std::result::Result<Vec<RotatedInput>, UsageError> {
-    if list == "all" {
-        return Ok(RotatedInput::ALL.to_vec());
-    }
-    let mut inputs = list
-        .split(',')
-        .map(|name| RotatedInput::parse(name.trim()))
-        .collect::<qforge_model::Result<Vec<_>>>()
-        .map_err(|e| UsageError(format!("--hadamard: {e}")))?;
-    inputs.sort();
-    inputs.dedup();
-    Ok(inputs)
 }

@@ -4,17 +4,17 @@
 //! can be calibrated on its own behaviour, good and bad, with
 //! `qforge calibrate --stratify reward`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use qforge_model::rollouts::{RolloutOptions, RolloutsSummary};
 
 use crate::output::{Written, print_json};
 use crate::{OutputFlags, OutputPath, UsageError};
-use qforge_model::output::write_atomic;
+use qforge_model::output::{check_writable, write_atomic};
 
 /// A prompt set whose answers can be checked exactly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -57,27 +57,6 @@ pub struct RolloutsArgs {
     flags: OutputFlags,
 }
 
-/// Fails now, before minutes of generation, if `path` cannot be written:
-/// creates its directory and a probe file beside it.
-fn check_writable(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        return Err(
-            UsageError(format!("-o {} is a directory; name a file", path.display())).into(),
-        );
-    }
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("cannot create directory {}", dir.display()))?;
-    let probe = dir.join(format!(".qforge-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"")
-        .with_context(|| format!("cannot write in {} (check permissions)", dir.display()))?;
-    let _ = std::fs::remove_file(probe);
-    Ok(())
-}
-
 /// `qforge rollouts`.
 pub fn rollouts(args: RolloutsArgs) -> Result<()> {
     if args.episodes == 0 || args.max_tokens == 0 {
@@ -91,6 +70,14 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
         .into());
     }
     let output = &args.output.output;
+    if output.is_dir() {
+        return Err(UsageError(format!(
+            "-o {} is a directory; name a file",
+            output.display()
+        ))
+        .into());
+    }
+    // Fail now, not after minutes of generation.
     check_writable(output)?;
     let lm = qforge_model::open(&args.model)?.into_language(&args.model)?;
     let bar = if args.flags.json {

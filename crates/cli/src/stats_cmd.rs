@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::Args;
 use qforge_core::codec::{decode, encode};
-use qforge_core::{Calibrator, MergePolicy, QuantParams, Stats, StatsReport};
+use qforge_core::{Calibrator, MergePolicy, Stats, StatsReport};
 
 use crate::output::{Written, print_json, print_report};
 use crate::{OutputFlags, OutputPath, UsageError};
@@ -126,14 +126,8 @@ pub fn show(args: ShowArgs) -> Result<()> {
         c.validate().map_err(|e| UsageError(e.to_string()))?;
     }
     let stats = read_stats(&args.input)?;
-    for (name, tensor) in &stats.tensors {
-        if let Some(t) = Calibrator::MinMax.threshold(tensor.histogram())
-            && let Some(warning) = QuantParams::symmetric(t).warning
-        {
-            eprintln!("warning: tensor {name}: {warning}");
-        } else if tensor.histogram().count() == 0 {
-            eprintln!("warning: tensor {name}: no finite values; thresholds are null");
-        }
+    for warning in stats.warnings() {
+        eprintln!("warning: {warning}");
     }
     print_report(&StatsReport::new(&stats, &calibrators), args.flags)
 }

@@ -7,7 +7,7 @@ use std::fmt::{self, Write};
 
 use serde::Serialize;
 
-use crate::{Calibrator, Digest, Provenance, Stats};
+use crate::{Calibrator, Digest, Provenance, QuantParams, Stats};
 
 /// `stats` seen through `calibrators`.
 #[derive(Serialize)]
@@ -83,6 +83,25 @@ impl<'a> StatsReport<'a> {
 }
 
 impl Stats {
+    /// A warning per tensor whose values would quantize badly (a range
+    /// `QuantParams` warns about) or that saw no finite value.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for (name, tensor) in &self.tensors {
+            let h = tensor.histogram();
+            if let Some(t) = Calibrator::MinMax.threshold(h)
+                && let Some(warning) = QuantParams::symmetric(t).warning
+            {
+                warnings.push(format!("tensor {name}: {warning}"));
+            } else if h.count() == 0 {
+                warnings.push(format!(
+                    "tensor {name}: no finite values; thresholds are null"
+                ));
+            }
+        }
+        warnings
+    }
+
     /// One line on what these statistics hold: tensors, finite values,
     /// batches, and whether a merge was forced.
     pub fn describe(&self) -> String {

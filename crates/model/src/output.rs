@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 /// synced and renamed into place.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = parent_of(path);
-    fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    create_dir_all(dir)?;
     let file_name = path
         .file_name()
         .ok_or_else(|| Error::Output(format!("output path {} names no file", path.display())))?;
@@ -36,6 +36,22 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// Checks that a file can be written at `path` before the work that
+/// produces it: creates its directory and a probe file beside it.
+pub fn check_writable(path: &Path) -> Result<()> {
+    let dir = parent_of(path);
+    create_dir_all(dir)?;
+    let probe = dir.join(format!(".qforge-probe-{}", std::process::id()));
+    fs::write(&probe, b"").map_err(|e| {
+        Error::Output(format!(
+            "cannot write in {} (check permissions): {e}",
+            dir.display()
+        ))
+    })?;
+    let _ = fs::remove_file(probe);
+    Ok(())
+}
+
 /// Fills a fresh sibling of the directory `output` through `fill`, then
 /// swaps it into place. An existing `output` must be an earlier qforge
 /// output (it has a `manifest.json` or `report.json`) or empty; anything
@@ -52,7 +68,7 @@ pub fn write_dir_atomic<E: From<Error>>(
         .into());
     }
     let parent = parent_of(output);
-    fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    create_dir_all(parent)?;
     let name = output
         .file_name()
         .ok_or_else(|| Error::Output(format!("{} names no directory", output.display())))?
@@ -80,6 +96,12 @@ fn replaceable(output: &Path) -> bool {
         && (output.join("report.json").exists()
             || output.join("manifest.json").exists()
             || fs::read_dir(output).is_ok_and(|mut d| d.next().is_none()))
+}
+
+/// Creates `dir` and its parents, saying which could not be made.
+fn create_dir_all(dir: &Path) -> Result<()> {
+    fs::create_dir_all(dir)
+        .map_err(|e| Error::Output(format!("cannot create directory {}: {e}", dir.display())))
 }
 
 /// The directory `path` is in (`.` for a bare name).

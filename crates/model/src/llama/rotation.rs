@@ -73,6 +73,21 @@ impl RotatedInput {
             })
     }
 
+    /// A comma-separated list of inputs (each as [`RotatedInput::parse`]
+    /// takes it), or `all`; sorted, without repeats.
+    pub fn parse_list(list: &str) -> Result<Vec<Self>> {
+        if list == "all" {
+            return Ok(Self::ALL.to_vec());
+        }
+        let mut inputs = list
+            .split(',')
+            .map(|name| Self::parse(name.trim()))
+            .collect::<Result<Vec<_>>>()?;
+        inputs.sort();
+        inputs.dedup();
+        Ok(inputs)
+    }
+
     /// Whether the observation point `point` is this input.
     pub fn is_point(self, point: &str) -> bool {
         point == self.name() || point.ends_with(&format!(".{}", self.name()))
