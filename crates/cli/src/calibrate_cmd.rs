@@ -28,6 +28,16 @@ pub enum StratifyArg {
     Reward,
 }
 
+impl StratifyArg {
+    /// The library's value.
+    pub fn stratify(self) -> Stratify {
+        match self {
+            StratifyArg::None => Stratify::None,
+            StratifyArg::Reward => Stratify::Reward,
+        }
+    }
+}
+
 /// `--pass`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PassArg {
@@ -264,10 +274,7 @@ pub fn calibrate(args: CalibrateArgs) -> Result<()> {
         seq_len: args.seq_len,
         batch_size: args.batch_size,
         seed: args.seed,
-        stratify: match args.stratify {
-            StratifyArg::None => Stratify::None,
-            StratifyArg::Reward => Stratify::Reward,
-        },
+        stratify: args.stratify.stratify(),
         pass: match args.pass {
             PassArg::Activation => Pass::Activation,
             PassArg::Smoothing => Pass::Smoothing,

@@ -216,11 +216,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(error) => {
             eprintln!("error: {}", message(&error));
-            let wrong_kind = matches!(
-                error.downcast_ref(),
-                Some(qforge_model::Error::WrongKind(_))
-            );
-            if wrong_kind || error.downcast_ref::<UsageError>().is_some() {
+            let misuse = matches!(error.downcast_ref(), Some(qforge_model::Error::Request(_)));
+            if misuse || error.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(EXIT_USAGE)
             } else if let Some(qforge_quant::Error::Refused(_)) = error.downcast_ref() {
                 ExitCode::from(EXIT_GUARD)

@@ -5,9 +5,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::Calibrator;
-use qforge_model::artifact::is_artifact;
 use qforge_model::lm::{compare, perplexity};
-use qforge_model::precision::{RunPrecision, StaticScales};
+use qforge_model::precision::RunPrecision;
 use qforge_model::sensitivity::{LayerReport, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy, Model};
 use serde_json::json;
@@ -48,30 +47,17 @@ pub struct PrecisionArgs {
 impl PrecisionArgs {
     /// The precision these flags name for the model at `model`.
     fn resolve(&self, model: &Path) -> Result<RunPrecision> {
-        let artifact = is_artifact(model);
-        if artifact && (self.precision != Precision::F32 || self.stats.is_some()) {
-            return Err(UsageError(format!(
-                "{} is a quantized artifact and runs in the precisions stored in it; drop --precision/--stats (or point --model at its full-precision source)",
-                model.display()
-            ))
-            .into());
-        }
-        match (self.precision, &self.stats) {
-            (Precision::F32, None) if artifact => Ok(RunPrecision::Stored),
-            (Precision::F32, None) => Ok(RunPrecision::F32),
-            (Precision::Int8Dynamic, None) => Ok(RunPrecision::Int8Dynamic),
-            (Precision::Int8Static, Some(path)) => Ok(RunPrecision::Int8Static(
-                StaticScales::read(path, model, self.calibrator)?,
-            )),
-            (Precision::Int8Static, None) => Err(UsageError(
-                "--precision int8-static needs --stats FILE.qstats (from `qforge calibrate`)"
-                    .into(),
-            )
-            .into()),
-            (_, Some(_)) => {
-                Err(UsageError("--stats is only used with --precision int8-static".into()).into())
-            }
-        }
+        let name = self
+            .precision
+            .to_possible_value()
+            .expect("no skipped values");
+        let stats = self.stats.as_deref();
+        Ok(RunPrecision::named(
+            name.get_name(),
+            model,
+            stats,
+            self.calibrator,
+        )?)
     }
 
     /// The language model at `path` in this precision.

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, anyhow};
 use clap::{Args, ValueEnum};
 use qforge_dist::{PassEvent, PassPosition};
-use qforge_model::{Format, RotatedInput};
-use qforge_quant::recipe::{ActivationScheme, CalibratorChoice, LmHead};
+use qforge_model::Format;
+use qforge_quant::recipe::{ActivationScheme, Overrides};
 use qforge_quant::returns::{ReturnCheck, bundled};
 use qforge_quant::{Inputs, Listener, Pipeline, QuantRecipe};
 
@@ -160,7 +160,7 @@ pub struct QuantizeArgs {
 impl QuantizeArgs {
     /// The recipe file (or the defaults) with the flags applied.
     fn recipe(&self) -> Result<QuantRecipe> {
-        let mut recipe = match &self.recipe {
+        let recipe = match &self.recipe {
             Some(path) => {
                 let text = qforge_model::files::read_config_text(path)?;
                 QuantRecipe::from_toml(&text)
@@ -168,51 +168,35 @@ impl QuantizeArgs {
             }
             None => QuantRecipe::default(),
         };
-        recipe.method.search &= !self.no_method_search;
-        let c = &mut recipe.calibration;
-        c.samples = self.samples.unwrap_or(c.samples);
-        c.seq_len = self.seq_len.unwrap_or(c.seq_len);
-        c.batch_size = self.batch_size.unwrap_or(c.batch_size);
-        c.seed = self.seed.unwrap_or(c.seed);
-        c.min_coverage = self.min_coverage.unwrap_or(c.min_coverage);
-        if let Some(s) = self.stratify {
-            c.stratify = match s {
-                StratifyArg::None => qforge_calib::Stratify::None,
-                StratifyArg::Reward => qforge_calib::Stratify::Reward,
-            };
-        }
-        let q = &mut recipe.quantize;
-        if let Some(a) = self.activations {
-            q.activations = match a {
+        let overrides = Overrides {
+            no_method_search: self.no_method_search,
+            samples: self.samples,
+            seq_len: self.seq_len,
+            batch_size: self.batch_size,
+            seed: self.seed,
+            stratify: self.stratify.map(StratifyArg::stratify),
+            min_coverage: self.min_coverage,
+            activations: self.activations.map(|a| match a {
                 ActivationsArg::Static => ActivationScheme::Static,
                 ActivationsArg::Dynamic => ActivationScheme::Dynamic,
-            };
-        }
-        if let Some(c) = &self.calibrator {
-            q.calibrator = CalibratorChoice::try_from(c.clone())
-                .map_err(|e| UsageError(format!("--calibrator: {e}")))?;
-        }
-        q.ignore.extend(self.ignore.iter().cloned());
-        if self.fp_lm_head {
-            q.lm_head = LmHead::Fp;
-        }
-        recipe.smoothing.enabled |= self.smoothquant;
-        recipe.smoothing.alpha = self.alpha.or(recipe.smoothing.alpha);
-        if let Some(list) = &self.hadamard {
-            recipe.rotation.inputs = RotatedInput::parse_list(list)
-                .map_err(|e| UsageError(format!("--hadamard: {e}")))?;
-        }
-        recipe.gptq.enabled |= self.gptq || self.gptq_act_order;
-        recipe.gptq.act_order |= self.gptq_act_order;
-        let g = &mut recipe.guard;
-        g.max_perplexity_increase = self
-            .max_perplexity_increase
-            .unwrap_or(g.max_perplexity_increase);
-        g.min_agreement = self.min_agreement.unwrap_or(g.min_agreement);
-        g.max_fp_fraction = self.max_fp_fraction.unwrap_or(g.max_fp_fraction);
-        g.ctx = self.ctx.unwrap_or(g.ctx);
-        recipe.validate().map_err(|e| UsageError(e.to_string()))?;
-        Ok(recipe)
+            }),
+            calibrator: self.calibrator.clone(),
+            ignore: self.ignore.clone(),
+            fp_lm_head: self.fp_lm_head,
+            smoothquant: self.smoothquant,
+            alpha: self.alpha,
+            hadamard: self.hadamard.clone(),
+            gptq: self.gptq,
+            gptq_act_order: self.gptq_act_order,
+            max_perplexity_increase: self.max_perplexity_increase,
+            min_agreement: self.min_agreement,
+            max_fp_fraction: self.max_fp_fraction,
+            ctx: self.ctx,
+        };
+        // A flag the recipe cannot take is a usage error.
+        Ok(recipe
+            .with_overrides(&overrides)
+            .map_err(|e| UsageError(e.to_string()))?)
     }
 }
 

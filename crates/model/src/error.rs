@@ -17,10 +17,11 @@ pub enum Error {
     /// A file's content is malformed.
     #[error("{0}")]
     Format(String),
-    /// The model is of the other kind (a policy where a language model is
-    /// needed, or the reverse): the caller asked for the wrong thing.
+    /// What the caller asked for does not fit the model: a policy where a
+    /// language model is needed (or the reverse), a precision an artifact
+    /// does not run in.
     #[error("{0}")]
-    WrongKind(String),
+    Request(String),
     /// An output location cannot be written as asked (it holds something
     /// qforge did not write).
     #[error("{0}")]

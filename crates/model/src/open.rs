@@ -214,7 +214,7 @@ impl Model {
     pub fn into_language(self, path: &Path) -> Result<LanguageModel> {
         match self {
             Model::Language(lm) => Ok(*lm),
-            Model::Policy(_) => Err(Error::WrongKind(format!(
+            Model::Policy(_) => Err(Error::Request(format!(
                 "{} is a policy; this needs a language model (GGUF file or Hugging Face directory)",
                 path.display()
             ))),
@@ -225,7 +225,7 @@ impl Model {
     pub fn into_policy(self, path: &Path) -> Result<MlpPolicy> {
         match self {
             Model::Policy(policy) => Ok(*policy),
-            Model::Language(_) => Err(Error::WrongKind(format!(
+            Model::Language(_) => Err(Error::Request(format!(
                 "{} is a language model; this needs a policy (a policy directory, an ONNX policy or a policy artifact)",
                 path.display()
             ))),

@@ -23,7 +23,47 @@ pub enum RunPrecision {
     Int8Static(StaticScales),
 }
 
+/// The precisions a model can be asked to run in, by name.
+pub const PRECISION_NAMES: [&str; 3] = ["f32", "int8-dynamic", "int8-static"];
+
 impl RunPrecision {
+    /// The precision `name` (one of [`PRECISION_NAMES`]) for the model at
+    /// `model`: int8-static with the scales `calibrator` picks from `stats`
+    /// (a calibration of this model). A native artifact runs in its stored
+    /// precisions, so it takes only `f32` (meaning: as stored).
+    pub fn named(
+        name: &str,
+        model: &Path,
+        stats: Option<&Path>,
+        calibrator: Calibrator,
+    ) -> Result<Self> {
+        let refuse = |why: String| Err(Error::Request(why));
+        let artifact = crate::artifact::is_artifact(model);
+        if artifact && (name != "f32" || stats.is_some()) {
+            return refuse(format!(
+                "{} is a quantized artifact and runs in the precisions stored in it; drop --precision/--stats (or point --model at its full-precision source)",
+                model.display()
+            ));
+        }
+        match (name, stats) {
+            ("f32", None) if artifact => Ok(RunPrecision::Stored),
+            ("f32", None) => Ok(RunPrecision::F32),
+            ("int8-dynamic", None) => Ok(RunPrecision::Int8Dynamic),
+            ("int8-static", Some(path)) => Ok(RunPrecision::Int8Static(StaticScales::read(
+                path, model, calibrator,
+            )?)),
+            ("int8-static", None) => refuse(
+                "int8-static needs --stats FILE.qstats (stats= in Python), from `qforge calibrate`"
+                    .into(),
+            ),
+            (name, _) if !PRECISION_NAMES.contains(&name) => refuse(format!(
+                "no precision {name:?}: the precisions are {}",
+                PRECISION_NAMES.join(", ")
+            )),
+            _ => refuse("--stats is only used with --precision int8-static".into()),
+        }
+    }
+
     /// How the input at `point` is quantized; `None` when the model runs as
     /// loaded.
     pub fn activations(&self, point: &str) -> Option<Result<Activations>> {

@@ -567,3 +567,92 @@ mod tests {
         assert!(range.to_string().contains("max_fp_fraction"), "{range}");
     }
 }
+
+/// Changes to a recipe, field by field: what `qforge quantize`'s recipe
+/// flags and the Python package's `quantize` keywords set. `None`, `false`
+/// and an empty list keep the recipe's value.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// Run the recipe as given instead of searching the methods.
+    pub no_method_search: bool,
+    /// `[calibration]` samples.
+    pub samples: Option<usize>,
+    /// `[calibration]` most tokens per sequence.
+    pub seq_len: Option<usize>,
+    /// `[calibration]` samples per batch.
+    pub batch_size: Option<usize>,
+    /// `[calibration]` seed.
+    pub seed: Option<u64>,
+    /// `[calibration]` how samples are drawn.
+    pub stratify: Option<Stratify>,
+    /// `[calibration]` least coverage for static scales.
+    pub min_coverage: Option<f64>,
+    /// `[quantize]` activation scheme.
+    pub activations: Option<ActivationScheme>,
+    /// `[quantize]` calibrator of static scales, as text (`percentile(99.9)`).
+    pub calibrator: Option<String>,
+    /// `[quantize]` layer inputs kept in full precision (added).
+    pub ignore: Vec<String>,
+    /// `[quantize]` keep a language model's lm_head in full precision.
+    pub fp_lm_head: bool,
+    /// `[smoothing]` run SmoothQuant.
+    pub smoothquant: bool,
+    /// `[smoothing]` one migration strength for every input.
+    pub alpha: Option<f64>,
+    /// `[rotation]` inputs rotated by a Hadamard matrix, as
+    /// [`RotatedInput::parse_list`] reads them.
+    pub hadamard: Option<String>,
+    /// `[gptq]` round int8 weights with GPTQ.
+    pub gptq: bool,
+    /// `[gptq]` in order of decreasing Hessian diagonal (implies `gptq`).
+    pub gptq_act_order: bool,
+    /// `[guard]` largest relative perplexity increase.
+    pub max_perplexity_increase: Option<f64>,
+    /// `[guard]` smallest action agreement.
+    pub min_agreement: Option<f64>,
+    /// `[guard]` largest share of linear layers left in FP.
+    pub max_fp_fraction: Option<f64>,
+    /// `[guard]` tokens per perplexity chunk.
+    pub ctx: Option<usize>,
+}
+
+impl QuantRecipe {
+    /// This recipe with `o` applied, validated.
+    pub fn with_overrides(mut self, o: &Overrides) -> Result<Self> {
+        self.method.search &= !o.no_method_search;
+        let c = &mut self.calibration;
+        c.samples = o.samples.unwrap_or(c.samples);
+        c.seq_len = o.seq_len.unwrap_or(c.seq_len);
+        c.batch_size = o.batch_size.unwrap_or(c.batch_size);
+        c.seed = o.seed.unwrap_or(c.seed);
+        c.stratify = o.stratify.unwrap_or(c.stratify);
+        c.min_coverage = o.min_coverage.unwrap_or(c.min_coverage);
+        let q = &mut self.quantize;
+        q.activations = o.activations.unwrap_or(q.activations);
+        if let Some(text) = &o.calibrator {
+            q.calibrator = CalibratorChoice::try_from(text.clone())
+                .map_err(|e| Error::Recipe(format!("calibrator: {e}")))?;
+        }
+        q.ignore.extend(o.ignore.iter().cloned());
+        if o.fp_lm_head {
+            q.lm_head = LmHead::Fp;
+        }
+        self.smoothing.enabled |= o.smoothquant;
+        self.smoothing.alpha = o.alpha.or(self.smoothing.alpha);
+        if let Some(list) = &o.hadamard {
+            self.rotation.inputs = RotatedInput::parse_list(list)
+                .map_err(|e| Error::Recipe(format!("hadamard: {e}")))?;
+        }
+        self.gptq.enabled |= o.gptq || o.gptq_act_order;
+        self.gptq.act_order |= o.gptq_act_order;
+        let g = &mut self.guard;
+        g.max_perplexity_increase = o
+            .max_perplexity_increase
+            .unwrap_or(g.max_perplexity_increase);
+        g.min_agreement = o.min_agreement.unwrap_or(g.min_agreement);
+        g.max_fp_fraction = o.max_fp_fraction.unwrap_or(g.max_fp_fraction);
+        g.ctx = o.ctx.unwrap_or(g.ctx);
+        self.validate()?;
+        Ok(self)
+    }
+}
