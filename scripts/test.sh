@@ -45,7 +45,15 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
+step "the Python package (python/): its extension module"
+# The module a wheel of python/ holds (maturin builds the same crate), built with the
+# test profile so it reuses what cargo test built; put where Python finds it.
+PYO3_BUILD_EXTENSION_MODULE=1 cargo build --locked -p qforge-python --profile test
+mkdir -p target/python
+ln -sf ../debug/libqforge.so target/python/qforge.abi3.so
+
 # `cargo test` built target/debug/qforge with the test profile (optimised, debug
 # assertions on), so the cross-checks reuse it instead of a second, release build.
-step "python cross-checks against ONNX Runtime"
-QFORGE="$PWD/target/debug/qforge" .venv/bin/python -m pytest -q tests/python
+step "python cross-checks against ONNX Runtime, and the Python package against the CLI"
+QFORGE="$PWD/target/debug/qforge" PYTHONPATH="$PWD/target/python" \
+    .venv/bin/python -m pytest -q tests/python
