@@ -14,10 +14,10 @@ use qforge_dist::{
     CheckpointStore, ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition,
     RedisExecutor, RunOptions,
 };
+use qforge_model::output::write_atomic;
 
 use crate::output::{Written, print_json};
 use crate::{OutputFlags, OutputPath, UsageError};
-use qforge_model::output::write_atomic;
 
 /// `--stratify`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

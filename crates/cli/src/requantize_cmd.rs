@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
+use qforge_model::output::write_dir_atomic;
 use qforge_quant::requantize::requantize;
 
 use crate::output::{Written, print_json};
 use crate::{OutputFlags, UsageError};
-use qforge_model::output::write_dir_atomic;
 
 /// Arguments of `qforge requantize`.
 #[derive(Args)]

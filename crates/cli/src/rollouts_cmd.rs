@@ -10,11 +10,11 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use qforge_model::output::{check_writable, write_atomic};
 use qforge_model::rollouts::{RolloutOptions, RolloutsSummary};
 
 use crate::output::{Written, print_json};
 use crate::{OutputFlags, OutputPath, UsageError};
-use qforge_model::output::{check_writable, write_atomic};
 
 /// A prompt set whose answers can be checked exactly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -6,10 +6,10 @@ use anyhow::{Context, Result};
 use clap::Args;
 use qforge_core::codec::{decode, encode};
 use qforge_core::{Calibrator, MergePolicy, Stats, StatsReport};
+use qforge_model::output::write_atomic;
 
 use crate::output::{Written, print_json, print_report};
 use crate::{OutputFlags, OutputPath, UsageError};
-use qforge_model::output::write_atomic;
 
 /// Arguments of `qforge stats observe`.
 #[derive(Args)]
