@@ -267,7 +267,7 @@ def train(mode, seed, args, work):
     optimizer = Adam(params, args.lr)
     envs = [gym.make("CartPole-v1") for _ in range(args.episodes)]
     server = None
-    record = {"mode": mode, "seed": seed, "returns": [], "sync_ms": [], "log_prob_gap": [],
+    record = {"mode": mode, "seed": seed, "returns": [], "sync_ms": [], "logprob_mismatch": [],
               "changed_share": [], "drift_warnings": 0, "clipped_share": []}
     sample_seed = iter(rng.integers(0, 2**63, size=10**7))
 
@@ -314,7 +314,7 @@ def train(mode, seed, args, work):
             adv = advantages(episodes)
             train_logp = log_softmax(forward(params, obs)[0])[np.arange(len(actions)), actions]
             gap = np.abs(train_logp - rollout_logp)
-            record["log_prob_gap"].append(float(gap.mean()))
+            record["logprob_mismatch"].append(float(gap.mean()))
             weights = adv
             if mode == "int8-tis":
                 ratio = np.exp(train_logp - rollout_logp)
@@ -409,7 +409,7 @@ def summary(results, modes, args):
                           else f"{len(done)}/{len(runs)} reached")
         per_seed = ", ".join("—" if u is None else str(u) for u in reached)
         final = np.median([np.mean(r["returns"][-5:]) for r in runs])
-        gap = np.mean([np.mean(r["log_prob_gap"]) for r in runs])
+        gap = np.mean([np.mean(r["logprob_mismatch"]) for r in runs])
         sync = np.concatenate([r["sync_ms"] for r in runs]) if mode != "fp" else None
         sync_text = "—" if sync is None else f"{np.median(sync):.1f}; {np.percentile(sync, 95):.1f}"
         changed = ("—" if mode == "fp" else

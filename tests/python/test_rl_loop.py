@@ -31,6 +31,6 @@ def test_int8_rollouts_follow_every_weight_sync(tmp_path):
     # The learner's own samples have no gap; the served INT8 policy's log-probs
     # (what /v1/act returned for its sampled actions) differ from the learner's
     # FP log-probs, but by far less than a nat.
-    assert max(fp["log_prob_gap"]) < 1e-9, fp["log_prob_gap"]
-    assert all(0 < gap < 0.1 for gap in int8["log_prob_gap"]), int8["log_prob_gap"]
+    assert max(fp["logprob_mismatch"]) < 1e-9, fp["logprob_mismatch"]
+    assert all(0 < gap < 0.1 for gap in int8["logprob_mismatch"]), int8["logprob_mismatch"]
     assert (tmp_path / "returns.svg").read_text().startswith("<svg")

@@ -127,12 +127,12 @@ pub struct ServeArgs {
     /// judged over.
     #[arg(long, default_value_t = 1000, value_name = "OBSERVATIONS")]
     agreement_window: usize,
-    /// Raise qforge_log_prob_gap_alert while the shadow's mean
+    /// Raise qforge_logprob_mismatch_alert while the shadow's mean
     /// |log π_int8 − log π_fp| over the agreement window exceeds this
     /// (nats). At 0.1 nats a truncated importance weight (C = 2, at
     /// ln 2 = 0.69) still rarely clips.
     #[arg(long, default_value_t = 0.1, value_name = "NATS")]
-    log_prob_gap_alert: f64,
+    logprob_mismatch_alert: f64,
     /// Episodes per arm (from /v1/feedback) reward consistency is judged over.
     #[arg(long, default_value_t = 20, value_name = "EPISODES")]
     reward_window: usize,
@@ -204,7 +204,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
             agreement_window: args.agreement_window,
             reward_window: args.reward_window,
             random_return: args.random_return,
-            log_prob_gap_alert: args.log_prob_gap_alert,
+            logprob_mismatch_alert: args.logprob_mismatch_alert,
         },
         drift: DriftOptions {
             sample: args.drift_sample,

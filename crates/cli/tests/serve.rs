@@ -576,13 +576,13 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     wait_for(&good, "qforge_shadow_observations_total", 400.0);
     assert!(good.metric("qforge_shadow_agreement").unwrap() >= 0.95);
     // Every shadowed action's log-probability gap is recorded.
-    wait_for(&good, "qforge_shadow_log_prob_gap_count", 400.0);
-    let good_gap = good.metric("qforge_shadow_log_prob_gap_sum").unwrap()
-        / good.metric("qforge_shadow_log_prob_gap_count").unwrap();
+    wait_for(&good, "qforge_logprob_mismatch_count", 400.0);
+    let good_gap = good.metric("qforge_logprob_mismatch_sum").unwrap()
+        / good.metric("qforge_logprob_mismatch_count").unwrap();
     assert_eq!(good.metric("qforge_rolled_back"), Some(0.0));
     // Its mean gap over the window stays under the default alert (0.1 nats).
-    assert!(good.metric("qforge_shadow_log_prob_gap_mean").unwrap() < 0.1);
-    assert_eq!(good.metric("qforge_log_prob_gap_alert"), Some(0.0));
+    assert!(good.metric("qforge_logprob_mismatch_mean").unwrap() < 0.1);
+    assert_eq!(good.metric("qforge_logprob_mismatch_alert"), Some(0.0));
     drop(good);
 
     // The bad one: once 200 shadowed observations agree < 95 %, traffic
@@ -595,8 +595,8 @@ fn shadow_rollout_keeps_a_good_int8_model_and_rolls_back_a_bad_one() {
     }
     wait_for(&server, "qforge_rolled_back", 1.0);
     assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
-    let bad_gap = server.metric("qforge_shadow_log_prob_gap_sum").unwrap()
-        / server.metric("qforge_shadow_log_prob_gap_count").unwrap();
+    let bad_gap = server.metric("qforge_logprob_mismatch_sum").unwrap()
+        / server.metric("qforge_logprob_mismatch_count").unwrap();
     assert!(
         bad_gap > 10.0 * good_gap,
         "mean gap: bad {bad_gap}, good {good_gap}"
@@ -1189,21 +1189,21 @@ fn a_language_model_rollout_splits_sessions_and_rolls_back_a_bad_int8_model() {
         server.metric("qforge_rolled_back") == Some(1.0)
     });
     assert!(server.metric("qforge_shadow_agreement").unwrap() < 0.95);
-    // Every token the reference scored has its log-prob gap: the bad
+    // Every token the reference scored has its log-prob mismatch: the bad
     // model's tokens are ones FP finds far less likely.
     wait_until("the gaps of 30 tokens", || {
         server
-            .metric("qforge_shadow_log_prob_gap_count")
+            .metric("qforge_logprob_mismatch_count")
             .is_some_and(|n| n >= 30.0)
     });
-    let gap = server.metric("qforge_shadow_log_prob_gap_sum").unwrap()
-        / server.metric("qforge_shadow_log_prob_gap_count").unwrap();
-    assert!(gap > 1.0, "mean log-prob gap {gap}");
+    let gap = server.metric("qforge_logprob_mismatch_sum").unwrap()
+        / server.metric("qforge_logprob_mismatch_count").unwrap();
+    assert!(gap > 1.0, "mean log-prob mismatch {gap}");
     // The alert follows the mean over the last 30 tokens (default 0.1 nats).
-    let window_mean = server.metric("qforge_shadow_log_prob_gap_mean").unwrap();
+    let window_mean = server.metric("qforge_logprob_mismatch_mean").unwrap();
     assert!(window_mean > 0.0);
     assert_eq!(
-        server.metric("qforge_log_prob_gap_alert"),
+        server.metric("qforge_logprob_mismatch_alert"),
         Some(f64::from(u8::from(window_mean > 0.1)))
     );
     assert_eq!(complete(&server, "x"), ("fp".to_owned(), fp_text));

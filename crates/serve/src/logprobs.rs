@@ -462,14 +462,14 @@ mod tests {
                 tokens += 1;
             }
         }
-        server.wait_for_metric("qforge_shadow_log_prob_gap_count", tokens as f64);
+        server.wait_for_metric("qforge_logprob_mismatch_count", tokens as f64);
         assert_eq!(
-            server.metric("qforge_shadow_log_prob_gap_count"),
+            server.metric("qforge_logprob_mismatch_count"),
             Some(tokens as f64)
         );
-        assert_eq!(server.metric("qforge_shadow_log_prob_gap_sum"), Some(0.0));
-        assert_eq!(server.metric("qforge_shadow_log_prob_gap_mean"), Some(0.0));
-        assert_eq!(server.metric("qforge_log_prob_gap_alert"), Some(0.0));
+        assert_eq!(server.metric("qforge_logprob_mismatch_sum"), Some(0.0));
+        assert_eq!(server.metric("qforge_logprob_mismatch_mean"), Some(0.0));
+        assert_eq!(server.metric("qforge_logprob_mismatch_alert"), Some(0.0));
         assert_eq!(
             server.metric("qforge_shadow_observations_total"),
             Some(tokens as f64)

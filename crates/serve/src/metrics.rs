@@ -60,11 +60,11 @@ pub struct Metrics {
     /// Per shadowed action or generated token, |log π_int8(a) −
     /// log π_fp(a)| of what INT8 answered: the train/rollout mismatch an
     /// importance weight corrects.
-    pub shadow_log_prob_gap: Histogram,
+    pub logprob_mismatch: Histogram,
     /// The mean of that gap over the rollout window.
-    pub shadow_log_prob_gap_mean: FloatGauge,
+    pub logprob_mismatch_mean: FloatGauge,
     /// 1 while that mean exceeds the alert threshold.
-    pub log_prob_gap_alert: Gauge,
+    pub logprob_mismatch_alert: Gauge,
     /// Episode rewards received, by arm.
     pub feedback_episodes: Family<Labels, Counter>,
     /// Mean episode reward over the rollout window, by arm.
@@ -133,9 +133,9 @@ impl Metrics {
             rolled_back: Gauge::default(),
             shadow_observations: Counter::default(),
             shadow_agreement: FloatGauge::default(),
-            shadow_log_prob_gap: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
-            shadow_log_prob_gap_mean: FloatGauge::default(),
-            log_prob_gap_alert: Gauge::default(),
+            logprob_mismatch: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
+            logprob_mismatch_mean: FloatGauge::default(),
+            logprob_mismatch_alert: Gauge::default(),
             feedback_episodes: Family::default(),
             mean_episode_reward: Family::default(),
             reward_consistency: FloatGauge::default(),
@@ -240,19 +240,19 @@ impl Metrics {
             self.shadow_agreement.clone(),
         );
         registry.register(
-            "shadow_log_prob_gap",
+            "logprob_mismatch",
             "Per shadowed action or generated token, |log pi_int8(a) - log pi_fp(a)| of what INT8 answered",
-            self.shadow_log_prob_gap.clone(),
+            self.logprob_mismatch.clone(),
         );
         registry.register(
-            "shadow_log_prob_gap_mean",
+            "logprob_mismatch_mean",
             "Mean |log pi_int8(a) - log pi_fp(a)| over the rollout window",
-            self.shadow_log_prob_gap_mean.clone(),
+            self.logprob_mismatch_mean.clone(),
         );
         registry.register(
-            "log_prob_gap_alert",
-            "1 while the mean shadow log-prob gap over the rollout window exceeds the alert threshold",
-            self.log_prob_gap_alert.clone(),
+            "logprob_mismatch_alert",
+            "1 while the mean shadow log-prob mismatch over the rollout window exceeds the alert threshold",
+            self.logprob_mismatch_alert.clone(),
         );
         registry.register(
             "feedback_episodes",

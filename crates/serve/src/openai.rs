@@ -44,8 +44,8 @@ const MAX_STOP_STRINGS: usize = 4;
 /// tokens on the same prompt (teacher forcing, same seed): at each position
 /// whether FP's own draw is INT8's token counts toward the agreement, and
 /// |log π_int8 − log π_fp| of the token goes to
-/// `qforge_shadow_log_prob_gap` (and its windowed mean, which raises
-/// `qforge_log_prob_gap_alert`). The client never waits for it.
+/// `qforge_logprob_mismatch` (and its windowed mean, which raises
+/// `qforge_logprob_mismatch_alert`). The client never waits for it.
 async fn shadow(lm: Arc<AppState>, script: Script, int8: oneshot::Receiver<Finished>) {
     let Backend::Language(backend) = &lm.backend else {
         return;
@@ -82,7 +82,7 @@ async fn shadow(lm: Arc<AppState>, script: Script, int8: oneshot::Receiver<Finis
         .zip(&fp.log_probs)
         .map(|(ours, theirs)| (ours - theirs).abs())
         .collect();
-    backend.rollout.record_log_prob_gaps(&gaps);
+    backend.rollout.record_logprob_mismatches(&gaps);
 }
 
 /// Why [`check`] refused a request.

@@ -116,12 +116,12 @@ pub struct RolloutOptions {
     /// `1 − |int8 − fp| / |fp − random|`, the definition `scripts/eval-return`
     /// uses (0 makes it the relative difference to FP).
     pub random_return: f64,
-    /// Raise the log-prob gap alert while the mean |log π_int8 − log π_fp|
+    /// Raise the log-prob mismatch alert while the mean |log π_int8 − log π_fp|
     /// over the last `agreement_window` shadowed actions or tokens exceeds
     /// this (nats). An alert, not a rollback: the answers may still agree,
     /// but an RL learner's importance weights (π_train / π_rollout) then
     /// stray from 1 and truncation starts to bite.
-    pub log_prob_gap_alert: f64,
+    pub logprob_mismatch_alert: f64,
 }
 
 /// The sliding windows both signals are judged over.
@@ -129,7 +129,7 @@ pub struct RolloutOptions {
 struct Windows {
     agreement: VecDeque<bool>,
     agreeing: usize,
-    log_prob_gaps: VecDeque<f64>,
+    logprob_mismatches: VecDeque<f64>,
     gap_alerting: bool,
     rewards: [VecDeque<f64>; 2],
 }
@@ -288,33 +288,34 @@ impl Rollout {
     /// Records |log π_int8 − log π_fp| of shadowed actions or tokens: into
     /// the histogram, and into the window whose mean raises or clears the
     /// alert.
-    pub fn record_log_prob_gaps(&self, gaps: &[f64]) {
+    pub fn record_logprob_mismatches(&self, gaps: &[f64]) {
         for &gap in gaps {
-            self.metrics.shadow_log_prob_gap.observe(gap);
+            self.metrics.logprob_mismatch.observe(gap);
         }
         let window = self.options.agreement_window;
         let mut w = self.windows.lock().expect("rollout lock");
-        w.log_prob_gaps.extend(gaps);
-        let excess = w.log_prob_gaps.len().saturating_sub(window);
-        w.log_prob_gaps.drain(..excess);
+        w.logprob_mismatches.extend(gaps);
+        let excess = w.logprob_mismatches.len().saturating_sub(window);
+        w.logprob_mismatches.drain(..excess);
         // Summed afresh (window additions per call, cheap beside a forward)
         // so no running sum drifts away from the window's true mean.
-        let mean = w.log_prob_gaps.iter().sum::<f64>() / w.log_prob_gaps.len().max(1) as f64;
-        let full = w.log_prob_gaps.len() >= window;
-        let alert = full && mean > self.options.log_prob_gap_alert;
+        let mean =
+            w.logprob_mismatches.iter().sum::<f64>() / w.logprob_mismatches.len().max(1) as f64;
+        let full = w.logprob_mismatches.len() >= window;
+        let alert = full && mean > self.options.logprob_mismatch_alert;
         let changed = alert != w.gap_alerting;
         w.gap_alerting = alert;
         drop(w);
-        self.metrics.shadow_log_prob_gap_mean.set(mean);
+        self.metrics.logprob_mismatch_mean.set(mean);
         if changed {
-            self.metrics.log_prob_gap_alert.set(i64::from(alert));
+            self.metrics.logprob_mismatch_alert.set(i64::from(alert));
             if alert {
                 tracing::warn!(
-                    "qforge serve: log-prob gap alert: INT8 and FP log-probabilities differ by {mean:.4} nats on average over the last {window} shadowed answers (threshold {:.4}); importance weights of an RL learner stray from 1: quantize with a more accurate recipe or recalibrate",
-                    self.options.log_prob_gap_alert
+                    "qforge serve: log-prob mismatch alert: INT8 and FP log-probabilities differ by {mean:.4} nats on average over the last {window} shadowed answers (threshold {:.4}); importance weights of an RL learner stray from 1: quantize with a more accurate recipe or recalibrate",
+                    self.options.logprob_mismatch_alert
                 );
             } else {
-                tracing::info!("qforge serve: log-prob gap alert cleared");
+                tracing::info!("qforge serve: log-prob mismatch alert cleared");
             }
         }
     }
@@ -466,7 +467,7 @@ mod tests {
                 agreement_window: 100,
                 reward_window: 4,
                 random_return: 0.0,
-                log_prob_gap_alert: 0.1,
+                logprob_mismatch_alert: 0.1,
             },
             Arc::new(Metrics::default()),
         )
@@ -487,23 +488,23 @@ mod tests {
     }
 
     #[test]
-    fn the_log_prob_gap_alert_follows_the_mean_over_a_full_window() {
+    fn the_logprob_mismatch_alert_follows_the_mean_over_a_full_window() {
         let r = rollout(RolloutMode::Shadow { sample: 1.0 });
-        let gauge = |m: &Metrics| m.log_prob_gap_alert.get();
+        let gauge = |m: &Metrics| m.logprob_mismatch_alert.get();
         // A mean of 0.5 nats, far above 0.1, but the window is not full.
-        r.record_log_prob_gaps(&[0.5; 99]);
+        r.record_logprob_mismatches(&[0.5; 99]);
         assert_eq!(gauge(&r.metrics), 0);
-        r.record_log_prob_gaps(&[0.5]);
+        r.record_logprob_mismatches(&[0.5]);
         assert_eq!(gauge(&r.metrics), 1);
-        assert_eq!(r.metrics.shadow_log_prob_gap_mean.get(), 0.5);
+        assert_eq!(r.metrics.logprob_mismatch_mean.get(), 0.5);
         // 100 exact matches push every gap out of the window: cleared.
-        r.record_log_prob_gaps(&[0.0; 100]);
+        r.record_logprob_mismatches(&[0.0; 100]);
         assert_eq!(gauge(&r.metrics), 0);
-        assert_eq!(r.metrics.shadow_log_prob_gap_mean.get(), 0.0);
+        assert_eq!(r.metrics.logprob_mismatch_mean.get(), 0.0);
         // 9 of 100 at 1 nat: mean 0.09 ≤ 0.1, no alert; 11 of 100: alert.
-        r.record_log_prob_gaps(&[1.0; 9]);
+        r.record_logprob_mismatches(&[1.0; 9]);
         assert_eq!(gauge(&r.metrics), 0);
-        r.record_log_prob_gaps(&[1.0; 2]);
+        r.record_logprob_mismatches(&[1.0; 2]);
         assert_eq!(gauge(&r.metrics), 1);
         // An alert never rolls traffic back.
         assert!(!r.rolled_back());

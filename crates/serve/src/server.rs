@@ -380,7 +380,7 @@ async fn shadow(state: Arc<AppState>, observations: Vec<f32>, rows: usize, int8:
             .zip(&fp.log_probs)
             .filter_map(|(ours, theirs)| Some((ours.as_ref()? - theirs.as_ref()?).abs()))
             .collect();
-        policy.rollout.record_log_prob_gaps(&gaps);
+        policy.rollout.record_logprob_mismatches(&gaps);
         if int8.greedy {
             let agreements: Vec<bool> = int8
                 .actions
@@ -672,9 +672,9 @@ fn check_options(options: &ServeOptions) -> Result<()> {
             "the rollback threshold must be in [0, 1] and its windows at least 1".into(),
         ));
     }
-    if !(rollout.log_prob_gap_alert.is_finite() && rollout.log_prob_gap_alert >= 0.0) {
+    if !(rollout.logprob_mismatch_alert.is_finite() && rollout.logprob_mismatch_alert >= 0.0) {
         return Err(Error::Options(
-            "the log-prob gap alert threshold must be a number of nats ≥ 0".into(),
+            "the log-prob mismatch alert threshold must be a number of nats ≥ 0".into(),
         ));
     }
     let drift = options.drift;

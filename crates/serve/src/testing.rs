@@ -52,7 +52,7 @@ pub(crate) fn options() -> ServeOptions {
             agreement_window: 1000,
             reward_window: 20,
             random_return: 0.0,
-            log_prob_gap_alert: 0.1,
+            logprob_mismatch_alert: 0.1,
         },
         drift: DriftOptions {
             sample: 0.125,
