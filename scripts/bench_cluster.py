@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-QFORGE = "target/release/qforge"
+QFORGE = os.environ.get("QFORGE", "target/release/qforge")
 CALIBRATE = ["calibrate", "--model", "models/smollm2-135m-instruct-q4_1.gguf",
              "--data", "fixtures/episodes/arithmetic.jsonl", "--samples", "32",
              "--seq-len", "128", "--batch-size", "4"]

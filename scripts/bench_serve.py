@@ -11,7 +11,7 @@ import os
 import re
 import subprocess
 
-QFORGE = "target/release/qforge"
+QFORGE = os.environ.get("QFORGE", "target/release/qforge")
 ARTIFACT = "target/bench-serve-artifact"
 CONNECTIONS = 16
 SECONDS = 8

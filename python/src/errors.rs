@@ -93,7 +93,11 @@ impl From<qforge_calib::Error> for Failure {
 
 impl From<qforge_dist::Error> for Failure {
     fn from(error: qforge_dist::Error) -> Self {
-        failed(&error)
+        match error {
+            qforge_dist::Error::Request(why) => Failure(usage(why)),
+            qforge_dist::Error::Model(e) => e.into(),
+            other => failed(&other),
+        }
     }
 }
 

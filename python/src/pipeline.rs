@@ -5,10 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use pyo3::prelude::*;
-use qforge_calib::{Pass, Recipe, Session, Stratify};
-use qforge_core::codec::encode;
-use qforge_dist::{EmbeddedExecutor, Executor, PassPosition, RunOptions};
-use qforge_model::output::write_atomic;
+use qforge_calib::{Pass, Recipe, Stratify};
+use qforge_dist::{Calibration, EmbeddedExecutor};
 use qforge_quant::recipe::{ActivationScheme, Overrides};
 use qforge_quant::returns::bundled;
 use qforge_quant::{Inputs, Pipeline, QuantRecipe};
@@ -92,28 +90,15 @@ pub fn calibrate<'py>(
             ],
         )?,
     };
-    recipe.validate().map_err(|e| usage(e.to_string()))?;
-    if !(0.0..=1.0).contains(&min_coverage) {
-        return Err(usage("min_coverage must be in [0, 1]"));
-    }
+    let calibration = Calibration {
+        skip_invalid,
+        min_coverage,
+        ..Calibration::new(model, data, recipe)
+    };
     let executor = executor(workers)?;
-    let (session, job, summary) = py.detach(|| -> Result<_, Failure> {
-        let session = Session::open(&model, &data, &recipe, skip_invalid, executor.weights())?;
-        let job = session.job(&recipe, &[]);
-        let options = RunOptions {
-            checkpoints: None,
-            checkpoint_every: usize::MAX,
-            resume: false,
-            min_coverage,
-        };
-        let summary =
-            executor.run_pass(&session, &job, PassPosition::ONLY, &options, &mut |_| {})?;
-        write_atomic(&output, &encode(&summary.stats))?;
-        Ok((session, job, summary))
-    })?;
-    let run = session.run_name();
-    let report = summary.report(&session, &job, &run, executor.name(), executor.threads);
-    written(py, &output, &report)
+    let calibrated =
+        (py.detach(|| calibration.run(&executor, &output, &mut ()))).map_err(Failure::from)?;
+    written(py, &output, &calibrated.report())
 }
 
 /// `qforge quantize`: calibrates `model` on `data`, applies the recipe (the

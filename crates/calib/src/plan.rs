@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 
 /// How samples are drawn from the data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Stratify {
     /// A seeded shuffle.

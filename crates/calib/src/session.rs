@@ -94,6 +94,22 @@ impl Session {
         })
     }
 
+    /// What a person should hear before the first pass runs: each data line
+    /// skipped, and a plan with fewer samples than the recipe asked for.
+    pub fn warnings(&self) -> Vec<String> {
+        let data = self.data_path.display();
+        let mut warnings: Vec<String> = (self.data.skipped.iter())
+            .map(|(line, reason)| format!("{data}:{line}: skipped: {reason}"))
+            .collect();
+        if self.plan.samples < self.recipe.samples {
+            warnings.push(format!(
+                "the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
+                self.plan.samples, self.recipe.samples
+            ));
+        }
+        warnings
+    }
+
     /// The job of a pass over this session's plan: `recipe` (the session's,
     /// or another pass of it) observing the model after `transforms`.
     pub fn job(&self, recipe: &Recipe, transforms: &[Transform]) -> Job {

@@ -6,37 +6,13 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
-use qforge_calib::{Pass, Recipe, Session, Stratify};
-use qforge_core::codec::encode;
+use qforge_calib::{Pass, Recipe, Stratify};
 use qforge_dist::cluster::{RedisAddress, WorkerOptions, hostname, serve};
-use qforge_dist::{
-    CheckpointStore, ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition,
-    RedisExecutor, RunOptions,
-};
-use qforge_model::output::write_atomic;
+use qforge_dist::{Calibration, ClusterSettings, EmbeddedExecutor, Executor, RedisExecutor};
 
-use crate::output::{Written, print_json};
+use crate::output::print_written;
+use crate::terminal::Terminal;
 use crate::{OutputFlags, OutputPath, UsageError};
-
-/// `--stratify`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum StratifyArg {
-    /// Seeded shuffle.
-    None,
-    /// Evenly across reward quantiles (every record needs a reward).
-    Reward,
-}
-
-impl StratifyArg {
-    /// The library's value.
-    pub fn stratify(self) -> Stratify {
-        match self {
-            StratifyArg::None => Stratify::None,
-            StratifyArg::Reward => Stratify::Reward,
-        }
-    }
-}
 
 /// `--pass`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -71,8 +47,8 @@ pub struct CalibrateArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// How samples are drawn.
-    #[arg(long, value_enum, default_value_t = StratifyArg::None)]
-    stratify: StratifyArg,
+    #[arg(long, value_enum, default_value_t = Stratify::None)]
+    stratify: Stratify,
     /// What the pass records.
     #[arg(long, value_enum, default_value_t = PassArg::Activation)]
     pass: PassArg,
@@ -88,9 +64,8 @@ pub struct CalibrateArgs {
     /// model, data and recipe hashes.
     #[arg(long)]
     run: Option<String>,
-    /// Continue run NAME from its newest readable checkpoint (needs
-    /// --checkpoint-dir).
-    #[arg(long, value_name = "NAME")]
+    /// Continue run NAME from its newest readable checkpoint.
+    #[arg(long, value_name = "NAME", requires = "checkpoint_dir")]
     resume: Option<String>,
     /// Accept statistics covering at least this fraction of the batches.
     #[arg(long, default_value_t = 1.0)]
@@ -183,7 +158,7 @@ impl BackendArgs {
             speculation: s.speculation,
             outage_limit: Duration::from_secs_f64(s.outage_limit),
         };
-        settings.validate().map_err(|e| UsageError(e.to_string()))?;
+        settings.validate()?;
         Ok(match &self.cluster {
             Some(url) => Box::new(RedisExecutor {
                 redis: self.password.address(url)?,
@@ -201,153 +176,37 @@ impl BackendArgs {
     }
 }
 
-/// A progress bar per calibration pass (hidden when `quiet`), and the line
-/// that tells a cluster's operator which run to start workers for.
-pub(crate) struct PassProgress {
-    bar: ProgressBar,
-    quiet: bool,
-}
-
-impl PassProgress {
-    pub fn new(quiet: bool) -> Self {
-        Self {
-            bar: ProgressBar::hidden(),
-            quiet,
-        }
-    }
-
-    pub fn on_event(&mut self, pass: PassPosition, event: &PassEvent) {
-        match event {
-            PassEvent::Opened { run, batches } => {
-                if self.quiet {
-                    return;
-                }
-                if let (Some(run), 1) = (run, pass.index) {
-                    eprintln!(
-                        "run {run} is open: start workers with `qforge worker --cluster URL --run {run}`"
-                    );
-                }
-                self.bar = ProgressBar::new(*batches as u64);
-                self.bar.set_style(
-                    ProgressStyle::with_template(
-                        "{prefix} {bar:40} {pos}/{len} batches  {per_sec}  ETA {eta}  {msg}",
-                    )
-                    .expect("valid template"),
-                );
-                if pass.count > 1 {
-                    self.bar
-                        .set_prefix(format!("pass {}/{}", pass.index, pass.count));
-                }
-            }
-            PassEvent::Progress(p) => {
-                self.bar.set_position(p.merged as u64);
-                self.bar
-                    .set_message(format!("{} workers, {} retries", p.workers, p.retries));
-                if p.merged == p.planned {
-                    self.bar.finish_and_clear();
-                }
-            }
-        }
-    }
-}
-
-impl Drop for PassProgress {
-    fn drop(&mut self) {
-        self.bar.finish_and_clear();
-    }
-}
-
-/// Prints the data lines a session skipped.
-pub(crate) fn warn_skipped(session: &Session) {
-    for (line, reason) in &session.data.skipped {
-        eprintln!(
-            "warning: {}:{line}: skipped: {reason}",
-            session.data_path.display()
-        );
-    }
-}
-
 /// `qforge calibrate`.
 pub fn calibrate(args: CalibrateArgs) -> Result<()> {
-    let recipe = Recipe {
-        samples: args.samples,
-        seq_len: args.seq_len,
-        batch_size: args.batch_size,
-        seed: args.seed,
-        stratify: args.stratify.stratify(),
-        pass: match args.pass {
-            PassArg::Activation => Pass::Activation,
-            PassArg::Smoothing => Pass::Smoothing,
+    let run = args.resume.clone().or(args.run);
+    let calibration = Calibration {
+        model: args.model,
+        data: args.data,
+        recipe: Recipe {
+            samples: args.samples,
+            seq_len: args.seq_len,
+            batch_size: args.batch_size,
+            seed: args.seed,
+            stratify: args.stratify,
+            pass: match args.pass {
+                PassArg::Activation => Pass::Activation,
+                PassArg::Smoothing => Pass::Smoothing,
+            },
         },
-    };
-    recipe.validate().map_err(|e| UsageError(e.to_string()))?;
-    if !(0.0..=1.0).contains(&args.min_coverage) {
-        return Err(UsageError("--min-coverage must be in [0, 1]".into()).into());
-    }
-    if args.resume.is_some() && args.checkpoint_dir.is_none() {
-        return Err(UsageError("--resume needs --checkpoint-dir".into()).into());
-    }
-    if args.checkpoint_every == 0 {
-        return Err(UsageError("--checkpoint-every must be at least 1".into()).into());
-    }
-    let executor = args.backend.executor(
-        args.resume.clone().or(args.run.clone()),
-        args.resume.is_some(),
-    )?;
-    let session = Session::open(
-        &args.model,
-        &args.data,
-        &recipe,
-        args.skip_invalid,
-        executor.weights(),
-    )?;
-    warn_skipped(&session);
-    let plan = &session.plan;
-    if plan.samples < recipe.samples {
-        eprintln!(
-            "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
-            plan.samples, recipe.samples
-        );
-    }
-    let job = session.job(&recipe, &[]);
-    let run_name = args
-        .resume
-        .clone()
-        .or(args.run.clone())
-        .unwrap_or_else(|| session.run_name());
-    let options = RunOptions {
-        checkpoints: args
-            .checkpoint_dir
-            .as_ref()
-            .map(|dir| CheckpointStore::new(dir.join(&run_name))),
+        skip_invalid: args.skip_invalid,
+        run: run.clone(),
+        checkpoint_dir: args.checkpoint_dir,
         checkpoint_every: args.checkpoint_every,
         resume: args.resume.is_some(),
         min_coverage: args.min_coverage,
     };
-    let mut progress = PassProgress::new(args.flags.json);
-    let summary = executor.run_pass(&session, &job, PassPosition::ONLY, &options, &mut |e| {
-        progress.on_event(PassPosition::ONLY, &e)
-    })?;
-    drop(progress);
-    for warning in &summary.warnings {
-        eprintln!("warning: {warning}");
-    }
-    let workers = match &args.backend.cluster {
-        Some(_) => summary.workers.len(),
-        None => args
-            .backend
-            .workers
-            .unwrap_or_else(|| EmbeddedExecutor::per_core().threads),
-    };
-    let output = &args.output.output;
-    write_atomic(output, &encode(&summary.stats))?;
-    let report = summary.report(&session, &job, &run_name, executor.name(), workers);
-    if args.flags.json {
-        print_json(&Written::new(output, &report))
-    } else {
-        println!("wrote {}: {report}", output.display());
-        Ok(())
-    }
+    // Refuse a bad request before connecting to a cluster.
+    calibration.validate()?;
+    let executor = args.backend.executor(run, calibration.resume)?;
+    let mut terminal = Terminal::new(args.flags.json);
+    let calibrated = calibration.run(executor.as_ref(), &args.output.output, &mut terminal)?;
+    drop(terminal);
+    print_written(&args.output.output, &calibrated.report(), args.flags)
 }
 
 /// Arguments of `qforge worker`.

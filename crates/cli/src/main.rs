@@ -14,6 +14,7 @@ mod requantize_cmd;
 mod rollouts_cmd;
 mod serve_cmd;
 mod stats_cmd;
+mod terminal;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -89,7 +90,7 @@ enum Command {
     /// a language model on OpenAI's /v1/completions and /v1/chat/completions
     /// (continuous batching, SSE); A/B or shadow rollout against the FP
     /// reference with automatic rollback; drift monitor; POST /admin/reload
-    /// (policies, token required) swaps in a new artifact; /health, /ready,
+    /// (token required) swaps in a new artifact; /health, /ready,
     /// /metrics (Prometheus), /openapi.json. Set QFORGE_SERVE_TOKEN to
     /// require a bearer token on all but /health and /ready.
     Serve(serve_cmd::ServeArgs),
@@ -170,6 +171,19 @@ fn message(error: &anyhow::Error) -> String {
     text
 }
 
+/// Whether `error` is the caller's mistake (exit 2): bad flags, or a
+/// request the libraries refused as not fitting (a setting out of range, a
+/// policy where a language model is needed).
+fn is_misuse(error: &anyhow::Error) -> bool {
+    use qforge_model::Error::Request;
+    error.downcast_ref::<UsageError>().is_some()
+        || matches!(error.downcast_ref(), Some(Request(_)))
+        || matches!(
+            error.downcast_ref(),
+            Some(qforge_dist::Error::Request(_) | qforge_dist::Error::Model(Request(_)))
+        )
+}
+
 fn main() -> ExitCode {
     // Die quietly on a closed pipe (`qforge stats show X | head`), as other
     // Unix tools do, instead of panicking in println!.
@@ -216,8 +230,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(error) => {
             eprintln!("error: {}", message(&error));
-            let misuse = matches!(error.downcast_ref(), Some(qforge_model::Error::Request(_)));
-            if misuse || error.downcast_ref::<UsageError>().is_some() {
+            if is_misuse(&error) {
                 ExitCode::from(EXIT_USAGE)
             } else if let Some(qforge_quant::Error::Refused(_)) = error.downcast_ref() {
                 ExitCode::from(EXIT_GUARD)

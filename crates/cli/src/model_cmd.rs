@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::Calibrator;
-use qforge_model::lm::{compare, perplexity};
+use qforge_model::lm::{GenerationReport, compare, perplexity};
 use qforge_model::precision::RunPrecision;
 use qforge_model::sensitivity::{LayerReport, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy, Model};
@@ -116,29 +116,14 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
             seed: args.seed,
         },
     )?;
-    let text = lm.text.tokenizer.decode(&generation.tokens)?;
+    let report = GenerationReport::new(&lm, generation, precision.to_string())?;
     if args.flags.json {
-        print_json(&json!({
-            "text": text,
-            "tokens": generation.tokens,
-            "prompt_tokens": generation.prompt_tokens,
-            "prefill_tokens_per_s": generation.prefill_tokens_per_second(),
-            "decode_tokens_per_s": generation.decode_tokens_per_second(),
-            // Bytes every decode step reads from the linear layers' weights.
-            "linear_weight_bytes": lm.model.linear_weight_bytes(),
-            "precision": precision.to_string(),
-        }))?;
+        print_json(&report)
     } else {
-        println!("{text}");
-        eprintln!(
-            "{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s",
-            generation.prompt_tokens,
-            generation.prefill_tokens_per_second(),
-            generation.tokens.len(),
-            generation.decode_tokens_per_second()
-        );
+        println!("{}", report.text);
+        eprintln!("{report}");
+        Ok(())
     }
-    Ok(())
 }
 
 /// `qforge eval` subcommands.
@@ -290,24 +275,12 @@ pub fn eval(command: EvalCommand) -> Result<()> {
 fn agreement(args: AgreementArgs) -> Result<()> {
     let (model, _) = args.precision.policy(&args.model)?;
     let reference = qforge_model::open(&args.reference)?.into_policy(&args.reference)?;
-    let dim = reference.config().observation_dim;
-    if model.config().observation_dim != dim || model.config().head != reference.config().head {
-        bail!(
-            "the policies differ in observation width or head; agreement needs the same interface"
-        );
-    }
-    let observations = read_observations(&args.observations, dim)?;
-    let ours = model.act(&observations)?;
-    let agreement = reference.agreement(&ours, &reference.act(&observations)?);
-    if args.flags.json {
-        return print_json(&json!({ "agreement": agreement, "observations": ours.len() }));
-    }
-    let percent = 100.0 * agreement;
-    println!(
-        "action agreement {percent:.2} % over {} observations",
-        ours.len()
-    );
-    Ok(())
+    let width = reference.config().observation_dim;
+    let observations = read_observations(&args.observations, width)?;
+    print_report(
+        &model.agreement_with(&reference, &observations)?,
+        args.flags,
+    )
 }
 
 /// `qforge eval layers`.

@@ -24,6 +24,22 @@ pub fn print_json(value: &impl Serialize) -> Result<()> {
     Ok(())
 }
 
+/// Prints a command's result written to `output`: with `--json` the
+/// report's JSON with `"output"` (the path) added, else `wrote OUTPUT:
+/// REPORT`.
+pub fn print_written(
+    output: &Path,
+    report: &(impl Serialize + Display),
+    flags: OutputFlags,
+) -> Result<()> {
+    if flags.json {
+        print_json(&Written { output, report })
+    } else {
+        println!("wrote {}: {report}", output.display());
+        Ok(())
+    }
+}
+
 /// A report of something written to `output`: the report's own fields and
 /// `"output"`, the path.
 #[derive(Serialize)]

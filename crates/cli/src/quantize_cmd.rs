@@ -4,15 +4,16 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, anyhow};
-use clap::{Args, ValueEnum};
-use qforge_dist::{PassEvent, PassPosition};
+use clap::Args;
+use qforge_dist::Listener;
 use qforge_model::Format;
-use qforge_quant::recipe::{ActivationScheme, Overrides};
+use qforge_quant::recipe::Overrides;
 use qforge_quant::returns::{ReturnCheck, bundled};
-use qforge_quant::{Inputs, Listener, Pipeline, QuantRecipe};
+use qforge_quant::{Inputs, Pipeline, QuantRecipe};
 
-use crate::calibrate_cmd::{BackendArgs, PassProgress, StratifyArg};
+use crate::calibrate_cmd::BackendArgs;
 use crate::output::{print_json, print_report};
+use crate::terminal::Terminal;
 use crate::{OutputFlags, UsageError};
 
 /// The policy `qforge quantize` uses when given no model, relative to the
@@ -20,15 +21,6 @@ use crate::{OutputFlags, UsageError};
 const BUNDLED_MODEL: &str = "fixtures/policies/cartpole";
 /// Its rollouts.
 const BUNDLED_DATA: &str = "fixtures/policies/cartpole/rollouts.jsonl";
-
-/// `--activations`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ActivationsArg {
-    /// One calibrated scale per layer input.
-    Static,
-    /// A scale per token at run time.
-    Dynamic,
-}
 
 /// Arguments of `qforge quantize`.
 #[derive(Args)]
@@ -80,81 +72,11 @@ pub struct QuantizeArgs {
     /// Least return consistency, 1 − |int8 − fp| / |fp − random|.
     #[arg(long, default_value_t = 0.95, requires = "env")]
     min_return_consistency: f64,
-
-    /// [method] run the recipe as given (plain, unless --smoothquant,
-    /// --hadamard or --gptq name a method) instead of trying plain,
-    /// SmoothQuant, Hadamard and Hadamard + GPTQ in order of cost until one
-    /// meets the guard before any fallback (policies: plain and SmoothQuant).
-    #[arg(long, help_heading = "Recipe overrides")]
-    no_method_search: bool,
-    /// [calibration] samples to draw.
-    #[arg(long, help_heading = "Recipe overrides")]
-    samples: Option<usize>,
-    /// [calibration] most tokens per sequence.
-    #[arg(long, help_heading = "Recipe overrides")]
-    seq_len: Option<usize>,
-    /// [calibration] samples per batch.
-    #[arg(long, help_heading = "Recipe overrides")]
-    batch_size: Option<usize>,
-    /// [calibration] seed of the sampling.
-    #[arg(long, help_heading = "Recipe overrides")]
-    seed: Option<u64>,
-    /// [calibration] how samples are drawn.
-    #[arg(long, value_enum, help_heading = "Recipe overrides")]
-    stratify: Option<StratifyArg>,
-    /// [calibration] least coverage for static scales.
-    #[arg(long, help_heading = "Recipe overrides")]
-    min_coverage: Option<f64>,
-    /// [quantize] activation scheme.
-    #[arg(long, value_enum, help_heading = "Recipe overrides")]
-    activations: Option<ActivationsArg>,
-    /// [quantize] calibrator of static scales (minmax, percentile(P),
-    /// entropy, mse, sigma(K)).
-    #[arg(long, help_heading = "Recipe overrides")]
-    calibrator: Option<String>,
-    /// [quantize] keep this layer input in full precision (repeatable;
-    /// matches the name or its last components, e.g. layers.0).
-    #[arg(long, value_name = "POINT", help_heading = "Recipe overrides")]
-    ignore: Vec<String>,
-    /// [quantize] keep a language model's lm_head in full precision.
-    #[arg(long, help_heading = "Recipe overrides")]
-    fp_lm_head: bool,
-    /// [smoothing] run SmoothQuant: a first pass records per-channel
-    /// abs-max, a second calibrates the smoothed model, on any backend (for
-    /// a policy, its observation is what is smoothed).
-    #[arg(long, help_heading = "Recipe overrides")]
-    smoothquant: bool,
-    /// [smoothing] migration strength α in [0, 1], one for every input
-    /// (default: each input's α searched on its layers' output error).
-    #[arg(long, help_heading = "Recipe overrides")]
-    alpha: Option<f64>,
-    /// [rotation] rotate these linear inputs by a Hadamard matrix, online in
-    /// qforge's engine (such an artifact does not export): comma-separated
-    /// among q_proj, o_proj, gate_proj, down_proj, lm_head, or `all`.
-    #[arg(long, value_name = "INPUTS", help_heading = "Recipe overrides")]
-    hadamard: Option<String>,
-    /// [gptq] round int8 weights with GPTQ: Hessian passes after the
-    /// activation pass sum each layer input's exact Σ x xᵀ (on any backend,
-    /// the same bytes), and weights are rounded with error compensation.
-    #[arg(long, help_heading = "Recipe overrides")]
-    gptq: bool,
-    /// [gptq] round columns in order of decreasing Hessian diagonal.
-    #[arg(long, help_heading = "Recipe overrides")]
-    gptq_act_order: bool,
-    /// [guard] largest relative perplexity increase (0.03 = +3 %).
-    #[arg(long, help_heading = "Recipe overrides")]
-    max_perplexity_increase: Option<f64>,
-    /// [guard] smallest action agreement with the FP policy.
-    #[arg(long, help_heading = "Recipe overrides")]
-    min_agreement: Option<f64>,
-    /// [guard] largest share of linear layers left in FP.
-    #[arg(long, help_heading = "Recipe overrides")]
-    max_fp_fraction: Option<f64>,
-    /// [guard] tokens per perplexity chunk.
-    #[arg(long, help_heading = "Recipe overrides")]
-    ctx: Option<usize>,
     #[command(flatten)]
     flags: OutputFlags,
+    // Last: its help heading would take in the flags after it.
+    #[command(flatten)]
+    overrides: Overrides,
 }
 
 impl QuantizeArgs {
@@ -168,54 +90,10 @@ impl QuantizeArgs {
             }
             None => QuantRecipe::default(),
         };
-        let overrides = Overrides {
-            no_method_search: self.no_method_search,
-            samples: self.samples,
-            seq_len: self.seq_len,
-            batch_size: self.batch_size,
-            seed: self.seed,
-            stratify: self.stratify.map(StratifyArg::stratify),
-            min_coverage: self.min_coverage,
-            activations: self.activations.map(|a| match a {
-                ActivationsArg::Static => ActivationScheme::Static,
-                ActivationsArg::Dynamic => ActivationScheme::Dynamic,
-            }),
-            calibrator: self.calibrator.clone(),
-            ignore: self.ignore.clone(),
-            fp_lm_head: self.fp_lm_head,
-            smoothquant: self.smoothquant,
-            alpha: self.alpha,
-            hadamard: self.hadamard.clone(),
-            gptq: self.gptq,
-            gptq_act_order: self.gptq_act_order,
-            max_perplexity_increase: self.max_perplexity_increase,
-            min_agreement: self.min_agreement,
-            max_fp_fraction: self.max_fp_fraction,
-            ctx: self.ctx,
-        };
         // A flag the recipe cannot take is a usage error.
         Ok(recipe
-            .with_overrides(&overrides)
+            .with_overrides(&self.overrides)
             .map_err(|e| UsageError(e.to_string()))?)
-    }
-}
-
-/// The pipeline's events on the terminal: progress bars per pass and lines
-/// on stderr (only warnings with `--json`).
-struct Terminal {
-    progress: PassProgress,
-    quiet: bool,
-}
-
-impl Listener for Terminal {
-    fn message(&mut self, line: &str) {
-        if !self.quiet || line.starts_with("warning:") {
-            eprintln!("{line}");
-        }
-    }
-
-    fn pass_event(&mut self, pass: PassPosition, event: &PassEvent) {
-        self.progress.on_event(pass, event);
     }
 }
 
@@ -245,10 +123,7 @@ pub fn quantize_command(args: QuantizeArgs) -> Result<()> {
     let executor = args.backend.executor(args.run.clone(), false)?;
     let pipeline = Pipeline::new(recipe, executor.as_ref())?;
     let quiet = args.flags.json;
-    let mut terminal = Terminal {
-        progress: PassProgress::new(quiet),
-        quiet,
-    };
+    let mut terminal = Terminal::new(quiet);
     terminal.message(&format!(
         "calibrating {} on {}",
         model.display(),

@@ -11,10 +11,10 @@ use anyhow::Result;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use qforge_model::output::{check_writable, write_atomic};
-use qforge_model::rollouts::{RolloutOptions, RolloutsSummary};
+use qforge_model::rollouts::{RolloutOptions, RolloutsSummary, jsonl};
 
-use crate::output::{Written, print_json};
-use crate::{OutputFlags, OutputPath, UsageError};
+use crate::output::print_written;
+use crate::{OutputFlags, OutputPath};
 
 /// A prompt set whose answers can be checked exactly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -59,24 +59,17 @@ pub struct RolloutsArgs {
 
 /// `qforge rollouts`.
 pub fn rollouts(args: RolloutsArgs) -> Result<()> {
-    if args.episodes == 0 || args.max_tokens == 0 {
-        return Err(UsageError("--episodes and --max-tokens must be at least 1".into()).into());
-    }
-    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        return Err(UsageError(format!(
-            "--temperature must be ≥ 0, got {}",
-            args.temperature
-        ))
-        .into());
-    }
+    let options = RolloutOptions {
+        task: match args.task {
+            Task::Arithmetic => qforge_model::rollouts::Task::Arithmetic,
+        },
+        episodes: args.episodes,
+        seed: args.seed,
+        temperature: args.temperature,
+        max_tokens: args.max_tokens,
+    };
+    options.validate()?;
     let output = &args.output.output;
-    if output.is_dir() {
-        return Err(UsageError(format!(
-            "-o {} is a directory; name a file",
-            output.display()
-        ))
-        .into());
-    }
     // Fail now, not after minutes of generation.
     check_writable(output)?;
     let lm = qforge_model::open(&args.model)?.into_language(&args.model)?;
@@ -90,15 +83,6 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
             .expect("valid template"),
     );
     let started = Instant::now();
-    let options = RolloutOptions {
-        task: match args.task {
-            Task::Arithmetic => qforge_model::rollouts::Task::Arithmetic,
-        },
-        episodes: args.episodes,
-        seed: args.seed,
-        temperature: args.temperature,
-        max_tokens: args.max_tokens,
-    };
     let (mut done, mut rewarded) = (0usize, 0.0);
     let episodes = qforge_model::rollouts::rollouts(&lm, &options, &mut |episode| {
         done += 1;
@@ -106,18 +90,8 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
         bar.inc(1);
         bar.set_message(format!("mean reward {:.3}", rewarded / done as f64));
     })?;
-    let mut lines = String::new();
-    for episode in &episodes {
-        lines.push_str(&serde_json::to_string(episode)?);
-        lines.push('\n');
-    }
     bar.finish_and_clear();
-    write_atomic(output, lines.as_bytes())?;
+    write_atomic(output, jsonl(&episodes).as_bytes())?;
     let summary = RolloutsSummary::of(&episodes, &options, started.elapsed().as_secs_f64());
-    if args.flags.json {
-        print_json(&Written::new(output, &summary))
-    } else {
-        println!("wrote {}: {summary}", output.display());
-        Ok(())
-    }
+    print_written(output, &summary, args.flags)
 }

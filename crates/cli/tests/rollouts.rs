@@ -222,11 +222,11 @@ fn bad_input_is_refused_before_any_generation() {
 
     let none = run(&model, "0", &[], out);
     assert_eq!(none.status.code(), Some(2));
-    assert!(stderr(&none).contains("--episodes"), "{}", stderr(&none));
+    assert!(stderr(&none).contains("episodes"), "{}", stderr(&none));
 
     let cold = run(&model, "2", &["--temperature=-1"], out);
     assert_eq!(cold.status.code(), Some(2));
-    assert!(stderr(&cold).contains("--temperature"), "{}", stderr(&cold));
+    assert!(stderr(&cold).contains("temperature"), "{}", stderr(&cold));
 
     let policy = run(&path("fixtures/policies/cartpole"), "2", &[], out);
     assert_eq!(policy.status.code(), Some(2));

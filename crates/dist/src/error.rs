@@ -49,6 +49,10 @@ pub enum Error {
     /// The run refused this worker.
     #[error("refused: {0}")]
     Refused(String),
+    /// What the caller asked for does not fit: a setting out of range, or
+    /// settings that contradict each other.
+    #[error("{0}")]
+    Request(String),
     /// A worker thread died.
     #[error("worker {0} panicked")]
     WorkerPanic(String),
@@ -66,7 +70,8 @@ impl Error {
             | Error::Model(_)
             | Error::Core(_)
             | Error::ForeignResult { .. }
-            | Error::Refused(_) => false,
+            | Error::Refused(_)
+            | Error::Request(_) => false,
         }
     }
 }

@@ -44,6 +44,18 @@ pub enum PassEvent {
     Progress(Progress),
 }
 
+/// What a calibration (one pass, or a pipeline's) reports while it runs.
+/// Every method has a default that ignores the event, so `()` listens to
+/// nothing.
+pub trait Listener {
+    /// A line of progress for a person (`warning: …` for a warning).
+    fn message(&mut self, _line: &str) {}
+    /// An event of calibration pass `pass`.
+    fn pass_event(&mut self, _pass: PassPosition, _event: &PassEvent) {}
+}
+
+impl Listener for () {}
+
 /// Runs the passes of a calibration pipeline, one at a time.
 pub trait Executor {
     /// `embedded` or `redis`, as reports name the backend.
@@ -71,6 +83,12 @@ pub trait Executor {
     /// follow nothing: the default does nothing.
     fn skip_pass(&self, _session: &Session, _job: &Job, _position: PassPosition) -> Result<()> {
         Ok(())
+    }
+
+    /// How many workers ran the pass `summary` records: by default those
+    /// that reported.
+    fn workers(&self, summary: &RunSummary) -> usize {
+        summary.workers.len()
     }
 }
 
@@ -116,6 +134,10 @@ impl Executor for EmbeddedExecutor {
             events(PassEvent::Progress(p))
         })
     }
+    /// Every thread, whether or not a batch reached it.
+    fn workers(&self, _summary: &RunSummary) -> usize {
+        self.threads
+    }
 }
 
 /// How a Redis run admits and watches its workers.
@@ -151,13 +173,13 @@ impl ClusterSettings {
     /// Checks the values; the error says which flag is wrong.
     pub fn validate(&self) -> Result<()> {
         if self.heartbeat.is_zero() || self.heartbeat_timeout <= self.heartbeat {
-            return Err(Error::Cluster(
+            return Err(Error::Request(
                 "the heartbeat timeout must exceed the heartbeat interval, which must be at least 1 ms"
                     .into(),
             ));
         }
         if !(1.0..=2.0).contains(&self.speculation) || self.outage_limit.is_zero() {
-            return Err(Error::Cluster(
+            return Err(Error::Request(
                 "speculation must be in [1, 2] and the outage limit positive".into(),
             ));
         }

@@ -10,6 +10,7 @@
 //! depends on `qforge-calib`, `qforge-model` and `qforge-core`.
 
 pub mod backend;
+pub mod calibration;
 pub mod checkpoint;
 pub mod cluster;
 pub mod coordinator;
@@ -19,11 +20,12 @@ mod merger;
 pub mod record;
 
 pub use backend::{Backend, Embedded, Failure, Next, Outcome};
+pub use calibration::{Calibrated, Calibration};
 pub use checkpoint::CheckpointStore;
 pub use coordinator::{RunOptions, run};
 pub use error::{Error, Result};
 pub use executor::{
-    ClusterSettings, EmbeddedExecutor, Executor, PassEvent, PassPosition, RedisExecutor,
+    ClusterSettings, EmbeddedExecutor, Executor, Listener, PassEvent, PassPosition, RedisExecutor,
 };
 pub use record::{Delivery, MAX_ATTEMPTS, PassReport, Progress, RunSummary, WorkerReport};
 

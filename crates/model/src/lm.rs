@@ -289,6 +289,54 @@ impl Generation {
     }
 }
 
+/// What `qforge generate` reports: the text and how fast it came.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerationReport {
+    /// The generated text.
+    pub text: String,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Prompt tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Generated tokens per second.
+    pub decode_tokens_per_s: f64,
+    /// Bytes every decode step reads from the linear layers' weights.
+    pub linear_weight_bytes: usize,
+    /// The precision the model ran in.
+    pub precision: String,
+}
+
+impl GenerationReport {
+    /// The report of `generation` by `lm`, run in `precision`.
+    pub fn new(lm: &LanguageModel, generation: Generation, precision: String) -> Result<Self> {
+        Ok(Self {
+            text: lm.text.tokenizer.decode(&generation.tokens)?,
+            prompt_tokens: generation.prompt_tokens,
+            prefill_tokens_per_s: generation.prefill_tokens_per_second(),
+            decode_tokens_per_s: generation.decode_tokens_per_second(),
+            tokens: generation.tokens,
+            linear_weight_bytes: lm.model.linear_weight_bytes(),
+            precision,
+        })
+    }
+}
+
+/// The speed, as a line (the text is the report's `text`).
+impl std::fmt::Display for GenerationReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s",
+            self.prompt_tokens,
+            self.prefill_tokens_per_s,
+            self.tokens.len(),
+            self.decode_tokens_per_s
+        )
+    }
+}
+
 /// Picks the next token from one position's logits: the argmax when
 /// `temperature` is `None` or 0, else a draw from softmax(logits / t).
 pub fn sample(logits: &[f32], temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {

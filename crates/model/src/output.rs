@@ -37,8 +37,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Checks that a file can be written at `path` before the work that
-/// produces it: creates its directory and a probe file beside it.
+/// produces it: `path` is no directory, and its directory can be created
+/// and written in (a probe file beside it).
 pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::Request(format!(
+            "{} is a directory; name a file",
+            path.display()
+        )));
+    }
     let dir = parent_of(path);
     create_dir_all(dir)?;
     let probe = dir.join(format!(".qforge-probe-{}", std::process::id()));

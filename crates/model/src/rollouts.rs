@@ -41,6 +41,24 @@ pub struct RolloutOptions {
     pub max_tokens: usize,
 }
 
+impl RolloutOptions {
+    /// Checks the options; the error names the one out of range.
+    pub fn validate(&self) -> Result<()> {
+        if self.episodes == 0 || self.max_tokens == 0 {
+            return Err(Error::Request(
+                "episodes and max_tokens must be at least 1".into(),
+            ));
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(Error::Request(format!(
+                "temperature must be ≥ 0, got {}",
+                self.temperature
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One episode, in the calibration data's shape.
 #[derive(Clone, Debug, Serialize)]
 pub struct Episode {
@@ -192,6 +210,7 @@ pub fn rollouts(
     options: &RolloutOptions,
     on_episode: &mut dyn FnMut(&Episode),
 ) -> Result<Vec<Episode>> {
+    options.validate()?;
     let mut rng = StdRng::seed_from_u64(options.seed);
     let mut episodes = Vec::with_capacity(options.episodes);
     for index in 0..options.episodes {
@@ -225,6 +244,16 @@ pub fn rollouts(
         episodes.push(episode);
     }
     Ok(episodes)
+}
+
+/// Episodes as JSONL, a line each: the calibration data format.
+pub fn jsonl(episodes: &[Episode]) -> String {
+    let mut lines = String::new();
+    for episode in episodes {
+        lines.push_str(&serde_json::to_string(episode).expect("an episode serializes"));
+        lines.push('\n');
+    }
+    lines
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@
 //! It depends on `qforge-core`, `qforge-model`, `qforge-calib` and
 //! `qforge-dist` (the executor is the caller's choice: the pipeline never
 //! knows where batches were observed). It must not depend on serving or the
-//! CLI, and reports through return values and its [`Listener`], never by
+//! CLI, and reports through return values and a [`qforge_dist::Listener`], never by
 //! printing.
 
 pub mod error;
@@ -37,7 +37,7 @@ pub mod smoothing;
 
 pub use error::{Error, Result};
 pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
-pub use pipeline::{Inputs, Listener, Pipeline, Quantized};
+pub use pipeline::{Inputs, Pipeline, Quantized};
 pub use recipe::{Method, QuantRecipe};
 pub use report::{
     CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, Outcome, PassRecord, Report,

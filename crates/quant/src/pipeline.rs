@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use qforge_calib::{HessianPass, Job, Pass, Session, Transform};
 use qforge_core::{Gram, Stats};
-use qforge_dist::{Executor, PassEvent, PassPosition, RunOptions, RunSummary};
+use qforge_dist::{Executor, Listener, PassPosition, RunOptions, RunSummary};
 use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
 use qforge_model::output::write_dir_atomic;
@@ -35,17 +35,6 @@ use crate::report::{
 };
 use crate::returns::ReturnCheck;
 use crate::smoothing::{Smoothing, SmoothingRecord};
-
-/// What the pipeline reports while it runs. Every method has a default that
-/// ignores the event, so `()` listens to nothing.
-pub trait Listener {
-    /// A line of progress for a person.
-    fn message(&mut self, _line: &str) {}
-    /// An event of calibration pass `pass`.
-    fn pass_event(&mut self, _pass: PassPosition, _event: &PassEvent) {}
-}
-
-impl Listener for () {}
 
 /// Where the pipeline reads its inputs.
 #[derive(Debug, Clone)]
@@ -251,7 +240,7 @@ impl<'a> Pipeline<'a> {
     }
 
     /// Opens the session over `inputs` with `first` (the first pass's
-    /// recipe), warning when the data hold fewer samples than asked for.
+    /// recipe), with its warnings (skipped lines, too few samples).
     fn open_session(
         &self,
         inputs: &Inputs,
@@ -265,11 +254,8 @@ impl<'a> Pipeline<'a> {
             inputs.skip_invalid,
             self.executor.weights(),
         )?;
-        if session.plan.samples < first.samples {
-            listener.message(&format!(
-                "warning: the data holds {} samples, fewer than the {} asked for; calibrating on all of them",
-                session.plan.samples, first.samples
-            ));
+        for warning in session.warnings() {
+            listener.message(&format!("warning: {warning}"));
         }
         Ok(session)
     }

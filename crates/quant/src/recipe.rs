@@ -45,6 +45,7 @@ impl fmt::Display for CalibratorChoice {
 
 /// How activations are quantized by default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum ActivationScheme {
     /// One calibrated scale per layer input (cheapest at run time).
@@ -485,6 +486,131 @@ impl QuantRecipe {
     }
 }
 
+/// Changes to a recipe, field by field: `qforge quantize`'s recipe flags
+/// (with the `clap` feature, these fields are those flags, their docs the
+/// help) and the Python package's `quantize` keywords. `None`, `false` and
+/// an empty list keep the recipe's value.
+#[derive(Debug, Clone, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+#[cfg_attr(feature = "clap", command(next_help_heading = "Recipe overrides"))]
+pub struct Overrides {
+    /// [method] run the recipe as given (plain, unless --smoothquant,
+    /// --hadamard or --gptq name a method) instead of trying plain,
+    /// SmoothQuant, Hadamard and Hadamard + GPTQ in order of cost until one
+    /// meets the guard before any fallback (policies: plain and SmoothQuant).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub no_method_search: bool,
+    /// [calibration] samples to draw.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub samples: Option<usize>,
+    /// [calibration] most tokens per sequence.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub seq_len: Option<usize>,
+    /// [calibration] samples per batch.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub batch_size: Option<usize>,
+    /// [calibration] seed of the sampling.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub seed: Option<u64>,
+    /// [calibration] how samples are drawn.
+    #[cfg_attr(feature = "clap", arg(long, value_enum))]
+    pub stratify: Option<Stratify>,
+    /// [calibration] least coverage for static scales.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub min_coverage: Option<f64>,
+    /// [quantize] activation scheme.
+    #[cfg_attr(feature = "clap", arg(long, value_enum))]
+    pub activations: Option<ActivationScheme>,
+    /// [quantize] calibrator of static scales (minmax, percentile(P),
+    /// entropy, mse, sigma(K)).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub calibrator: Option<String>,
+    /// [quantize] keep this layer input in full precision (repeatable;
+    /// matches the name or its last components, e.g. layers.0).
+    #[cfg_attr(feature = "clap", arg(long, value_name = "POINT"))]
+    pub ignore: Vec<String>,
+    /// [quantize] keep a language model's lm_head in full precision.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub fp_lm_head: bool,
+    /// [smoothing] run SmoothQuant: a first pass records per-channel
+    /// abs-max, a second calibrates the smoothed model, on any backend (for
+    /// a policy, its observation is what is smoothed).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub smoothquant: bool,
+    /// [smoothing] migration strength α in [0, 1], one for every input
+    /// (default: each input's α searched on its layers' output error).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub alpha: Option<f64>,
+    /// [rotation] rotate these linear inputs by a Hadamard matrix, online in
+    /// qforge's engine (such an artifact does not export): comma-separated
+    /// among q_proj, o_proj, gate_proj, down_proj, lm_head, or `all`
+    /// ([`RotatedInput::parse_list`]).
+    #[cfg_attr(feature = "clap", arg(long, value_name = "INPUTS"))]
+    pub hadamard: Option<String>,
+    /// [gptq] round int8 weights with GPTQ: Hessian passes after the
+    /// activation pass sum each layer input's exact Σ x xᵀ (on any backend,
+    /// the same bytes), and weights are rounded with error compensation.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub gptq: bool,
+    /// [gptq] round columns in order of decreasing Hessian diagonal
+    /// (implies --gptq).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub gptq_act_order: bool,
+    /// [guard] largest relative perplexity increase (0.03 = +3 %).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub max_perplexity_increase: Option<f64>,
+    /// [guard] smallest action agreement with the FP policy.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub min_agreement: Option<f64>,
+    /// [guard] largest share of linear layers left in FP.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub max_fp_fraction: Option<f64>,
+    /// [guard] tokens per perplexity chunk.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub ctx: Option<usize>,
+}
+
+impl QuantRecipe {
+    /// This recipe with `o` applied, validated.
+    pub fn with_overrides(mut self, o: &Overrides) -> Result<Self> {
+        self.method.search &= !o.no_method_search;
+        let c = &mut self.calibration;
+        c.samples = o.samples.unwrap_or(c.samples);
+        c.seq_len = o.seq_len.unwrap_or(c.seq_len);
+        c.batch_size = o.batch_size.unwrap_or(c.batch_size);
+        c.seed = o.seed.unwrap_or(c.seed);
+        c.stratify = o.stratify.unwrap_or(c.stratify);
+        c.min_coverage = o.min_coverage.unwrap_or(c.min_coverage);
+        let q = &mut self.quantize;
+        q.activations = o.activations.unwrap_or(q.activations);
+        if let Some(text) = &o.calibrator {
+            q.calibrator = CalibratorChoice::try_from(text.clone())
+                .map_err(|e| Error::Recipe(format!("calibrator: {e}")))?;
+        }
+        q.ignore.extend(o.ignore.iter().cloned());
+        if o.fp_lm_head {
+            q.lm_head = LmHead::Fp;
+        }
+        self.smoothing.enabled |= o.smoothquant;
+        self.smoothing.alpha = o.alpha.or(self.smoothing.alpha);
+        if let Some(list) = &o.hadamard {
+            self.rotation.inputs = RotatedInput::parse_list(list)
+                .map_err(|e| Error::Recipe(format!("hadamard: {e}")))?;
+        }
+        self.gptq.enabled |= o.gptq || o.gptq_act_order;
+        self.gptq.act_order |= o.gptq_act_order;
+        let g = &mut self.guard;
+        g.max_perplexity_increase = o
+            .max_perplexity_increase
+            .unwrap_or(g.max_perplexity_increase);
+        g.min_agreement = o.min_agreement.unwrap_or(g.min_agreement);
+        g.max_fp_fraction = o.max_fp_fraction.unwrap_or(g.max_fp_fraction);
+        g.ctx = o.ctx.unwrap_or(g.ctx);
+        self.validate()?;
+        Ok(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -565,94 +691,5 @@ mod tests {
         assert!(calibrator.to_string().contains("kl"), "{calibrator}");
         let range = QuantRecipe::from_toml("[guard]\nmax_fp_fraction = 1.5").unwrap_err();
         assert!(range.to_string().contains("max_fp_fraction"), "{range}");
-    }
-}
-
-/// Changes to a recipe, field by field: what `qforge quantize`'s recipe
-/// flags and the Python package's `quantize` keywords set. `None`, `false`
-/// and an empty list keep the recipe's value.
-#[derive(Debug, Clone, Default)]
-pub struct Overrides {
-    /// Run the recipe as given instead of searching the methods.
-    pub no_method_search: bool,
-    /// `[calibration]` samples.
-    pub samples: Option<usize>,
-    /// `[calibration]` most tokens per sequence.
-    pub seq_len: Option<usize>,
-    /// `[calibration]` samples per batch.
-    pub batch_size: Option<usize>,
-    /// `[calibration]` seed.
-    pub seed: Option<u64>,
-    /// `[calibration]` how samples are drawn.
-    pub stratify: Option<Stratify>,
-    /// `[calibration]` least coverage for static scales.
-    pub min_coverage: Option<f64>,
-    /// `[quantize]` activation scheme.
-    pub activations: Option<ActivationScheme>,
-    /// `[quantize]` calibrator of static scales, as text (`percentile(99.9)`).
-    pub calibrator: Option<String>,
-    /// `[quantize]` layer inputs kept in full precision (added).
-    pub ignore: Vec<String>,
-    /// `[quantize]` keep a language model's lm_head in full precision.
-    pub fp_lm_head: bool,
-    /// `[smoothing]` run SmoothQuant.
-    pub smoothquant: bool,
-    /// `[smoothing]` one migration strength for every input.
-    pub alpha: Option<f64>,
-    /// `[rotation]` inputs rotated by a Hadamard matrix, as
-    /// [`RotatedInput::parse_list`] reads them.
-    pub hadamard: Option<String>,
-    /// `[gptq]` round int8 weights with GPTQ.
-    pub gptq: bool,
-    /// `[gptq]` in order of decreasing Hessian diagonal (implies `gptq`).
-    pub gptq_act_order: bool,
-    /// `[guard]` largest relative perplexity increase.
-    pub max_perplexity_increase: Option<f64>,
-    /// `[guard]` smallest action agreement.
-    pub min_agreement: Option<f64>,
-    /// `[guard]` largest share of linear layers left in FP.
-    pub max_fp_fraction: Option<f64>,
-    /// `[guard]` tokens per perplexity chunk.
-    pub ctx: Option<usize>,
-}
-
-impl QuantRecipe {
-    /// This recipe with `o` applied, validated.
-    pub fn with_overrides(mut self, o: &Overrides) -> Result<Self> {
-        self.method.search &= !o.no_method_search;
-        let c = &mut self.calibration;
-        c.samples = o.samples.unwrap_or(c.samples);
-        c.seq_len = o.seq_len.unwrap_or(c.seq_len);
-        c.batch_size = o.batch_size.unwrap_or(c.batch_size);
-        c.seed = o.seed.unwrap_or(c.seed);
-        c.stratify = o.stratify.unwrap_or(c.stratify);
-        c.min_coverage = o.min_coverage.unwrap_or(c.min_coverage);
-        let q = &mut self.quantize;
-        q.activations = o.activations.unwrap_or(q.activations);
-        if let Some(text) = &o.calibrator {
-            q.calibrator = CalibratorChoice::try_from(text.clone())
-                .map_err(|e| Error::Recipe(format!("calibrator: {e}")))?;
-        }
-        q.ignore.extend(o.ignore.iter().cloned());
-        if o.fp_lm_head {
-            q.lm_head = LmHead::Fp;
-        }
-        self.smoothing.enabled |= o.smoothquant;
-        self.smoothing.alpha = o.alpha.or(self.smoothing.alpha);
-        if let Some(list) = &o.hadamard {
-            self.rotation.inputs = RotatedInput::parse_list(list)
-                .map_err(|e| Error::Recipe(format!("hadamard: {e}")))?;
-        }
-        self.gptq.enabled |= o.gptq || o.gptq_act_order;
-        self.gptq.act_order |= o.gptq_act_order;
-        let g = &mut self.guard;
-        g.max_perplexity_increase = o
-            .max_perplexity_increase
-            .unwrap_or(g.max_perplexity_increase);
-        g.min_agreement = o.min_agreement.unwrap_or(g.min_agreement);
-        g.max_fp_fraction = o.max_fp_fraction.unwrap_or(g.max_fp_fraction);
-        g.ctx = o.ctx.unwrap_or(g.ctx);
-        self.validate()?;
-        Ok(self)
     }
 }
