@@ -22,5 +22,7 @@ pub use error::{Error, Result};
 pub use observe::{Job, forward_samples, observe_batch};
 pub use plan::{Batch, HessianPass, Pass, Plan, Recipe, Sample, Stratify, Stratum, plan};
 pub use session::{Session, Weights, episode_tokens};
-pub use transform::{Transform, apply_all, transformed_digest};
+pub use transform::{
+    TRANSFORMS_FILE, Transform, apply_all, read_transforms, transformed_digest, write_transforms,
+};
 pub use values::observe_value_file;

@@ -7,6 +7,7 @@
 //! produced on every worker, whichever backend runs it.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use qforge_core::{Digest, DigestBuilder};
 use qforge_model::{LanguageModel, Llama, Model, RotatedInput};
@@ -122,6 +123,35 @@ pub fn apply_all(model: &Model, transforms: &[Transform]) -> Result<Model> {
     transforms
         .iter()
         .try_fold(model.clone(), |model, t| t.apply(&model))
+}
+
+/// The file of an artifact that records the transforms its weights went
+/// through, in order, so that new weights can go through the same ones
+/// (`qforge requantize`): SmoothQuant's factors folded into a decoder's
+/// norms are otherwise nowhere to be read back.
+pub const TRANSFORMS_FILE: &str = "transforms.json";
+
+/// Writes `transforms` into the artifact directory `dir`.
+pub fn write_transforms(dir: &Path, transforms: &[Transform]) -> Result<()> {
+    let path = dir.join(TRANSFORMS_FILE);
+    let text = serde_json::to_string(transforms).expect("transforms serialize");
+    std::fs::write(&path, text).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The transforms an artifact directory records, or `None` for an artifact
+/// written before they were recorded.
+pub fn read_transforms(dir: &Path) -> Result<Option<Vec<Transform>>> {
+    let path = dir.join(TRANSFORMS_FILE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let bytes = qforge_model::files::read_config(&path)?;
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| Error::Data(format!("{}: {e}", path.display())))
 }
 
 /// Serde of f32 vectors as their bit patterns: exact through JSON.

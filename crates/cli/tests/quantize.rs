@@ -308,6 +308,28 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
         "{generated}"
     );
     json(&qforge_in(dir, &["verify", "out", "--json"]));
+
+    // New weights go through the transforms the artifact records (the
+    // SmoothQuant factors folded into its norms): its own source
+    // requantizes to its own bytes.
+    let requantized = json(&qforge_in(
+        dir,
+        &[
+            "requantize",
+            "--model",
+            &gguf,
+            "--like",
+            "out",
+            "-o",
+            "again",
+            "--json",
+        ],
+    ));
+    assert_eq!(requantized["changed_weights"], 0, "{requantized}");
+    for file in ["model.safetensors", "qforge.json", "transforms.json"] {
+        let read = |artifact: &str| std::fs::read(dir.join(artifact).join(file)).unwrap();
+        assert!(read("out") == read("again"), "{file} differs");
+    }
 }
 
 /// Every linear input rotated online: the artifact records the rotations,

@@ -161,11 +161,12 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
                 return Ok(layer.clone());
             }
             let (_, bias) = layer.full_precision()?;
-            let (values, scales) = layer.int8_weight()?;
+            let int8 = layer.int8_weight()?;
+            let (values, scales) = (&int8.values, &int8.scales[..]);
             let (out, inp) = layer.shape();
             let dequantized: Vec<f32> = values
                 .chunks_exact(inp)
-                .zip(&scales)
+                .zip(scales)
                 .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
                 .collect();
             Linear::fp(

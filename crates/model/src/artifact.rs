@@ -238,7 +238,8 @@ impl TensorsOut {
         match precision {
             LayerPrecision::Fp => self.f32(format!("{name}.weight"), &weight)?,
             LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. } => {
-                let (values, scales) = layer.int8_weight()?;
+                let int8 = layer.int8_weight()?;
+                let (values, scales) = (&int8.values, &int8.scales);
                 self.0.insert(
                     format!("{name}.weight"),
                     (

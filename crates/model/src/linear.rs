@@ -1,5 +1,6 @@
 //! The linear layer, chosen per layer.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::sync::Arc;
 
@@ -159,11 +160,11 @@ impl Linear {
             return Ok(self.clone());
         }
         let (_, bias) = self.full_precision()?;
-        let (values, scales) = self.int8_weight()?;
+        let int8 = self.int8_weight()?;
         let bias = bias.map(|b| b.to_vec1::<f32>()).transpose()?;
         Ok(Linear::Int8(Arc::new(Int8Linear::from_quantized(
-            &values,
-            scales,
+            &int8.values,
+            int8.scales.clone(),
             self.shape(),
             bias.as_deref(),
             activations,
@@ -200,15 +201,18 @@ impl Linear {
     /// The int8 values and per-row scales this full-precision layer quantizes
     /// to: the rounding chosen for it (GPTQ), or its weight rounded to
     /// nearest, symmetric in ±[`WEIGHT_QMAX`].
-    pub fn int8_weight(&self) -> Result<(Vec<i8>, Vec<f32>)> {
+    /// The chosen rounding is lent, not copied: a model's weights are read
+    /// several times on their way into an artifact.
+    pub fn int8_weight(&self) -> Result<Cow<'_, Int8Weight>> {
         if let Linear::Fp {
             int8: Some(int8), ..
         } = self
         {
-            return Ok((int8.values.clone(), int8.scales.clone()));
+            return Ok(Cow::Borrowed(int8));
         }
         let (weight, _) = self.full_precision()?;
-        Self::quantize_weight(&weight)
+        let (values, scales) = Self::quantize_weight(&weight)?;
+        Ok(Cow::Owned(Int8Weight { values, scales }))
     }
 
     /// The int8 values and per-row scales of `weight` (`[out, in]`, f32)

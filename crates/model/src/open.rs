@@ -186,7 +186,10 @@ impl Model {
 
     /// The same model with every linear layer replaced by
     /// `convert(observation point, layer)`.
-    pub fn with_linears(&self, convert: impl Fn(&str, &Linear) -> Result<Linear>) -> Result<Model> {
+    pub fn with_linears(
+        &self,
+        convert: impl Fn(&str, &Linear) -> Result<Linear> + Sync,
+    ) -> Result<Model> {
         Ok(match self {
             Model::Language(lm) => Model::Language(Box::new(LanguageModel {
                 model: lm.model.with_linears(convert)?,

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use qforge_calib::{HessianPass, Job, Pass, Session, Transform};
+use qforge_calib::{HessianPass, Job, Pass, Session, Transform, write_transforms};
 use qforge_core::{Gram, Stats};
 use qforge_dist::{Executor, Listener, PassPosition, RunOptions, RunSummary};
 use qforge_model::artifact::{write_language_model, write_policy};
@@ -711,7 +711,8 @@ impl Quantized {
 
     /// Writes `report.json` and `report.html` into the directory `dir`, and,
     /// when the guard accepted, the native artifact: weights, `qforge.json`,
-    /// the calibration profile the server's drift monitor compares against,
+    /// the transforms the weights went through (`transforms.json`), the
+    /// calibration profile the server's drift monitor compares against,
     /// and `manifest.json` (provenance, coverage, guard; every file hashed).
     /// Returns the manifest's information (`Value::Null` when refused), for
     /// a caller that adds to it and rewrites the manifest.
@@ -730,6 +731,8 @@ impl Quantized {
             // Transforms are folded into the written weights and norms.
             Model::Language(lm) => write_language_model(dir, lm, &d.points)?,
         }
+        // And recorded, for new weights to go through the same ones.
+        write_transforms(dir, &self.transforms)?;
         CalibrationProfile::from_stats(&self.stats.tensors).write(dir)?;
         let info = self.manifest_info();
         write_manifest(dir, info.clone())?;

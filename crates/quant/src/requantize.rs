@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use qforge_calib::{Transform, apply_all};
+use qforge_calib::{Transform, apply_all, read_transforms, write_transforms};
 use qforge_core::Digest;
 use qforge_model::artifact::{
     LayerPrecision, in_precision, int8_weights, is_artifact, read_config, write_language_model,
@@ -60,6 +60,8 @@ pub struct Drift {
 pub struct Requantized {
     /// The new model after the artifact's transforms, in full precision.
     pub model: Model,
+    /// Those transforms, in order.
+    pub transforms: Vec<Transform>,
     /// Every layer input's precision: the artifact's.
     pub points: BTreeMap<String, LayerPrecision>,
     /// How the int8 weights changed.
@@ -101,19 +103,30 @@ pub fn requantize(new: &Path, like: &Path, drift_threshold: f64) -> Result<Requa
         )));
     }
     let started = Instant::now();
-    // Opening an artifact checks every file against its manifest.
-    let old = qforge_model::open(like)?;
+    // Opening an artifact checks every file against its manifest. The two
+    // models load side by side.
+    let (old, fresh) = rayon::join(|| qforge_model::open(like), || qforge_model::open(new));
+    let (old, fresh) = (old?, fresh?);
     let like_manifest = read_manifest(like)?;
     let points = read_config(like)?.points;
-    let fresh = qforge_model::open(new)?;
     check_architecture(&old, &fresh, new, like)?;
-    let model = apply_all(&fresh, &frozen_transforms(&old, &fresh, &like_manifest)?)?;
+    let transforms = frozen_transforms(&old, &fresh, like, &like_manifest)?;
+    let transformed = apply_all(&fresh, &transforms)?;
+    // Each int8 layer is rounded once here; the engine's layers, the weight
+    // change and the written artifact all read these values.
+    let model = transformed.with_linears(|point, layer| {
+        if points.get(point).and_then(|p| p.activations()).is_none() {
+            return Ok(layer.clone());
+        }
+        layer.with_int8_weight(layer.int8_weight()?.into_owned())
+    })?;
     let quantized = model.with_linears(|point, layer| in_precision(&points, point, layer))?;
     let seconds = started.elapsed().as_secs_f64();
     let weights = weight_change(like, &model, &points)?;
     let drift = drift(&old, &quantized, &points, drift_threshold)?;
     Ok(Requantized {
         model,
+        transforms,
         points,
         weights,
         drift,
@@ -127,32 +140,41 @@ pub fn requantize(new: &Path, like: &Path, drift_threshold: f64) -> Result<Requa
 }
 
 /// The transforms the artifact's weights went through, to apply to the new
-/// weights: a policy's observation divisors (SmoothQuant), a decoder's
-/// online rotations. A decoder's SmoothQuant factors are folded into its
-/// norms and not stored apart, so such an artifact is refused.
-fn frozen_transforms(old: &Model, fresh: &Model, manifest: &Manifest) -> Result<Vec<Transform>> {
+/// weights: those its `transforms.json` records. An artifact written before
+/// they were recorded has its policy's observation divisors (SmoothQuant)
+/// and its decoder's online rotations read back; a decoder's SmoothQuant
+/// factors are folded into its norms there, so such an artifact is refused.
+fn frozen_transforms(
+    old: &Model,
+    fresh: &Model,
+    like: &Path,
+    manifest: &Manifest,
+) -> Result<Vec<Transform>> {
+    if let Model::Policy(fresh) = fresh
+        && fresh.config().observation_divisors.is_some()
+    {
+        return Err(Error::Requantize(
+            "the new policy already divides its observation (a smoothed artifact's policy.json?); give its full-precision weights".into(),
+        ));
+    }
+    if let Some(recorded) = read_transforms(like)? {
+        return Ok(recorded);
+    }
     let recipe = &manifest.info["recipe"];
     match (old, fresh) {
-        (Model::Policy(old), Model::Policy(fresh)) => {
-            if fresh.config().observation_divisors.is_some() {
-                return Err(Error::Requantize(
-                    "the new policy already divides its observation (a smoothed artifact's policy.json?); give its full-precision weights".into(),
-                ));
-            }
-            Ok(match &old.config().observation_divisors {
-                None => Vec::new(),
-                Some(divisors) => vec![Transform::Smooth {
-                    factors: BTreeMap::from([(
-                        qforge_model::mlp::SMOOTHABLE_POINT.to_owned(),
-                        divisors.clone(),
-                    )]),
-                }],
-            })
-        }
+        (Model::Policy(old), Model::Policy(_)) => Ok(match &old.config().observation_divisors {
+            None => Vec::new(),
+            Some(divisors) => vec![Transform::Smooth {
+                factors: BTreeMap::from([(
+                    qforge_model::mlp::SMOOTHABLE_POINT.to_owned(),
+                    divisors.clone(),
+                )]),
+            }],
+        }),
         (Model::Language(old), Model::Language(_)) => {
             if recipe["smoothing"]["enabled"].as_bool() == Some(true) {
                 return Err(Error::Requantize(
-                    "this language-model artifact was smoothed (SmoothQuant), and its factors are folded into its norms, not stored; quantize the new weights with `qforge quantize`".into(),
+                    "this language-model artifact was smoothed (SmoothQuant) by a qforge that did not record its factors (no transforms.json); quantize the new weights with `qforge quantize`".into(),
                 ));
             }
             let inputs = old.model.rotated_inputs();
@@ -228,7 +250,8 @@ fn weight_change(
         if points.get(&point).and_then(|p| p.activations()).is_none() {
             continue;
         }
-        let (values, _) = layer.int8_weight()?;
+        let int8 = layer.int8_weight()?;
+        let values = &int8.values;
         let old = stored.get(&name).ok_or_else(|| {
             Error::Requantize(format!(
                 "{} stores no int8 weight for {name}, which its qforge.json quantizes",
@@ -236,7 +259,7 @@ fn weight_change(
             ))
         })?;
         change.int8_weights += values.len() as u64;
-        change.changed += old.iter().zip(&values).filter(|(a, b)| a != b).count() as u64;
+        change.changed += old.iter().zip(values).filter(|(a, b)| a != b).count() as u64;
     }
     Ok(change)
 }
@@ -350,6 +373,7 @@ impl Requantized {
             Model::Policy(p) => write_policy(dir, p, &self.points)?,
             Model::Language(lm) => write_language_model(dir, lm, &self.points)?,
         }
+        write_transforms(dir, &self.transforms)?;
         // Copied as written: the manifest of `like` vouches for its bytes.
         let profile = self.like.join(PROFILE_FILE);
         if profile.exists() {

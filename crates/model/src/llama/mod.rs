@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{D, DType, Device, Tensor};
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -532,7 +533,10 @@ impl Llama {
     /// (`model.layers.3.self_attn.q_proj` stands for q, k and v, which share an
     /// input, and `…mlp.gate_proj` for gate and up), so per-layer choices from
     /// calibration apply by name.
-    pub fn with_linears(&self, convert: impl Fn(&str, &Linear) -> Result<Linear>) -> Result<Llama> {
+    pub fn with_linears(
+        &self,
+        convert: impl Fn(&str, &Linear) -> Result<Linear> + Sync,
+    ) -> Result<Llama> {
         self.map_linears(|_, point, layer| convert(point, layer))
     }
 
@@ -552,27 +556,35 @@ impl Llama {
         })
     }
 
-    /// Every linear layer replaced by `convert(name, point, layer)`.
+    /// Every linear layer replaced by `convert(name, point, layer)`, the
+    /// decoder layers on the rayon pool's threads (each layer's conversion
+    /// is independent of the others', so the result does not depend on the
+    /// thread count).
     fn map_linears(
         &self,
-        convert: impl Fn(&str, &str, &Linear) -> Result<Linear>,
+        convert: impl Fn(&str, &str, &Linear) -> Result<Linear> + Sync,
     ) -> Result<Llama> {
         let mut model = self.clone();
-        for (i, layer) in model.layers.iter_mut().enumerate() {
-            let attention = format!("model.layers.{i}.self_attn");
-            let mlp = format!("model.layers.{i}.mlp");
-            let qkv = format!("{attention}.q_proj");
-            let gate_up = format!("{mlp}.gate_proj");
-            let down = format!("{mlp}.down_proj");
-            let o = format!("{attention}.o_proj");
-            layer.q_proj = convert(&qkv, &qkv, &layer.q_proj)?;
-            layer.k_proj = convert(&format!("{attention}.k_proj"), &qkv, &layer.k_proj)?;
-            layer.v_proj = convert(&format!("{attention}.v_proj"), &qkv, &layer.v_proj)?;
-            layer.o_proj = convert(&o, &o, &layer.o_proj)?;
-            layer.gate_proj = convert(&gate_up, &gate_up, &layer.gate_proj)?;
-            layer.up_proj = convert(&format!("{mlp}.up_proj"), &gate_up, &layer.up_proj)?;
-            layer.down_proj = convert(&down, &down, &layer.down_proj)?;
-        }
+        model
+            .layers
+            .par_iter_mut()
+            .enumerate()
+            .try_for_each(|(i, layer)| {
+                let attention = format!("model.layers.{i}.self_attn");
+                let mlp = format!("model.layers.{i}.mlp");
+                let qkv = format!("{attention}.q_proj");
+                let gate_up = format!("{mlp}.gate_proj");
+                let down = format!("{mlp}.down_proj");
+                let o = format!("{attention}.o_proj");
+                layer.q_proj = convert(&qkv, &qkv, &layer.q_proj)?;
+                layer.k_proj = convert(&format!("{attention}.k_proj"), &qkv, &layer.k_proj)?;
+                layer.v_proj = convert(&format!("{attention}.v_proj"), &qkv, &layer.v_proj)?;
+                layer.o_proj = convert(&o, &o, &layer.o_proj)?;
+                layer.gate_proj = convert(&gate_up, &gate_up, &layer.gate_proj)?;
+                layer.up_proj = convert(&format!("{mlp}.up_proj"), &gate_up, &layer.up_proj)?;
+                layer.down_proj = convert(&down, &down, &layer.down_proj)?;
+                Ok::<(), Error>(())
+            })?;
         model.lm_head = convert("lm_head", "lm_head", &model.lm_head)?;
         Ok(model)
     }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use qforge_kernels::Hadamard;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::{Layer, Llama, LlamaConfig};
@@ -148,11 +149,14 @@ impl Llama {
         let mut model = self.with_rotations(inputs)?;
         for &input in inputs {
             let rotation = model.rotations.get(input).expect("set above").clone();
-            for layer in &mut model.layers {
+            // Layer by layer on the rayon pool: each weight's rotation is its
+            // own, so the bytes do not depend on the thread count.
+            model.layers.par_iter_mut().try_for_each(|layer| {
                 for linear in consumers(layer, input) {
                     *linear = rotate_weight(linear, &rotation)?;
                 }
-            }
+                Ok::<(), Error>(())
+            })?;
             if input == RotatedInput::Head {
                 model.lm_head = rotate_weight(&model.lm_head, &rotation)?;
             }
