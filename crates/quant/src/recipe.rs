@@ -543,8 +543,7 @@ pub struct Overrides {
     pub alpha: Option<f64>,
     /// [rotation] rotate these linear inputs by a Hadamard matrix, online in
     /// qforge's engine (such an artifact does not export): comma-separated
-    /// among q_proj, o_proj, gate_proj, down_proj, lm_head, or `all`
-    /// ([`RotatedInput::parse_list`]).
+    /// among q_proj, o_proj, gate_proj, down_proj, lm_head, or `all`.
     #[cfg_attr(feature = "clap", arg(long, value_name = "INPUTS"))]
     pub hadamard: Option<String>,
     /// [gptq] round int8 weights with GPTQ: Hessian passes after the
