@@ -110,7 +110,8 @@ def test_quantize_writes_the_cli_artifact_byte_for_byte(tmp_path):
     outcome = qforge.quantize(CARTPOLE, ROLLOUTS, tmp_path / "py", workers=2)
     cli("quantize", "--model", CARTPOLE, "--data", ROLLOUTS, "-o", tmp_path / "cli",
         "--workers", "1", "--json")
-    for name in ["model.safetensors", "qforge.json", "policy.json", "calibration.json"]:
+    for name in ["model.safetensors", "qforge.json", "policy.json", "calibration.json",
+                 "transforms.json"]:
         assert (tmp_path / "py" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
     assert outcome["accepted"] and outcome["output"] == str(tmp_path / "py")
     served = qforge.open(tmp_path / "py")

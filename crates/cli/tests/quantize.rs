@@ -40,6 +40,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
         "model.safetensors",
         "policy.json",
         "calibration.json",
+        "transforms.json",
         "manifest.json",
         "report.json",
         "report.html",
@@ -92,7 +93,7 @@ fn the_bundled_default_writes_an_artifact_that_runs_and_verifies() {
     assert_eq!(asked.status.code(), Some(2));
 
     let verified = json(&qforge_in(dir, &["verify", "qforge-out", "--json"]));
-    assert_eq!(verified["files"], 6);
+    assert_eq!(verified["files"], 7);
 
     // Quantizing again replaces the earlier output.
     json(&qforge_in(dir, &["quantize", "--json"]));

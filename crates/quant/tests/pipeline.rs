@@ -62,6 +62,7 @@ fn one_and_three_threads_write_identical_artifacts() {
         "qforge.json",
         "policy.json",
         "calibration.json",
+        "transforms.json",
     ] {
         assert!(
             std::fs::read(dirs[0].path().join(file)).unwrap()
