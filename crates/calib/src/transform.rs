@@ -30,6 +30,14 @@ pub enum Transform {
         #[serde(with = "f32_bits")]
         factors: BTreeMap<String, Vec<f32>>,
     },
+    /// The residual stream rotated offline by a randomized Hadamard matrix
+    /// of the hidden width, the norms' gains folded into the linears they
+    /// feed (`Llama::residual_rotated`): still a plain Llama. Like
+    /// [`Transform::Rotate`] it needs no statistics, and it comes before it.
+    RotateResidual {
+        /// Seed of the rotation's ±1 signs.
+        seed: u64,
+    },
     /// Linear inputs rotated by the normalized Hadamard matrix of their
     /// width, online in the forward and offline in the weights
     /// (`Llama::rotated`). It needs no statistics: a recipe asks for it and
@@ -62,10 +70,15 @@ impl Transform {
             (Transform::Rotate { inputs }, Model::Language(lm)) => {
                 Ok(with_decoder(lm, lm.model.rotated(inputs)?))
             }
-            (Transform::Rotate { .. }, Model::Policy(_)) => Err(Error::Data(
-                "Hadamard rotations fold into a decoder's layers: they apply to language models, not policies"
-                    .into(),
-            )),
+            (Transform::RotateResidual { seed }, Model::Language(lm)) => {
+                Ok(with_decoder(lm, lm.model.residual_rotated(*seed)?))
+            }
+            (Transform::Rotate { .. } | Transform::RotateResidual { .. }, Model::Policy(_)) => {
+                Err(Error::Data(
+                    "Hadamard rotations fold into a decoder's layers: they apply to language models, not policies"
+                        .into(),
+                ))
+            }
         }
     }
 
@@ -84,6 +97,10 @@ impl Transform {
                     }
                 }
             }
+            Transform::RotateResidual { seed } => {
+                digest.update(b"qforge.residual-hadamard.v1");
+                digest.update(&seed.to_le_bytes());
+            }
             Transform::Rotate { inputs } => {
                 digest.update(b"qforge.hadamard.v1");
                 for input in inputs {
@@ -99,6 +116,7 @@ impl Transform {
     pub fn name(&self) -> &'static str {
         match self {
             Transform::Smooth { .. } => "smoothquant",
+            Transform::RotateResidual { .. } => "residual-hadamard",
             Transform::Rotate { .. } => "hadamard",
         }
     }
@@ -220,6 +238,19 @@ mod tests {
         let base = Digest::of(b"model");
         let digests = [base, down.digest(base), every.digest(base)];
         assert!(digests[0] != digests[1] && digests[1] != digests[2] && digests[0] != digests[2]);
+        let seeded = |seed| Transform::RotateResidual { seed };
+        let residual = serde_json::to_string(&seeded(u64::MAX)).unwrap();
+        assert_eq!(
+            residual,
+            r#"{"kind":"rotate-residual","seed":18446744073709551615}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<Transform>(&residual).unwrap(),
+            seeded(u64::MAX)
+        );
+        assert_ne!(seeded(0).digest(base), seeded(1).digest(base));
+        let quarot = [seeded(0), down.clone()];
+        assert_ne!(transformed_digest(base, &quarot), down.digest(base));
         // Smoothing then rotating is another model than rotating alone.
         let smooth = Transform::Smooth {
             factors: BTreeMap::new(),

@@ -25,8 +25,9 @@ impl Observer for HashingObserver {
     }
 }
 
-/// SplitMix64: a fixed, platform-independent stream for the probe inputs.
-fn splitmix(state: &mut u64) -> u64 {
+/// SplitMix64: a fixed, platform-independent stream (the probe inputs, a
+/// rotation's signs); what it draws for a seed never changes.
+pub(crate) fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

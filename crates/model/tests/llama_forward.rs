@@ -630,3 +630,80 @@ fn hadamard_rotations_keep_the_function_on_both_forwards() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_rotated_residual_stream_keeps_the_function_as_a_plain_llama() {
+    for qwen2 in [false, true] {
+        let dir = tiny_family(if qwen2 { "residual-qwen2" } else { "residual" }, qwen2);
+        let model = Llama::from_hf_dir(&dir).unwrap();
+        let residual = model.residual_rotated(7).unwrap();
+        assert!(
+            residual.rotated_inputs().is_empty(),
+            "nothing rotates online"
+        );
+        assert!(
+            !residual.tied_embeddings(),
+            "the folded final norm makes lm_head its own matrix"
+        );
+        let tokens = vec![(0..30).map(|i| (i * 7 % 96) as u32).collect::<Vec<_>>()];
+        // Another seed's signs make other weights for the same function.
+        let other = model.residual_rotated(8).unwrap();
+        for rotated in [&residual, &other] {
+            let diff = max_diff(
+                &last_logits(&model, &tokens)[0],
+                &last_logits(rotated, &tokens)[0],
+            );
+            assert!(diff < 1e-4, "qwen2 {qwen2}: full precision: max |Δ| {diff}");
+        }
+        let weights = |m: &Llama| {
+            m.linears()[0]
+                .2
+                .full_precision()
+                .unwrap()
+                .0
+                .to_vec2::<f32>()
+                .unwrap()
+        };
+        assert_ne!(weights(&residual), weights(&other));
+
+        // QuaRot's arrangement: the inputs the residual does not reach
+        // rotate online, and the INT8 decoder follows the tensor forward.
+        let online = [RotatedInput::AttentionOutput, RotatedInput::MlpProduct];
+        let quarot = residual.rotated(&online).unwrap();
+        let diff = max_diff(
+            &last_logits(&model, &tokens)[0],
+            &last_logits(&quarot, &tokens)[0],
+        );
+        assert!(
+            diff < 1e-4,
+            "qwen2 {qwen2}: with online rotations: max |Δ| {diff}"
+        );
+        let int8 = quarot
+            .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+            .unwrap();
+        let prompt = vec![1u32, 5, 9, 33, 70, 11];
+        let mut cache = int8.new_cache();
+        int8.forward(
+            std::slice::from_ref(&prompt),
+            Some(&mut cache),
+            None,
+            Logits::Last,
+        )
+        .unwrap();
+        let mut decoder = qforge_model::Decoder::new(&int8, 64).unwrap().unwrap();
+        decoder.load_cache(&cache).unwrap();
+        for token in [3u32, 17, 42] {
+            let diff = step_difference(&int8, &mut cache, &mut decoder, token);
+            assert!(diff < 1e-4, "int8 decoder: max |Δ| {diff}");
+        }
+
+        // The residual is rotated before anything rotates online.
+        let late = quarot.residual_rotated(7).unwrap_err();
+        assert!(
+            late.to_string()
+                .contains("rotate the residual stream first"),
+            "{late}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -304,7 +304,7 @@ impl<'a> Pipeline<'a> {
         count: usize,
         listener: &mut dyn Listener,
     ) -> Result<Prepared> {
-        let rotation = &self.recipe.rotation.inputs;
+        let rotation = &self.recipe.rotation;
         let first = session.recipe.clone();
         let mut transforms = Vec::new();
         let mut records = Vec::new();
@@ -318,10 +318,17 @@ impl<'a> Pipeline<'a> {
             // The smoothing pass measures the unrotated model (a rotated
             // input is not smoothable); the rotation comes after smoothing,
             // before the pass that chooses the scales.
-            if !rotation.is_empty() && pass == Pass::Activation {
-                transforms.push(Transform::Rotate {
-                    inputs: rotation.clone(),
-                });
+            if pass == Pass::Activation {
+                if rotation.residual {
+                    transforms.push(Transform::RotateResidual {
+                        seed: rotation.seed,
+                    });
+                }
+                if !rotation.inputs.is_empty() {
+                    transforms.push(Transform::Rotate {
+                        inputs: rotation.inputs.clone(),
+                    });
+                }
             }
             let recipe = qforge_calib::Recipe {
                 pass: pass.clone(),

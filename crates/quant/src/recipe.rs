@@ -223,20 +223,24 @@ pub enum Method {
     Plain,
     /// SmoothQuant (one extra calibration pass).
     Smoothquant,
-    /// A Hadamard rotation of every linear input (language models; a
-    /// little run-time cost for the online rotations).
-    Hadamard,
-    /// Hadamard, then GPTQ's rounding (Hessian passes and a solve per layer).
-    HadamardGptq,
+    /// The residual stream rotated offline (language models): no run-time
+    /// cost, and the artifact exports like a plain one.
+    ResidualHadamard,
+    /// QuaRot: the residual offline, down_proj's input online (language
+    /// models; a little run-time cost, qforge's engine only).
+    Quarot,
+    /// QuaRot, then GPTQ's rounding (Hessian passes and a solve per layer).
+    QuarotGptq,
 }
 
 impl Method {
     /// Every method, cheapest first.
-    pub const ORDER: [Method; 4] = [
+    pub const ORDER: [Method; 5] = [
         Method::Plain,
         Method::Smoothquant,
-        Method::Hadamard,
-        Method::HadamardGptq,
+        Method::ResidualHadamard,
+        Method::Quarot,
+        Method::QuarotGptq,
     ];
 
     /// The name used in reports and on the command line.
@@ -244,8 +248,9 @@ impl Method {
         match self {
             Method::Plain => "plain",
             Method::Smoothquant => "smoothquant",
-            Method::Hadamard => "hadamard",
-            Method::HadamardGptq => "hadamard+gptq",
+            Method::ResidualHadamard => "residual-hadamard",
+            Method::Quarot => "quarot",
+            Method::QuarotGptq => "quarot+gptq",
         }
     }
 
@@ -266,6 +271,71 @@ pub struct RotationSection {
     /// to no other format. Names: `self_attn.q_proj`, `self_attn.o_proj`,
     /// `mlp.gate_proj`, `mlp.down_proj`, `lm_head`.
     pub inputs: Vec<RotatedInput>,
+    /// Rotate the residual stream offline (QuaRot's main rotation: the
+    /// norms' gains fold into the linears they feed, the embedding and the
+    /// layers writing the residual are rotated). q/k/v, gate/up and lm_head
+    /// then take rotated inputs at no run-time cost, and the model stays a
+    /// plain Llama that every format carries; `inputs` adds the ones the
+    /// residual does not reach (`self_attn.o_proj`, `mlp.down_proj`).
+    pub residual: bool,
+    /// Seed of the residual rotation's random ±1 signs (QuaRot's randomized
+    /// Hadamard matrix `diag(s) Q`).
+    pub seed: u64,
+}
+
+impl RotationSection {
+    /// QuaRot's arrangement (Ashkboos et al. 2024) without its o_proj
+    /// rotation: the residual offline (signs from `seed`), down_proj's input
+    /// online. On SmolLM2 rotating o_proj's input online as well changed
+    /// the perplexity by 0.001 % (BENCHMARKS.md), not worth its run time.
+    pub fn quarot(seed: u64) -> Self {
+        Self {
+            inputs: vec![RotatedInput::MlpProduct],
+            residual: true,
+            seed,
+        }
+    }
+
+    /// Whether anything is rotated.
+    pub fn is_enabled(&self) -> bool {
+        self.residual || !self.inputs.is_empty()
+    }
+
+    /// Reads a comma-separated list of `residual` and linear inputs (as
+    /// [`RotatedInput::parse`] takes them), `all` (every input online) or
+    /// `quarot` ([`RotationSection::quarot`]).
+    pub fn parse(list: &str) -> Result<Self> {
+        if list == "quarot" {
+            return Ok(Self::quarot(0));
+        }
+        let names: Vec<&str> = list.split(',').map(str::trim).collect();
+        let residual = names.contains(&"residual");
+        let online: Vec<&str> = names.into_iter().filter(|n| *n != "residual").collect();
+        let inputs = if online.is_empty() {
+            Vec::new()
+        } else {
+            RotatedInput::parse_list(&online.join(","))
+                .map_err(|e| Error::Recipe(format!("hadamard: {e}")))?
+        };
+        Ok(Self {
+            inputs,
+            residual,
+            seed: 0,
+        })
+    }
+
+    /// An online input the residual rotation already rotates, if the
+    /// section names one beside it.
+    fn redundant_input(&self) -> Option<RotatedInput> {
+        let reached = [
+            RotatedInput::Attention,
+            RotatedInput::Mlp,
+            RotatedInput::Head,
+        ];
+        self.residual
+            .then(|| self.inputs.iter().copied().find(|i| reached.contains(i)))
+            .flatten()
+    }
 }
 
 /// GPTQ (Frantar et al. 2022) for the int8 weights.
@@ -391,8 +461,14 @@ impl QuantRecipe {
                 "gptq.hessian_memory_mib must be at least 1",
             ),
         ];
-        match checks.iter().find(|(ok, _)| !ok) {
-            Some((_, message)) => Err(Error::Recipe((*message).into())),
+        if let Some((_, message)) = checks.iter().find(|(ok, _)| !ok) {
+            return Err(Error::Recipe((*message).into()));
+        }
+        match self.rotation.redundant_input() {
+            Some(input) => Err(Error::Recipe(format!(
+                "rotation: the residual rotation already rotates the {} inputs; rotate only self_attn.o_proj and mlp.down_proj online beside it",
+                input.name()
+            ))),
             None => Ok(()),
         }
     }
@@ -424,7 +500,7 @@ impl QuantRecipe {
 
     /// Whether the recipe enables a method itself (then it runs as given).
     pub fn names_a_method(&self) -> bool {
-        self.smoothing.enabled || !self.rotation.inputs.is_empty() || self.gptq.enabled
+        self.smoothing.enabled || self.rotation.is_enabled() || self.gptq.enabled
     }
 
     /// The recipes the pipeline runs, in order: the methods of
@@ -441,12 +517,20 @@ impl QuantRecipe {
             .map(|method| {
                 let mut recipe = self.clone();
                 recipe.method.search = false;
+                let seed = self.rotation.seed;
                 match method {
                     Method::Plain => {}
                     Method::Smoothquant => recipe.smoothing.enabled = true,
-                    Method::Hadamard => recipe.rotation.inputs = RotatedInput::ALL.to_vec(),
-                    Method::HadamardGptq => {
-                        recipe.rotation.inputs = RotatedInput::ALL.to_vec();
+                    Method::ResidualHadamard => {
+                        recipe.rotation = RotationSection {
+                            residual: true,
+                            inputs: Vec::new(),
+                            seed,
+                        }
+                    }
+                    Method::Quarot => recipe.rotation = RotationSection::quarot(seed),
+                    Method::QuarotGptq => {
+                        recipe.rotation = RotationSection::quarot(seed);
                         recipe.gptq.enabled = true;
                     }
                 }
@@ -456,15 +540,21 @@ impl QuantRecipe {
     }
 
     /// The method this recipe runs as given, named by its nearest
-    /// [`Method`] (rotations of some inputs count as Hadamard, SmoothQuant
-    /// beside them as SmoothQuant).
+    /// [`Method`] (online rotations of any inputs count as QuaRot,
+    /// SmoothQuant beside a rotation as SmoothQuant).
     fn method_named(&self) -> Method {
-        let rotated = !self.rotation.inputs.is_empty();
-        match (self.smoothing.enabled, rotated, self.gptq.enabled) {
-            (true, _, _) => Method::Smoothquant,
-            (false, true, true) => Method::HadamardGptq,
-            (false, true, false) => Method::Hadamard,
-            (false, false, _) => Method::Plain,
+        let r = &self.rotation;
+        match (
+            self.smoothing.enabled,
+            r.inputs.is_empty(),
+            r.residual,
+            self.gptq.enabled,
+        ) {
+            (true, _, _, _) => Method::Smoothquant,
+            (false, false, _, true) | (false, true, true, true) => Method::QuarotGptq,
+            (false, false, _, false) => Method::Quarot,
+            (false, true, true, false) => Method::ResidualHadamard,
+            (false, true, false, _) => Method::Plain,
         }
     }
 
@@ -472,7 +562,7 @@ impl QuantRecipe {
     /// folds into a decoder's norms and MLPs (SmoothQuant applies to a
     /// policy's observation).
     pub fn needs_language_model(&self) -> Option<&'static str> {
-        (!self.rotation.inputs.is_empty()).then_some(
+        self.rotation.is_enabled().then_some(
             "Hadamard rotations fold into a decoder's norms and layers: they apply to language models, not policies",
         )
     }
@@ -496,8 +586,9 @@ impl QuantRecipe {
 pub struct Overrides {
     /// [method] run the recipe as given (plain, unless --smoothquant,
     /// --hadamard or --gptq name a method) instead of trying plain,
-    /// SmoothQuant, Hadamard and Hadamard + GPTQ in order of cost until one
-    /// meets the guard before any fallback (policies: plain and SmoothQuant).
+    /// SmoothQuant, the residual rotation, QuaRot and QuaRot + GPTQ in order
+    /// of cost until one meets the guard before any fallback (policies:
+    /// plain and SmoothQuant).
     #[cfg_attr(feature = "clap", arg(long))]
     pub no_method_search: bool,
     /// [calibration] samples to draw.
@@ -541,9 +632,12 @@ pub struct Overrides {
     /// (default: each input's α searched on its layers' output error).
     #[cfg_attr(feature = "clap", arg(long))]
     pub alpha: Option<f64>,
-    /// [rotation] rotate these linear inputs by a Hadamard matrix, online in
-    /// qforge's engine (such an artifact does not export): comma-separated
-    /// among q_proj, o_proj, gate_proj, down_proj, lm_head, or `all`.
+    /// [rotation] rotate by Hadamard matrices: comma-separated among
+    /// `residual` (the residual stream, offline: no run-time cost, exports
+    /// unchanged) and the linear inputs q_proj, o_proj, gate_proj,
+    /// down_proj, lm_head (online in qforge's engine: such an artifact does
+    /// not export); `all` (every input online) or `quarot` (residual,
+    /// down_proj).
     #[cfg_attr(feature = "clap", arg(long, value_name = "INPUTS"))]
     pub hadamard: Option<String>,
     /// [gptq] round int8 weights with GPTQ: Hessian passes after the
@@ -593,8 +687,10 @@ impl QuantRecipe {
         self.smoothing.enabled |= o.smoothquant;
         self.smoothing.alpha = o.alpha.or(self.smoothing.alpha);
         if let Some(list) = &o.hadamard {
-            self.rotation.inputs = RotatedInput::parse_list(list)
-                .map_err(|e| Error::Recipe(format!("hadamard: {e}")))?;
+            self.rotation = RotationSection {
+                seed: self.rotation.seed,
+                ..RotationSection::parse(list)?
+            };
         }
         self.gptq.enabled |= o.gptq || o.gptq_act_order;
         self.gptq.act_order |= o.gptq_act_order;
@@ -669,8 +765,9 @@ mod tests {
             [Method::Plain, Method::Smoothquant]
         );
         let candidates = default.candidates(false);
-        let (_, last) = &candidates[3];
-        assert!(last.gptq.enabled && last.rotation.inputs == RotatedInput::ALL);
+        let (_, last) = &candidates[4];
+        assert!(last.gptq.enabled && last.rotation == RotationSection::quarot(0));
+        assert!(candidates[2].1.rotation.residual && candidates[2].1.rotation.inputs.is_empty());
         assert!(candidates.iter().all(|(_, r)| !r.method.search));
         // A method named by the recipe, or the search off: that recipe alone.
         let mut smoothed = QuantRecipe::default();
@@ -680,6 +777,35 @@ mod tests {
         let mut off = QuantRecipe::default();
         off.method.search = false;
         assert_eq!(methods(&off, false), [Method::Plain]);
+    }
+
+    #[test]
+    fn hadamard_lists_name_the_residual_and_online_inputs() {
+        let rotation = |list: &str| {
+            QuantRecipe::default()
+                .with_overrides(&Overrides {
+                    hadamard: Some(list.into()),
+                    ..Overrides::default()
+                })
+                .map(|r| r.rotation)
+        };
+        assert_eq!(rotation("quarot").unwrap(), RotationSection::quarot(0));
+        assert_eq!(
+            rotation("residual, down_proj").unwrap(),
+            RotationSection::quarot(0)
+        );
+        let residual = rotation("residual").unwrap();
+        assert!(residual.residual && residual.inputs.is_empty() && residual.is_enabled());
+        let all = rotation("all").unwrap();
+        assert!(!all.residual && all.inputs == RotatedInput::ALL);
+        // An input the residual rotation reaches already is refused beside it.
+        let twice = rotation("residual,q_proj").unwrap_err().to_string();
+        assert!(twice.contains("self_attn.q_proj"), "{twice}");
+        let unknown = rotation("residual,v_proj").unwrap_err().to_string();
+        assert!(unknown.contains("v_proj"), "{unknown}");
+        // The recipe file says the same.
+        let toml = QuantRecipe::from_toml("[rotation]\nresidual = true\ninputs = [\"lm_head\"]");
+        assert!(toml.unwrap_err().to_string().contains("lm_head"));
     }
 
     #[test]

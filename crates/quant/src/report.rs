@@ -114,7 +114,7 @@ pub struct MethodSearch {
 /// One method of the search.
 #[derive(Debug, Clone, Serialize)]
 pub struct MethodTrial {
-    /// Its name (`plain`, `smoothquant`, `hadamard`, `hadamard+gptq`).
+    /// Its name (`plain`, `smoothquant`, `residual-hadamard`, `quarot`, `quarot+gptq`).
     pub method: String,
     /// The guard's measurement of its plan before any fallback.
     pub before: GuardMetrics,
