@@ -333,11 +333,13 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     }
 }
 
-/// Every linear input rotated online: the artifact records the rotations,
-/// runs as the guard measured it, still answers, and is not exported to a
-/// format whose loaders would feed it unrotated inputs.
+/// QuaRot (`--hadamard quarot`, the rotation the method search tries): the
+/// residual rotated offline, down_proj's input online. The artifact records
+/// both, runs as the guard measured it, still answers, its source
+/// requantizes to its own bytes, and it is not exported to a format whose
+/// loaders would feed down_proj unrotated inputs.
 #[test]
-fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
+fn smollm2_rotated_by_quarot_runs_on_qforge_and_refuses_export() {
     let dir = temp("smollm2-rotated");
     let dir = dir.path();
     let gguf = path("models/smollm2-135m-instruct-q4_1.gguf");
@@ -357,7 +359,7 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
             "--activations",
             "dynamic",
             "--hadamard",
-            "all",
+            "quarot",
             "--eval-data",
             &text,
             "--ctx",
@@ -372,12 +374,15 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
         serde_json::from_slice(&std::fs::read(dir.join("out/qforge.json")).unwrap()).unwrap();
     assert_eq!(
         config["online_rotations"],
+        serde_json::json!(["mlp.down_proj"])
+    );
+    let transforms: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("out/transforms.json")).unwrap()).unwrap();
+    assert_eq!(
+        transforms,
         serde_json::json!([
-            "self_attn.q_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.down_proj",
-            "lm_head"
+            {"kind": "rotate-residual", "seed": 0},
+            {"kind": "rotate", "inputs": ["mlp.down_proj"]}
         ])
     );
     let ppl = json(&qforge_in(
@@ -415,6 +420,23 @@ fn smollm2_rotated_everywhere_runs_on_qforge_and_refuses_export() {
         generated["text"].as_str().unwrap().contains("Paris"),
         "{generated}"
     );
+    let requantized = json(&qforge_in(
+        dir,
+        &[
+            "requantize",
+            "--model",
+            &gguf,
+            "--like",
+            "out",
+            "-o",
+            "again",
+            "--json",
+        ],
+    ));
+    assert_eq!(requantized["changed_weights"], 0, "{requantized}");
+    let read =
+        |artifact: &str| std::fs::read(dir.join(artifact).join("model.safetensors")).unwrap();
+    assert!(read("out") == read("again"), "requantized weights differ");
     let export = qforge_in(
         dir,
         &[

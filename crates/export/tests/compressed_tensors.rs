@@ -100,12 +100,10 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
             (point.clone(), precision)
         })
         .collect();
-    let artifact = fresh("artifact");
-    let artifact = artifact.path();
-    write_language_model(artifact, &lm, &points).unwrap();
-    let dest = fresh("ct");
-    let dest = dest.path();
-    let summary = export_compressed_tensors(artifact, dest).unwrap();
+    let (summary, config) = export_and_compare(&lm, &points, "plain");
+    let groups = &config["quantization_config"]["config_groups"];
+    assert_eq!(groups["group_0"]["input_activations"]["strategy"], "tensor");
+    assert_eq!(groups["group_1"]["input_activations"]["dynamic"], true);
     assert_eq!(summary.lm_head, "tied");
     assert_eq!(
         summary.ignored,
@@ -114,20 +112,56 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
             "lm_head".to_owned()
         ]
     );
+}
+
+/// The residual rotation (`--hadamard residual`) leaves a plain Llama: its
+/// export runs on the peer like any other, lm_head now its own matrix.
+#[test]
+fn a_residual_rotated_model_exports_and_runs_on_candle_transformers() {
+    let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(gguf.exists(), "run scripts/fetch-models.sh");
+    let mut lm = LanguageModel::load(&gguf).unwrap();
+    lm.model = lm.model.residual_rotated(0).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = lm
+        .model
+        .linears()
+        .iter()
+        .map(|(_, point, _)| {
+            let precision = if point == "lm_head" {
+                LayerPrecision::Fp
+            } else {
+                LayerPrecision::Int8Dynamic
+            };
+            (point.clone(), precision)
+        })
+        .collect();
+    let (summary, _) = export_and_compare(&lm, &points, "residual");
+    assert_eq!(summary.lm_head, "f32");
+    assert_eq!(summary.ignored, ["lm_head".to_owned()]);
+}
+
+/// Writes `lm` with `points` as a native artifact, exports it, and checks
+/// that candle-transformers' Llama over the export's dequantized weights
+/// gives the logits of qforge's forward over the same dequantized weights
+/// (and that the int8 rounding mattered); gives the export's summary and
+/// `config.json`.
+fn export_and_compare(
+    lm: &LanguageModel,
+    points: &BTreeMap<String, LayerPrecision>,
+    name: &str,
+) -> (qforge_export::CompressedTensors, serde_json::Value) {
+    let artifact = fresh(&format!("{name}-artifact"));
+    let artifact = artifact.path();
+    write_language_model(artifact, lm, points).unwrap();
+    let dest = fresh(&format!("{name}-ct"));
+    let dest = dest.path();
+    let summary = export_compressed_tensors(artifact, dest).unwrap();
 
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dest.join("config.json")).unwrap()).unwrap();
     let q = &config["quantization_config"];
     assert_eq!(q["quant_method"], "compressed-tensors");
     assert_eq!(q["format"], "int-quantized");
-    assert_eq!(
-        q["config_groups"]["group_0"]["input_activations"]["strategy"],
-        "tensor"
-    );
-    assert_eq!(
-        q["config_groups"]["group_1"]["input_activations"]["dynamic"],
-        true
-    );
 
     // The peer on the export.
     let peer_config: peer::LlamaConfig = serde_json::from_value(config.clone()).unwrap();
@@ -186,4 +220,5 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
     let fp_diff = max_abs_diff(&fp, &theirs);
     eprintln!("max |Δ logit| of the f32 model: {fp_diff}");
     assert!(fp_diff > 10.0 * diff.max(1e-4), "{fp_diff} vs {diff}");
+    (summary, config)
 }

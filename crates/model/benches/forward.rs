@@ -1,6 +1,9 @@
 //! SmolLM2-135M forward: full precision (a 128-token prefill with and
-//! without observation, whose hook must cost ≤ 15 %, and one decode step) and
-//! the INT8 engine with dynamic per-token activations (prefill, decode step).
+//! without observation, whose hook must cost ≤ 15 %, and one decode step),
+//! the INT8 engine with dynamic per-token activations (prefill, decode step),
+//! and the INT8 decoder's step (what `generate` and `serve` run) plain, with
+//! the residual rotated offline, and with QuaRot's online down_proj rotation
+//! on top.
 //!
 //! Run: `cargo bench -p qforge-model --bench forward` (needs
 //! scripts/fetch-models.sh).
@@ -10,7 +13,7 @@ use std::path::PathBuf;
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
-use qforge_model::{Activations, Llama, Logits, Statistics, StatsObserver};
+use qforge_model::{Activations, Decoder, Llama, Logits, RotatedInput, Statistics, StatsObserver};
 
 fn model() -> Llama {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -90,6 +93,47 @@ fn bench(c: &mut Criterion) {
         .expect("INT8 conversion");
     let mut group = c.benchmark_group("smollm2_int8_dynamic");
     prefill_and_decode(&mut group, &int8, &prompt);
+    group.finish();
+
+    // The same decoder with the residual rotated offline (no run-time cost)
+    // and down_proj's input rotated online: what the rotation costs a step.
+    let residual = model.residual_rotated(0).expect("the residual rotation");
+    let to_int8 = |m: &Llama| {
+        m.with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
+            .expect("INT8 conversion")
+    };
+    let quarot = to_int8(
+        &residual
+            .rotated(&[RotatedInput::MlpProduct])
+            .expect("QuaRot"),
+    );
+    let residual = to_int8(&residual);
+    let mut group = c.benchmark_group("smollm2_int8_decoder");
+    group.sample_size(20);
+    group.throughput(Throughput::Elements(1));
+    for (name, model) in [
+        ("plain", &int8),
+        ("residual", &residual),
+        ("quarot", &quarot),
+    ] {
+        let mut cache = model.new_cache();
+        model
+            .forward(&[prompt.clone()], Some(&mut cache), None, Logits::Last)
+            .unwrap();
+        group.bench_function(format!("step_at_128_{name}"), |b| {
+            b.iter_custom(|steps| {
+                let mut decoder = Decoder::new(model, prompt.len() + steps as usize)
+                    .unwrap()
+                    .expect("an INT8 decoder");
+                decoder.load_cache(&cache).unwrap();
+                let started = std::time::Instant::now();
+                for _ in 0..steps {
+                    black_box(decoder.step(black_box(42)).unwrap());
+                }
+                started.elapsed()
+            })
+        });
+    }
     group.finish();
 }
 
