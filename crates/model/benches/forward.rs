@@ -118,7 +118,12 @@ fn bench(c: &mut Criterion) {
     ] {
         let mut cache = model.new_cache();
         model
-            .forward(&[prompt.clone()], Some(&mut cache), None, Logits::Last)
+            .forward(
+                std::slice::from_ref(&prompt),
+                Some(&mut cache),
+                None,
+                Logits::Last,
+            )
             .unwrap();
         group.bench_function(format!("step_at_128_{name}"), |b| {
             b.iter_custom(|steps| {
