@@ -55,6 +55,10 @@ METHODS = [
       "0.02", "--max-fp-fraction", "0.05"]),
     ("dynamic + SmoothQuant α 0.5 (exports to vLLM)",
      ["--activations", "dynamic", "--smoothquant", *NO_FALLBACK]),
+    ("dynamic + the residual rotated offline (exports to vLLM)",
+     ["--activations", "dynamic", "--hadamard", "residual", *NO_FALLBACK]),
+    ("dynamic + QuaRot (residual offline, down_proj online)",
+     ["--activations", "dynamic", "--hadamard", "quarot", *NO_FALLBACK]),
 ]
 
 
