@@ -54,12 +54,80 @@ pub struct Gptq {
     order: Vec<usize>,
     factor: Vec<f64>,
     block_size: usize,
+    tier: Tier,
+}
+
+/// The vector unit the solver's f64 loops are compiled for. Every tier runs
+/// the same operations in the same order (Rust never fuses a multiply and
+/// an add on its own), so all give the same bits; the wider ones do more
+/// lanes at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tier {
+    Baseline,
+    Avx2,
+    Avx512,
+}
+
+impl Tier {
+    const ALL: [Tier; 3] = [Tier::Baseline, Tier::Avx2, Tier::Avx512];
+
+    fn detect() -> Self {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|t| t.is_supported())
+            .unwrap_or(Tier::Baseline)
+    }
+
+    fn is_supported(self) -> bool {
+        let cpu = qforge_core::CpuFeatures::get();
+        match self {
+            Tier::Baseline => true,
+            Tier::Avx2 => cpu.avx2,
+            Tier::Avx512 => cpu.avx512f,
+        }
+    }
+}
+
+/// `fn $name(tier, args…)`: `$body` (an `#[inline(always)]` function, so
+/// each copy vectorizes for its instruction set) run on the tier's copy.
+macro_rules! tiered {
+    ($(#[$doc:meta])* fn $name:ident => $body:ident ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        $(#[$doc])*
+        fn $name(tier: Tier, $($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            fn avx2($($arg: $ty),*) -> $ret {
+                $body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            fn avx512($($arg: $ty),*) -> $ret {
+                $body($($arg),*)
+            }
+            debug_assert!(tier.is_supported());
+            match tier {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: a `Tier` in use is one the CPU supports
+                // (`Tier::detect`, or the tests' supported tiers).
+                Tier::Avx2 => unsafe { avx2($($arg),*) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                Tier::Avx512 => unsafe { avx512($($arg),*) },
+                _ => $body($($arg),*),
+            }
+        }
+    };
 }
 
 impl Gptq {
     /// Prepares GPTQ for layers whose input has the Hessian `hessian`
     /// (`inputs × inputs`, row-major, symmetric).
     pub fn new(hessian: &[f64], inputs: usize, options: &GptqOptions) -> Result<Self> {
+        Self::new_on(Tier::detect(), hessian, inputs, options)
+    }
+
+    fn new_on(tier: Tier, hessian: &[f64], inputs: usize, options: &GptqOptions) -> Result<Self> {
         if inputs == 0 || hessian.len() != inputs * inputs {
             return Err(Error::Gptq(format!(
                 "a {}-entry Hessian for {inputs} inputs",
@@ -74,12 +142,13 @@ impl Gptq {
         // Inputs never seen (zero diagonal) carry no information: their
         // weights are rounded to nearest and take no part in the solve.
         let order = column_order(hessian, inputs, options.act_order);
-        let factor = inverse_factor(hessian, inputs, &order, options.dampening)?;
+        let factor = inverse_factor(tier, hessian, inputs, &order, options.dampening)?;
         Ok(Self {
             inputs,
             order,
             factor,
             block_size: options.block_size.max(1),
+            tier,
         })
     }
 
@@ -103,51 +172,73 @@ impl Gptq {
             .par_chunks_mut(ROW_GROUP * n)
             .zip(weight.par_chunks(ROW_GROUP * n))
             .zip(scales.par_chunks(ROW_GROUP))
-            .for_each(|((q, w), s)| self.round_rows(w, s, q));
+            .for_each(|((q, w), s)| round_rows(self.tier, self, w, s, q));
         Ok(Int8Weight { values, scales })
     }
+}
 
+tiered! {
     /// GPTQ over a group of rows: `w` holds whole rows, `scales` one per
     /// row; writes the int8 values (in the original column order) into `q`.
-    fn round_rows(&self, w: &[f32], scales: &[f32], q: &mut [i8]) {
-        let (n, block, order, factor) = (self.inputs, self.block_size, &self.order, &self.factor);
-        let rows = scales.len();
-        let qmax = f64::from(WEIGHT_QMAX);
-        // Working copy in rounding order.
-        let mut work: Vec<f64> = (0..rows)
-            .flat_map(|r| order.iter().map(move |&c| f64::from(w[r * n + c])))
-            .collect();
-        let mut errors = vec![0.0; rows * block];
-        for start in (0..n).step_by(block) {
-            let end = (start + block).min(n);
-            for i in start..end {
-                let d = factor[i * n + i];
-                let u = &factor[i * n + i + 1..i * n + end];
-                for r in 0..rows {
-                    let scale = f64::from(scales[r]);
-                    let row = &mut work[r * n..(r + 1) * n];
-                    let value = row[i];
-                    let rounded = (value / scale).round_ties_even().clamp(-qmax, qmax);
-                    q[r * n + order[i]] = rounded as i8;
-                    let error = (value - rounded * scale) / d;
-                    errors[r * block + (i - start)] = error;
-                    for (x, &u) in row[i + 1..end].iter_mut().zip(u) {
-                        *x -= error * u;
+    fn round_rows => round_rows_body(g: &Gptq, w: &[f32], scales: &[f32], q: &mut [i8]) -> ()
+}
+
+#[inline(always)]
+fn round_rows_body(g: &Gptq, w: &[f32], scales: &[f32], q: &mut [i8]) {
+    let (n, block, order, factor) = (g.inputs, g.block_size, &g.order, &g.factor);
+    let rows = scales.len();
+    let qmax = f64::from(WEIGHT_QMAX);
+    // Working copy in rounding order.
+    let mut work: Vec<f64> = (0..rows)
+        .flat_map(|r| order.iter().map(move |&c| f64::from(w[r * n + c])))
+        .collect();
+    let mut errors = vec![0.0; rows * block];
+    for start in (0..n).step_by(block) {
+        let end = (start + block).min(n);
+        for i in start..end {
+            let d = factor[i * n + i];
+            let u = &factor[i * n + i + 1..i * n + end];
+            for r in 0..rows {
+                let scale = f64::from(scales[r]);
+                let row = &mut work[r * n..(r + 1) * n];
+                let value = row[i];
+                let rounded = (value / scale).round_ties_even().clamp(-qmax, qmax);
+                q[r * n + order[i]] = rounded as i8;
+                let error = (value - rounded * scale) / d;
+                errors[r * block + (i - start)] = error;
+                for (x, &u) in row[i + 1..end].iter_mut().zip(u) {
+                    *x -= error * u;
+                }
+            }
+        }
+        // The block's errors reach the columns after it at once; each
+        // factor row is read once for the whole group of rows, and four
+        // columns' updates are applied in one sweep over a row (in column
+        // order, so each value sees the same operations as one sweep per
+        // column would give it, with a quarter of the loads and stores).
+        let mut k = start;
+        while k < end {
+            let fused = (end - k).min(4);
+            let u = |i: usize| &factor[(k + i) * n + end..(k + i) * n + n];
+            for r in 0..rows {
+                let e = |i: usize| errors[r * block + (k + i - start)];
+                let row = &mut work[r * n + end..(r + 1) * n];
+                if fused == 4 {
+                    let (e0, e1, e2, e3) = (e(0), e(1), e(2), e(3));
+                    let (u0, u1, u2, u3) = (u(0), u(1), u(2), u(3));
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = *x - e0 * u0[j] - e1 * u1[j] - e2 * u2[j] - e3 * u3[j];
+                    }
+                } else {
+                    for i in 0..fused {
+                        let (error, u) = (e(i), u(i));
+                        for (x, &u) in row.iter_mut().zip(u) {
+                            *x -= error * u;
+                        }
                     }
                 }
             }
-            // The block's errors reach the columns after it at once; each
-            // factor row is read once for the whole group of rows.
-            for k in start..end {
-                let u = &factor[k * n + end..k * n + n];
-                for r in 0..rows {
-                    let error = errors[r * block + (k - start)];
-                    let row = &mut work[r * n + end..(r + 1) * n];
-                    for (x, &u) in row.iter_mut().zip(u) {
-                        *x -= error * u;
-                    }
-                }
-            }
+            k += fused;
         }
     }
 }
@@ -186,7 +277,13 @@ fn column_order(hessian: &[f64], n: usize, act_order: bool) -> Vec<usize> {
 /// With `R` upper triangular and `H = R Rᵀ` (the Cholesky factor of `H` with
 /// its rows and columns reversed, reversed back), `H⁻¹ = R⁻ᵀ R⁻¹`, so
 /// `U = R⁻¹`: one factorization and one triangular inverse.
-fn inverse_factor(hessian: &[f64], n: usize, order: &[usize], dampening: f64) -> Result<Vec<f64>> {
+fn inverse_factor(
+    tier: Tier,
+    hessian: &[f64],
+    n: usize,
+    order: &[usize],
+    dampening: f64,
+) -> Result<Vec<f64>> {
     let diagonal_mean = (0..n).map(|i| hessian[i * n + i]).sum::<f64>() / n as f64;
     if diagonal_mean <= 0.0 {
         // Nothing was observed: every input is inert and GPTQ rounds to nearest.
@@ -214,7 +311,7 @@ fn inverse_factor(hessian: &[f64], n: usize, order: &[usize], dampening: f64) ->
             reversed[i * n + j] = v;
         }
     }
-    cholesky_lower(&mut reversed, n)?;
+    cholesky_lower(tier, &mut reversed, n)?;
     // R = reverse(L): R[i][j] = L[n−1−i][n−1−j], upper triangular.
     let mut r = vec![0.0; n * n];
     for i in 0..n {
@@ -222,55 +319,128 @@ fn inverse_factor(hessian: &[f64], n: usize, order: &[usize], dampening: f64) ->
             r[i * n + j] = reversed[(n - 1 - i) * n + (n - 1 - j)];
         }
     }
-    Ok(upper_inverse(&r, n))
+    Ok(upper_inverse(tier, &r, n))
 }
 
-/// In-place Cholesky factorization `A = L Lᵀ` of the lower triangle of `a`
-/// (row-major `n × n`; the upper triangle is ignored and left as is).
-fn cholesky_lower(a: &mut [f64], n: usize) -> Result<()> {
-    for j in 0..n {
-        let (done, rest) = a.split_at_mut(j * n);
-        let row_j = &mut rest[..n];
-        // L[j][k] for k < j, then the diagonal.
-        for k in 0..j {
-            let row_k = &done[k * n..k * n + n];
-            let dot: f64 = (0..k).map(|m| row_j[m] * row_k[m]).sum();
-            row_j[k] = (row_j[k] - dot) / row_k[k];
+/// Rows of the Cholesky factorization and of the triangular inverse worked
+/// on together, so each finished row is read from memory once per block
+/// rather than once per row: a 1 536-wide factor is 18 MB, beyond the
+/// caches, and reading it once per row made both memory-bound.
+const SOLVE_BLOCK: usize = 8;
+
+tiered! {
+    /// In-place Cholesky factorization `A = L Lᵀ` of the lower triangle of
+    /// `a` (row-major `n × n`; the upper triangle is ignored and left as is).
+    fn cholesky_lower => cholesky_lower_body(a: &mut [f64], n: usize) -> Result<()>
+}
+
+#[inline(always)]
+fn cholesky_lower_body(a: &mut [f64], n: usize) -> Result<()> {
+    for j0 in (0..n).step_by(SOLVE_BLOCK) {
+        let j1 = (j0 + SOLVE_BLOCK).min(n);
+        let (done, rest) = a.split_at_mut(j0 * n);
+        let block = &mut rest[..(j1 - j0) * n];
+        // L[j][k] for the finished rows k < j0, each read once for the
+        // block; every row still takes its k in increasing order.
+        for k in 0..j0 {
+            let row_k = &done[k * n..k * n + k + 1];
+            for row_j in block.chunks_exact_mut(n) {
+                row_j[k] = (row_j[k] - dot(&row_j[..k], &row_k[..k])) / row_k[k];
+            }
         }
-        let square: f64 = (0..j).map(|m| row_j[m] * row_j[m]).sum();
-        let pivot = row_j[j] - square;
-        if !(pivot > 0.0 && pivot.is_finite()) {
-            return Err(Error::Gptq(format!(
-                "the dampened Hessian is not positive definite at column {j}; raise gptq.dampening"
-            )));
+        // Then the block's own columns and the diagonal, row by row.
+        for j in j0..j1 {
+            let (earlier, current) = block.split_at_mut((j - j0) * n);
+            let row_j = &mut current[..n];
+            for k in j0..j {
+                let row_k = &earlier[(k - j0) * n..(k - j0) * n + k + 1];
+                row_j[k] = (row_j[k] - dot(&row_j[..k], &row_k[..k])) / row_k[k];
+            }
+            let pivot = row_j[j] - dot(&row_j[..j], &row_j[..j]);
+            if !(pivot > 0.0 && pivot.is_finite()) {
+                return Err(Error::Gptq(format!(
+                    "the dampened Hessian is not positive definite at column {j}; raise gptq.dampening"
+                )));
+            }
+            row_j[j] = pivot.sqrt();
         }
-        row_j[j] = pivot.sqrt();
     }
     Ok(())
 }
 
-/// The inverse of the upper-triangular `r` (row-major `n × n`), itself upper
-/// triangular: back substitution, column by column of the identity.
-fn upper_inverse(r: &[f64], n: usize) -> Vec<f64> {
+/// `Σ a[m]·b[m]` in a fixed order that vectorizes: 32 running sums over
+/// interleaved lanes, added pairwise at the end, then the tail. (A sum in
+/// index order is one chain of dependent additions.)
+#[inline(always)]
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    // Four AVX-512 registers' worth: enough independent chains to keep the
+    // adders busy on every tier.
+    const LANES: usize = 32;
+    let mut lanes = [0f64; LANES];
+    for (x, y) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
+        for l in 0..LANES {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    let done = a.len() / LANES * LANES;
+    let tail: f64 = a[done..].iter().zip(&b[done..]).map(|(x, y)| x * y).sum();
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+    }
+    lanes[0] + tail
+}
+
+tiered! {
+    /// The inverse of the upper-triangular `r` (row-major `n × n`), itself
+    /// upper triangular: back substitution, rows from the last up.
+    fn upper_inverse => upper_inverse_body(r: &[f64], n: usize) -> Vec<f64>
+}
+
+#[inline(always)]
+fn upper_inverse_body(r: &[f64], n: usize) -> Vec<f64> {
     let mut inv = vec![0.0; n * n];
-    for i in (0..n).rev() {
-        let d = r[i * n + i];
-        inv[i * n + i] = 1.0 / d;
-        // Row i of the inverse: inv[i][j] = −(Σ_{i<m≤j} r[i][m] · inv[m][j]) / d.
-        let (head, tail) = inv.split_at_mut((i + 1) * n);
-        let row = &mut head[i * n..];
-        for m in i + 1..n {
-            let coefficient = r[i * n + m];
-            if coefficient != 0.0 {
-                let other = &tail[(m - i - 1) * n..(m - i) * n];
-                for j in m..n {
-                    row[j] -= coefficient * other[j];
+    // Row i of the inverse: inv[i][j] = −(Σ_{i<m≤j} r[i][m] · inv[m][j]) / d,
+    // for blocks of rows from the bottom: first the finished rows below the
+    // block (each read once for the block), then the block's own rows.
+    let mut i1 = n;
+    while i1 > 0 {
+        let i0 = i1.saturating_sub(SOLVE_BLOCK);
+        let (head, below) = inv.split_at_mut(i1 * n);
+        let block = &mut head[i0 * n..];
+        for m in i1..n {
+            let other = &below[(m - i1) * n..(m - i1 + 1) * n];
+            for (i, row) in (i0..i1).zip(block.chunks_exact_mut(n)) {
+                let coefficient = r[i * n + m];
+                if coefficient != 0.0 {
+                    for (v, &o) in row[m..].iter_mut().zip(&other[m..]) {
+                        *v -= coefficient * o;
+                    }
                 }
             }
         }
-        for v in &mut row[i + 1..n] {
-            *v /= d;
+        for i in (i0..i1).rev() {
+            let d = r[i * n + i];
+            let (own, finished) = block.split_at_mut((i - i0 + 1) * n);
+            let row = &mut own[(i - i0) * n..];
+            for m in i + 1..i1 {
+                let coefficient = r[i * n + m];
+                if coefficient != 0.0 {
+                    let other = &finished[(m - i - 1) * n..(m - i) * n];
+                    for (v, &o) in row[m..].iter_mut().zip(&other[m..]) {
+                        *v -= coefficient * o;
+                    }
+                }
+            }
+            row[i] = 1.0 / d;
+            for v in &mut row[i + 1..] {
+                *v /= d;
+            }
         }
+        i1 = i0;
     }
     inv
 }
@@ -397,10 +567,11 @@ mod tests {
 
     #[test]
     fn the_inverse_factor_inverts_the_dampened_hessian() {
-        let n = 9;
+        // Two whole blocks of rows and a partial one.
+        let n = 2 * SOLVE_BLOCK + 5;
         let (_, h) = correlated_inputs(50, n, 5);
         let order: Vec<usize> = (0..n).collect();
-        let u = inverse_factor(&h, n, &order, 0.01).unwrap();
+        let u = inverse_factor(Tier::detect(), &h, n, &order, 0.01).unwrap();
         let damp = 0.01 * (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
         // (Uᵀ U) (H + damp I) = I.
         for i in 0..n {
@@ -417,6 +588,32 @@ mod tests {
             for j in 0..i {
                 assert_eq!(u[i * n + j], 0.0, "upper triangular");
             }
+        }
+    }
+
+    #[test]
+    fn every_tier_gives_the_same_bits() {
+        let (out, n) = (11, 3 * SOLVE_BLOCK + 3);
+        let (_, h) = correlated_inputs(300, n, 7);
+        let mut next = lcg(4);
+        let weight: Vec<f32> = (0..out * n).map(|_| next() as f32).collect();
+        let options = GptqOptions {
+            block_size: 16,
+            ..GptqOptions::default()
+        };
+        let on = |tier| {
+            let g = Gptq::new_on(tier, &h, n, &options).unwrap();
+            (g.factor.clone(), g.round(&weight, out).unwrap())
+        };
+        let baseline = on(Tier::Baseline);
+        for tier in Tier::ALL.into_iter().filter(|t| t.is_supported()) {
+            let (factor, rounded) = on(tier);
+            let same_factor = factor
+                .iter()
+                .zip(&baseline.0)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same_factor, "{tier:?}: the inverse factor differs");
+            assert_eq!(rounded, baseline.1, "{tier:?}");
         }
     }
 

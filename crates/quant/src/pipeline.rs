@@ -20,7 +20,7 @@ use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
 use qforge_model::output::write_dir_atomic;
 use qforge_model::profile::CalibrationProfile;
-use qforge_model::{Int8Weight, Linear, Model};
+use qforge_model::{Int8Weight, Model};
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
@@ -673,34 +673,35 @@ fn round_group(
     group: &[(String, usize)],
     options: &GptqOptions,
 ) -> Result<BTreeMap<String, Int8Weight>> {
-    let mut out = BTreeMap::new();
-    for (point, width) in group {
-        let Some(gram) = stats.tensors.get(point).and_then(|t| t.gram()) else {
-            continue;
-        };
-        let solver = Gptq::new(&gram.to_matrix(), *width, options)
-            .map_err(|e| Error::Gptq(format!("{point}: {e}")))?;
-        let layers: Vec<(String, &Linear)> = model
-            .linears()
-            .into_iter()
-            .filter(|(_, p, _)| p == point)
-            .map(|(name, _, layer)| (name, layer))
-            .collect();
-        let rounded = layers
-            .into_par_iter()
-            .map(|(name, layer)| {
-                let (weight, _) = layer.full_precision()?;
-                let values = weight.flatten_all().map_err(qforge_model::Error::from)?;
-                let values = values.to_vec1::<f32>().map_err(qforge_model::Error::from)?;
-                let int8 = solver
-                    .round(&values, layer.shape().0)
-                    .map_err(|e| Error::Gptq(format!("{name}: {e}")))?;
-                Ok((name, int8))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        out.extend(rounded);
-    }
-    Ok(out)
+    // Every input's solve is its own, so inputs run side by side on the
+    // rayon pool (a factorization is serial; the layers of one input and
+    // the rows of one layer are parallel too), and the result does not
+    // depend on the thread count.
+    let linears = model.linears();
+    let rounded = group
+        .par_iter()
+        .map(|(point, width)| {
+            let Some(gram) = stats.tensors.get(point).and_then(|t| t.gram()) else {
+                return Ok(Vec::new());
+            };
+            let solver = Gptq::new(&gram.to_matrix(), *width, options)
+                .map_err(|e| Error::Gptq(format!("{point}: {e}")))?;
+            linears
+                .par_iter()
+                .filter(|(_, p, _)| p == point)
+                .map(|(name, _, layer)| {
+                    let (weight, _) = layer.full_precision()?;
+                    let values = weight.flatten_all().map_err(qforge_model::Error::from)?;
+                    let values = values.to_vec1::<f32>().map_err(qforge_model::Error::from)?;
+                    let int8 = solver
+                        .round(&values, layer.shape().0)
+                        .map_err(|e| Error::Gptq(format!("{name}: {e}")))?;
+                    Ok((name.clone(), int8))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(rounded.into_iter().flatten().collect())
 }
 
 fn fp_model(model: &Model) -> FpModel<'_> {
