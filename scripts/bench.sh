@@ -63,5 +63,7 @@ done
 QFORGE=target/release/qforge python3 scripts/bench_long_prompts.py >/dev/null
 .venv/bin/python tests/python/ort_crosscheck.py --markdown --qforge target/release/qforge \
     > target/ort_crosscheck.md
-.venv/bin/python scripts/bench_report.py > BENCHMARKS.md
+# Into a new file first: the report reads BENCHMARKS.md for the sections it keeps.
+.venv/bin/python scripts/bench_report.py > target/BENCHMARKS.md.new
+mv target/BENCHMARKS.md.new BENCHMARKS.md
 echo "wrote BENCHMARKS.md"

@@ -1,10 +1,15 @@
 """Writes BENCHMARKS.md (on stdout) from criterion's results under target/criterion
-and the peer comparisons that scripts/bench.sh leaves under target/."""
+and the peer comparisons that scripts/bench.sh leaves under target/, keeping the
+sections of the current BENCHMARKS.md that it does not write (measurements run by
+hand, each with its command)."""
 
+import contextlib
+import io
 import json
 import os
 import platform
 import subprocess
+import sys
 
 from bench_long_prompts import markdown as long_prompts_markdown
 from bench_quality import markdown as quality_markdown
@@ -649,5 +654,48 @@ def main():
         print("(not run)")
 
 
+def sections(text):
+    """The (heading, text) pairs of a BENCHMARKS.md, split at every `## ` and `### `
+    heading, in order; the text before the first heading has the heading None."""
+    out = [[None, []]]
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## ") or line.startswith("### "):
+            out.append([line.strip(), []])
+        out[-1][1].append(line)
+    return [(heading, "".join(lines)) for heading, lines in out]
+
+
+def keep_hand_written(generated, existing):
+    """`generated` with every section of `existing` that it lacks put back after the
+    section it followed there (or at the end): sections written by hand, for
+    measurements this script does not run, survive a regeneration."""
+    ours = sections(generated)
+    have = {heading for heading, _ in ours}
+    after = {}  # heading in `generated` (or None) -> sections of `existing` to follow it
+    anchor = None
+    for heading, text in sections(existing):
+        if heading in have:
+            anchor = heading
+        else:
+            after.setdefault(anchor, []).append(text)
+    merged = []
+    for heading, text in ours:
+        merged.append(text)
+        merged.extend(after.pop(heading, []))
+    for texts in after.values():
+        merged.extend(texts)
+    return "".join(merged)
+
+
 if __name__ == "__main__":
-    main()
+    # The generated sections replace their earlier versions in BENCHMARKS.md; the
+    # sections it holds that this script does not write are kept in place.
+    generated = io.StringIO()
+    with contextlib.redirect_stdout(generated):
+        main()
+    try:
+        with open("BENCHMARKS.md") as f:
+            existing = f.read()
+    except OSError:
+        existing = ""
+    sys.stdout.write(keep_hand_written(generated.getvalue(), existing))
