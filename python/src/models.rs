@@ -8,6 +8,7 @@ use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use qforge_core::Calibrator;
+use qforge_model::lm::GenerationReport;
 use qforge_model::lm::{continuation_log_probs, perplexity};
 use qforge_model::mlp::Action;
 use qforge_model::precision::RunPrecision;
@@ -236,8 +237,9 @@ impl LanguageModel {
     }
 
     /// Generates after `prompt` (text): greedy unless `temperature`. Returns
-    /// a dict: `text`, `tokens`, `prompt_tokens`, `prefill_tokens_per_s`,
-    /// `decode_tokens_per_s`.
+    /// `qforge generate --json`'s dict: `text`, `tokens`, `prompt_tokens`,
+    /// `prefill_tokens_per_s`, `decode_tokens_per_s`, `linear_weight_bytes`,
+    /// `precision`.
     #[pyo3(signature = (prompt, max_tokens = 64, temperature = None, seed = 0))]
     fn generate<'py>(
         &self,
@@ -257,22 +259,16 @@ impl LanguageModel {
             temperature,
             seed,
         };
-        let (generation, text) = py.detach(|| -> Result<_, Failure> {
+        let report = py.detach(|| -> Result<_, Failure> {
             let prompt = self.lm.text.tokenizer.encode(prompt)?;
             let generation = self.lm.generate(&prompt, &options)?;
-            let text = self.lm.text.tokenizer.decode(&generation.tokens)?;
-            Ok((generation, text))
+            Ok(GenerationReport::new(
+                &self.lm,
+                generation,
+                self.precision.clone(),
+            )?)
         })?;
-        to_python(
-            py,
-            &serde_json::json!({
-                "text": text,
-                "tokens": generation.tokens,
-                "prompt_tokens": generation.prompt_tokens,
-                "prefill_tokens_per_s": generation.prefill_tokens_per_second(),
-                "decode_tokens_per_s": generation.decode_tokens_per_second(),
-            }),
-        )
+        to_python(py, &report)
     }
 
     /// The log-probability (float64) of each token of `completion` after

@@ -146,7 +146,12 @@ def test_a_language_model_scores_its_own_tokens_as_one_forward_does():
     # Token by token, each scored after the whole prefix, gives the same figures.
     one_by_one = [lm.logprobs(tokens[:i], [tokens[i]])[0] for i in range(4, len(tokens))]
     np.testing.assert_allclose(together, one_by_one, rtol=0, atol=1e-4)
-    generated = lm.generate("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n",
-                            max_tokens=8)
+    question = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    generated = lm.generate(question, max_tokens=8)
     assert generated["prompt_tokens"] > 0 and 0 < len(generated["tokens"]) <= 8
     assert generated["text"] == lm.decode(generated["tokens"])
+    # The CLI's report: the same keys, tokens and precision.
+    theirs = json.loads(cli("generate", "--model", SMOLLM2, "--prompt", question,
+                            "--max-tokens", "8", "--json"))
+    assert theirs.keys() == generated.keys()
+    assert (theirs["tokens"], theirs["precision"]) == (generated["tokens"], generated["precision"])
