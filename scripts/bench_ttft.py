@@ -2,6 +2,7 @@
 long prompt's served prefill speed, and the server's peak memory.
 
     python3 scripts/bench_ttft.py QFORGE MODEL [--long-tokens 4096] [--prefill-chunk 256]
+                                  [--prefill-threads N]
 
 Starts `qforge serve --model MODEL` on a free loopback port, sends the start of the
 handbook evaluation text (about --long-tokens tokens, max_tokens 1), and once the server
@@ -55,6 +56,8 @@ def main():
     parser.add_argument("model")
     parser.add_argument("--long-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--prefill-threads", type=int, default=None,
+                        help="the server's --prefill-threads (default: the server's own)")
     args = parser.parse_args()
     with open(TEXT) as f:
         long_prompt = f.read()[:int(args.long_tokens * CHARS_PER_TOKEN)]
@@ -62,6 +65,8 @@ def main():
     server = subprocess.Popen([args.qforge, "serve", "--model", args.model,
                                "--addr", f"127.0.0.1:{port}",
                                "--prefill-chunk", str(args.prefill_chunk),
+                               *(["--prefill-threads", str(args.prefill_threads)]
+                                 if args.prefill_threads else []),
                                "--max-prompt-tokens", str(args.long_tokens + 64),
                                "--timeout-ms", "600000"], stderr=subprocess.DEVNULL)
     try:
@@ -101,6 +106,7 @@ def main():
         alone = time.perf_counter() - alone_start
         print(json.dumps({
             "prefill_chunk": args.prefill_chunk,
+            "prefill_threads": args.prefill_threads,
             "long_prompt_tokens": tokens,
             "short_time_to_first_token_s": first,
             "short_total_s": short_total,

@@ -39,12 +39,17 @@ pub struct ServeArgs {
     /// the budget is spent.
     #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
     kv_budget_tokens: usize,
-    /// Language models: threads the engine's matrix products run on. One by
+    /// Language models: threads the engine's decode steps run on. One by
     /// default: on 2 cores a second thread gave the INT8 SmolLM2 artifact
     /// nothing (−1 to −2 % tokens/s) for 0.5–0.7 more cores, though the FP32
     /// model gained 34 % at 16 clients (BENCHMARKS.md).
     #[arg(long, default_value_t = 1, value_name = "N")]
     engine_threads: usize,
+    /// Language models: threads a prompt's prefill runs on (default: every
+    /// core). Prefill is compute-bound: a 4 056-token prompt of the INT8
+    /// SmolLM2 prefilled at 293 tokens/s on one thread and 451–498 on two.
+    #[arg(long, value_name = "N")]
+    prefill_threads: Option<usize>,
     /// Language models: the name clients give as `model` (default: the
     /// model's file or directory name).
     #[arg(long, value_name = "NAME")]
@@ -227,6 +232,9 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_sequences: args.max_batch,
         kv_budget_tokens: args.kv_budget_tokens,
         threads: args.engine_threads,
+        prefill_threads: args.prefill_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        }),
         prefill_chunk: args.prefill_chunk,
     };
     let served = Served::open(

@@ -158,6 +158,7 @@ impl TestServer {
                     max_sequences: 4,
                     kv_budget_tokens: 512,
                     threads: 1,
+                    prefill_threads: 1,
                     prefill_chunk: 256,
                 },
             },
