@@ -610,7 +610,14 @@ fn hadamard_rotations_keep_the_function_on_both_forwards() {
     assert_eq!(down_only.smoothable_points().len(), 2 * LAYERS);
 
     // The INT8 decoder rotates like the tensor forward it stands in for.
-    let int8 = rotated
+    int8_decoder_follows_the_forward(&rotated);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `model` with every linear int8 (dynamic activations): after a prompt,
+/// the INT8 decoder's steps give the tensor forward's logits.
+fn int8_decoder_follows_the_forward(model: &Llama) {
+    let int8 = model
         .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
         .unwrap();
     let prompt = vec![1u32, 5, 9, 33, 70, 11];
@@ -628,7 +635,6 @@ fn hadamard_rotations_keep_the_function_on_both_forwards() {
         let diff = step_difference(&int8, &mut cache, &mut decoder, token);
         assert!(diff < 1e-4, "int8 decoder: max |Δ| {diff}");
     }
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -678,24 +684,7 @@ fn a_rotated_residual_stream_keeps_the_function_as_a_plain_llama() {
             diff < 1e-4,
             "qwen2 {qwen2}: with online rotations: max |Δ| {diff}"
         );
-        let int8 = quarot
-            .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
-            .unwrap();
-        let prompt = vec![1u32, 5, 9, 33, 70, 11];
-        let mut cache = int8.new_cache();
-        int8.forward(
-            std::slice::from_ref(&prompt),
-            Some(&mut cache),
-            None,
-            Logits::Last,
-        )
-        .unwrap();
-        let mut decoder = qforge_model::Decoder::new(&int8, 64).unwrap().unwrap();
-        decoder.load_cache(&cache).unwrap();
-        for token in [3u32, 17, 42] {
-            let diff = step_difference(&int8, &mut cache, &mut decoder, token);
-            assert!(diff < 1e-4, "int8 decoder: max |Δ| {diff}");
-        }
+        int8_decoder_follows_the_forward(&quarot);
 
         // The residual is rotated before anything rotates online.
         let late = quarot.residual_rotated(7).unwrap_err();
