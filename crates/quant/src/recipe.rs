@@ -296,6 +296,15 @@ impl RotationSection {
         }
     }
 
+    /// The residual rotated offline alone (signs from `seed`).
+    pub fn residual(seed: u64) -> Self {
+        Self {
+            inputs: Vec::new(),
+            residual: true,
+            seed,
+        }
+    }
+
     /// Whether anything is rotated.
     pub fn is_enabled(&self) -> bool {
         self.residual || !self.inputs.is_empty()
@@ -303,10 +312,11 @@ impl RotationSection {
 
     /// Reads a comma-separated list of `residual` and linear inputs (as
     /// [`RotatedInput::parse`] takes them), `all` (every input online) or
-    /// `quarot` ([`RotationSection::quarot`]).
-    pub fn parse(list: &str) -> Result<Self> {
+    /// `quarot` ([`RotationSection::quarot`]); the residual's signs from
+    /// `seed`.
+    pub fn parse(list: &str, seed: u64) -> Result<Self> {
         if list == "quarot" {
-            return Ok(Self::quarot(0));
+            return Ok(Self::quarot(seed));
         }
         let names: Vec<&str> = list.split(',').map(str::trim).collect();
         let residual = names.contains(&"residual");
@@ -320,7 +330,7 @@ impl RotationSection {
         Ok(Self {
             inputs,
             residual,
-            seed: 0,
+            seed,
         })
     }
 
@@ -526,13 +536,7 @@ impl QuantRecipe {
                 match method {
                     Method::Plain => {}
                     Method::Smoothquant => recipe.smoothing.enabled = true,
-                    Method::ResidualHadamard => {
-                        recipe.rotation = RotationSection {
-                            residual: true,
-                            inputs: Vec::new(),
-                            seed,
-                        }
-                    }
+                    Method::ResidualHadamard => recipe.rotation = RotationSection::residual(seed),
                     Method::Quarot => recipe.rotation = RotationSection::quarot(seed),
                     Method::QuarotGptq => {
                         recipe.rotation = RotationSection::quarot(seed);
@@ -549,17 +553,16 @@ impl QuantRecipe {
     /// SmoothQuant beside a rotation as SmoothQuant).
     fn method_named(&self) -> Method {
         let r = &self.rotation;
-        match (
-            self.smoothing.enabled,
-            r.inputs.is_empty(),
-            r.residual,
-            self.gptq.enabled,
-        ) {
-            (true, _, _, _) => Method::Smoothquant,
-            (false, false, _, true) | (false, true, true, true) => Method::QuarotGptq,
-            (false, false, _, false) => Method::Quarot,
-            (false, true, true, false) => Method::ResidualHadamard,
-            (false, true, false, _) => Method::Plain,
+        if self.smoothing.enabled {
+            Method::Smoothquant
+        } else if !r.is_enabled() {
+            Method::Plain
+        } else if self.gptq.enabled {
+            Method::QuarotGptq
+        } else if r.inputs.is_empty() {
+            Method::ResidualHadamard
+        } else {
+            Method::Quarot
         }
     }
 
@@ -692,10 +695,7 @@ impl QuantRecipe {
         self.smoothing.enabled |= o.smoothquant;
         self.smoothing.alpha = o.alpha.or(self.smoothing.alpha);
         if let Some(list) = &o.hadamard {
-            self.rotation = RotationSection {
-                seed: self.rotation.seed,
-                ..RotationSection::parse(list)?
-            };
+            self.rotation = RotationSection::parse(list, self.rotation.seed)?;
         }
         self.gptq.enabled |= o.gptq || o.gptq_act_order;
         self.gptq.act_order |= o.gptq_act_order;

@@ -233,12 +233,13 @@ impl Llama {
     /// from `seed`): the embedding becomes `E R`, every RMSNorm gain is
     /// folded into the linears it feeds (the norms become all ones), those
     /// linears take rotated inputs (`W diag(g) R`) and o_proj and down_proj
-    /// write rotated outputs (`Rᵀ W`). The random signs matter: on SmolLM2
-    /// with dynamic int8 activations they took the perplexity cost from
-    /// +0.73 % (plain `Q`) to about +0.3 % (BENCHMARKS.md). The residual's massive channels are spread
-    /// over every channel before q/k/v, gate/up and lm_head see them, at no
-    /// run-time cost: the result is a plain Llama (lm_head no longer tied to
-    /// the embedding), which every format can carry. Needs full-precision
+    /// write rotated outputs (`Rᵀ W`). The residual's massive channels are
+    /// spread over every channel before q/k/v, gate/up and lm_head see them,
+    /// at no run-time cost: the result is a plain Llama (lm_head no longer
+    /// tied to the embedding), which every format can carry. The random
+    /// signs matter: on SmolLM2 with dynamic int8 activations and down_proj
+    /// rotated online they took the perplexity cost from +0.73–0.77 % (plain
+    /// `Q`) to +0.25–0.47 % (BENCHMARKS.md). Needs full-precision
     /// layers and no online rotations yet (those come after, on o_proj's and
     /// down_proj's inputs, which the residual does not reach).
     pub fn residual_rotated(&self, seed: u64) -> Result<Llama> {
