@@ -18,6 +18,12 @@ pub struct CpuFeatures {
     pub avx512bw: bool,
     /// AVX-512 VNNI, `vpdpbusd` (x86-64).
     pub avx512vnni: bool,
+    /// Advanced SIMD (aarch64; every aarch64 CPU has it).
+    pub neon: bool,
+    /// The dot-product extension, `sdot` (aarch64, Armv8.2 and later).
+    pub dotprod: bool,
+    /// The int8 matrix-multiply extension, `smmla` (aarch64, Armv8.6 and later).
+    pub i8mm: bool,
 }
 
 impl CpuFeatures {
@@ -35,6 +41,9 @@ impl CpuFeatures {
             (self.avx512f, "avx512f"),
             (self.avx512bw, "avx512bw"),
             (self.avx512vnni, "avx512vnni"),
+            (self.neon, "neon"),
+            (self.dotprod, "dotprod"),
+            (self.i8mm, "i8mm"),
         ]
         .into_iter()
         .filter_map(|(present, name)| present.then_some(name))
@@ -50,10 +59,21 @@ fn probe() -> CpuFeatures {
         avx512f: std::is_x86_feature_detected!("avx512f"),
         avx512bw: std::is_x86_feature_detected!("avx512bw"),
         avx512vnni: std::is_x86_feature_detected!("avx512vnni"),
+        ..CpuFeatures::default()
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(target_arch = "aarch64")]
+fn probe() -> CpuFeatures {
+    CpuFeatures {
+        neon: std::arch::is_aarch64_feature_detected!("neon"),
+        dotprod: std::arch::is_aarch64_feature_detected!("dotprod"),
+        i8mm: std::arch::is_aarch64_feature_detected!("i8mm"),
+        ..CpuFeatures::default()
+    }
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn probe() -> CpuFeatures {
     CpuFeatures::default()
 }

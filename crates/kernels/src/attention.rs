@@ -38,9 +38,6 @@ thread_local! {
 
 /// Lanes of the fixed summation order.
 const LANES: usize = 8;
-/// Keys whose values are accumulated for every query of the group before
-/// the next block is read: 64 values of 128 dimensions are 32 KiB.
-const VALUE_BLOCK: usize = 64;
 /// Below `ln(f32::MIN_POSITIVE)`, `exp` is 0 (no subnormal results).
 const EXP_MIN: f32 = -87.336_55;
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
@@ -151,20 +148,33 @@ pub fn attend_group_with(
     let group = out.len() / head_dim;
     let padded = kv.visible.next_multiple_of(LANES);
     reserve(group, kv.visible);
-    SCRATCH.with_borrow_mut(|scratch| {
-        let (scores, rest) = scratch.split_at_mut(group * padded);
-        let totals = &mut rest[..group];
-        match tier {
-            #[cfg(target_arch = "x86_64")]
+    SCRATCH.with_borrow_mut(|scratch| match tier {
+        #[cfg(target_arch = "x86_64")]
+        AttentionTier::Avx2 if head_dim.is_multiple_of(LANES) => {
+            let (scores, rest) = scratch.split_at_mut(group * padded);
             // SAFETY: the CPU has AVX2 and FMA (checked above), and `check`
             // accepted the shapes.
-            AttentionTier::Avx2 if head_dim.is_multiple_of(LANES) => unsafe {
-                x86::attend(queries, kv, head_dim, (scores, totals), scale, out)
-            },
-            // Head sizes that are not whole vectors take the scalar order,
-            // which is the vector order too.
-            _ => portable::attend(queries, kv, head_dim, scores, scale, out),
+            unsafe {
+                x86::attend(
+                    queries,
+                    kv,
+                    head_dim,
+                    (scores, &mut rest[..group]),
+                    scale,
+                    out,
+                )
+            }
         }
+        // Head sizes that are not whole vectors take the scalar order,
+        // which is the vector order too.
+        _ => portable::attend(
+            queries,
+            kv,
+            head_dim,
+            &mut scratch[..group * padded],
+            scale,
+            out,
+        ),
     });
     Ok(())
 }
@@ -309,6 +319,10 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::*;
+
+    /// Keys whose values are accumulated for every query of the group before
+    /// the next block is read: 64 values of 128 dimensions are 32 KiB.
+    const VALUE_BLOCK: usize = 64;
 
     /// [`portable::attend`] in AVX2 registers: the same arithmetic in the
     /// same order. `hd` is a multiple of 8.

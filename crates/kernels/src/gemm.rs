@@ -13,14 +13,19 @@
 //! Activations are symmetric int8 stored as `q + 128` in a u8 (the operand
 //! VNNI takes). The portable and VNNI tiers multiply the stored bytes and
 //! the epilogue removes the offset with each channel's precomputed
-//! `128 · Σ w`, exact in i32; the AVX2 tier recovers `q` itself (see
+//! `128 · Σ w`, exact in i32; the AVX2 and Arm tiers recover `q` itself (see
 //! [`PackedWeights::offsets`]).
 //!
 //! Tiers: AVX-512 VNNI (`vpdpbusd`), AVX2 (`vpmaddubsw` + `vpmaddwd` on
 //! `|q|` and the weights carrying `q`'s sign, so that no pair of products
-//! saturates i16) and a portable scalar twin. Every tier takes full 8-bit
-//! weights ([`WEIGHT_QMAX`]) and computes the exact integer sums, so tests
-//! compare them for equality and an artifact runs the same on every tier.
+//! saturates i16), on aarch64 base NEON (`smull` + pairwise adds), the
+//! dot-product extension (`sdot`, the VNNI operand shape on signed bytes) and
+//! the int8 matrix-multiply extension (`smmla`, whose 2 × 8 by 8 × 2 operand
+//! wants eight inputs per channel: that tier packs groups in pairs, see
+//! [`GemmTier::groups_per_step`]), and a portable scalar twin. Every tier
+//! takes full 8-bit weights ([`WEIGHT_QMAX`]) and computes the exact integer
+//! sums, so tests compare them for equality and an artifact runs the same on
+//! every tier.
 //!
 //! Why our own kernel instead of `rten-gemm` (the first choice when the
 //! engine was designed): on this machine's VNNI CPU rten's prepacked GEMM ran
@@ -82,11 +87,24 @@ pub enum GemmTier {
     Avx2,
     /// AVX-512 VNNI `vpdpbusd` (x86-64).
     Avx512Vnni,
+    /// Base NEON, `smull` and pairwise adds (every aarch64 CPU).
+    Neon,
+    /// NEON with the dot-product extension, `sdot` (aarch64, Armv8.2+).
+    NeonDotprod,
+    /// NEON with the int8 matrix-multiply extension, `smmla` (aarch64, Armv8.6+).
+    NeonI8mm,
 }
 
 impl GemmTier {
-    /// Every tier, slowest first.
-    pub const ALL: [GemmTier; 3] = [Self::Portable, Self::Avx2, Self::Avx512Vnni];
+    /// Every tier; within each architecture, slowest first.
+    pub const ALL: [GemmTier; 6] = [
+        Self::Portable,
+        Self::Avx2,
+        Self::Avx512Vnni,
+        Self::Neon,
+        Self::NeonDotprod,
+        Self::NeonI8mm,
+    ];
 
     /// The fastest tier this CPU supports.
     pub fn detect() -> Self {
@@ -104,6 +122,9 @@ impl GemmTier {
             Self::Portable => true,
             Self::Avx2 => cpu.avx2,
             Self::Avx512Vnni => cpu.avx512f && cpu.avx512bw && cpu.avx512vnni,
+            Self::Neon => cpu.neon,
+            Self::NeonDotprod => cpu.neon && cpu.dotprod,
+            Self::NeonI8mm => cpu.neon && cpu.i8mm,
         }
     }
 
@@ -112,7 +133,27 @@ impl GemmTier {
         match self {
             Self::Avx512Vnni => 6,
             Self::Avx2 => 2,
-            Self::Portable => 4,
+            Self::Portable | Self::Neon | Self::NeonDotprod | Self::NeonI8mm => 4,
+        }
+    }
+
+    /// Input groups the tier's kernel consumes at once: `smmla` takes eight
+    /// inputs per channel, so the i8mm tier packs each pair of groups as one
+    /// 64-channel × 8-input block (channel-major, 512 bytes) and its input
+    /// ranges start and end on even groups.
+    pub fn groups_per_step(self) -> usize {
+        match self {
+            Self::NeonI8mm => 2,
+            _ => 1,
+        }
+    }
+
+    /// Whether the kernel multiplies the signed activations `q` (recovered
+    /// from the stored `q + 128`) rather than the stored bytes.
+    fn multiplies_signed_activations(self) -> bool {
+        match self {
+            Self::Portable | Self::Avx512Vnni => false,
+            Self::Avx2 | Self::Neon | Self::NeonDotprod | Self::NeonI8mm => true,
         }
     }
 
@@ -122,6 +163,9 @@ impl GemmTier {
             Self::Portable => "portable",
             Self::Avx2 => "avx2",
             Self::Avx512Vnni => "avx512-vnni",
+            Self::Neon => "neon",
+            Self::NeonDotprod => "neon-dotprod",
+            Self::NeonI8mm => "neon-i8mm",
         }
     }
 }
@@ -178,20 +222,29 @@ impl PackedWeights {
             )));
         }
         let panels = n.div_ceil(PANEL);
-        let groups_per_panel = k.div_ceil(GROUP);
+        let step = tier.groups_per_step();
+        let groups_per_panel = k.div_ceil(GROUP * step) * step;
         let mut groups = vec![Group([0; GROUP_BYTES]); panels * groups_per_panel];
+        // A step's `span` inputs of one channel are consecutive bytes, its
+        // channels one after another: for one group per step, the layout of
+        // the module docs.
+        let span = GROUP * step;
         for (c, row) in values.chunks_exact(k).enumerate() {
             let (panel, lane) = (c / PANEL, c % PANEL);
             let panel_groups = &mut groups[panel * groups_per_panel..][..groups_per_panel];
-            for (group, four) in panel_groups.iter_mut().zip(row.chunks(GROUP)) {
-                group.0[lane * GROUP..lane * GROUP + four.len()].copy_from_slice(four);
+            for (block, inputs) in panel_groups.chunks_exact_mut(step).zip(row.chunks(span)) {
+                for (i, &v) in inputs.iter().enumerate() {
+                    let at = lane * span + i;
+                    block[at / GROUP_BYTES].0[at % GROUP_BYTES] = v;
+                }
             }
         }
         let offsets = values
             .chunks_exact(k)
-            .map(|row| match tier {
-                GemmTier::Avx2 => 0,
-                GemmTier::Portable | GemmTier::Avx512Vnni => {
+            .map(|row| {
+                if tier.multiplies_signed_activations() {
+                    0
+                } else {
                     128 * row.iter().map(|&v| i32::from(v)).sum::<i32>()
                 }
             })
@@ -222,11 +275,22 @@ impl PackedWeights {
 
     /// Bytes per activation row the kernels read: `k` rounded up to a group.
     pub fn row_stride(&self) -> usize {
-        self.groups_per_panel() * GROUP
+        let span = GROUP * self.tier.groups_per_step();
+        self.k.div_ceil(span) * span
     }
 
-    fn groups_per_panel(&self) -> usize {
-        self.k.div_ceil(GROUP)
+    /// Input groups of a panel, the unit of [`Self::raw_sums`]' input ranges.
+    pub fn groups_per_panel(&self) -> usize {
+        self.row_stride() / GROUP
+    }
+
+    /// The `part`-th of `parts` near-equal shares of the input groups, each
+    /// starting and ending where the tier's kernel may split them (some empty
+    /// when there are fewer steps than parts).
+    pub fn group_share(&self, parts: usize, part: usize) -> Range<usize> {
+        let step = self.tier.groups_per_step();
+        let steps = share(self.groups_per_panel() / step, parts, part);
+        steps.start * step..steps.end * step
     }
 
     /// Raw sums of `rows` rows of `a` (row stride [`Self::row_stride`]) into
@@ -248,12 +312,12 @@ impl PackedWeights {
         }
         if rows <= SPLIT_INPUTS_MAX_ROWS && panels < SPLIT_CHANNELS_MIN_PANELS_PER_THREAD * threads
         {
-            let parts = threads.min(groups);
+            let parts = threads.min(groups / self.tier.groups_per_step());
             sums.resize(parts * part_len, 0);
             sums.par_chunks_mut(part_len)
                 .enumerate()
                 .for_each(|(part, c)| {
-                    self.raw_sums(a, rows, 0..panels, share(groups, parts, part), c);
+                    self.raw_sums(a, rows, 0..panels, self.group_share(parts, part), c);
                 });
             parts
         } else {
@@ -278,7 +342,9 @@ impl PackedWeights {
     /// Raw sums of `rows` rows of `a` (row stride [`Self::row_stride`]) over
     /// the panels `panels` and input groups `groups`, into `c` laid out
     /// `[panel][row][PANEL]` for those panels: `Σₖ a[r, k] · w[c, k]` with the
-    /// activations as stored, or, on AVX2, `Σₖ (a[r, k] − 128) · w[c, k]`.
+    /// activations as stored, or, on AVX2 and Arm, `Σₖ (a[r, k] − 128) · w[c, k]`.
+    /// `groups` must start and end on a multiple of the tier's
+    /// [`GemmTier::groups_per_step`] ([`Self::group_share`] does).
     /// On every tier, the raw sums of all input groups less
     /// [`Self::offsets`] are the signed sums `Σₖ q[r, k] · w[c, k]`.
     pub fn raw_sums(
@@ -295,6 +361,8 @@ impl PackedWeights {
             a.len() >= rows * lda
                 && panels.end <= self.panels()
                 && groups.end <= gpp
+                && groups.start.is_multiple_of(self.tier.groups_per_step())
+                && groups.end.is_multiple_of(self.tier.groups_per_step())
                 && c.len() == panels.len() * rows * PANEL,
             "raw_sums: operands do not fit the packed weights"
         );
@@ -317,7 +385,7 @@ impl PackedWeights {
 
     /// What the epilogue subtracts from each channel's raw sums (length `n`):
     /// `128 · Σ w` where the kernel multiplied the stored `q + 128` bytes,
-    /// zero on AVX2, whose kernel multiplies `q` itself.
+    /// zero on AVX2 and Arm, whose kernels multiply `q` itself.
     pub fn offsets(&self) -> &[i32] {
         &self.offsets
     }
@@ -328,7 +396,8 @@ pub fn share(len: usize, parts: usize, part: usize) -> Range<usize> {
     len * part / parts..len * (part + 1) / parts
 }
 
-/// One register tile: `c[r][j] = Σ_g Σ_t a[r·lda + 4g + t] · b[g][4j + t]`.
+/// One register tile: `c[r][j] = Σ_g Σ_t a[r·lda + 4g + t] · b[g][4j + t]`
+/// (on the i8mm tier, over blocks of two groups with eight bytes per channel).
 ///
 /// # Safety
 /// `a` must hold `rows` rows of `lda` bytes covering `4 · b.len()` bytes each,
@@ -345,6 +414,19 @@ unsafe fn tile(tier: GemmTier, a: &[u8], lda: usize, rows: usize, b: &[Group], c
         GemmTier::Avx512Vnni => unsafe { x86::tile_vnni(a, lda, rows, b, c) },
         #[cfg(not(target_arch = "x86_64"))]
         GemmTier::Avx2 | GemmTier::Avx512Vnni => unreachable!("packing checked the tier"),
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: forwarded from the caller.
+        GemmTier::Neon => unsafe { arm::tile_neon(a, lda, rows, b, c) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: forwarded from the caller.
+        GemmTier::NeonDotprod => unsafe { arm::tile_dotprod(a, lda, rows, b, c) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: forwarded from the caller.
+        GemmTier::NeonI8mm => unsafe { arm::tile_i8mm(a, lda, rows, b, c) },
+        #[cfg(not(target_arch = "aarch64"))]
+        GemmTier::Neon | GemmTier::NeonDotprod | GemmTier::NeonI8mm => {
+            unreachable!("packing checked the tier")
+        }
     }
 }
 
@@ -498,6 +580,297 @@ mod x86 {
                     tile_avx2_rows::<2, 2>(a, lda, b, 2, c);
                 }
                 _ => unreachable!("the AVX2 tile has at most 2 rows"),
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    //! NEON's intrinsics are `unsafe` to call even though every aarch64 CPU
+    //! has NEON (Rust requires the feature on the calling function, and
+    //! `#[inline(always)]` helpers cannot carry one): each helper's body is
+    //! one `unsafe` block on that ground.
+
+    use std::arch::aarch64::*;
+    use std::arch::asm;
+
+    use super::{GROUP, GROUP_BYTES, Group, PANEL};
+
+    /// Four activation bytes of row `r`, group `g`, as the signed `q` (the
+    /// stored `q + 128` with its top bit flipped), repeated in every 32-bit
+    /// lane.
+    ///
+    /// # Safety
+    /// `offset + 4` must lie within `a`'s row.
+    #[inline(always)]
+    unsafe fn signed4(a: *const u8, offset: usize) -> int8x16_t {
+        // SAFETY: the caller keeps the bytes in bounds; NEON is baseline.
+        unsafe {
+            let stored = a.add(offset).cast::<i32>().read_unaligned();
+            veorq_s8(
+                vreinterpretq_s8_s32(vdupq_n_s32(stored)),
+                vdupq_n_s8(i8::MIN),
+            )
+        }
+    }
+
+    /// One step of a lane-wise dot product: each 32-bit lane of `acc` (one
+    /// channel) gains the dot product of its four weight bytes in `w` with
+    /// the four signed activations in `x`.
+    trait Dot4 {
+        /// # Safety
+        /// The CPU must have the instructions the step uses.
+        unsafe fn dot4(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t;
+    }
+
+    /// Base NEON: `smull` widens the 16 products to i16, a pairwise add sums
+    /// each channel's pairs (at most 2 · 128 · 127 = 32 512, so i16 holds
+    /// them) and `sadalp` adds each channel's two pair sums into its lane.
+    struct Widening;
+
+    impl Dot4 for Widening {
+        #[inline(always)]
+        unsafe fn dot4(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
+            // SAFETY: NEON is baseline.
+            unsafe {
+                let low = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+                let high = vmull_high_s8(w, x);
+                vpadalq_s16(acc, vpaddq_s16(low, high))
+            }
+        }
+    }
+
+    /// `sdot`, whose intrinsic is not stable in Rust: inline assembly, only
+    /// ever inlined into a function compiled with the `dotprod` feature.
+    struct SignedDot;
+
+    impl Dot4 for SignedDot {
+        #[inline(always)]
+        unsafe fn dot4(mut acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
+            // SAFETY: register-only arithmetic; the caller checked the feature.
+            unsafe {
+                asm!(
+                    "sdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
+                    acc = inout(vreg) acc,
+                    w = in(vreg) w,
+                    x = in(vreg) x,
+                    options(pure, nomem, nostack, preserves_flags),
+                );
+            }
+            acc
+        }
+    }
+
+    /// Register tile of `R` rows × `16 L` channels (`L` 64-byte lines of each
+    /// group from `first_line`): 4·L·R accumulators of four channels.
+    ///
+    /// # Safety
+    /// See [`super::tile`], for the lines `first_line..first_line + L`.
+    #[inline(always)]
+    unsafe fn tile_rows<const R: usize, const L: usize, D: Dot4>(
+        a: *const u8,
+        lda: usize,
+        b: &[Group],
+        first_line: usize,
+        c: *mut i32,
+    ) {
+        // SAFETY: L lines of 64 bytes from `first_line` lie within each
+        // group, rows below R within the caller's `a` and `c`; the caller
+        // checked the tier's features.
+        unsafe {
+            let mut acc = [[[vdupq_n_s32(0); 4]; L]; R];
+            for (g, group) in b.iter().enumerate() {
+                let w = group.0[first_line * 64..].as_ptr();
+                let w: [[int8x16_t; 4]; L] = std::array::from_fn(|l| {
+                    std::array::from_fn(|v| vld1q_s8(w.add(64 * l + 16 * v)))
+                });
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = signed4(a, r * lda + g * GROUP);
+                    for (acc, w) in acc.iter_mut().zip(&w) {
+                        for (acc, &w) in acc.iter_mut().zip(w) {
+                            *acc = D::dot4(*acc, w, x);
+                        }
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (l, acc) in acc.iter().enumerate() {
+                    for (v, &sums) in acc.iter().enumerate() {
+                        vst1q_s32(c.add(r * PANEL + 16 * (first_line + l) + 4 * v), sums);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The whole panel for `rows` rows in tiles of at most 16 accumulators
+    /// (4 lines for one row, 2 for two, 1 for three or four), so that a
+    /// call's weights and accumulators fit NEON's 32 registers.
+    ///
+    /// # Safety
+    /// See [`super::tile`].
+    #[inline(always)]
+    unsafe fn tile_panel<D: Dot4>(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
+        let (a, c) = (a.as_ptr(), c.as_mut_ptr());
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match rows {
+                1 => tile_rows::<1, 4, D>(a, lda, b, 0, c),
+                2 => {
+                    tile_rows::<2, 2, D>(a, lda, b, 0, c);
+                    tile_rows::<2, 2, D>(a, lda, b, 2, c);
+                }
+                // Loops, not closures: a closure would not inherit the
+                // caller's target features, which `sdot` needs.
+                3 => {
+                    for line in 0..4 {
+                        tile_rows::<3, 1, D>(a, lda, b, line, c);
+                    }
+                }
+                4 => {
+                    for line in 0..4 {
+                        tile_rows::<4, 1, D>(a, lda, b, line, c);
+                    }
+                }
+                _ => unreachable!("the NEON tiles have at most 4 rows"),
+            }
+        }
+    }
+
+    /// # Safety
+    /// See [`super::tile`].
+    pub(super) unsafe fn tile_neon(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
+        // SAFETY: forwarded from the caller; NEON is baseline.
+        unsafe { tile_panel::<Widening>(a, lda, rows, b, c) }
+    }
+
+    /// # Safety
+    /// See [`super::tile`]; the CPU must have the dot-product extension.
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn tile_dotprod(
+        a: &[u8],
+        lda: usize,
+        rows: usize,
+        b: &[Group],
+        c: &mut [i32],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_panel::<SignedDot>(a, lda, rows, b, c) }
+    }
+
+    /// `acc += X · Wᵀ` for the 2 × 8 signed activations `x` (two rows) and
+    /// the 2 × 8 weights `w` (two channels): `[r0·c0, r0·c1, r1·c0, r1·c1]`.
+    /// Inline assembly: the intrinsic is not stable in Rust.
+    ///
+    /// # Safety
+    /// The CPU must have the int8 matrix-multiply extension.
+    #[inline(always)]
+    unsafe fn smmla(mut acc: int32x4_t, x: int8x16_t, w: int8x16_t) -> int32x4_t {
+        // SAFETY: register-only arithmetic; the caller checked the feature.
+        unsafe {
+            asm!(
+                "smmla {acc:v}.4s, {x:v}.16b, {w:v}.16b",
+                acc = inout(vreg) acc,
+                x = in(vreg) x,
+                w = in(vreg) w,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        acc
+    }
+
+    /// Eight signed activation bytes of `row` from input `offset`, or zeros
+    /// for the missing second row of an odd tile (`row == rows`).
+    ///
+    /// # Safety
+    /// Below `rows`, `offset + 8` must lie within the row.
+    #[inline(always)]
+    unsafe fn signed8(
+        a: *const u8,
+        lda: usize,
+        row: usize,
+        rows: usize,
+        offset: usize,
+    ) -> int8x8_t {
+        // SAFETY: the caller keeps the bytes in bounds; NEON is baseline.
+        unsafe {
+            if row < rows {
+                let stored = vld1_u8(a.add(row * lda + offset));
+                veor_s8(vreinterpret_s8_u8(stored), vdup_n_s8(i8::MIN))
+            } else {
+                vdup_n_s8(0)
+            }
+        }
+    }
+
+    /// Register tile of `R` rows × 16 channels from channel `first`: `smmla`
+    /// on pairs of rows against pairs of channels, eight inputs at a time
+    /// (from each pair of groups, which the i8mm tier packs as one
+    /// 64-channel × 8-input block, so that channels `2p, 2p + 1` are 16
+    /// consecutive bytes).
+    ///
+    /// # Safety
+    /// See [`tile_i8mm`].
+    #[inline(always)]
+    unsafe fn tile_i8mm_rows<const R: usize>(
+        a: *const u8,
+        lda: usize,
+        b: &[Group],
+        first: usize,
+        c: *mut i32,
+    ) {
+        let pairs = R.div_ceil(2);
+        // SAFETY: a block is two consecutive groups (512 bytes, 8 per
+        // channel), rows below R lie within the caller's `a` and `c`; the
+        // caller checked the feature.
+        unsafe {
+            let mut acc = [[vdupq_n_s32(0); 8]; 2];
+            for (step, block) in b.chunks_exact(2).enumerate() {
+                let w = block.as_ptr().cast::<i8>().add(8 * first);
+                let w: [int8x16_t; 8] = std::array::from_fn(|j| vld1q_s8(w.add(16 * j)));
+                let offset = step * 2 * GROUP;
+                for (p, acc) in acc.iter_mut().enumerate().take(pairs) {
+                    let x = vcombine_s8(
+                        signed8(a, lda, 2 * p, R, offset),
+                        signed8(a, lda, 2 * p + 1, R, offset),
+                    );
+                    for (acc, &w) in acc.iter_mut().zip(&w) {
+                        *acc = smmla(*acc, x, w);
+                    }
+                }
+            }
+            for (p, acc) in acc.iter().enumerate().take(pairs) {
+                for (j, four) in acc.chunks_exact(2).enumerate() {
+                    let left = vreinterpretq_s64_s32(four[0]);
+                    let right = vreinterpretq_s64_s32(four[1]);
+                    let rows = [vzip1q_s64(left, right), vzip2q_s64(left, right)];
+                    for (r, sums) in rows.into_iter().enumerate().take(R - 2 * p) {
+                        let at = (2 * p + r) * PANEL + first + 4 * j;
+                        vst1q_s32(c.add(at), vreinterpretq_s32_s64(sums));
+                    }
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// See [`super::tile`]; the CPU must have the int8 matrix-multiply
+    /// extension and `b` hold whole pairs of groups packed for it.
+    #[target_feature(enable = "i8mm")]
+    pub(super) unsafe fn tile_i8mm(a: &[u8], lda: usize, rows: usize, b: &[Group], c: &mut [i32]) {
+        debug_assert!(b.len().is_multiple_of(2) && 2 * GROUP_BYTES == 8 * PANEL);
+        let (a, c) = (a.as_ptr(), c.as_mut_ptr());
+        for first in (0..PANEL).step_by(16) {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                match rows {
+                    1 => tile_i8mm_rows::<1>(a, lda, b, first, c),
+                    2 => tile_i8mm_rows::<2>(a, lda, b, first, c),
+                    3 => tile_i8mm_rows::<3>(a, lda, b, first, c),
+                    4 => tile_i8mm_rows::<4>(a, lda, b, first, c),
+                    _ => unreachable!("the i8mm tile has at most 4 rows"),
+                }
             }
         }
     }

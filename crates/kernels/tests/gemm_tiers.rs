@@ -17,22 +17,25 @@ fn supported(tier: GemmTier) -> bool {
     ok
 }
 
-/// Raw sums of `rows` rows over every input group (as one range, or as two
-/// split at group `split_at`), every panel, on `tier`, added up, less the
-/// tier's offsets: the signed sums.
+/// Raw sums of `rows` rows over every input group (as one range, or as
+/// `split_in` shares), every panel, on `tier`, added up, less the tier's
+/// offsets: the signed sums.
 fn sums(
     tier: GemmTier,
     w: &[i8],
     (n, k): (usize, usize),
     a: &[u8],
     rows: usize,
-    split_at: Option<usize>,
+    split_in: Option<usize>,
 ) -> Vec<i32> {
     let packed = PackedWeights::new(tier, w, n, k).unwrap();
-    let groups = packed.row_stride() / 4;
-    let bounds = match split_at {
+    let groups = packed.groups_per_panel();
+    let bounds = match split_in {
         None => vec![0, groups],
-        Some(mid) => vec![0, mid, groups],
+        Some(parts) => (0..parts)
+            .map(|part| packed.group_share(parts, part).start)
+            .chain([groups])
+            .collect(),
     };
     let mut total = vec![0; packed.panels() * rows * PANEL];
     for groups in bounds.windows(2).map(|b| b[0]..b[1]) {
@@ -47,6 +50,13 @@ fn sums(
         }
     }
     total
+}
+
+/// Bytes per activation row the tier's kernel reads: `k` padded to its step
+/// of inputs.
+fn row_stride(tier: GemmTier, k: usize) -> usize {
+    let span = 4 * tier.groups_per_step();
+    k.div_ceil(span) * span
 }
 
 /// `Σ (a − 128) · w` from the definition in i64, laid out as the kernels lay
@@ -87,17 +97,19 @@ fn every_tier_equals_the_definition_on_random_shapes() {
         let qmax = WEIGHT_QMAX;
         for &(rows, n, k) in &shapes {
             let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-qmax..=qmax)).collect();
-            let stride = k.div_ceil(4) * 4;
+            let stride = row_stride(tier, k);
             // Padding bytes are random: padded weights are zero, so they
             // must not matter.
             let a: Vec<u8> = (0..rows * stride).map(|_| rng.random()).collect();
             let want = definition(&w, (n, k), &a, rows, stride);
             let got = sums(tier, &w, (n, k), &a, rows, None);
             assert_eq!(got, want, "{} rows {rows} n {n} k {k}", tier.name());
-            // Two input ranges add up to the whole.
-            let mid = stride / 8;
-            let split = sums(tier, &w, (n, k), &a, rows, Some(mid));
-            assert_eq!(split, want, "{} split at group {mid}", tier.name());
+            // Shares of the inputs add up to the whole (some empty when
+            // there are fewer groups than shares).
+            for parts in [2, 3] {
+                let split = sums(tier, &w, (n, k), &a, rows, Some(parts));
+                assert_eq!(split, want, "{} split in {parts}", tier.name());
+            }
         }
     }
 }
@@ -123,7 +135,7 @@ fn worst_case_operands_do_not_saturate_any_tier() {
                     }
                 })
                 .collect();
-            let stride = k.div_ceil(4) * 4;
+            let stride = row_stride(tier, k);
             for byte in [255u8, 0, 1] {
                 let a = vec![byte; rows * stride];
                 let got = sums(tier, &w, (n, k), &a, rows, None);

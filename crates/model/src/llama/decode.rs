@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Storage, Tensor};
 use qforge_kernels::attention::{KeyValues, QueryGroup, attend_group, reserve};
-use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD, share};
+use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD};
 use qforge_kernels::{Int8Linear, Team};
 
 use super::{KvCache, Layer, Llama, RotatedInput};
@@ -70,7 +70,7 @@ impl Projector {
                 // range of them, its sums in place.
                 self.sums.resize(part_len, 0);
                 let packed = layer.packed();
-                let groups = packed.row_stride() / 4;
+                let groups = packed.groups_per_panel();
                 self.team.run_chunks(&mut self.sums, PANEL, |start, sums| {
                     let first = start / PANEL;
                     let panels = first..first + sums.len() / PANEL;
@@ -88,7 +88,7 @@ impl Projector {
                         for (j, layer) in layers.iter().enumerate() {
                             let packed = layer.packed();
                             let len = packed.panels() * PANEL;
-                            let groups = share(packed.row_stride() / 4, threads, thread);
+                            let groups = packed.group_share(threads, thread);
                             packed.raw_sums(
                                 &inputs[slot(j)],
                                 1,
