@@ -1,44 +1,50 @@
 #!/usr/bin/env bash
-# Cross-builds qforge-core's and qforge-kernels' tests for aarch64-unknown-linux-gnu
-# and runs them under qemu-aarch64 (user-mode emulation, `-cpu max`), on a Debian 12
-# x86-64 machine with no network but Debian's mirrors.
+# qforge on aarch64, under emulation (qemu-aarch64, user mode), on an x86-64 machine:
 #
-# rustup cannot fetch the aarch64 standard library here, so this uses Debian's
-# bookworm-security Rust (rustc-web / cargo-web 1.96, a compiler as new as the
-# project's) with the arm64 build of its standard library, unpacked from the .deb
-# (installing it would pull an arm64 LLVM), plus Debian's cross linker and qemu-user.
+# 1. qforge-core's and qforge-kernels' tests, cross-built, on two CPU models:
+#    `max` (NEON, dotprod and i8mm: every Arm tier runs its exact-sums tests) and
+#    `cortex-a53` (Armv8.0, base NEON only: the fallbacks are what run).
+# 2. The CartPole INT8 artifact, quantized on this machine, run by the aarch64
+#    `qforge` on both CPU models: `qforge act` prints the same bytes as the x86-64
+#    build (actions and head outputs), and `qforge serve` answers `/v1/act` with
+#    the same answers as the x86-64 server.
 #
-# `+fp16`: candle's `gemm-f16` (a dev-dependency of the kernels' tests) writes
-# half-precision FMLA in inline assembly without enabling the feature, which Debian's
-# LLVM refuses; every Armv8.2 CPU (Raspberry Pi 5, Jetson Orin, Graviton 2+) has it.
-#
-# About 5 minutes on 2 cores: 3.5 to build, 1.5 to run under emulation. Not part of
-# scripts/test.sh yet: the suite has no room for it in its time budget.
+# Cross-building is set up by scripts/aarch64-env.sh (Debian's Rust and cross
+# linker, qemu-user). About N minutes on 2 cores; scripts/test.sh runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/aarch64-env.sh
 
-TARGET=aarch64-unknown-linux-gnu
-RUSTLIB=/usr/lib/rustlib/$TARGET
+step() { printf '\n==> %s\n' "$*"; }
+SYSROOT=/usr/aarch64-linux-gnu
+CPUS=(max cortex-a53)
 
-if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null \
-    || [ ! -x /usr/bin/cargo ] || ! /usr/bin/rustc --version | grep -q '^rustc 1\.9'; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rustc-web cargo-web \
-        gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user >/dev/null
-fi
-if [ ! -d "$RUSTLIB" ]; then
-    dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
-    apt-get update -qq
-    scratch=$(mktemp -d)
-    (cd "$scratch" && apt-get download -qq "libstd-rust-web-dev:arm64=$(dpkg-query -W -f='${Version}' rustc-web)")
-    dpkg-deb -x "$scratch"/libstd-rust-web-dev_*_arm64.deb "$scratch/x"
-    cp -r "$scratch/x$RUSTLIB" "$RUSTLIB"
-    rm -rf "$scratch"
-fi
+for cpu in "${CPUS[@]}"; do
+    step "aarch64 kernel tests under qemu-aarch64 -cpu $cpu"
+    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu $cpu -L $SYSROOT" \
+        aarch64_cargo test --locked -p qforge-core -p qforge-kernels --lib --tests
+done
 
-export RUSTC=/usr/bin/rustc
-export CARGO_TARGET_DIR=target/aarch64
-export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
-export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu max -L /usr/aarch64-linux-gnu"
-export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+fp16"
-/usr/bin/cargo test --locked --target "$TARGET" -p qforge-core -p qforge-kernels --lib --tests
+step "qforge for aarch64, and the CartPole INT8 artifact quantized on x86-64"
+aarch64_cargo build --locked --profile test -p qforge-cli
+cargo build --locked --profile test -p qforge-cli
+HOST=target/debug/qforge
+ARM="$AARCH64_TARGET_DIR/debug/qforge"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$HOST" quantize -o "$work/cartpole-int8" --json >/dev/null
+OBSERVATIONS=fixtures/policies/cartpole/rollouts.jsonl
+act() { "$@" act --model "$work/cartpole-int8" --observations "$OBSERVATIONS" --json; }
+act "$HOST" >"$work/x86.json"
+
+for cpu in "${CPUS[@]}"; do
+    emulated="qemu-aarch64 -cpu $cpu -L $SYSROOT $ARM"
+    step "qforge act and serve on aarch64 ($cpu: $($emulated info --json | python3 -c \
+        'import json, sys; print(json.load(sys.stdin)["tiers"]["gemm"])') GEMM)"
+    act $emulated >"$work/$cpu.json"
+    cmp "$work/x86.json" "$work/$cpu.json"
+    echo "qforge act: $(wc -c <"$work/x86.json") bytes of actions and outputs, the same as x86-64's"
+    python3 scripts/serve_same_answers.py "$OBSERVATIONS" \
+        --reference "$HOST serve --model $work/cartpole-int8" \
+        --candidate "$emulated serve --model $work/cartpole-int8"
+done

@@ -20,7 +20,9 @@ pub struct MachineReport {
     pub arch: &'static str,
     /// Features the CPU probe found.
     pub cpu_features: Vec<&'static str>,
-    /// Kernel → tier, lower case.
+    /// Kernel → tier, lower case. On aarch64 the tiers named `portable` are
+    /// compiled for the baseline, which includes NEON: the compiler
+    /// vectorizes them with it.
     pub tiers: BTreeMap<&'static str, String>,
     /// Threads available to this process.
     pub threads: usize,
@@ -34,7 +36,7 @@ impl MachineReport {
             ("observe", tier(&ObserveTier::detect())),
             ("gram", tier(&GramTier::detect())),
             ("quantize", tier(&QuantizeTier::detect())),
-            ("gemm", tier(&GemmTier::detect())),
+            ("gemm", GemmTier::detect().name().to_owned()),
             ("attention", tier(&AttentionTier::detect())),
             ("hadamard", tier(&HadamardTier::detect())),
         ];
