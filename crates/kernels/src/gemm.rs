@@ -641,24 +641,55 @@ mod arm {
         }
     }
 
-    /// `sdot`, whose intrinsic is not stable in Rust: inline assembly, only
-    /// ever inlined into a function compiled with the `dotprod` feature.
+    /// An accumulating int8 instruction whose intrinsic is not stable in Rust,
+    /// as inline assembly on registers only: `acc` gains the instruction's
+    /// products of `a` and `b`. Only ever inlined into a function compiled
+    /// with the instruction's feature.
+    macro_rules! accumulating_asm {
+        ($(#[$doc:meta])* $name:ident, $instruction:literal) => {
+            $(#[$doc])*
+            ///
+            /// # Safety
+            /// The CPU must have the instruction's extension.
+            #[inline(always)]
+            unsafe fn $name(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+                // SAFETY: register-only arithmetic; the caller checked the feature.
+                unsafe {
+                    asm!(
+                        concat!($instruction, " {acc:v}.4s, {a:v}.16b, {b:v}.16b"),
+                        acc = inout(vreg) acc,
+                        a = in(vreg) a,
+                        b = in(vreg) b,
+                        options(pure, nomem, nostack, preserves_flags),
+                    );
+                }
+                acc
+            }
+        };
+    }
+
+    accumulating_asm!(
+        /// `sdot`: each 32-bit lane gains the dot product of its four bytes
+        /// of `a` and of `b`.
+        sdot,
+        "sdot"
+    );
+    accumulating_asm!(
+        /// `smmla`: `acc += A · Bᵀ` for the 2 × 8 matrices `a` (two rows of
+        /// activations) and `b` (two channels of weights), giving
+        /// `[r0·c0, r0·c1, r1·c0, r1·c1]`.
+        smmla,
+        "smmla"
+    );
+
+    /// The dot-product extension's `sdot`.
     struct SignedDot;
 
     impl Dot4 for SignedDot {
         #[inline(always)]
-        unsafe fn dot4(mut acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
-            // SAFETY: register-only arithmetic; the caller checked the feature.
-            unsafe {
-                asm!(
-                    "sdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
-                    acc = inout(vreg) acc,
-                    w = in(vreg) w,
-                    x = in(vreg) x,
-                    options(pure, nomem, nostack, preserves_flags),
-                );
-            }
-            acc
+        unsafe fn dot4(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
+            // SAFETY: the caller checked the feature.
+            unsafe { sdot(acc, w, x) }
         }
     }
 
@@ -757,27 +788,6 @@ mod arm {
     ) {
         // SAFETY: forwarded from the caller.
         unsafe { tile_panel::<SignedDot>(a, lda, rows, b, c) }
-    }
-
-    /// `acc += X · Wᵀ` for the 2 × 8 signed activations `x` (two rows) and
-    /// the 2 × 8 weights `w` (two channels): `[r0·c0, r0·c1, r1·c0, r1·c1]`.
-    /// Inline assembly: the intrinsic is not stable in Rust.
-    ///
-    /// # Safety
-    /// The CPU must have the int8 matrix-multiply extension.
-    #[inline(always)]
-    unsafe fn smmla(mut acc: int32x4_t, x: int8x16_t, w: int8x16_t) -> int32x4_t {
-        // SAFETY: register-only arithmetic; the caller checked the feature.
-        unsafe {
-            asm!(
-                "smmla {acc:v}.4s, {x:v}.16b, {w:v}.16b",
-                acc = inout(vreg) acc,
-                x = in(vreg) x,
-                w = in(vreg) w,
-                options(pure, nomem, nostack, preserves_flags),
-            );
-        }
-        acc
     }
 
     /// Eight signed activation bytes of `row` from input `offset`, or zeros
