@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the release binaries: a statically linked `qforge` for x86-64 and for
-# aarch64 (Linux), with their SHA-256 sums, in target/dist/:
+# Builds the release binaries: a statically linked, stripped `qforge` for x86-64 and
+# for aarch64 (Linux), with their SHA-256 sums, in target/dist/:
 #
 #   qforge-VERSION-x86_64-linux   qforge-VERSION-aarch64-linux   SHA256SUMS
 #
@@ -32,11 +32,13 @@ echo "==> x86_64-unknown-linux-gnu (static)"
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="$STATIC" \
     cargo build --release --locked --target x86_64-unknown-linux-gnu -p qforge-cli
 cp target/x86_64-unknown-linux-gnu/release/qforge "$DIST/qforge-$VERSION-x86_64-linux"
+strip "$DIST/qforge-$VERSION-x86_64-linux"
 
 echo "==> aarch64-unknown-linux-gnu (static)"
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS="$AARCH64_RUSTFLAGS $STATIC" \
     aarch64_cargo build --release --locked -p qforge-cli
 cp "$AARCH64_TARGET_DIR/release/qforge" "$DIST/qforge-$VERSION-aarch64-linux"
+aarch64-linux-gnu-strip "$DIST/qforge-$VERSION-aarch64-linux"
 
 echo "==> smoke test: each binary runs alone"
 "$DIST/qforge-$VERSION-x86_64-linux" info
@@ -46,6 +48,6 @@ qemu-aarch64 -cpu cortex-a53 "$DIST/qforge-$VERSION-aarch64-linux" info
 echo "==> $DIST"
 for binary in "$DIST/qforge-$VERSION-x86_64-linux" "$DIST/qforge-$VERSION-aarch64-linux"; do
     printf '%s  %s bytes  %s\n' "$(basename "$binary")" "$(stat -c %s "$binary")" \
-        "$(file -b "$binary" | cut -d, -f1-2,5)"
+        "$(file -b "$binary" | grep -o 'stati[^,]*')"
 done
 cat "$DIST/SHA256SUMS"

@@ -8,6 +8,10 @@
 #    `qforge` on three CPU models (one per GEMM tier): `qforge act` prints the same bytes as the x86-64
 #    build (actions and head outputs), and `qforge serve` answers `/v1/act` with
 #    the same answers as the x86-64 server.
+# 3. SmolLM2 on the INT8 engine (`qforge eval perplexity`, 62 tokens): the same
+#    perplexity to the last bit with the i8mm tier (`max`) and base NEON
+#    (`cortex-a53`). Against x86-64 it may differ in the last digits: the integer
+#    sums are equal, but SiLU's exp and RoPE's sin/cos come from each platform's libm.
 #
 # Cross-building is set up by scripts/aarch64-env.sh (Debian's Rust and cross
 # linker, qemu-user). Three minutes on 2 cores once built; building takes longer
@@ -52,3 +56,23 @@ for cpu in "${RUN_CPUS[@]}"; do
         --reference "$HOST serve --model $work/cartpole-int8" \
         --candidate "$emulated serve --model $work/cartpole-int8"
 done
+
+step "SmolLM2 int8-dynamic perplexity: the i8mm and base NEON tiers agree exactly"
+scripts/fetch-models.sh
+head -c 600 fixtures/text/eval.txt >"$work/text.txt"
+perplexity() {
+    "$@" eval perplexity --model models/smollm2-135m-instruct-q4_1.gguf --text "$work/text.txt" \
+        --ctx 64 --precision int8-dynamic --json
+}
+perplexity "$HOST" >"$work/ppl-x86.json"
+for cpu in max cortex-a53; do
+    perplexity qemu-aarch64 -cpu "$cpu" -L "$SYSROOT" "$ARM" >"$work/ppl-$cpu.json"
+done
+cmp "$work/ppl-max.json" "$work/ppl-cortex-a53.json"
+python3 - "$work" <<'PY'
+import json, sys
+ppl = {name: json.load(open(f"{sys.argv[1]}/ppl-{name}.json"))["perplexity"]
+       for name in ("x86", "max")}
+print(f"perplexity on aarch64 {ppl['max']!r} (both tiers), x86-64 {ppl['x86']!r}, "
+      f"relative difference {abs(ppl['max'] / ppl['x86'] - 1):.1e}")
+PY

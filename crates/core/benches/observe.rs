@@ -38,7 +38,7 @@ fn bench_observe(c: &mut Criterion) {
     let mut group = c.benchmark_group("observe");
     group.throughput(Throughput::Elements(LEN as u64));
     for (name, values) in inputs() {
-        for tier in [ObserveTier::Portable, ObserveTier::Avx2] {
+        for tier in ObserveTier::ALL {
             if !tier.is_supported() {
                 eprintln!("skipped: tier {tier:?} is not supported on this CPU");
                 continue;

@@ -183,36 +183,84 @@ const BLOCK: usize = 4096;
 /// Lanes of the tally pass: 8 × 32 bits fills one AVX2 register.
 const LANES: usize = 8;
 
+/// Per-lane state of the tally pass over one block: the extreme order keys
+/// and the counts of the patterns binning cannot tell apart.
+struct LaneTally {
+    min_k: [u32; LANES],
+    max_k: [u32; LANES],
+    zero: [u32; LANES],
+    neg_zero: [u32; LANES],
+    special: [u32; LANES],
+}
+
+impl LaneTally {
+    fn new() -> Self {
+        Self {
+            min_k: [u32::MAX; LANES],
+            max_k: [0; LANES],
+            zero: [0; LANES],
+            neg_zero: [0; LANES],
+            special: [0; LANES],
+        }
+    }
+}
+
+/// Pass 1 of the kernel over a block's whole groups of [`LANES`] values:
+/// tallies each lane and writes each value's bin ([`bin_of`]).
+trait TallyPass {
+    /// # Safety
+    /// The CPU must have the instructions the pass uses.
+    unsafe fn run(groups: &[[f32; LANES]], bins: &mut [u16], lanes: &mut LaneTally);
+}
+
+/// Lane-wise Rust that the compiler vectorizes for the tier it is compiled
+/// into (AVX2 on x86-64).
+struct ScalarLanes;
+
+impl TallyPass for ScalarLanes {
+    #[inline(always)]
+    unsafe fn run(groups: &[[f32; LANES]], bins: &mut [u16], t: &mut LaneTally) {
+        for (group, group_bins) in groups.iter().zip(bins.chunks_exact_mut(LANES)) {
+            for l in 0..LANES {
+                let bits = group[l].to_bits();
+                let magnitude = bits & !SIGN;
+                let key = order_key(bits);
+                t.min_k[l] = t.min_k[l].min(key);
+                t.max_k[l] = t.max_k[l].max(key);
+                t.zero[l] += u32::from(magnitude == 0);
+                t.neg_zero[l] += u32::from(bits == SIGN);
+                t.special[l] += u32::from(magnitude >= INF_BITS);
+                group_bins[l] = bin_of(bits, l);
+            }
+        }
+    }
+}
+
 /// The observation kernel. `inline(always)` so that each CPU tier below compiles
 /// its own copy with that tier's instructions.
 #[inline(always)]
-fn observe_kernel(counts: &mut [u64; BIN_COUNT], values: &[f32], tally: &mut Tally) {
+unsafe fn observe_kernel<P: TallyPass>(
+    counts: &mut [u64; BIN_COUNT],
+    values: &[f32],
+    tally: &mut Tally,
+) {
     for block in values.chunks(BLOCK) {
         // Pass 1, vectorised: min/max keys over all values and counts of the
         // patterns that binning cannot tell apart (±0, and whether any NaN/Inf
         // is present). Keeping the common case to these few lane operations
         // roughly doubled this pass's throughput over classifying every value.
-        let mut min_k = [u32::MAX; LANES];
-        let mut max_k = [0u32; LANES];
-        let mut zero = [0u32; LANES];
-        let mut neg_zero = [0u32; LANES];
-        let mut special = [0u32; LANES];
+        let mut lanes = LaneTally::new();
         let mut bins = [0u16; BLOCK];
-        let lanes = block.chunks_exact(LANES);
-        let rest = lanes.remainder();
-        for (group, group_bins) in lanes.zip(bins.chunks_exact_mut(LANES)) {
-            for l in 0..LANES {
-                let bits = group[l].to_bits();
-                let magnitude = bits & !SIGN;
-                let key = order_key(bits);
-                min_k[l] = min_k[l].min(key);
-                max_k[l] = max_k[l].max(key);
-                zero[l] += u32::from(magnitude == 0);
-                neg_zero[l] += u32::from(bits == SIGN);
-                special[l] += u32::from(magnitude >= INF_BITS);
-                group_bins[l] = bin_of(bits, l);
-            }
-        }
+        let (groups, rest) = block.as_chunks::<LANES>();
+        // SAFETY: forwarded from the caller.
+        unsafe { P::run(groups, &mut bins, &mut lanes) };
+        let LaneTally {
+            min_k,
+            max_k,
+            zero,
+            neg_zero,
+            special,
+        } = lanes;
         let tail_start = block.len() - rest.len();
         for (l, value) in rest.iter().enumerate() {
             bins[tail_start + l] = bin_of(value.to_bits(), l);
@@ -261,11 +309,80 @@ fn bin_of(bits: u32, lane: usize) -> u16 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn observe_avx2(counts: &mut [u64; BIN_COUNT], values: &[f32], tally: &mut Tally) {
-    observe_kernel(counts, values, tally)
+    // SAFETY: the scalar pass needs nothing beyond what this function enables.
+    unsafe { observe_kernel::<ScalarLanes>(counts, values, tally) }
 }
 
 fn observe_portable(counts: &mut [u64; BIN_COUNT], values: &[f32], tally: &mut Tally) {
-    observe_kernel(counts, values, tally)
+    // SAFETY: the scalar pass needs nothing beyond the baseline.
+    unsafe { observe_kernel::<ScalarLanes>(counts, values, tally) }
+}
+
+#[cfg(target_arch = "aarch64")]
+fn observe_neon(counts: &mut [u64; BIN_COUNT], values: &[f32], tally: &mut Tally) {
+    // SAFETY: NEON is in every aarch64 CPU.
+    unsafe { observe_kernel::<neon::NeonLanes>(counts, values, tally) }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    //! The tally pass in NEON intrinsics: the compiler leaves the lane-wise
+    //! Rust scalar on aarch64. Each half of a group of [`LANES`] is one
+    //! register, the lane state stays in registers for the whole block, and
+    //! the results are the scalar pass's, lane for lane.
+
+    use std::arch::aarch64::*;
+
+    use super::{INF_BITS, LANES, LaneTally, SHIFT, SIGN, TallyPass, ZERO_SPREAD_BIN};
+
+    pub(super) struct NeonLanes;
+
+    impl TallyPass for NeonLanes {
+        #[inline(always)]
+        unsafe fn run(groups: &[[f32; LANES]], bins: &mut [u16], t: &mut LaneTally) {
+            // SAFETY: NEON is baseline; every load and store stays within the
+            // lane arrays, `groups` and the first `8 · groups.len()` bins.
+            unsafe {
+                let load = |a: &[u32; LANES]| [vld1q_u32(a.as_ptr()), vld1q_u32(a.as_ptr().add(4))];
+                let (mut min_k, mut max_k) = (load(&t.min_k), load(&t.max_k));
+                let (mut zero, mut neg_zero) = (load(&t.zero), load(&t.neg_zero));
+                let mut special = load(&t.special);
+                let spread = [0u32, 1, 2, 3, 4, 5, 6, 7].map(|l| ZERO_SPREAD_BIN as u32 + l);
+                let spread = [
+                    vld1q_u32(spread.as_ptr()),
+                    vld1q_u32(spread.as_ptr().add(4)),
+                ];
+                let (sign, inf) = (vdupq_n_u32(SIGN), vdupq_n_u32(INF_BITS));
+                for (group, out) in groups.iter().zip(bins.chunks_exact_mut(LANES)) {
+                    for h in 0..2 {
+                        let bits = vld1q_u32(group.as_ptr().cast::<u32>().add(4 * h));
+                        let magnitude = vbicq_u32(bits, sign);
+                        let negative = vtstq_u32(bits, sign);
+                        let key = vbslq_u32(negative, vmvnq_u32(bits), vorrq_u32(bits, sign));
+                        min_k[h] = vminq_u32(min_k[h], key);
+                        max_k[h] = vmaxq_u32(max_k[h], key);
+                        // A true comparison is all ones, −1: subtracting counts it.
+                        let is_zero = vceqzq_u32(magnitude);
+                        zero[h] = vsubq_u32(zero[h], is_zero);
+                        neg_zero[h] = vsubq_u32(neg_zero[h], vceqq_u32(bits, sign));
+                        special[h] = vsubq_u32(special[h], vcgeq_u32(magnitude, inf));
+                        let bin =
+                            vbslq_u32(is_zero, spread[h], vshrq_n_u32::<{ SHIFT as i32 }>(bits));
+                        vst1_u16(out.as_mut_ptr().add(4 * h), vmovn_u32(bin));
+                    }
+                }
+                let store = |a: &mut [u32; LANES], v: [uint32x4_t; 2]| {
+                    vst1q_u32(a.as_mut_ptr(), v[0]);
+                    vst1q_u32(a.as_mut_ptr().add(4), v[1]);
+                };
+                store(&mut t.min_k, min_k);
+                store(&mut t.max_k, max_k);
+                store(&mut t.zero, zero);
+                store(&mut t.neg_zero, neg_zero);
+                store(&mut t.special, special);
+            }
+        }
+    }
 }
 
 /// A CPU tier of the observation kernel.
@@ -275,23 +392,30 @@ pub enum ObserveTier {
     Portable,
     /// The kernel compiled with AVX2 (x86-64 only).
     Avx2,
+    /// The tally pass in NEON intrinsics (aarch64 only).
+    Neon,
 }
 
 impl ObserveTier {
+    /// Every tier; within each architecture, slowest first.
+    pub const ALL: [ObserveTier; 3] = [Self::Portable, Self::Avx2, Self::Neon];
+
     /// The fastest tier this CPU supports.
     pub fn detect() -> Self {
-        if Self::Avx2.is_supported() {
-            Self::Avx2
-        } else {
-            Self::Portable
-        }
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|t| t.is_supported())
+            .unwrap_or(Self::Portable)
     }
 
     /// Whether this CPU can run the tier.
     pub fn is_supported(self) -> bool {
+        let cpu = crate::CpuFeatures::get();
         match self {
             Self::Portable => true,
-            Self::Avx2 => crate::CpuFeatures::get().avx2,
+            Self::Avx2 => cpu.avx2,
+            Self::Neon => cpu.neon,
         }
     }
 }
@@ -334,6 +458,10 @@ impl Histogram {
             ObserveTier::Avx2 => unsafe { observe_avx2(&mut self.counts, values, &mut tally) },
             #[cfg(not(target_arch = "x86_64"))]
             ObserveTier::Avx2 => unreachable!("rejected by is_supported"),
+            #[cfg(target_arch = "aarch64")]
+            ObserveTier::Neon => observe_neon(&mut self.counts, values, &mut tally),
+            #[cfg(not(target_arch = "aarch64"))]
+            ObserveTier::Neon => unreachable!("rejected by is_supported"),
         }
         self.fold_tally(&tally);
         Ok(())

@@ -6,10 +6,8 @@ use proptest::prelude::*;
 use qforge_core::histogram::observe_reference;
 use qforge_core::{Histogram, ObserveTier};
 
-const TIERS: [ObserveTier; 2] = [ObserveTier::Portable, ObserveTier::Avx2];
-
 fn supported_tiers() -> Vec<ObserveTier> {
-    TIERS
+    ObserveTier::ALL
         .into_iter()
         .filter(|tier| {
             let ok = tier.is_supported();
@@ -80,7 +78,7 @@ fn tiers_match_on_finite_blocks_without_specials() {
 
 #[test]
 fn unsupported_tier_is_an_error_not_a_silent_fallback() {
-    for tier in TIERS {
+    for tier in ObserveTier::ALL {
         let result = Histogram::new().observe_with(tier, &[1.0]);
         assert_eq!(result.is_ok(), tier.is_supported(), "{tier:?}");
     }
