@@ -226,17 +226,16 @@ impl PackedWeights {
         let groups_per_panel = k.div_ceil(GROUP * step) * step;
         let mut groups = vec![Group([0; GROUP_BYTES]); panels * groups_per_panel];
         // A step's `span` inputs of one channel are consecutive bytes, its
-        // channels one after another: for one group per step, the layout of
-        // the module docs.
+        // channels one after another (for one group per step, the layout of
+        // the module docs); a group holds a whole number of channels' spans.
         let span = GROUP * step;
         for (c, row) in values.chunks_exact(k).enumerate() {
             let (panel, lane) = (c / PANEL, c % PANEL);
             let panel_groups = &mut groups[panel * groups_per_panel..][..groups_per_panel];
+            let at = lane * span;
             for (block, inputs) in panel_groups.chunks_exact_mut(step).zip(row.chunks(span)) {
-                for (i, &v) in inputs.iter().enumerate() {
-                    let at = lane * span + i;
-                    block[at / GROUP_BYTES].0[at % GROUP_BYTES] = v;
-                }
+                block[at / GROUP_BYTES].0[at % GROUP_BYTES..][..inputs.len()]
+                    .copy_from_slice(inputs);
             }
         }
         let offsets = values
