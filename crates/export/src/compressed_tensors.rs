@@ -238,13 +238,18 @@ fn write_tensors(out: &BTreeMap<String, TensorOut<'_>>, dest: &Path) -> Result<(
 }
 
 /// Writes `dest/config.json` (the artifact's, with `quantization_config`)
-/// and copies the tokenizer files, which the export does not change.
+/// and copies the tokenizer files, which the export does not change (an
+/// artifact of a model that shipped no `tokenizer.json` has none to copy:
+/// the export takes token ids as the model did).
 fn write_config_and_tokenizer(hf: &Value, artifact: &Path, dest: &Path) -> Result<()> {
     let config_path = dest.join("config.json");
     let text = serde_json::to_string_pretty(hf).expect("JSON serializes") + "\n";
     std::fs::write(&config_path, text).map_err(|e| qforge_model::Error::io(&config_path, e))?;
     for name in ["tokenizer.json", "tokenizer_config.json"] {
         let from = artifact.join(name);
+        if name == "tokenizer.json" && from.symlink_metadata().is_err() {
+            continue;
+        }
         std::fs::copy(&from, dest.join(name)).map_err(|e| qforge_model::Error::io(&from, e))?;
     }
     Ok(())

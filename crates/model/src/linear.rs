@@ -29,21 +29,118 @@ pub enum Linear {
         /// round to nearest.
         int8: Option<Arc<Int8Weight>>,
     },
-    /// Weights kept as a GGUF file stores them (quantized) and dequantized to
-    /// f32 at every forward: the same values as [`Linear::Fp`] after a
-    /// load-time dequantization, for models whose f32 copy would not fit in
-    /// memory. Prefill-heavy work (calibration, evaluation) barely notices the
-    /// extra dequantization; decoding does.
-    Dequantizing {
-        /// Weight, `[out, in]`, quantized.
-        weight: Arc<QTensor>,
+    /// Weights kept where and as their file stores them, widened to f32 at
+    /// every forward: the same values as [`Linear::Fp`] of the widened
+    /// weight, for models whose f32 copy would not fit in memory.
+    /// Prefill-heavy work (calibration, evaluation) barely notices the
+    /// widening; decoding does.
+    Stored {
+        /// Weight, `[out, in]`.
+        weight: StoredWeight,
         /// Bias, `[out]`.
         bias: Option<Tensor>,
+        /// As [`Linear::Fp`]'s.
+        int8: Option<Arc<Int8Weight>>,
     },
     /// qforge's INT8 engine: int8 symmetric per-output-channel weights,
     /// activations quantized to int8 per token at run time or by a calibrated
     /// static scale, u8 × i8 → i32 GEMM, f32 out.
     Int8(Arc<Int8Linear>),
+}
+
+/// A weight held as its file stores it.
+#[derive(Debug, Clone)]
+pub enum StoredWeight {
+    /// GGUF blocks (quantized), as loaded.
+    Blocks(Arc<QTensor>),
+    /// A bf16 or f16 tensor of memory-mapped safetensors shards, read from
+    /// the mapping (the page cache, which the kernel may evict and re-read)
+    /// at every use: a bf16 Llama-3-8B holds none of its 16 GB of linear
+    /// weights in the process's own memory.
+    Mapped(Arc<MappedTensor>),
+}
+
+/// One tensor of memory-mapped safetensors shards.
+pub struct MappedTensor {
+    shards: Arc<candle_core::safetensors::MmapedSafetensors>,
+    name: String,
+    dtype: DType,
+    shape: (usize, usize),
+}
+
+impl std::fmt::Debug for MappedTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedTensor")
+            .field("name", &self.name)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+impl MappedTensor {
+    /// Tensor `name` of `shards`, a matrix; its values are read at each use.
+    pub(crate) fn new(
+        shards: Arc<candle_core::safetensors::MmapedSafetensors>,
+        name: &str,
+    ) -> Result<Self> {
+        let view = shards.get(name)?;
+        let dtype = DType::try_from(view.dtype())?;
+        let &[rows, cols] = view.shape() else {
+            return Err(Error::Shape(format!(
+                "{name} is {:?}, expected a matrix",
+                view.shape()
+            )));
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            dtype,
+            shape: (rows, cols),
+            shards: shards.clone(),
+        })
+    }
+
+    /// The dtype the file stores.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Rows and columns.
+    pub(crate) fn shape(&self) -> (usize, usize) {
+        self.shape
+    }
+}
+
+impl StoredWeight {
+    /// The weight widened to f32.
+    fn to_f32(&self) -> Result<Tensor> {
+        Ok(match self {
+            StoredWeight::Blocks(blocks) => blocks.dequantize(&Device::Cpu)?,
+            StoredWeight::Mapped(mapped) => mapped
+                .shards
+                .load(&mapped.name, &Device::Cpu)?
+                .to_dtype(DType::F32)?,
+        })
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            StoredWeight::Blocks(blocks) => {
+                let d = blocks.shape().dims();
+                (d[0], d[1])
+            }
+            StoredWeight::Mapped(mapped) => mapped.shape,
+        }
+    }
+
+    fn stored_bytes(&self) -> usize {
+        match self {
+            StoredWeight::Blocks(blocks) => blocks.storage_size_in_bytes(),
+            StoredWeight::Mapped(mapped) => {
+                mapped.shape.0 * mapped.shape.1 * mapped.dtype.size_in_bytes()
+            }
+        }
+    }
 }
 
 /// Int8 values and per-output-row scales chosen for a full-precision weight
@@ -81,6 +178,17 @@ pub(crate) fn check_finite_tensor(name: &str, tensor: &Tensor) -> Result<()> {
     )
 }
 
+/// A bias, if there is one, is a vector of `out` values.
+fn check_bias(name: &str, bias: Option<&Tensor>, out: usize) -> Result<()> {
+    match bias {
+        Some(b) if b.dims() != [out] => Err(Error::Shape(format!(
+            "{name}.bias is {:?}, expected [{out}]",
+            b.dims()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 thread_local! {
     // Quantized activations and accumulators, reused across layers and calls.
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
@@ -103,15 +211,7 @@ impl Linear {
                 shape.1
             )));
         }
-        if let Some(b) = &bias
-            && b.dims() != [shape.0]
-        {
-            return Err(Error::Shape(format!(
-                "{name}.bias is {:?}, expected [{}]",
-                b.dims(),
-                shape.0
-            )));
-        }
+        check_bias(name, bias.as_ref(), shape.0)?;
         let weight = match weight.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => weight,
             _ => weight.to_dtype(DType::F32)?,
@@ -123,9 +223,18 @@ impl Linear {
         })
     }
 
+    /// A full-precision layer whose weight stays as its file stores it.
+    pub(crate) fn stored(name: &str, weight: StoredWeight, bias: Option<Tensor>) -> Result<Self> {
+        check_bias(name, bias.as_ref(), weight.shape().0)?;
+        Ok(Linear::Stored {
+            weight,
+            bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
+            int8: None,
+        })
+    }
+
     /// The layer with `int8` as the values it quantizes to (full-precision
-    /// layers only; a GGUF-block layer is widened to f32 first). Its
-    /// full-precision forward is unchanged.
+    /// layers only). Its full-precision forward is unchanged.
     pub fn with_int8_weight(&self, int8: Int8Weight) -> Result<Linear> {
         let (out, inp) = self.shape();
         let qmax = WEIGHT_QMAX.unsigned_abs();
@@ -143,15 +252,42 @@ impl Linear {
                 "int8 weights beyond ±{qmax} or scales that are not positive and finite"
             )));
         }
-        let (weight, bias) = self.full_precision()?;
-        Ok(Linear::Fp {
-            weight: match self {
-                Linear::Fp { weight, .. } => weight.clone(),
-                _ => weight,
-            },
-            bias,
-            int8: Some(Arc::new(int8)),
-        })
+        let int8 = Some(Arc::new(int8));
+        match self {
+            Linear::Fp { weight, bias, .. } => Ok(Linear::Fp {
+                weight: weight.clone(),
+                bias: bias.clone(),
+                int8,
+            }),
+            Linear::Stored { weight, bias, .. } => Ok(Linear::Stored {
+                weight: weight.clone(),
+                bias: bias.clone(),
+                int8,
+            }),
+            Linear::Int8(_) => Err(Self::already_int8()),
+        }
+    }
+
+    fn already_int8() -> Error {
+        Error::Unsupported(
+            "this layer is INT8 already; quantize from the full-precision model".into(),
+        )
+    }
+
+    /// The int8 rounding chosen for this layer's weights (GPTQ), if any.
+    fn chosen_int8(&self) -> Option<&Arc<Int8Weight>> {
+        match self {
+            Linear::Fp { int8, .. } | Linear::Stored { int8, .. } => int8.as_ref(),
+            Linear::Int8(_) => None,
+        }
+    }
+
+    /// The bias, `[out]` (f32), of a full-precision layer.
+    fn bias(&self) -> Result<Option<&Tensor>> {
+        match self {
+            Linear::Fp { bias, .. } | Linear::Stored { bias, .. } => Ok(bias.as_ref()),
+            Linear::Int8(_) => Err(Self::already_int8()),
+        }
     }
 
     /// The same layer on the INT8 engine (an INT8 layer is returned as is).
@@ -159,9 +295,8 @@ impl Linear {
         if let Linear::Int8(_) = self {
             return Ok(self.clone());
         }
-        let (_, bias) = self.full_precision()?;
+        let bias = self.bias()?.map(|b| b.to_vec1::<f32>()).transpose()?;
         let int8 = self.int8_weight()?;
-        let bias = bias.map(|b| b.to_vec1::<f32>()).transpose()?;
         Ok(Linear::Int8(Arc::new(Int8Linear::from_quantized(
             &int8.values,
             int8.scales.clone(),
@@ -176,12 +311,8 @@ impl Linear {
     pub fn full_precision(&self) -> Result<(Tensor, Option<Tensor>)> {
         match self {
             Linear::Fp { weight, bias, .. } => Ok((weight.to_dtype(DType::F32)?, bias.clone())),
-            Linear::Dequantizing { weight, bias } => {
-                Ok((weight.dequantize(&Device::Cpu)?, bias.clone()))
-            }
-            Linear::Int8(_) => Err(Error::Unsupported(
-                "this layer is INT8 already; quantize from the full-precision model".into(),
-            )),
+            Linear::Stored { weight, bias, .. } => Ok((weight.to_f32()?, bias.clone())),
+            Linear::Int8(_) => Err(Self::already_int8()),
         }
     }
 
@@ -190,7 +321,7 @@ impl Linear {
     /// rounding was chosen for the current weights, which the change would
     /// make stale.
     pub fn weights_to_transform(&self) -> Result<(Tensor, Option<Tensor>)> {
-        if let Linear::Fp { int8: Some(_), .. } = self {
+        if self.chosen_int8().is_some() {
             return Err(Error::Unsupported(
                 "this layer's int8 rounding (GPTQ) was chosen for its current weights; transform the model before rounding it".into(),
             ));
@@ -204,10 +335,7 @@ impl Linear {
     /// The chosen rounding is lent, not copied: a model's weights are read
     /// several times on their way into an artifact.
     pub fn int8_weight(&self) -> Result<Cow<'_, Int8Weight>> {
-        if let Linear::Fp {
-            int8: Some(int8), ..
-        } = self
-        {
+        if let Some(int8) = self.chosen_int8() {
             return Ok(Cow::Borrowed(int8));
         }
         let (weight, _) = self.full_precision()?;
@@ -271,7 +399,7 @@ impl Linear {
                 (weight.clone(), bias)
             }
             Linear::Fp { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias),
-            Linear::Dequantizing { weight, bias } => (weight.dequantize(&Device::Cpu)?, bias),
+            Linear::Stored { weight, bias, .. } => (weight.to_f32()?, bias),
             Linear::Int8(layer) => return int8_forward(layer, x),
         };
         let y = x.broadcast_matmul(&weight.t()?)?;
@@ -285,7 +413,7 @@ impl Linear {
     pub fn weight_bytes(&self) -> usize {
         match self {
             Linear::Fp { weight, .. } => weight.elem_count() * weight.dtype().size_in_bytes(),
-            Linear::Dequantizing { weight, .. } => weight.storage_size_in_bytes(),
+            Linear::Stored { weight, .. } => weight.stored_bytes(),
             Linear::Int8(layer) => layer.weight_bytes(),
         }
     }
@@ -297,10 +425,7 @@ impl Linear {
                 let d = weight.dims();
                 (d[0], d[1])
             }
-            Linear::Dequantizing { weight, .. } => {
-                let d = weight.shape().dims();
-                (d[0], d[1])
-            }
+            Linear::Stored { weight, .. } => weight.shape(),
             Linear::Int8(layer) => layer.shape(),
         }
     }

@@ -45,13 +45,17 @@ impl TextSide {
         }
     }
 
+    /// A directory without `tokenizer.json` (nothing at that path, not even a
+    /// broken link) gives a tokenizer that takes token ids only.
     fn from_hf_dir(dir: &Path, c: &LlamaConfig) -> Result<Self> {
-        let tokenizer = TextTokenizer::from_file(
-            &dir.join("tokenizer.json"),
-            c.bos_token_id,
-            hf_adds_bos(dir)?,
-            c.eos_token_ids.clone(),
-        )?;
+        let path = dir.join("tokenizer.json");
+        let (bos, add_bos, eos) = (c.bos_token_id, hf_adds_bos(dir)?, c.eos_token_ids.clone());
+        let tokenizer = match path.symlink_metadata() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                TextTokenizer::ids_only(&path, c.vocab_size, bos, add_bos, eos)
+            }
+            _ => TextTokenizer::from_file(&path, bos, add_bos, eos)?,
+        };
         let chat_template =
             tokenizer_config(dir)?.and_then(|j| j["chat_template"].as_str().map(str::to_owned));
         Ok(Self {

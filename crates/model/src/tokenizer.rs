@@ -1,7 +1,8 @@
 //! Tokenizers: a Hugging Face `tokenizer.json`, or a byte-level BPE built from
-//! GGUF metadata (`tokenizer.ggml.*`), as llama.cpp builds it.
+//! GGUF metadata (`tokenizer.ggml.*`), as llama.cpp builds it; or none, for a
+//! model directory that ships no tokenizer and takes token ids only.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -43,7 +44,7 @@ const TOKEN_TYPE_USER_DEFINED: u64 = 4;
 /// A text tokenizer with the model's special tokens.
 #[derive(Clone)]
 pub struct TextTokenizer {
-    inner: tokenizers::Tokenizer,
+    vocabulary: Vocabulary,
     /// Beginning-of-sequence token, prepended by [`TextTokenizer::encode`] when
     /// the model asks for it.
     pub bos: Option<u32>,
@@ -52,10 +53,24 @@ pub struct TextTokenizer {
     pub eos: Vec<u32>,
 }
 
+/// What turns text into ids and back, if anything does.
+#[derive(Clone)]
+enum Vocabulary {
+    Text(Box<tokenizers::Tokenizer>),
+    /// The model shipped no tokenizer (a synthetic model, a checkpoint saved
+    /// without one): `size` token ids go in and out, text cannot.
+    IdsOnly {
+        size: usize,
+        /// The `tokenizer.json` that was not there, for the error message.
+        missing: PathBuf,
+    },
+}
+
 impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TextTokenizer")
-            .field("vocab", &self.inner.get_vocab_size(true))
+            .field("vocab_size", &self.vocab_size())
+            .field("reads_text", &self.reads_text())
             .field("bos", &self.bos)
             .field("eos", &self.eos)
             .finish()
@@ -69,11 +84,18 @@ fn tk_error(context: &str, e: impl std::fmt::Display) -> Error {
 impl TextTokenizer {
     /// Whether `other` turns every text into the same tokens and back: the
     /// same vocabulary, merges, normalization and special tokens.
+    /// Two tokenizers that read no text are the same when they take the
+    /// same ids.
     pub fn same_as(&self, other: &TextTokenizer) -> bool {
-        let spelled = |t: &TextTokenizer| t.inner.to_string(false).ok();
-        (self.bos, self.add_bos, &self.eos) == (other.bos, other.add_bos, &other.eos)
-            && spelled(self).is_some()
-            && spelled(self) == spelled(other)
+        let vocabulary = match (&self.vocabulary, &other.vocabulary) {
+            (Vocabulary::Text(a), Vocabulary::Text(b)) => {
+                let spelled = |t: &tokenizers::Tokenizer| t.to_string(false).ok();
+                spelled(a).is_some() && spelled(a) == spelled(b)
+            }
+            (Vocabulary::IdsOnly { size: a, .. }, Vocabulary::IdsOnly { size: b, .. }) => a == b,
+            _ => false,
+        };
+        vocabulary && (self.bos, self.add_bos, &self.eos) == (other.bos, other.add_bos, &other.eos)
     }
 
     /// Loads a Hugging Face `tokenizer.json`. Special tokens are taken from the
@@ -82,11 +104,52 @@ impl TextTokenizer {
         let inner = tokenizers::Tokenizer::from_bytes(crate::files::read_config(path)?)
             .map_err(|e| tk_error(&path.display().to_string(), e))?;
         Ok(Self {
-            inner,
+            vocabulary: Vocabulary::Text(Box::new(inner)),
             bos,
             add_bos,
             eos,
         })
+    }
+
+    /// The tokenizer of a model that ships none (`missing` is the
+    /// `tokenizer.json` looked for): it takes the `vocab_size` token ids of
+    /// the model's embedding and refuses text, naming the missing file.
+    pub fn ids_only(
+        missing: &Path,
+        vocab_size: usize,
+        bos: Option<u32>,
+        add_bos: bool,
+        eos: Vec<u32>,
+    ) -> Self {
+        Self {
+            vocabulary: Vocabulary::IdsOnly {
+                size: vocab_size,
+                missing: missing.to_owned(),
+            },
+            bos,
+            add_bos,
+            eos,
+        }
+    }
+
+    /// Whether this tokenizer turns text into ids (a model without one
+    /// takes token ids only).
+    pub fn reads_text(&self) -> bool {
+        matches!(self.vocabulary, Vocabulary::Text(_))
+    }
+
+    /// The text tokenizer, or the error that says there is none and what to
+    /// do instead.
+    fn text(&self) -> Result<&tokenizers::Tokenizer> {
+        match &self.vocabulary {
+            Vocabulary::Text(inner) => Ok(inner),
+            Vocabulary::IdsOnly { missing, .. } => Err(Error::Request(format!(
+                "{} does not exist, so this model reads token ids, not text: give calibration \
+                 data as `token_ids` records (and no text --eval-data), or add the model's \
+                 tokenizer.json",
+                missing.display()
+            ))),
+        }
     }
 
     /// Builds the tokenizer a GGUF file describes. Byte-level BPE (`gpt2`)
@@ -161,7 +224,7 @@ impl TextTokenizer {
                 )));
             }
         };
-        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let mut inner = Box::new(tokenizers::Tokenizer::new(bpe));
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
         let special: Vec<AddedToken> = tokens
@@ -175,7 +238,7 @@ impl TextTokenizer {
             .map_err(|e| tk_error("GGUF special tokens", e))?;
         let id = |key: &str| header.get_u64(key).ok().map(|v| v as u32);
         Ok(Self {
-            inner,
+            vocabulary: Vocabulary::Text(inner),
             bos: id("tokenizer.ggml.bos_token_id"),
             add_bos: header
                 .metadata
@@ -185,10 +248,14 @@ impl TextTokenizer {
         })
     }
 
-    /// Writes `tokenizer.json` into `dir`.
+    /// Writes `tokenizer.json` into `dir` (nothing, for a model without one:
+    /// what is written from it takes token ids as the model did).
     pub fn save(&self, dir: &Path) -> Result<()> {
+        let Vocabulary::Text(inner) = &self.vocabulary else {
+            return Ok(());
+        };
         let path = dir.join("tokenizer.json");
-        self.inner
+        inner
             .save(&path, false)
             .map_err(|e| tk_error(&path.display().to_string(), e))
     }
@@ -202,7 +269,7 @@ impl TextTokenizer {
     /// `<|im_start|>`) are recognised. Prepends BOS when the model wants it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self
-            .inner
+            .text()?
             .encode(text, false)
             .map_err(|e| tk_error("tokenizing", e))?;
         let mut ids = Vec::with_capacity(encoding.len() + 1);
@@ -217,7 +284,7 @@ impl TextTokenizer {
 
     /// The text of `ids` (special tokens included as written).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
+        self.text()?
             .decode(ids, false)
             .map_err(|e| tk_error("detokenizing", e))
     }
@@ -225,18 +292,20 @@ impl TextTokenizer {
     /// The bytes one token stands for, which may be part of a UTF-8
     /// character (OpenAI's `bytes` of a log-prob entry): a special token's
     /// text; a byte-level BPE token's bytes; otherwise the token decoded
-    /// alone.
+    /// alone. Nothing, for a model without a tokenizer.
     pub fn token_bytes(&self, id: u32) -> Vec<u8> {
-        let added = self
-            .inner
+        let Vocabulary::Text(inner) = &self.vocabulary else {
+            return Vec::new();
+        };
+        let added = inner
             .get_added_vocabulary()
             .get_added_tokens_decoder()
             .get(&id);
         if let Some(added) = added {
             return added.content.clone().into_bytes();
         }
-        if matches!(self.inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_)))
-            && let Some(spelled) = self.inner.id_to_token(id)
+        if matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_)))
+            && let Some(spelled) = inner.id_to_token(id)
             && let Some(bytes) = spelled.chars().map(byte_of).collect::<Option<Vec<u8>>>()
         {
             return bytes;
@@ -246,7 +315,10 @@ impl TextTokenizer {
 
     /// Vocabulary size, special tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.vocabulary {
+            Vocabulary::Text(inner) => inner.get_vocab_size(true),
+            Vocabulary::IdsOnly { size, .. } => *size,
+        }
     }
 
     /// The most bytes of text one token can stand for, where that is
@@ -258,17 +330,21 @@ impl TextTokenizer {
     /// strip, lowercase, …; prepending and replacing by something no
     /// shorter are fine), no pre-tokenizer that drops text (whitespace
     /// splitters), no truncation, and a BPE model that does not fuse runs
-    /// of unknown characters into one token. `None` otherwise.
+    /// of unknown characters into one token. `None` otherwise, and for a
+    /// model without a tokenizer.
     pub fn max_bytes_per_token(&self) -> Option<usize> {
-        if self.inner.get_truncation().is_some() {
+        let Vocabulary::Text(inner) = &self.vocabulary else {
+            return None;
+        };
+        if inner.get_truncation().is_some() {
             return None;
         }
-        let normalizer = serde_json::to_value(self.inner.get_normalizer()).ok()?;
-        let pre_tokenizer = serde_json::to_value(self.inner.get_pre_tokenizer()).ok()?;
+        let normalizer = serde_json::to_value(inner.get_normalizer()).ok()?;
+        let pre_tokenizer = serde_json::to_value(inner.get_pre_tokenizer()).ok()?;
         if !never_shortens(&normalizer) || !keeps_every_byte(&pre_tokenizer) {
             return None;
         }
-        let tokenizers::ModelWrapper::BPE(bpe) = self.inner.get_model() else {
+        let tokenizers::ModelWrapper::BPE(bpe) = inner.get_model() else {
             return None;
         };
         if bpe.fuse_unk && bpe.unk_token.is_some() && !bpe.byte_fallback {
@@ -286,9 +362,8 @@ impl TextTokenizer {
                 entry.len()
             }
         };
-        let model = self.inner.get_vocab(false).keys().map(length).max()?;
-        let added = self
-            .inner
+        let model = inner.get_vocab(false).keys().map(length).max()?;
+        let added = inner
             .get_added_tokens_decoder()
             .values()
             .map(|t| t.content.len())

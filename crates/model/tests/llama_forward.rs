@@ -249,7 +249,7 @@ fn matches_candle_transformers_llama_on_a_hf_directory() {
 }
 
 #[test]
-fn bf16_weights_stay_bf16_and_match_the_peer() {
+fn bf16_weights_stay_mapped_and_match_the_peer_and_their_f32_widening() {
     let dir = tiny_model("bf16");
     let path = dir.join("model.safetensors");
     let tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
@@ -259,6 +259,26 @@ fn bf16_weights_stay_bf16_and_match_the_peer() {
         .collect();
     candle_core::safetensors::save(&bf16, &path).unwrap();
     let ours = Llama::from_hf_dir(&dir).unwrap();
+    // The same values widened to f32 and held in memory: widening at each
+    // use from the file's mapping computes exactly what they do.
+    let widened_dir = tiny_model("bf16-widened");
+    let widened: HashMap<String, Tensor> = bf16
+        .iter()
+        .map(|(name, t)| (name.clone(), t.to_dtype(DType::F32).unwrap()))
+        .collect();
+    candle_core::safetensors::save(&widened, widened_dir.join("model.safetensors")).unwrap();
+    let resident = Llama::from_hf_dir(&widened_dir).unwrap();
+    let batch = [(0..17).map(|i| (i * 7 % 96) as u32).collect::<Vec<u32>>()];
+    let logits = |m: &Llama| {
+        m.forward(&batch, None, None, Logits::All)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(logits(&ours), logits(&resident));
+    std::fs::remove_dir_all(widened_dir).unwrap();
     // Decoder linears stay 2 bytes a weight; the tied lm_head is the f32 embedding.
     let hd = HIDDEN / HEADS;
     let per_layer = HIDDEN * (HEADS + 2 * KV_HEADS) * hd + HEADS * hd * HIDDEN + 3 * HIDDEN * FFN;

@@ -127,13 +127,15 @@ impl<'a> Pipeline<'a> {
             ..self.recipe.calibration_recipe()
         };
         let mut session = self.open_session(inputs, &first, listener)?;
+        // The held-out data are read before any pass runs, so that data the
+        // guard cannot use are refused before hours of calibration.
+        let original = session.load_model()?.clone();
+        let held = self.held_out(&session, &original, inputs, listener)?;
         // The Hessian passes cut the model's inputs by their widths, so the
         // count of passes is known before the first one runs.
         let groups = self.hessian_groups(&mut session)?;
         let count = self.passes().len() + groups.len();
         let prepared = self.prepare(&mut session, &groups, 0, count, listener)?;
-        let original = session.load_model()?.clone();
-        let held = self.held_out(&session, &original, inputs, listener)?;
         self.finish(session, original, prepared, held, listener)
     }
 

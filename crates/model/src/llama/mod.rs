@@ -19,13 +19,14 @@ use rotation::Rotations;
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{D, DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::linear::{Int8Weight, Linear};
+use crate::linear::{Int8Weight, Linear, MappedTensor, StoredWeight};
 use crate::observe::Observer;
 
 /// One decoder layer.
@@ -332,9 +333,10 @@ impl WeightSource for GgufSource {
                 shape.1
             )));
         }
-        Ok(Linear::Dequantizing {
-            weight: std::sync::Arc::new(weight),
+        Ok(Linear::Stored {
+            weight: StoredWeight::Blocks(Arc::new(weight)),
             bias: b.map(|t| t.to_dtype(DType::F32)).transpose()?,
+            int8: None,
         })
     }
 }
@@ -354,7 +356,7 @@ fn rope_row_order(rows: usize, heads: usize) -> Vec<usize> {
 }
 
 struct SafetensorsSource {
-    tensors: candle_core::safetensors::MmapedSafetensors,
+    tensors: Arc<candle_core::safetensors::MmapedSafetensors>,
     names: std::collections::HashSet<String>,
 }
 
@@ -365,6 +367,32 @@ impl WeightSource for SafetensorsSource {
 
     fn has(&self, name: &str) -> bool {
         self.names.contains(name)
+    }
+
+    /// bf16 and f16 weights stay in the file's mapping and are widened at
+    /// each use (which a resident copy would need too); f32 and other weights
+    /// are read into memory as before, so an f32 model's forward copies
+    /// nothing.
+    fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
+        let weight_name = format!("{name}.weight");
+        let b = if bias {
+            Some(self.tensor(&format!("{name}.bias"))?)
+        } else {
+            None
+        };
+        let mapped = MappedTensor::new(self.tensors.clone(), &weight_name)?;
+        if !matches!(mapped.dtype(), DType::BF16 | DType::F16) {
+            return Linear::fp(name, self.tensor(&weight_name)?, b, shape);
+        }
+        if mapped.shape() != shape {
+            return Err(Error::Shape(format!(
+                "{weight_name} is {:?}, expected [{}, {}]",
+                mapped.shape(),
+                shape.0,
+                shape.1
+            )));
+        }
+        Linear::stored(name, StoredWeight::Mapped(Arc::new(mapped)), b)
     }
 }
 
@@ -421,6 +449,7 @@ impl Llama {
         // SAFETY: read-only maps of model files that qforge does not modify.
         let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
             .map_err(|e| Error::Format(format!("{}: {e}", dir.display())))?;
+        let tensors = Arc::new(tensors);
         let names = tensors.tensors().into_iter().map(|(n, _)| n).collect();
         let source = SafetensorsSource { tensors, names };
         Self::load(config, &source).map_err(|e| e.in_file(dir))

@@ -1,0 +1,72 @@
+"""A model of Llama 3's structure from `scripts/make_synthetic_model.py` (the tiny
+shape: bf16 shards, GQA, Llama 3's rotary scaling, outlier channels, no tokenizer),
+quantized as the large shapes are: calibration data as token ids, static W8A8 with
+GPTQ, the same artifact bytes for 1 and 2 workers; text refused with a message that
+names what is missing; and the export read back by an independent reader.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+QFORGE = os.environ.get("QFORGE", str(ROOT / "target/release/qforge"))
+
+
+def run(*args, cwd):
+    return subprocess.run([QFORGE, *args], cwd=cwd, capture_output=True, text=True)
+
+
+def qforge(*args, cwd):
+    out = run(*args, "--json", cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def make_model(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "scripts/make_synthetic_model.py"),
+                    "--shape", "tiny", "--out", str(tmp_path / "model"),
+                    "--shard-bytes", "400000", "--calibration", str(tmp_path / "ids.jsonl"),
+                    "--samples", "40", "--seq-len", "64"], check=True)
+    return tmp_path / "model"
+
+
+def test_token_ids_quantize_exactly_on_any_worker_count_and_export(tmp_path):
+    model = make_model(tmp_path)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded, as the large shapes are
+    assert not (model / "tokenizer.json").exists()
+
+    args = ["quantize", "--model", str(model), "--data", "ids.jsonl", "--samples", "24",
+            "--seq-len", "64", "--activations", "static", "--gptq"]
+    reports = [qforge(*args, "--workers", str(n), "-o", f"w{n}", cwd=tmp_path) for n in (1, 2)]
+    for report in reports:
+        assert report["accepted"] and report["total_layers"] == 4 * 7 + 1
+        assert "tokens of 16 episodes not drawn for calibration" in report["held_out"]
+    assert (tmp_path / "w1/model.safetensors").read_bytes() == \
+        (tmp_path / "w2/model.safetensors").read_bytes()
+    assert not (tmp_path / "w1/tokenizer.json").exists()
+
+    # Text needs a tokenizer: refused with the file that is missing and what to do.
+    (tmp_path / "eval.txt").write_text("Some held-out text. " * 50)
+    refused = run(*args, "--eval-data", "eval.txt", "-o", "text", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    assert "tokenizer.json does not exist" in refused.stderr
+    assert "token_ids" in refused.stderr
+    assert not (tmp_path / "text").exists()
+
+    qforge("export", "--model", "w1", "--format", "compressed-tensors", "-o", "ct", cwd=tmp_path)
+    config = json.loads((tmp_path / "ct/config.json").read_text())
+    assert config["quantization_config"]["format"] == "int-quantized"
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    assert not (tmp_path / "ct/tokenizer.json").exists()
+    exported = load_file(str(tmp_path / "ct/model.safetensors"))
+    native = load_file(str(tmp_path / "w1/model.safetensors"))
+    name = "model.layers.3.mlp.down_proj.weight"
+    assert exported[name].dtype == np.int8 and exported[name].shape == (128, 384)
+    assert np.array_equal(exported[name], native[name])
