@@ -1,8 +1,10 @@
 """A model of Llama 3's structure from `scripts/make_synthetic_model.py` (the tiny
 shape: bf16 shards, GQA, Llama 3's rotary scaling, outlier channels, no tokenizer),
 quantized as the large shapes are: calibration data as token ids, static W8A8 with
-GPTQ, the same artifact bytes for 1 and 2 workers; text refused with a message that
-names what is missing; and the export read back by an independent reader.
+GPTQ, the same artifact bytes for 1 worker and for 2 whose Hessian passes resume from kept
+hidden states; generation from token ids; text
+refused with a message that names what is missing; and the export read back by an
+independent reader.
 """
 
 import json
@@ -44,10 +46,19 @@ def test_token_ids_quantize_exactly_on_any_worker_count_and_export(tmp_path):
 
     args = ["quantize", "--model", str(model), "--data", "ids.jsonl", "--samples", "24",
             "--seq-len", "64", "--activations", "static", "--gptq"]
-    reports = [qforge(*args, "--workers", str(n), "-o", f"w{n}", cwd=tmp_path) for n in (1, 2)]
+    # Two workers, and Hessians cut into a pass per layer or so: each pass after the
+    # first resumes every batch from the hidden state the one before kept.
+    (tmp_path / "small.toml").write_text("[gptq]\nhessian_memory_mib = 1\n")
+    reports = [qforge(*args, "--workers", "1", "-o", "w1", cwd=tmp_path),
+               qforge(*args, "--workers", "2", "--recipe", "small.toml", "-o", "w2", cwd=tmp_path)]
     for report in reports:
         assert report["accepted"] and report["total_layers"] == 4 * 7 + 1
         assert "tokens of 16 episodes not drawn for calibration" in report["held_out"]
+    hessian_passes = [
+        sum(p["pass"] == "hessian" for p in
+            json.loads((tmp_path / out / "report.json").read_text())["calibration"]["passes"])
+        for out in ("w1", "w2")]
+    assert hessian_passes[0] == 1 and hessian_passes[1] >= 4, hessian_passes
     assert (tmp_path / "w1/model.safetensors").read_bytes() == \
         (tmp_path / "w2/model.safetensors").read_bytes()
     assert not (tmp_path / "w1/tokenizer.json").exists()
@@ -59,6 +70,18 @@ def test_token_ids_quantize_exactly_on_any_worker_count_and_export(tmp_path):
     assert "tokenizer.json does not exist" in refused.stderr
     assert "token_ids" in refused.stderr
     assert not (tmp_path / "text").exists()
+
+    # The artifact generates from token ids, and answers in token ids.
+    generated = qforge("generate", "--model", "w1", "--prompt-ids", "1022,5,17,300",
+                       "--max-tokens", "6", cwd=tmp_path)
+    assert generated["text"] is None and generated["prompt_tokens"] == 4
+    assert 1 <= len(generated["tokens"]) <= 6
+    assert all(0 <= t < 1024 for t in generated["tokens"])
+    plain = run("generate", "--model", "w1", "--prompt-ids", "1022,5,17,300", "--max-tokens",
+                "6", cwd=tmp_path)
+    assert plain.stdout.strip() == ",".join(map(str, generated["tokens"]))
+    text = run("generate", "--model", "w1", "--prompt", "Hello", cwd=tmp_path)
+    assert text.returncode == 2 and "tokenizer.json does not exist" in text.stderr
 
     qforge("export", "--model", "w1", "--format", "compressed-tensors", "-o", "ct", cwd=tmp_path)
     config = json.loads((tmp_path / "ct/config.json").read_text())

@@ -3,13 +3,14 @@
 //! batches and on what the statistics' provenance names.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use qforge_core::{Digest, DigestBuilder};
 use qforge_model::{Format, Model, TextSide};
 
 use crate::data::{Dataset, EpisodeContent, Record, fits_width, load_jsonl};
 use crate::error::{Error, Result};
-use crate::observe::Job;
+use crate::observe::{HiddenStates, Job};
 use crate::plan::{Plan, Recipe, plan};
 use crate::transform::{Transform, apply_all, transformed_digest};
 
@@ -41,6 +42,8 @@ pub struct Session {
     pub recipe: Recipe,
     /// The batches.
     pub plan: Plan,
+    /// Hidden states this process's passes keep for the next ones.
+    pub hidden_states: Arc<HiddenStates>,
 }
 
 impl Session {
@@ -91,6 +94,7 @@ impl Session {
             data,
             recipe: recipe.clone(),
             plan,
+            hidden_states: Arc::default(),
         })
     }
 

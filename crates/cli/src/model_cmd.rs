@@ -82,8 +82,12 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Prompt text (special tokens such as <|im_start|> are recognised).
-    #[arg(long)]
-    prompt: String,
+    #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// The prompt as token ids, comma-separated (a model without a tokenizer
+    /// takes only these; its output is then token ids too).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    prompt_ids: Option<Vec<u32>>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
@@ -107,7 +111,11 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         return Err(UsageError(format!("--temperature must be ≥ 0, got {t}")).into());
     }
     let (lm, precision) = args.precision.language(&args.model)?;
-    let prompt = lm.text.tokenizer.encode(&args.prompt)?;
+    let prompt = match (&args.prompt, args.prompt_ids) {
+        (Some(text), _) => lm.text.tokenizer.encode(text)?,
+        (None, Some(ids)) => ids,
+        (None, None) => unreachable!("clap requires --prompt or --prompt-ids"),
+    };
     let generation = lm.generate(
         &prompt,
         &GenerateOptions {
@@ -120,7 +128,18 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     if args.flags.json {
         print_json(&report)
     } else {
-        println!("{}", report.text);
+        match &report.text {
+            Some(text) => println!("{text}"),
+            None => println!(
+                "{}",
+                report
+                    .tokens
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }
         eprintln!("{report}");
         Ok(())
     }

@@ -1,10 +1,10 @@
 //! The `Backend` trait and the embedded backend (worker threads in-process).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use qforge_calib::{Batch, Job, Plan, observe_batch};
+use qforge_calib::{Batch, HiddenStates, Job, Plan, observe_batch};
 use qforge_core::Stats;
 use qforge_model::Model;
 
@@ -141,6 +141,7 @@ pub struct Embedded {
     target: Model,
     job: Job,
     workers: usize,
+    hidden_states: Arc<HiddenStates>,
 }
 
 impl Embedded {
@@ -150,6 +151,16 @@ impl Embedded {
             target,
             job,
             workers: workers.max(1),
+            hidden_states: Arc::default(),
+        }
+    }
+
+    /// The backend resuming from, and keeping, `hidden_states` (those of
+    /// the session whose passes it runs).
+    pub fn with_hidden_states(self, hidden_states: Arc<HiddenStates>) -> Self {
+        Self {
+            hidden_states,
+            ..self
         }
     }
 }
@@ -192,8 +203,12 @@ impl Backend for Embedded {
                                 },
                             };
                             let started = Instant::now();
-                            let observed =
-                                observe_guarded(&self.target, &plan.batches[batch], &self.job);
+                            let observed = observe_guarded(
+                                &self.target,
+                                &plan.batches[batch],
+                                &self.job,
+                                &self.hidden_states,
+                            );
                             let outcome = match observed {
                                 Ok(stats) => Outcome::Done {
                                     batch,
@@ -249,9 +264,10 @@ pub(crate) fn observe_guarded(
     target: &Model,
     batch: &Batch,
     job: &Job,
+    hidden_states: &HiddenStates,
 ) -> std::result::Result<Stats, Failure> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        observe_batch(target, batch, job)
+        observe_batch(target, batch, job, hidden_states)
     }))
     .map_err(|_| Failure::Worker("the forward pass panicked".into()))?
     .map_err(|e| Failure::Data(e.to_string()))

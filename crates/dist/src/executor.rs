@@ -125,7 +125,8 @@ impl Executor for EmbeddedExecutor {
         options: &RunOptions,
         events: &mut dyn FnMut(PassEvent),
     ) -> Result<RunSummary> {
-        let backend = Embedded::new(session.target(&job.transforms)?, job.clone(), self.threads);
+        let backend = Embedded::new(session.target(&job.transforms)?, job.clone(), self.threads)
+            .with_hidden_states(session.hidden_states.clone());
         events(PassEvent::Opened {
             run: None,
             batches: session.plan.batches.len(),

@@ -32,7 +32,9 @@ pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use linear::{Int8Weight, Linear};
-pub use llama::{Decoder, KvCache, Llama, LlamaConfig, Logits, Residency, RotatedInput};
+pub use llama::{
+    Decoder, HiddenState, KvCache, Llama, LlamaConfig, Logits, Residency, RotatedInput,
+};
 pub use lm::{ChatMessage, GenerateOptions, Generation, LanguageModel, TextSide};
 pub use mlp::{Action, Head, MlpPolicy, PolicyConfig};
 pub use observe::{Observer, Statistics, StatsObserver};

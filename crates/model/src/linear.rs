@@ -116,6 +116,17 @@ impl StoredWeight {
     fn to_f32(&self) -> Result<Tensor> {
         Ok(match self {
             StoredWeight::Blocks(blocks) => blocks.dequantize(&Device::Cpu)?,
+            // bf16 is the top half of an f32: widened straight from the
+            // mapping, with no bf16 copy on the way.
+            StoredWeight::Mapped(mapped) if mapped.dtype == DType::BF16 => {
+                let view = mapped.shards.get(&mapped.name)?;
+                let values: Vec<f32> = view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+                    .collect();
+                Tensor::from_vec(values, mapped.shape, &Device::Cpu)?
+            }
             StoredWeight::Mapped(mapped) => mapped
                 .shards
                 .load(&mapped.name, &Device::Cpu)?

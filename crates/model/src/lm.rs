@@ -296,8 +296,9 @@ impl Generation {
 /// What `qforge generate` reports: the text and how fast it came.
 #[derive(Debug, Clone, Serialize)]
 pub struct GenerationReport {
-    /// The generated text.
-    pub text: String,
+    /// The generated text (`None` for a model without a tokenizer, which
+    /// gives token ids only).
+    pub text: Option<String>,
     /// Its tokens.
     pub tokens: Vec<u32>,
     /// Tokens of the prompt.
@@ -316,7 +317,11 @@ impl GenerationReport {
     /// The report of `generation` by `lm`, run in `precision`.
     pub fn new(lm: &LanguageModel, generation: Generation, precision: String) -> Result<Self> {
         Ok(Self {
-            text: lm.text.tokenizer.decode(&generation.tokens)?,
+            text: if lm.text.tokenizer.reads_text() {
+                Some(lm.text.tokenizer.decode(&generation.tokens)?)
+            } else {
+                None
+            },
             prompt_tokens: generation.prompt_tokens,
             prefill_tokens_per_s: generation.prefill_tokens_per_second(),
             decode_tokens_per_s: generation.decode_tokens_per_second(),

@@ -144,9 +144,9 @@ impl TextTokenizer {
         match &self.vocabulary {
             Vocabulary::Text(inner) => Ok(inner),
             Vocabulary::IdsOnly { missing, .. } => Err(Error::Request(format!(
-                "{} does not exist, so this model reads token ids, not text: give calibration \
-                 data as `token_ids` records (and no text --eval-data), or add the model's \
-                 tokenizer.json",
+                "{} does not exist, so this model reads token ids, not text: add the model's \
+                 tokenizer.json to give it text (calibration data can be `token_ids` records, \
+                 and the guard then holds out some of them instead of reading --eval-data)",
                 missing.display()
             ))),
         }

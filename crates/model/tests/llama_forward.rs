@@ -716,3 +716,62 @@ fn a_rotated_residual_stream_keeps_the_function_as_a_plain_llama() {
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
+
+/// Records the inputs of the points of one decoder layer, and is finished
+/// once it has seen them all.
+struct LayerCapture {
+    layer: usize,
+    rows: Vec<(String, Vec<f32>)>,
+}
+
+impl Observer for LayerCapture {
+    fn observe(&mut self, point: &str, rows: &[f32], _width: usize) -> qforge_model::Result<()> {
+        if point.starts_with(&format!("model.layers.{}.", self.layer)) {
+            self.rows.push((point.to_owned(), rows.to_vec()));
+        }
+        Ok(())
+    }
+
+    fn finished(&self) -> bool {
+        let points: std::collections::BTreeSet<&String> = self.rows.iter().map(|(p, _)| p).collect();
+        points.len() == 4
+    }
+}
+
+#[test]
+fn an_observing_pass_resumed_from_a_kept_hidden_state_sees_what_the_whole_forward_sees() {
+    let dir = tiny_model("resume");
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let batch = vec![
+        (0..19).map(|i| (i * 5 % 96) as u32).collect::<Vec<u32>>(),
+        (0..11).map(|i| (i * 3 % 96) as u32).collect(),
+    ];
+    let capture = |layer| LayerCapture {
+        layer,
+        rows: Vec::new(),
+    };
+    let mut whole = capture(1);
+    model.observe(&batch, &mut whole).unwrap();
+    assert!(whole.finished());
+
+    // A pass over layer 0 stops there and keeps the states entering layers 0 and 1.
+    let mut first = capture(0);
+    let kept = model.observe_resuming(&batch, &mut first, None).unwrap();
+    assert_eq!(kept.iter().map(|s| s.layer).collect::<Vec<_>>(), [0, 1]);
+    let mut resumed = capture(1);
+    let again = model
+        .observe_resuming(&batch, &mut resumed, Some(&kept[1]))
+        .unwrap();
+    assert_eq!(resumed.rows, whole.rows);
+    // Run to the end from layer 1, it keeps the states entering layers 1 and 2 (the
+    // final norm).
+    assert_eq!(again.iter().map(|s| s.layer).collect::<Vec<_>>(), [1, 2]);
+
+    // A state of another batch's shape is refused, not misread.
+    let other = vec![vec![1u32, 2, 3]];
+    let err = model
+        .observe_resuming(&other, &mut capture(1), Some(&kept[1]))
+        .unwrap_err();
+    assert!(err.to_string().contains("hidden state"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

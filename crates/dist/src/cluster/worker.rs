@@ -651,7 +651,12 @@ impl Session {
         let started = Instant::now();
         let observed = match batches.get(batch) {
             Some(planned) if planned.id.to_string() == id => {
-                observe_guarded(&self.prepared.target, planned, &self.prepared.job)
+                observe_guarded(
+                    &self.prepared.target,
+                    planned,
+                    &self.prepared.job,
+                    &self.calibration.hidden_states,
+                )
                     .map(|stats| encode(&stats))
             }
             _ => Err(Failure::Worker(format!(

@@ -794,7 +794,7 @@ impl Llama {
                 (&cos, &sin),
                 &lengths,
                 observer,
-                false,
+                Span::default(),
                 |i, q, k, v| match cache.as_deref_mut() {
                     Some(kv) => {
                         kv.append(i, k, v, 0)?;
@@ -830,21 +830,58 @@ impl Llama {
     /// [finished](Observer::finished), so a pass that wants the inputs of the
     /// first layers only does not pay for the rest.
     pub fn observe(&self, batch: &[Vec<u32>], observer: &mut dyn Observer) -> Result<()> {
+        self.observe_resuming(batch, observer, None).map(drop)
+    }
+
+    /// [`Llama::observe`], starting from `resume` (a hidden state an earlier
+    /// observing pass of this model over this batch kept) instead of the
+    /// embedding, so the layers before it are not run again: a pass that
+    /// observes layers 20–23 after one that observed 16–19 runs only those.
+    /// The layers run compute exactly what they compute from the embedding
+    /// (the same operations on the same values). Returns the hidden states
+    /// entering the last layer run and the one after it (or the last two
+    /// run, when it ran to the end), for the next pass to resume from.
+    pub fn observe_resuming(
+        &self,
+        batch: &[Vec<u32>],
+        observer: &mut dyn Observer,
+        resume: Option<&HiddenState>,
+    ) -> Result<Vec<HiddenState>> {
         let Embedded {
             x,
             cos,
             sin,
             lengths,
         } = self.embedded(batch, 0)?;
+        let (x, first) = match resume {
+            Some(state) => {
+                if state.x.dims() != x.dims() || state.layer > self.layers.len() {
+                    return Err(Error::Shape(format!(
+                        "a hidden state {:?} entering layer {} for a batch of {:?} in a model of {} layers",
+                        state.x.dims(),
+                        state.layer,
+                        x.dims(),
+                        self.layers.len()
+                    )));
+                }
+                (state.x.clone(), state.layer)
+            }
+            None => (x, 0),
+        };
+        let mut kept = Vec::new();
         self.decoder_stack(
             x,
             (&cos, &sin),
             &lengths,
             Some(observer),
-            true,
+            Span {
+                first,
+                stop_when_finished: true,
+                kept: Some(&mut kept),
+            },
             |_, q, k, v| attention::causal_over_tensors(q, k, v, &lengths),
         )?;
-        Ok(())
+        Ok(kept)
     }
 
     /// The embedded, right-padded batch at positions from `start`, with its
@@ -926,7 +963,7 @@ impl Llama {
             .reshape((n, 1, half))?;
         let lengths = vec![1; n];
         let kv_heads = c.num_kv_heads;
-        let x = self.decoder_stack(x, (&cos, &sin), &lengths, observer, false, |i, q, k, v| {
+        let x = self.decoder_stack(x, (&cos, &sin), &lengths, observer, Span::default(), |i, q, k, v| {
             for (s, cache) in caches.iter_mut().enumerate() {
                 cache.append(i, k, v, s)?;
             }
@@ -1003,12 +1040,13 @@ impl Llama {
         (cos, sin): (&Tensor, &Tensor),
         lengths: &[usize],
         mut observer: Option<&mut dyn Observer>,
-        stop_when_finished: bool,
+        mut span: Span<'_>,
         mut attend: impl FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps as f32;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.layers.iter().enumerate().skip(span.first) {
+            span.keep(i, &x);
             let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
             let h = self.rotate_input(RotatedInput::Attention, h)?;
             observe(
@@ -1051,7 +1089,8 @@ impl Llama {
                 lengths,
             )?;
             x = (x + layer.down_proj.forward(&gated)?)?;
-            if stop_when_finished && observer.as_ref().is_some_and(|o| o.finished()) {
+            if span.stop_when_finished && observer.as_ref().is_some_and(|o| o.finished()) {
+                span.keep(i + 1, &x);
                 // What follows is never observed: the hidden state is all an
                 // observing pass gets.
                 return Ok(x);
@@ -1073,6 +1112,50 @@ impl Llama {
         Ok(x.reshape((b, seq, heads, self.config.head_dim))?
             .transpose(1, 2)?
             .contiguous()?)
+    }
+}
+
+/// Which decoder layers [`Llama::decoder_stack`] runs, and what it keeps.
+#[derive(Default)]
+struct Span<'a> {
+    /// The first layer run (the stack's input enters it).
+    first: usize,
+    /// Stop after the first layer at which the observer is finished.
+    stop_when_finished: bool,
+    /// Receives the hidden states entering the last two layers run (or, when
+    /// it stops early, entering the last one run and the one after it).
+    kept: Option<&'a mut Vec<HiddenState>>,
+}
+
+impl Span<'_> {
+    /// Keeps `x`, entering layer `layer`, as one of the last two.
+    fn keep(&mut self, layer: usize, x: &Tensor) {
+        if let Some(kept) = self.kept.as_deref_mut() {
+            kept.push(HiddenState {
+                layer,
+                x: x.clone(),
+            });
+            if kept.len() > 2 {
+                kept.remove(0);
+            }
+        }
+    }
+}
+
+/// A batch's hidden state entering decoder layer `layer` (`[batch, seq,
+/// hidden]`, padding included), from which an observing pass of the same
+/// model over the same batch resumes ([`Llama::observe_resuming`]).
+#[derive(Debug, Clone)]
+pub struct HiddenState {
+    /// The layer it enters.
+    pub layer: usize,
+    x: Tensor,
+}
+
+impl HiddenState {
+    /// Bytes it holds.
+    pub fn bytes(&self) -> usize {
+        self.x.elem_count() * self.x.dtype().size_in_bytes()
     }
 }
 
