@@ -138,7 +138,8 @@ impl HiddenStates {
     fn keep(&self, key: (Digest, BatchId), states: Vec<HiddenState>) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         held.remove(&key);
-        let bytes = |states: &Vec<HiddenState>| states.iter().map(HiddenState::bytes).sum::<usize>();
+        let bytes =
+            |states: &Vec<HiddenState>| states.iter().map(HiddenState::bytes).sum::<usize>();
         let used: usize = held.values().map(bytes).sum();
         if used + bytes(&states) <= HIDDEN_STATE_BUDGET {
             held.insert(key, states);

@@ -82,7 +82,11 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
     /// Prompt text (special tokens such as <|im_start|> are recognised).
-    #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    #[arg(
+        long,
+        required_unless_present = "prompt_ids",
+        conflicts_with = "prompt_ids"
+    )]
     prompt: Option<String>,
     /// The prompt as token ids, comma-separated (a model without a tokenizer
     /// takes only these; its output is then token ids too).

@@ -655,11 +655,10 @@ fn forged_results_are_quarantined_and_the_run_goes_on() {
         .arg(&fingerprint)
         .query::<()>(&mut connection)
         .unwrap();
-    let observed =
-        |b: usize| {
-            let hidden = qforge_calib::HiddenStates::default();
-            encode(&qforge_calib::observe_batch(&target, &plan.batches[b], &job, &hidden).unwrap())
-        };
+    let observed = |b: usize| {
+        let hidden = qforge_calib::HiddenStates::default();
+        encode(&qforge_calib::observe_batch(&target, &plan.batches[b], &job, &hidden).unwrap())
+    };
     let forge = |id: &str, batch: &str, batch_id: String, stats: Vec<u8>| {
         redis::cmd("XADD")
             .arg("qforge:{forged}:results")

@@ -733,7 +733,8 @@ impl Observer for LayerCapture {
     }
 
     fn finished(&self) -> bool {
-        let points: std::collections::BTreeSet<&String> = self.rows.iter().map(|(p, _)| p).collect();
+        let points: std::collections::BTreeSet<&String> =
+            self.rows.iter().map(|(p, _)| p).collect();
         points.len() == 4
     }
 }

@@ -650,15 +650,13 @@ impl Session {
         self.announce(link, current, &entry.id)?;
         let started = Instant::now();
         let observed = match batches.get(batch) {
-            Some(planned) if planned.id.to_string() == id => {
-                observe_guarded(
-                    &self.prepared.target,
-                    planned,
-                    &self.prepared.job,
-                    &self.calibration.hidden_states,
-                )
-                    .map(|stats| encode(&stats))
-            }
+            Some(planned) if planned.id.to_string() == id => observe_guarded(
+                &self.prepared.target,
+                planned,
+                &self.prepared.job,
+                &self.calibration.hidden_states,
+            )
+            .map(|stats| encode(&stats)),
             _ => Err(Failure::Worker(format!(
                 "task names batch {batch} ({id}), which is not in this worker's plan"
             ))),

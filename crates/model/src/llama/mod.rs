@@ -788,21 +788,20 @@ impl Llama {
         let seq = x.dim(1)?;
         let mut cache = cache;
         let kv_heads = self.config.num_kv_heads;
-        let x =
-            self.decoder_stack(
-                x,
-                (&cos, &sin),
-                &lengths,
-                observer,
-                Span::default(),
-                |i, q, k, v| match cache.as_deref_mut() {
-                    Some(kv) => {
-                        kv.append(i, k, v, 0)?;
-                        attention::causal(q, &[kv.view(i, start)], kv_heads, &lengths)
-                    }
-                    None => attention::causal_over_tensors(q, k, v, &lengths),
-                },
-            );
+        let x = self.decoder_stack(
+            x,
+            (&cos, &sin),
+            &lengths,
+            observer,
+            Span::default(),
+            |i, q, k, v| match cache.as_deref_mut() {
+                Some(kv) => {
+                    kv.append(i, k, v, 0)?;
+                    attention::causal(q, &[kv.view(i, start)], kv_heads, &lengths)
+                }
+                None => attention::causal_over_tensors(q, k, v, &lengths),
+            },
+        );
         if let Some(kv) = cache {
             match x {
                 Ok(_) => kv.len += seq,
@@ -963,18 +962,25 @@ impl Llama {
             .reshape((n, 1, half))?;
         let lengths = vec![1; n];
         let kv_heads = c.num_kv_heads;
-        let x = self.decoder_stack(x, (&cos, &sin), &lengths, observer, Span::default(), |i, q, k, v| {
-            for (s, cache) in caches.iter_mut().enumerate() {
-                cache.append(i, k, v, s)?;
-            }
-            // One query per sequence at its newest position, every sequence
-            // in one call.
-            let views: Vec<_> = caches
-                .iter()
-                .map(|cache| cache.view(i, cache.len))
-                .collect();
-            attention::causal(q, &views, kv_heads, &lengths)
-        });
+        let x = self.decoder_stack(
+            x,
+            (&cos, &sin),
+            &lengths,
+            observer,
+            Span::default(),
+            |i, q, k, v| {
+                for (s, cache) in caches.iter_mut().enumerate() {
+                    cache.append(i, k, v, s)?;
+                }
+                // One query per sequence at its newest position, every sequence
+                // in one call.
+                let views: Vec<_> = caches
+                    .iter()
+                    .map(|cache| cache.view(i, cache.len))
+                    .collect();
+                attention::causal(q, &views, kv_heads, &lengths)
+            },
+        );
         for cache in caches.iter_mut() {
             match x {
                 Ok(_) => cache.len += 1,
