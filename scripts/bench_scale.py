@@ -10,10 +10,16 @@ vLLM's fastest INT8 format needs), and reports:
 - peak memory, sampled from /proc every 100 ms: the whole resident set, and its anonymous
   part (the process's own memory, without the pages of the memory-mapped weight files,
   which the kernel can drop and re-read);
-- whether every worker count wrote the same artifact bytes.
+- whether every worker count wrote the same artifact bytes;
+- the artifact's INT8 decode speed (`qforge generate --prompt-ids`, 128 prompt tokens, 64
+  generated) and the rate at which it reads its linear weights, to set beside the
+  machine's read bandwidth (`cargo bench -p qforge-kernels --bench gemm -- memory`).
+
+With --calibrate-only it runs `qforge calibrate` instead (the activation pass alone: what
+a model too slow to quantize whole here still shows of time and memory).
 
 Usage:
-  python3 scripts/bench_scale.py [--shape llama3.2-1b] [--workers 1,2]
+  python3 scripts/bench_scale.py [--shape llama3.2-1b] [--workers 1,2] [--calibrate-only]
 
 Writes target/bench-scale-SHAPE.json and prints a Markdown table for BENCHMARKS.md.
 """
@@ -80,6 +86,32 @@ def run_measured(args):
     return wall, peaks["VmRSS"] / gib, peaks["RssAnon"] / gib, stdout
 
 
+def calibrate(args, model, data):
+    rows = []
+    for workers in [int(w) for w in args.workers.split(",")]:
+        out = args.workdir / f"{args.shape}-w{workers}.qstats"
+        command = [QFORGE, "calibrate", "--model", str(model), "--data", str(data),
+                   "--samples", str(args.samples), "--seq-len", str(args.seq_len),
+                   "--workers", str(workers), "-o", str(out), "--json"]
+        wall, rss, anon, stdout = run_measured(command)
+        summary = json.loads(stdout)
+        rows.append({"workers": workers, "wall_s": round(wall, 1),
+                     "pass_s": round(summary["seconds"], 1),
+                     "tokens_per_s": round(summary["rows_per_s"], 1),
+                     "peak_rss_gib": round(rss, 2), "peak_anon_gib": round(anon, 2),
+                     "qstats_sha256": hashlib.sha256(out.read_bytes()).hexdigest()})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    (ROOT / f"target/bench-scale-{args.shape}-calibrate.json").write_text(
+        json.dumps({"shape": args.shape, "samples": args.samples, "seq_len": args.seq_len,
+                    "runs": rows}, indent=2))
+    print("| workers | wall | activation pass | tokens/s | peak RSS | peak anonymous |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workers']} | {r['wall_s']:.0f} s | {r['pass_s']:.0f} s "
+              f"| {r['tokens_per_s']:.1f} | {r['peak_rss_gib']:.2f} GiB "
+              f"| {r['peak_anon_gib']:.2f} GiB |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama3.2-1b")
@@ -91,10 +123,15 @@ def main():
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--recipe", default="--activations static --gptq",
                         help="recipe flags of qforge quantize")
+    parser.add_argument("--calibrate-only", action="store_true",
+                        help="run qforge calibrate (the activation pass) instead of quantize")
     args = parser.parse_args()
 
     model, data = make_model(args.shape, args.workdir, args.samples, args.held_out,
                              args.seq_len)
+    if args.calibrate_only:
+        calibrate(args, model, data)
+        return
     rows, digests = [], set()
     for workers in [int(w) for w in args.workers.split(",")]:
         out = args.workdir / f"{args.shape}-q{workers}"
@@ -118,6 +155,14 @@ def main():
             if report.get("after") else None,
             "artifact_sha256": digest,
         }
+        prompt = json.loads(data.read_text().splitlines()[0])["token_ids"][:128]
+        generated = subprocess.run(
+            [QFORGE, "generate", "--model", str(out), "--prompt-ids", ",".join(map(str, prompt)),
+             "--max-tokens", "64", "--json"], capture_output=True, text=True, check=True)
+        decode = json.loads(generated.stdout)
+        row["decode_tokens_per_s"] = round(decode["decode_tokens_per_s"], 2)
+        row["weight_read_gb_per_s"] = round(
+            decode["decode_tokens_per_s"] * decode["linear_weight_bytes"] / 1e9, 1)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     result = {"shape": args.shape, "samples": args.samples, "seq_len": args.seq_len,
@@ -125,14 +170,15 @@ def main():
     (ROOT / "target").mkdir(exist_ok=True)
     (ROOT / f"target/bench-scale-{args.shape}.json").write_text(json.dumps(result, indent=2))
     print(f"| workers | wall | activation pass | Hessian passes | GPTQ rounding | peak RSS "
-          f"| peak anonymous | FP layers |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| peak anonymous | FP layers | INT8 decode | weight reads |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         activation = sum(s for kind, s in r["passes"] if kind == "activation")
         hessian = sum(s for kind, s in r["passes"] if kind == "hessian")
         print(f"| {r['workers']} | {r['wall_s']:.0f} s | {activation:.0f} s | {hessian:.0f} s "
               f"| {r['gptq_s'] or 0:.0f} s | {r['peak_rss_gib']:.2f} GiB "
-              f"| {r['peak_anon_gib']:.2f} GiB | {r['fp_layers']} of {r['total_layers']} |")
+              f"| {r['peak_anon_gib']:.2f} GiB | {r['fp_layers']} of {r['total_layers']} "
+              f"| {r['decode_tokens_per_s']:.1f} tok/s | {r['weight_read_gb_per_s']:.1f} GB/s |")
     print(f"artifacts identical across worker counts: {result['identical']}")
 
 
