@@ -134,16 +134,23 @@ impl HiddenStates {
     }
 
     /// Keeps `states` for `key` in place of what was kept, if the budget
-    /// allows.
+    /// allows. States of other models are dropped: a process runs one pass
+    /// at a time, so a pass of another model (a method the search tried
+    /// before, a run served before) will not resume from them.
     fn keep(&self, key: (Digest, BatchId), states: Vec<HiddenState>) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.remove(&key);
+        held.retain(|(model, batch), _| *model == key.0 && *batch != key.1);
         let bytes =
             |states: &Vec<HiddenState>| states.iter().map(HiddenState::bytes).sum::<usize>();
         let used: usize = held.values().map(bytes).sum();
         if used + bytes(&states) <= HIDDEN_STATE_BUDGET {
             held.insert(key, states);
         }
+    }
+
+    /// Drops every kept state (the passes that could resume are over).
+    pub fn clear(&self) {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
 

@@ -476,6 +476,8 @@ impl<'a> Pipeline<'a> {
             }
             records.push(("hessian", summary));
         }
+        // No later pass resumes from them: free the memory for the guard.
+        rounding.session.hidden_states.clear();
         Ok((weights, solving))
     }
     fn run_pass(
