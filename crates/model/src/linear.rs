@@ -104,11 +104,6 @@ impl MappedTensor {
     pub(crate) fn dtype(&self) -> DType {
         self.dtype
     }
-
-    /// Rows and columns.
-    pub(crate) fn shape(&self) -> (usize, usize) {
-        self.shape
-    }
 }
 
 impl StoredWeight {
@@ -132,6 +127,14 @@ impl StoredWeight {
                 .load(&mapped.name, &Device::Cpu)?
                 .to_dtype(DType::F32)?,
         })
+    }
+
+    /// The stored dimensions (checked to be a matrix's by [`Linear::stored`]).
+    fn dims(&self) -> Vec<usize> {
+        match self {
+            StoredWeight::Blocks(blocks) => blocks.shape().dims().to_vec(),
+            StoredWeight::Mapped(mapped) => vec![mapped.shape.0, mapped.shape.1],
+        }
     }
 
     fn shape(&self) -> (usize, usize) {
@@ -234,9 +237,23 @@ impl Linear {
         })
     }
 
-    /// A full-precision layer whose weight stays as its file stores it.
-    pub(crate) fn stored(name: &str, weight: StoredWeight, bias: Option<Tensor>) -> Result<Self> {
-        check_bias(name, bias.as_ref(), weight.shape().0)?;
+    /// A full-precision layer whose weight stays as its file stores it;
+    /// checks shapes.
+    pub(crate) fn stored(
+        name: &str,
+        weight: StoredWeight,
+        bias: Option<Tensor>,
+        shape: (usize, usize),
+    ) -> Result<Self> {
+        if weight.dims() != [shape.0, shape.1] {
+            return Err(Error::Shape(format!(
+                "{name}.weight is {:?}, expected [{}, {}]",
+                weight.dims(),
+                shape.0,
+                shape.1
+            )));
+        }
+        check_bias(name, bias.as_ref(), shape.0)?;
         Ok(Linear::Stored {
             weight,
             bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,

@@ -215,12 +215,14 @@ pub(crate) trait WeightSource {
 
     /// The linear layer `name` (`name.weight`, and `name.bias` when `bias`).
     fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
-        let b = if bias {
-            Some(self.tensor(&format!("{name}.bias"))?)
-        } else {
-            None
-        };
+        let b = self.bias(name, bias)?;
         Linear::fp(name, self.tensor(&format!("{name}.weight"))?, b, shape)
+    }
+
+    /// `name.bias` when the layer has one.
+    fn bias(&self, name: &str, bias: bool) -> Result<Option<Tensor>> {
+        bias.then(|| self.tensor(&format!("{name}.bias")))
+            .transpose()
     }
 }
 
@@ -316,28 +318,12 @@ impl WeightSource for GgufSource {
     }
 
     fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
-        let b = if bias {
-            Some(self.tensor(&format!("{name}.bias"))?)
-        } else {
-            None
-        };
+        let b = self.bias(name, bias)?;
         let weight = self.quantized(&format!("{name}.weight"))?;
         if !self.keep_quantized {
             return Linear::fp(name, weight.dequantize(&Device::Cpu)?, b, shape);
         }
-        if weight.shape().dims() != [shape.0, shape.1] {
-            return Err(Error::Shape(format!(
-                "{name}.weight is {:?}, expected [{}, {}]",
-                weight.shape().dims(),
-                shape.0,
-                shape.1
-            )));
-        }
-        Ok(Linear::Stored {
-            weight: StoredWeight::Blocks(Arc::new(weight)),
-            bias: b.map(|t| t.to_dtype(DType::F32)).transpose()?,
-            int8: None,
-        })
+        Linear::stored(name, StoredWeight::Blocks(Arc::new(weight)), b, shape)
     }
 }
 
@@ -375,24 +361,12 @@ impl WeightSource for SafetensorsSource {
     /// nothing.
     fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
         let weight_name = format!("{name}.weight");
-        let b = if bias {
-            Some(self.tensor(&format!("{name}.bias"))?)
-        } else {
-            None
-        };
+        let b = self.bias(name, bias)?;
         let mapped = MappedTensor::new(self.tensors.clone(), &weight_name)?;
         if !matches!(mapped.dtype(), DType::BF16 | DType::F16) {
             return Linear::fp(name, self.tensor(&weight_name)?, b, shape);
         }
-        if mapped.shape() != shape {
-            return Err(Error::Shape(format!(
-                "{weight_name} is {:?}, expected [{}, {}]",
-                mapped.shape(),
-                shape.0,
-                shape.1
-            )));
-        }
-        Linear::stored(name, StoredWeight::Mapped(Arc::new(mapped)), b)
+        Linear::stored(name, StoredWeight::Mapped(Arc::new(mapped)), b, shape)
     }
 }
 
