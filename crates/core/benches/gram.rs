@@ -1,6 +1,7 @@
 //! Throughput of GPTQ's Hessian pass hot path: exact Gram matrices of layer
 //! inputs, per CPU tier, on SmolLM2's input widths (576 for q/k/v, o_proj,
-//! gate/up and lm_head; 1536 for down_proj) and 256 rows (one chunk).
+//! gate/up and lm_head; 1536 for down_proj) and 1 024 rows (four chunks: one
+//! observation of a batch of two 512-token sequences).
 //! Throughput counts multiply-adds: rows × width × (width + 1) / 2.
 //!
 //! Run: `cargo bench -p qforge-core --bench gram`
@@ -14,7 +15,7 @@ use rand_distr::{Distribution, Normal};
 
 fn bench_gram(c: &mut Criterion) {
     let mut group = c.benchmark_group("gram");
-    let rows = 256;
+    let rows = 1024;
     let mut rng = StdRng::seed_from_u64(7);
     let normal = Normal::new(0.0f32, 1.0).expect("valid normal");
     for width in [576, 1536] {

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! magic    8 bytes  "QFSTATS\0"
-//! version  u32 LE   PLAIN_VERSION (2), or FORMAT_VERSION (3) with Gram matrices
+//! version  u32 LE   PLAIN_VERSION (2), or FORMAT_VERSION (4) with Gram matrices
 //! length   u64 LE   body length in bytes
 //! body     see below
 //! crc32    u32 LE   CRC-32 (IEEE) of everything before it
@@ -27,16 +27,19 @@
 //!   extremes               u8 0, or u8 1 + min f32 bits LE + max f32 bits LE
 //!   bins                   varint n, then n × (varint index delta, varint count)
 //!   channels               u8 0, or u8 1 + varint n + n × f32 bits LE
-//!   gram (version 3 only)  u8 0, or u8 1 + varint width + varint zigzag
+//!   gram (version 4 only)  u8 0, or u8 1 + varint width + varint zigzag
 //!                          exponent + varint rows + width·(width+1)/2 entries
 //! ```
 //!
-//! A file with a Gram matrix is version 3; one without is written as version
-//! 2, so statistics without Gram matrices keep their bytes. A Gram entry `v`
-//! is `varint 0` for zero, else `varint (1 + (tz << 1 | sign))` then
-//! `varint128 ((|v| >> tz) >> 1)` with `tz` the trailing zero bits of `|v|`:
-//! a batch's partial sums are f64 values scaled by a power of two, so their
-//! integers carry at most 53 significant bits and take about 9 bytes, not 16.
+//! A file with a Gram matrix is version 4; one without is written as version
+//! 2, so statistics without Gram matrices keep their bytes. Version 3 held
+//! Gram matrices whose chunk sums were f64 ([`crate::Gram`] sums in f32
+//! since): they are refused, because they would not merge exactly with this
+//! build's. A Gram entry `v` is `varint 0` for zero, else
+//! `varint (1 + (tz << 1 | sign))` then `varint128 ((|v| >> tz) >> 1)` with
+//! `tz` the trailing zero bits of `|v|`: a batch's partial sums are f32
+//! values scaled by a power of two, so their integers carry at most 24
+//! significant bits per chunk and take a few bytes, not 16.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -49,7 +52,7 @@ use crate::stats::{BatchId, Digest, Provenance, Stats, TensorStats};
 pub const MAGIC: &[u8; 8] = b"QFSTATS\0";
 /// Version of the format this build writes for statistics with a Gram
 /// matrix; it reads this and [`PLAIN_VERSION`].
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// Version written for statistics without a Gram matrix (the layout before
 /// Gram matrices existed, byte for byte).
 pub const PLAIN_VERSION: u32 = 2;
@@ -663,7 +666,7 @@ mod tests {
     }
 
     #[test]
-    fn gram_matrices_round_trip_in_version_3_and_plain_stats_stay_version_2() {
+    fn gram_matrices_round_trip_in_version_4_and_plain_stats_stay_version_2() {
         let plain = encode(&sample());
         assert_eq!(plain[8..12], PLAIN_VERSION.to_le_bytes());
         let stats = with_gram();
@@ -689,13 +692,23 @@ mod tests {
             .unwrap(),
         );
         assert_eq!(decode(&encode(&big)).unwrap(), big);
-        // A version-3 body with no Gram matrix is not canonical.
+        // A version-4 body with no Gram matrix is not canonical.
         let mut relabelled = plain.clone();
         relabelled[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
         let body_end = relabelled.len() - TRAILER_LEN;
         let crc = crc32fast::hash(&relabelled[..body_end]);
         relabelled[body_end..].copy_from_slice(&crc.to_le_bytes());
         assert!(matches!(decode(&relabelled), Err(Error::Corrupt(_))));
+        // Version 3's Hessians (f64 chunk sums) would not merge exactly with
+        // this build's: refused, saying what to do.
+        let mut older = bytes.clone();
+        older[8..12].copy_from_slice(&3u32.to_le_bytes());
+        let body_end = older.len() - TRAILER_LEN;
+        let crc = crc32fast::hash(&older[..body_end]);
+        older[body_end..].copy_from_slice(&crc.to_le_bytes());
+        let err = decode(&older).unwrap_err();
+        assert!(matches!(err, Error::Version { found: 3, .. }), "{err}");
+        assert!(err.to_string().contains("recompute"), "{err}");
         // Gram matrices merge through Stats like every other statistic.
         let mut a = with_gram();
         let mut other = with_gram();

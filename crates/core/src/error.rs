@@ -9,7 +9,7 @@ pub enum Error {
     NotStats,
     /// The file was written by an incompatible version of the format.
     #[error(
-        ".qstats format version {found} is not supported (this build reads versions up to {supported}); use a qforge build that matches the writer"
+        ".qstats format version {found} is not supported (this build reads version 2, and version {supported} for statistics with Hessians); recompute the statistics with this build, or read them with the build that wrote them"
     )]
     Version {
         /// Version found in the file.

@@ -5,12 +5,19 @@
 //! the sharding (llm-compressor's data-parallel GPTQ sums float Hessians; its
 //! Llama-3-8B perplexity reads 37.51, 37.64 and 36.40 on 1, 2 and 4 GPUs).
 //! Here every observation is cut into chunks of [`CHUNK_ROWS`] rows; a
-//! chunk's sums are computed in f64, each entry over the chunk's rows in
-//! order (a product of two f32 values is exact in f64, so only those
-//! additions round), scaled by a run-wide power of two and rounded to
-//! `i128`. Partials merge by integer addition: any sharding, any merge
-//! order, the same integers. An entry that would leave the range is refused,
-//! never wrapped.
+//! chunk's sums are computed in f32, each entry over the chunk's rows in
+//! order (a product, then an addition, each rounded: no fused multiply-add),
+//! then scaled by a run-wide power of two and rounded to `i128`. Partials
+//! merge by integer addition: any sharding, any merge order, the same
+//! integers. An entry that would leave the range is refused, never wrapped.
+//!
+//! The chunk sums are f32 because GPTQ needs the Hessian to a few digits,
+//! not to f64's sixteen: over 256 rows an entry's relative rounding error is
+//! about 1e-6 (at worst 256 · 2⁻²⁴ ≈ 1.5e-5), under the 1 % dampening GPTQ
+//! adds to the diagonal by orders of magnitude, and the reference GPTQ sums
+//! its whole Hessian in f32. Twice the lanes per vector and half the bytes
+//! per panel make the Hessian pass's arithmetic about three times faster
+//! than f64 chunk sums were (BENCHMARKS.md, "GPTQ's time").
 
 use crate::error::{Error, Result};
 
@@ -23,10 +30,8 @@ pub const CHUNK_ROWS: usize = 256;
 /// bits below `i128::MAX`, so rounding and the bound's slack cannot overflow.
 const LIMIT_BITS: i32 = 120;
 
-/// Columns of a packed panel and of the kernel's register tile.
-const PANEL: usize = 8;
-/// Rows of the kernel's register tile.
-const TILE_ROWS: usize = 4;
+/// Columns of a packed panel: one AVX-512 register of f32.
+const PANEL: usize = 16;
 
 /// `Σ x xᵀ` of a `width`-wide input, as integers `round(partial · 2^exponent)`
 /// summed over chunks; the upper triangle, row by row.
@@ -149,31 +154,43 @@ impl Gram {
         let scale = 2f64.powi(self.exponent);
         let padded = width.next_multiple_of(PANEL);
         let mut packed = Vec::new();
+        let mut partial = vec![0f32; sums.len()];
         for chunk in values.chunks(CHUNK_ROWS * width) {
             let rows = chunk.len() / width;
             pack(chunk, width, padded, &mut packed);
-            let mut add = |i: usize, j: usize, partial: f64| -> Result<()> {
-                let index = upper_index(width, i, j);
-                let fixed = to_fixed(partial * scale).ok_or_else(|| self.overflow(i, j))?;
-                sums[index] = sums[index]
-                    .checked_add(fixed)
-                    .ok_or_else(|| self.overflow(i, j))?;
-                Ok(())
-            };
             match tier {
-                GramTier::Portable => chunk_portable(&packed, rows, width, &mut add)?,
+                GramTier::Portable => chunk_portable(&packed, rows, width, &mut partial),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `is_supported` confirmed AVX2 above.
-                GramTier::Avx2 => unsafe { chunk_avx2(&packed, rows, width, &mut add)? },
+                GramTier::Avx2 => unsafe { chunk_avx2(&packed, rows, width, &mut partial) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `is_supported` confirmed AVX-512F above.
-                GramTier::Avx512 => unsafe { chunk_avx512(&packed, rows, width, &mut add)? },
+                GramTier::Avx512 => unsafe { chunk_avx512(&packed, rows, width, &mut partial) },
                 #[cfg(not(target_arch = "x86_64"))]
                 GramTier::Avx2 | GramTier::Avx512 => unreachable!("rejected by is_supported"),
             }
+            self.accumulate(&mut sums, &partial, scale)?;
         }
         self.upper = sums;
         self.rows += (values.len() / width) as u64;
+        Ok(())
+    }
+
+    /// Adds a chunk's sums (the upper triangle, row by row), scaled and
+    /// rounded to integers, to `sums`.
+    fn accumulate(&self, sums: &mut [i128], partial: &[f32], scale: f64) -> Result<()> {
+        let n = self.width;
+        let mut index = 0;
+        for i in 0..n {
+            for j in i..n {
+                let fixed = to_fixed(f64::from(partial[index]) * scale)
+                    .ok_or_else(|| self.overflow(i, j))?;
+                sums[index] = sums[index]
+                    .checked_add(fixed)
+                    .ok_or_else(|| self.overflow(i, j))?;
+                index += 1;
+            }
+        }
         Ok(())
     }
 
@@ -281,12 +298,30 @@ fn upper_index(n: usize, i: usize, j: usize) -> usize {
 }
 
 /// `value` rounded half to even, as an integer under `2^127`; `None` past it.
+#[inline(always)]
 fn to_fixed(value: f64) -> Option<i128> {
     // 2^126: an entry at or beyond it means the exponent's bound was wrong.
     const LIMIT: f64 = 85_070_591_730_234_615_865_843_651_857_942_052_864.0;
+    // 2^53: from here on every f64 is an integer.
+    const INTEGRAL: f64 = 9_007_199_254_740_992.0;
     let rounded = value.round_ties_even();
-    // An integral f64 below 2^127 converts to i128 exactly.
-    (rounded.abs() < LIMIT).then_some(rounded as i128)
+    let magnitude = rounded.abs();
+    if magnitude < INTEGRAL {
+        return Some(rounded as i64 as i128);
+    }
+    // An f32 sum past f32's range is infinite, or NaN where infinities of
+    // both signs met.
+    if magnitude >= LIMIT || magnitude.is_nan() {
+        return None;
+    }
+    // Mantissa times a power of two, shifted as an integer: exact, and far
+    // cheaper than the generic f64 → i128 conversion, which is a library
+    // call. Every entry of a run scaled towards 2^120 takes this path.
+    let bits = magnitude.to_bits();
+    let mantissa = i128::from((bits & ((1 << 52) - 1)) | (1 << 52));
+    let shift = ((bits >> 52) as i32 - 1075) as u32;
+    let fixed = mantissa << shift;
+    Some(if rounded < 0.0 { -fixed } else { fixed })
 }
 
 /// `(m, e)` with `x = m · 2^e` and `0.5 ≤ m < 1`, for a finite positive `x`.
@@ -302,116 +337,145 @@ fn frexp(x: f64) -> (f64, i32) {
     (mantissa, biased - 1022)
 }
 
-/// Packs `rows` of `width` f32 values into panels of [`PANEL`] f64 columns
+/// Packs `rows` of `width` values into panels of [`PANEL`] columns
 /// (`[panel][row][PANEL]`), zero-padded to `padded` columns: each tile of
-/// the kernel then streams two contiguous panels. Zero columns add nothing.
-fn pack(values: &[f32], width: usize, padded: usize, out: &mut Vec<f64>) {
+/// the kernel then streams contiguous panels. Zero columns add nothing.
+fn pack(values: &[f32], width: usize, padded: usize, out: &mut Vec<f32>) {
     let rows = values.len() / width;
     out.clear();
     out.resize(rows * padded, 0.0);
     for (r, row) in values.chunks_exact(width).enumerate() {
         for (c, &v) in row.iter().enumerate() {
-            out[(c / PANEL) * rows * PANEL + r * PANEL + c % PANEL] = f64::from(v);
+            out[(c / PANEL) * rows * PANEL + r * PANEL + c % PANEL] = v;
         }
     }
 }
 
-/// The kernel: for every tile of [`TILE_ROWS`] × [`PANEL`] entries on or
-/// above the diagonal, the sums over the chunk's rows in order, handed to
-/// `add(i, j, sum)` for each entry with `j ≥ i` inside the width.
+/// The kernel: for every tile of `ROWS` rows × `PANELS` panels of entries on
+/// or above the diagonal, the sums over the chunk's rows in order, handed to
+/// `add(i, j, sum)` for each entry with `j ≥ i` inside the width. The tile's
+/// shape decides only which sums are computed side by side, never an entry's
+/// operations, so each tier picks the shape that fills its registers.
 /// `inline(always)` so each tier compiles its own copy.
 #[inline(always)]
-fn chunk_kernel(
-    packed: &[f64],
+fn chunk_kernel<const ROWS: usize, const PANELS: usize>(
+    packed: &[f32],
     rows: usize,
     width: usize,
-    add: &mut dyn FnMut(usize, usize, f64) -> Result<()>,
-) -> Result<()> {
+    partial: &mut [f32],
+) {
+    const { assert!(PANEL.is_multiple_of(ROWS)) };
     let panels = width.div_ceil(PANEL);
     let panel = |p: usize| &packed[p * rows * PANEL..(p + 1) * rows * PANEL];
     for pi in 0..panels {
-        let a_panel = panel(pi);
-        for offset in (0..PANEL).step_by(TILE_ROWS) {
+        for offset in (0..PANEL).step_by(ROWS) {
             let i0 = pi * PANEL + offset;
             if i0 >= width {
                 break;
             }
-            for pj in pi..panels {
-                let b_panel = panel(pj);
-                let mut acc = [[0f64; PANEL]; TILE_ROWS];
-                for (a_row, b_row) in a_panel.chunks_exact(PANEL).zip(b_panel.chunks_exact(PANEL)) {
-                    let a: &[f64; TILE_ROWS] = a_row[offset..offset + TILE_ROWS]
-                        .try_into()
-                        .expect("a tile row");
-                    let b: &[f64; PANEL] = b_row.try_into().expect("a panel row");
-                    for (acc_row, &x) in acc.iter_mut().zip(a) {
-                        for (slot, &y) in acc_row.iter_mut().zip(b) {
-                            *slot += x * y;
-                        }
-                    }
-                }
-                for (r, acc_row) in acc.iter().enumerate() {
-                    let i = i0 + r;
-                    for (c, &sum) in acc_row.iter().enumerate() {
-                        let j = pj * PANEL + c;
-                        if i < width && j < width && j >= i {
-                            add(i, j, sum)?;
-                        }
-                    }
+            let mut pj = pi;
+            while pj < panels {
+                if pj + PANELS <= panels {
+                    let sums =
+                        tile::<ROWS, PANELS>(panel(pi), offset, &packed[pj * rows * PANEL..]);
+                    hand_over(&sums, i0, pj, width, partial);
+                    pj += PANELS;
+                } else {
+                    let sums = tile::<ROWS, 1>(panel(pi), offset, panel(pj));
+                    hand_over(&sums, i0, pj, width, partial);
+                    pj += 1;
                 }
             }
         }
     }
-    Ok(())
 }
 
-fn chunk_portable(
-    packed: &[f64],
-    rows: usize,
+/// One tile's sums: rows `offset..offset + ROWS` of the panel `a` against
+/// the `PANELS` consecutive panels that `b` starts with, every entry summed
+/// over the chunk's rows in order, in registers.
+#[inline(always)]
+fn tile<const ROWS: usize, const PANELS: usize>(
+    a: &[f32],
+    offset: usize,
+    b: &[f32],
+) -> [[[f32; PANEL]; PANELS]; ROWS] {
+    let rows = a.len() / PANEL;
+    let mut acc = [[[0f32; PANEL]; PANELS]; ROWS];
+    for row in 0..rows {
+        let x: &[f32; ROWS] = a[row * PANEL + offset..row * PANEL + offset + ROWS]
+            .try_into()
+            .expect("a tile row");
+        for p in 0..PANELS {
+            let at = (p * rows + row) * PANEL;
+            let y: &[f32; PANEL] = b[at..at + PANEL].try_into().expect("a panel row");
+            for (acc_row, &x) in acc.iter_mut().zip(x) {
+                for (slot, &y) in acc_row[p].iter_mut().zip(y) {
+                    *slot += x * y;
+                }
+            }
+        }
+    }
+    acc
+}
+
+/// Writes a tile's entries on or above the diagonal and inside the width
+/// into `partial`, the chunk's upper triangle, row by row.
+#[inline(always)]
+fn hand_over<const ROWS: usize, const PANELS: usize>(
+    sums: &[[[f32; PANEL]; PANELS]; ROWS],
+    i0: usize,
+    pj: usize,
     width: usize,
-    add: &mut dyn FnMut(usize, usize, f64) -> Result<()>,
-) -> Result<()> {
-    chunk_kernel(packed, rows, width, add)
+    partial: &mut [f32],
+) {
+    for (i, row) in (i0..width).zip(sums) {
+        let columns = row.as_flattened();
+        let first = (pj * PANEL).max(i);
+        let end = ((pj + PANELS) * PANEL).min(width);
+        if first < end {
+            let at = upper_index(width, i, first);
+            partial[at..at + end - first]
+                .copy_from_slice(&columns[first - pj * PANEL..end - pj * PANEL]);
+        }
+    }
 }
 
+/// Tiles of 4 rows × one panel: 64 sums, 16 registers of four lanes.
+fn chunk_portable(packed: &[f32], rows: usize, width: usize, partial: &mut [f32]) {
+    chunk_kernel::<4, 1>(packed, rows, width, partial)
+}
+
+/// Tiles of 4 rows × one panel: 8 of AVX2's 16 registers hold the sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn chunk_avx2(
-    packed: &[f64],
-    rows: usize,
-    width: usize,
-    add: &mut dyn FnMut(usize, usize, f64) -> Result<()>,
-) -> Result<()> {
-    chunk_kernel(packed, rows, width, add)
+fn chunk_avx2(packed: &[f32], rows: usize, width: usize, partial: &mut [f32]) {
+    chunk_kernel::<4, 1>(packed, rows, width, partial)
 }
 
+/// Tiles of 8 rows × two panels: 16 of AVX-512's 32 registers hold the sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn chunk_avx512(
-    packed: &[f64],
-    rows: usize,
-    width: usize,
-    add: &mut dyn FnMut(usize, usize, f64) -> Result<()>,
-) -> Result<()> {
-    chunk_kernel(packed, rows, width, add)
+fn chunk_avx512(packed: &[f32], rows: usize, width: usize, partial: &mut [f32]) {
+    chunk_kernel::<4, 2>(packed, rows, width, partial)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The definition: every entry's f64 sum over each chunk's rows in
-    /// order, rounded and added as integers.
+    /// The definition: every entry's f32 sum over each chunk's rows in
+    /// order, scaled, rounded and added as integers.
     fn reference(values: &[f32], width: usize, exponent: i32) -> Vec<i128> {
         let mut out = vec![0i128; width * (width + 1) / 2];
         for chunk in values.chunks(CHUNK_ROWS * width) {
             for i in 0..width {
                 for j in i..width {
-                    let mut sum = 0f64;
+                    let mut sum = 0f32;
                     for row in chunk.chunks_exact(width) {
-                        sum += f64::from(row[i]) * f64::from(row[j]);
+                        sum += row[i] * row[j];
                     }
-                    out[upper_index(width, i, j)] += to_fixed(sum * 2f64.powi(exponent)).unwrap();
+                    out[upper_index(width, i, j)] +=
+                        to_fixed(f64::from(sum) * 2f64.powi(exponent)).unwrap();
                 }
             }
         }
@@ -432,7 +496,7 @@ mod tests {
 
     #[test]
     fn every_tier_equals_the_definition() {
-        for (rows, width) in [(1, 1), (3, 5), (17, 8), (300, 13), (600, 37)] {
+        for (rows, width) in [(1, 1), (3, 5), (17, 8), (300, 13), (600, 37), (260, 70)] {
             let v = values(rows, width, (rows * width) as u64);
             let exponent = Gram::exponent_for(4.0, rows as u64).unwrap();
             let expected = reference(&v, width, exponent);
@@ -483,14 +547,18 @@ mod tests {
         d.merge(&shard(&[(0, 100), (100, 356)])).unwrap();
         assert_eq!(b, d);
         assert_eq!(a.rows(), 700);
-        // The matrix is the f64 Gram matrix up to the sums' rounding.
+        // The matrix is the Gram matrix up to the f32 sums' rounding: a
+        // few units of f32's 2⁻²⁴ per row, relative to the products' sizes.
         let m = a.to_matrix();
         let (i, j) = (2, 9);
-        let exact: f64 = v
-            .chunks_exact(width)
-            .map(|r| f64::from(r[i]) * f64::from(r[j]))
-            .sum();
-        assert!((m[i * width + j] - exact).abs() <= 1e-9 * exact.abs().max(1.0));
+        let products = || {
+            v.chunks_exact(width)
+                .map(|r| f64::from(r[i]) * f64::from(r[j]))
+        };
+        let exact: f64 = products().sum();
+        let magnitude: f64 = products().map(f64::abs).sum();
+        let error = (m[i * width + j] - exact).abs();
+        assert!(error <= 1e-6 * magnitude, "{error} against {magnitude}");
         assert_eq!(m[i * width + j], m[j * width + i]);
     }
 
