@@ -41,9 +41,9 @@ impl Default for GptqOptions {
     }
 }
 
-/// Rows rounded together, so each row of the inverse Hessian factor is read
-/// once per group from memory rather than once per row.
-const ROW_GROUP: usize = 8;
+/// Rows rounded together, so the inverse Hessian's factor is read once per
+/// group from memory rather than once per row.
+const ROW_GROUP: usize = 32;
 
 /// The part of GPTQ that depends only on a layer input's Hessian (the
 /// column order and the inverse Hessian's factor), computed once for every
@@ -52,9 +52,57 @@ const ROW_GROUP: usize = 8;
 pub struct Gptq {
     inputs: usize,
     order: Vec<usize>,
-    factor: Vec<f64>,
+    /// The factor's upper triangle, cut by blocks of columns as rounding
+    /// reads it.
+    blocks: Vec<FactorBlock>,
     block_size: usize,
     tier: Tier,
+}
+
+/// The factor's rows `start..end` (a block of columns rounded together):
+/// `inner` their square on the block's own columns (`ks × ks`, row-major),
+/// `panels` the rest of them, right of the block, in tiles of
+/// [`TILE_COLUMNS`] columns (`[tile][row][TILE_COLUMNS]`, zero past the
+/// width), so a tile of the lazy update reads its part as one stream.
+/// Together they hold the upper triangle, half the full matrix's memory.
+#[derive(Debug, Clone)]
+struct FactorBlock {
+    start: usize,
+    end: usize,
+    inner: Vec<f64>,
+    panels: Vec<f64>,
+}
+
+impl FactorBlock {
+    /// Cuts the blocks of `block` columns from the row-major `n × n` factor.
+    fn cut(factor: &[f64], n: usize, block: usize) -> Vec<Self> {
+        (0..n)
+            .step_by(block)
+            .map(|start| {
+                let end = (start + block).min(n);
+                let ks = end - start;
+                let mut inner = Vec::with_capacity(ks * ks);
+                for k in start..end {
+                    inner.extend_from_slice(&factor[k * n + start..k * n + end]);
+                }
+                let tiles = (n - end).div_ceil(TILE_COLUMNS);
+                let mut panels = vec![0.0; tiles * ks * TILE_COLUMNS];
+                for k in start..end {
+                    let row = &factor[k * n + end..(k + 1) * n];
+                    for (t, columns) in row.chunks(TILE_COLUMNS).enumerate() {
+                        let at = (t * ks + k - start) * TILE_COLUMNS;
+                        panels[at..at + columns.len()].copy_from_slice(columns);
+                    }
+                }
+                Self {
+                    start,
+                    end,
+                    inner,
+                    panels,
+                }
+            })
+            .collect()
+    }
 }
 
 /// The vector unit the solver's f64 loops are compiled for. Every tier runs
@@ -143,11 +191,12 @@ impl Gptq {
         // weights are rounded to nearest and take no part in the solve.
         let order = column_order(hessian, inputs, options.act_order);
         let factor = inverse_factor(tier, hessian, inputs, &order, options.dampening)?;
+        let block_size = options.block_size.max(1);
         Ok(Self {
             inputs,
             order,
-            factor,
-            block_size: options.block_size.max(1),
+            blocks: FactorBlock::cut(&factor, inputs, block_size),
+            block_size,
             tier,
         })
     }
@@ -185,7 +234,7 @@ tiered! {
 
 #[inline(always)]
 fn round_rows_body(g: &Gptq, w: &[f32], scales: &[f32], q: &mut [i8]) {
-    let (n, block, order, factor) = (g.inputs, g.block_size, &g.order, &g.factor);
+    let (n, block, order) = (g.inputs, g.block_size, &g.order);
     let rows = scales.len();
     let qmax = f64::from(WEIGHT_QMAX);
     // Working copy in rounding order.
@@ -193,11 +242,13 @@ fn round_rows_body(g: &Gptq, w: &[f32], scales: &[f32], q: &mut [i8]) {
         .flat_map(|r| order.iter().map(move |&c| f64::from(w[r * n + c])))
         .collect();
     let mut errors = vec![0.0; rows * block];
-    for start in (0..n).step_by(block) {
-        let end = (start + block).min(n);
+    for factor in &g.blocks {
+        let (start, end) = (factor.start, factor.end);
+        let ks = end - start;
         for i in start..end {
-            let d = factor[i * n + i];
-            let u = &factor[i * n + i + 1..i * n + end];
+            let a = i - start;
+            let d = factor.inner[a * ks + a];
+            let u = &factor.inner[a * ks + a + 1..(a + 1) * ks];
             for r in 0..rows {
                 let scale = f64::from(scales[r]);
                 let row = &mut work[r * n..(r + 1) * n];
@@ -205,40 +256,95 @@ fn round_rows_body(g: &Gptq, w: &[f32], scales: &[f32], q: &mut [i8]) {
                 let rounded = (value / scale).round_ties_even().clamp(-qmax, qmax);
                 q[r * n + order[i]] = rounded as i8;
                 let error = (value - rounded * scale) / d;
-                errors[r * block + (i - start)] = error;
+                errors[a * rows + r] = error;
                 for (x, &u) in row[i + 1..end].iter_mut().zip(u) {
                     *x -= error * u;
                 }
             }
         }
-        // The block's errors reach the columns after it at once; each
-        // factor row is read once for the whole group of rows, and four
-        // columns' updates are applied in one sweep over a row (in column
-        // order, so each value sees the same operations as one sweep per
-        // column would give it, with a quarter of the loads and stores).
-        let mut k = start;
-        while k < end {
-            let fused = (end - k).min(4);
-            let u = |i: usize| &factor[(k + i) * n + end..(k + i) * n + n];
-            for r in 0..rows {
-                let e = |i: usize| errors[r * block + (k + i - start)];
-                let row = &mut work[r * n + end..(r + 1) * n];
-                if fused == 4 {
-                    let (e0, e1, e2, e3) = (e(0), e(1), e(2), e(3));
-                    let (u0, u1, u2, u3) = (u(0), u(1), u(2), u(3));
-                    for (j, x) in row.iter_mut().enumerate() {
-                        *x = *x - e0 * u0[j] - e1 * u1[j] - e2 * u2[j] - e3 * u3[j];
-                    }
+        // The block's errors reach the columns after it at once, a tile of
+        // rows × columns at a time held in registers while the block's
+        // columns pass in order: each value sees the same operations as one
+        // sweep per column would give it, with one load and one store.
+        for (t, panel) in factor.panels.chunks_exact(ks * TILE_COLUMNS).enumerate() {
+            let first_column = end + t * TILE_COLUMNS;
+            let columns = (n - first_column).min(TILE_COLUMNS);
+            for first_row in (0..rows).step_by(TILE_ROWS) {
+                let tile = Tile {
+                    first_row,
+                    first_column,
+                    panel,
+                    errors: &errors[..ks * rows],
+                    rows,
+                };
+                if columns == TILE_COLUMNS && first_row + TILE_ROWS <= rows {
+                    tile.update::<TILE_ROWS, TILE_COLUMNS>(&mut work, n);
                 } else {
-                    for i in 0..fused {
-                        let (error, u) = (e(i), u(i));
-                        for (x, &u) in row.iter_mut().zip(u) {
-                            *x -= error * u;
-                        }
-                    }
+                    tile.update_edge(&mut work, n, columns);
                 }
             }
-            k += fused;
+        }
+    }
+}
+
+/// Rows and columns of the lazy update's register tile: 4 vectors of 8 f64
+/// lanes on AVX-512, 8 of 4 on AVX2. (LLVM keeps an 8-row tile in memory,
+/// not registers: 6× slower.)
+const TILE_ROWS: usize = 4;
+const TILE_COLUMNS: usize = 8;
+
+/// A tile of the lazy update: rows from `first_row` of the group, columns
+/// from `first_column`; `panel` holds the factor's rows for the block's
+/// columns over the tile's columns (`TILE_COLUMNS` each, zero past the
+/// width), `errors` the block's rounding errors (`rows` per column of the
+/// block).
+struct Tile<'a> {
+    first_row: usize,
+    first_column: usize,
+    panel: &'a [f64],
+    errors: &'a [f64],
+    rows: usize,
+}
+
+impl Tile<'_> {
+    /// `work[r][c] -= error[k][r] · factor[k][c]` for the block's columns
+    /// `k` in order, on a full `R × C` tile kept in registers.
+    #[inline(always)]
+    fn update<const R: usize, const C: usize>(&self, work: &mut [f64], n: usize) {
+        let at = |r: usize| (self.first_row + r) * n + self.first_column;
+        let mut acc = [[0f64; C]; R];
+        for (r, values) in acc.iter_mut().enumerate() {
+            values.copy_from_slice(&work[at(r)..at(r) + C]);
+        }
+        let rows = self.first_row..self.first_row + R;
+        for (u, errors) in self
+            .panel
+            .chunks_exact(C)
+            .zip(self.errors.chunks_exact(self.rows))
+        {
+            let u: &[f64; C] = u.try_into().expect("a tile's width");
+            let errors: &[f64; R] = errors[rows.clone()].try_into().expect("a tile's height");
+            for (values, &error) in acc.iter_mut().zip(errors) {
+                for (x, &u) in values.iter_mut().zip(u) {
+                    *x -= error * u;
+                }
+            }
+        }
+        for (r, values) in acc.iter().enumerate() {
+            work[at(r)..at(r) + C].copy_from_slice(values);
+        }
+    }
+
+    /// The same on a tile cut short by the last rows or columns.
+    fn update_edge(&self, work: &mut [f64], n: usize, columns: usize) {
+        for r in self.first_row..self.rows.min(self.first_row + TILE_ROWS) {
+            let row = &mut work[r * n + self.first_column..r * n + self.first_column + columns];
+            let errors = self.errors.iter().skip(r).step_by(self.rows);
+            for (u, &error) in self.panel.chunks_exact(TILE_COLUMNS).zip(errors) {
+                for (x, &u) in row.iter_mut().zip(u) {
+                    *x -= error * u;
+                }
+            }
         }
     }
 }
@@ -540,6 +646,80 @@ mod tests {
         }
     }
 
+    impl Gptq {
+        /// The factor's upper triangle as a row-major `n × n` matrix, put
+        /// back together from its blocks.
+        fn factor(&self) -> Vec<f64> {
+            let n = self.inputs;
+            let mut full = vec![0.0; n * n];
+            for b in &self.blocks {
+                let ks = b.end - b.start;
+                for k in b.start..b.end {
+                    let row = &mut full[k * n..(k + 1) * n];
+                    let inner = &b.inner[(k - b.start) * ks..(k - b.start + 1) * ks];
+                    row[b.start..b.end].copy_from_slice(inner);
+                    for (t, tile) in row[b.end..].chunks_mut(TILE_COLUMNS).enumerate() {
+                        let at = (t * ks + k - b.start) * TILE_COLUMNS;
+                        tile.copy_from_slice(&b.panels[at..at + tile.len()]);
+                    }
+                }
+            }
+            full
+        }
+    }
+
+    /// GPTQ as the paper states it: each column rounded in turn and its
+    /// error spread over every later column at once.
+    fn column_by_column(g: &Gptq, weight: &[f32], out: usize) -> Vec<i8> {
+        let n = g.inputs;
+        let factor = g.factor();
+        let scales = row_scales(weight, n);
+        let qmax = f64::from(WEIGHT_QMAX);
+        let mut q = vec![0i8; out * n];
+        for r in 0..out {
+            let mut row: Vec<f64> = g
+                .order
+                .iter()
+                .map(|&c| f64::from(weight[r * n + c]))
+                .collect();
+            let scale = f64::from(scales[r]);
+            for i in 0..n {
+                let rounded = (row[i] / scale).round_ties_even().clamp(-qmax, qmax);
+                q[r * n + g.order[i]] = rounded as i8;
+                let error = (row[i] - rounded * scale) / factor[i * n + i];
+                for j in i + 1..n {
+                    row[j] -= error * factor[i * n + j];
+                }
+            }
+        }
+        q
+    }
+
+    #[test]
+    fn lazy_blocks_and_tiles_give_the_bits_of_column_by_column_rounding() {
+        // Whole and cut tiles of rows and columns, blocks that do and do
+        // not divide the width, more rows than one group.
+        for (out, n, block) in [(11, 37, 16), (37, 70, 16), (70, 100, 128), (5, 3, 1)] {
+            let (_, h) = correlated_inputs(200, n, n as u64);
+            let mut next = lcg(out as u64);
+            let weight: Vec<f32> = (0..out * n).map(|_| next() as f32).collect();
+            for act_order in [false, true] {
+                let options = GptqOptions {
+                    block_size: block,
+                    act_order,
+                    ..GptqOptions::default()
+                };
+                let g = Gptq::new(&h, n, &options).unwrap();
+                let rounded = g.round(&weight, out).unwrap();
+                assert_eq!(
+                    rounded.values,
+                    column_by_column(&g, &weight, out),
+                    "{out}×{n}, block {block}, act order {act_order}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn uncorrelated_inputs_round_to_nearest() {
         let (out, n) = (5, 33);
@@ -603,7 +783,7 @@ mod tests {
         };
         let on = |tier| {
             let g = Gptq::new_on(tier, &h, n, &options).unwrap();
-            (g.factor.clone(), g.round(&weight, out).unwrap())
+            (g.factor(), g.round(&weight, out).unwrap())
         };
         let baseline = on(Tier::Baseline);
         for tier in Tier::ALL.into_iter().filter(|t| t.is_supported()) {
