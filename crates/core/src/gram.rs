@@ -133,7 +133,8 @@ impl Gram {
 
     /// Adds `values` with a chosen kernel tier; errors if the CPU lacks it.
     /// Tests use this to compare tiers. A refused observation leaves the
-    /// matrix unchanged.
+    /// matrix unchanged. Nothing the size of the matrix is allocated: sums
+    /// are added in place, a panel of rows at a time.
     pub fn observe_with(&mut self, tier: GramTier, values: &[f32]) -> Result<()> {
         if !tier.is_supported() {
             return Err(Error::UnsupportedTier(format!("{tier:?}")));
@@ -150,47 +151,29 @@ impl Gram {
                 "a {width}-wide input holds {bad}; its Gram matrix is undefined (a NaN or infinite activation upstream)"
             )));
         }
-        let mut sums = self.upper.clone();
+        // Sums are added in place; an entry that cannot be added undoes
+        // what this observation added before it (the integers are exact, so
+        // subtracting them restores every entry), recomputing the chunks.
         let scale = 2f64.powi(self.exponent);
         let padded = width.next_multiple_of(PANEL);
-        let mut packed = Vec::new();
-        let mut partial = vec![0f32; sums.len()];
-        for chunk in values.chunks(CHUNK_ROWS * width) {
-            let rows = chunk.len() / width;
+        let (mut packed, mut strip) = (Vec::new(), Vec::new());
+        let mut chunks = values.chunks(CHUNK_ROWS * width);
+        for (done, chunk) in chunks.by_ref().enumerate() {
             pack(chunk, width, padded, &mut packed);
-            match tier {
-                GramTier::Portable => chunk_portable(&packed, rows, width, &mut partial),
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `is_supported` confirmed AVX2 above.
-                GramTier::Avx2 => unsafe { chunk_avx2(&packed, rows, width, &mut partial) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `is_supported` confirmed AVX-512F above.
-                GramTier::Avx512 => unsafe { chunk_avx512(&packed, rows, width, &mut partial) },
-                #[cfg(not(target_arch = "x86_64"))]
-                GramTier::Avx2 | GramTier::Avx512 => unreachable!("rejected by is_supported"),
+            let Err(entry) =
+                observe_chunk(tier, &packed, width, &mut self.upper, scale, &mut strip)
+            else {
+                continue;
+            };
+            for (c, chunk) in values.chunks(CHUNK_ROWS * width).take(done + 1).enumerate() {
+                pack(chunk, width, padded, &mut packed);
+                let added = if c == done { entry } else { self.upper.len() };
+                subtract_chunk(&packed, width, &mut self.upper[..added], scale, &mut strip);
             }
-            self.accumulate(&mut sums, &partial, scale)?;
+            let (i, j) = upper_entry(width, entry);
+            return Err(self.overflow(i, j));
         }
-        self.upper = sums;
         self.rows += (values.len() / width) as u64;
-        Ok(())
-    }
-
-    /// Adds a chunk's sums (the upper triangle, row by row), scaled and
-    /// rounded to integers, to `sums`.
-    fn accumulate(&self, sums: &mut [i128], partial: &[f32], scale: f64) -> Result<()> {
-        let n = self.width;
-        let mut index = 0;
-        for i in 0..n {
-            for j in i..n {
-                let fixed = to_fixed(f64::from(partial[index]) * scale)
-                    .ok_or_else(|| self.overflow(i, j))?;
-                sums[index] = sums[index]
-                    .checked_add(fixed)
-                    .ok_or_else(|| self.overflow(i, j))?;
-                index += 1;
-            }
-        }
         Ok(())
     }
 
@@ -297,6 +280,16 @@ fn upper_index(n: usize, i: usize, j: usize) -> usize {
     i * (2 * n - i + 1) / 2 + (j - i)
 }
 
+/// `(i, j)` of the entry at `index` of a row-major upper triangle of width
+/// `n`.
+fn upper_entry(n: usize, index: usize) -> (usize, usize) {
+    let i = (0..n)
+        .take_while(|&i| upper_index(n, i, i) <= index)
+        .last()
+        .expect("index inside the triangle");
+    (i, i + index - upper_index(n, i, i))
+}
+
 /// `value` rounded half to even, as an integer under `2^127`; `None` past it.
 #[inline(always)]
 fn to_fixed(value: f64) -> Option<i128> {
@@ -351,43 +344,119 @@ fn pack(values: &[f32], width: usize, padded: usize, out: &mut Vec<f32>) {
     }
 }
 
-/// The kernel: for every tile of `ROWS` rows × `PANELS` panels of entries on
-/// or above the diagonal, the sums over the chunk's rows in order, handed to
-/// `add(i, j, sum)` for each entry with `j ≥ i` inside the width. The tile's
-/// shape decides only which sums are computed side by side, never an entry's
-/// operations, so each tier picks the shape that fills its registers.
-/// `inline(always)` so each tier compiles its own copy.
+/// Adds one chunk (`packed` by [`pack`]) to `upper`: for each panel of
+/// [`PANEL`] rows of the matrix, the tiles' sums on or above the diagonal
+/// into `strip` (that panel's part of the upper triangle), then scaled,
+/// rounded and added as integers. `Err(index)`: the entry at `index` could
+/// not be added; those before it were.
+fn observe_chunk(
+    tier: GramTier,
+    packed: &[f32],
+    width: usize,
+    upper: &mut [i128],
+    scale: f64,
+    strip: &mut Vec<f32>,
+) -> std::result::Result<(), usize> {
+    match tier {
+        GramTier::Portable => chunk_portable(packed, width, upper, scale, strip),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller checked `tier.is_supported()`.
+        GramTier::Avx2 => unsafe { chunk_avx2(packed, width, upper, scale, strip) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        GramTier::Avx512 => unsafe { chunk_avx512(packed, width, upper, scale, strip) },
+        #[cfg(not(target_arch = "x86_64"))]
+        GramTier::Avx2 | GramTier::Avx512 => unreachable!("rejected by is_supported"),
+    }
+}
+
+/// Undoes [`observe_chunk`] on the entries of `upper` it was given (the
+/// first ones of the triangle): recomputes the chunk's sums and subtracts
+/// their integers. Any tier gives the same sums; the portable one will do
+/// on this rare path.
+fn subtract_chunk(
+    packed: &[f32],
+    width: usize,
+    upper: &mut [i128],
+    scale: f64,
+    strip: &mut Vec<f32>,
+) {
+    let rows = packed.len() / width.next_multiple_of(PANEL);
+    let panels = width.div_ceil(PANEL);
+    for pi in 0..panels {
+        let base = upper_index(width, pi * PANEL, pi * PANEL);
+        if base >= upper.len() {
+            break;
+        }
+        let sums = panel_sums::<4, 1>(packed, rows, width, pi, strip);
+        for (entry, &sum) in upper[base..].iter_mut().zip(sums.iter()) {
+            let fixed = to_fixed(f64::from(sum) * scale).expect("it was added before");
+            *entry -= fixed;
+        }
+    }
+}
+
+/// The kernel: one chunk's sums, a panel of [`PANEL`] matrix rows at a
+/// time ([`panel_sums`]), each panel's scaled, rounded and added to `upper`
+/// before the next. `inline(always)` so each tier compiles its own copy
+/// (the rounding too: without SSE4.1 it is a library call).
 #[inline(always)]
 fn chunk_kernel<const ROWS: usize, const PANELS: usize>(
     packed: &[f32],
+    width: usize,
+    upper: &mut [i128],
+    scale: f64,
+    strip: &mut Vec<f32>,
+) -> std::result::Result<(), usize> {
+    let rows = packed.len() / width.next_multiple_of(PANEL);
+    for pi in 0..width.div_ceil(PANEL) {
+        let base = upper_index(width, pi * PANEL, pi * PANEL);
+        let sums = panel_sums::<ROWS, PANELS>(packed, rows, width, pi, strip);
+        for (at, (entry, &sum)) in upper[base..].iter_mut().zip(sums.iter()).enumerate() {
+            let added = to_fixed(f64::from(sum) * scale).and_then(|fixed| entry.checked_add(fixed));
+            *entry = added.ok_or(base + at)?;
+        }
+    }
+    Ok(())
+}
+
+/// The sums of matrix rows `pi · PANEL ..` (one panel, cut at the width)
+/// on and above the diagonal, over the chunk's rows in order, written into
+/// `strip` in the upper triangle's order: tiles of `ROWS` rows ×
+/// `PANELS` panels. The tile's shape decides only which sums are computed
+/// side by side, never an entry's operations, so each tier picks the shape
+/// that fills its registers.
+#[inline(always)]
+fn panel_sums<'a, const ROWS: usize, const PANELS: usize>(
+    packed: &[f32],
     rows: usize,
     width: usize,
-    partial: &mut [f32],
-) {
+    pi: usize,
+    strip: &'a mut Vec<f32>,
+) -> &'a [f32] {
     const { assert!(PANEL.is_multiple_of(ROWS)) };
     let panels = width.div_ceil(PANEL);
+    let first = pi * PANEL;
+    let last = (first + PANEL).min(width);
+    let base = upper_index(width, first, first);
+    strip.resize(upper_index(width, last, last) - base, 0.0);
     let panel = |p: usize| &packed[p * rows * PANEL..(p + 1) * rows * PANEL];
-    for pi in 0..panels {
-        for offset in (0..PANEL).step_by(ROWS) {
-            let i0 = pi * PANEL + offset;
-            if i0 >= width {
-                break;
-            }
-            let mut pj = pi;
-            while pj < panels {
-                if pj + PANELS <= panels {
-                    let sums =
-                        tile::<ROWS, PANELS>(panel(pi), offset, &packed[pj * rows * PANEL..]);
-                    hand_over(&sums, i0, pj, width, partial);
-                    pj += PANELS;
-                } else {
-                    let sums = tile::<ROWS, 1>(panel(pi), offset, panel(pj));
-                    hand_over(&sums, i0, pj, width, partial);
-                    pj += 1;
-                }
+    for offset in (0..last - first).step_by(ROWS) {
+        let i0 = first + offset;
+        let mut pj = pi;
+        while pj < panels {
+            if pj + PANELS <= panels {
+                let sums = tile::<ROWS, PANELS>(panel(pi), offset, &packed[pj * rows * PANEL..]);
+                hand_over(&sums, i0, pj, width, base, strip);
+                pj += PANELS;
+            } else {
+                let sums = tile::<ROWS, 1>(panel(pi), offset, panel(pj));
+                hand_over(&sums, i0, pj, width, base, strip);
+                pj += 1;
             }
         }
     }
+    strip
 }
 
 /// One tile's sums: rows `offset..offset + ROWS` of the panel `a` against
@@ -419,44 +488,64 @@ fn tile<const ROWS: usize, const PANELS: usize>(
 }
 
 /// Writes a tile's entries on or above the diagonal and inside the width
-/// into `partial`, the chunk's upper triangle, row by row.
+/// into `strip`, the part of the upper triangle from index `base`.
 #[inline(always)]
 fn hand_over<const ROWS: usize, const PANELS: usize>(
     sums: &[[[f32; PANEL]; PANELS]; ROWS],
     i0: usize,
     pj: usize,
     width: usize,
-    partial: &mut [f32],
+    base: usize,
+    strip: &mut [f32],
 ) {
     for (i, row) in (i0..width).zip(sums) {
         let columns = row.as_flattened();
         let first = (pj * PANEL).max(i);
         let end = ((pj + PANELS) * PANEL).min(width);
         if first < end {
-            let at = upper_index(width, i, first);
-            partial[at..at + end - first]
+            let at = upper_index(width, i, first) - base;
+            strip[at..at + end - first]
                 .copy_from_slice(&columns[first - pj * PANEL..end - pj * PANEL]);
         }
     }
 }
 
 /// Tiles of 4 rows × one panel: 64 sums, 16 registers of four lanes.
-fn chunk_portable(packed: &[f32], rows: usize, width: usize, partial: &mut [f32]) {
-    chunk_kernel::<4, 1>(packed, rows, width, partial)
+fn chunk_portable(
+    packed: &[f32],
+    width: usize,
+    upper: &mut [i128],
+    scale: f64,
+    strip: &mut Vec<f32>,
+) -> std::result::Result<(), usize> {
+    chunk_kernel::<4, 1>(packed, width, upper, scale, strip)
 }
 
 /// Tiles of 4 rows × one panel: 8 of AVX2's 16 registers hold the sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn chunk_avx2(packed: &[f32], rows: usize, width: usize, partial: &mut [f32]) {
-    chunk_kernel::<4, 1>(packed, rows, width, partial)
+fn chunk_avx2(
+    packed: &[f32],
+    width: usize,
+    upper: &mut [i128],
+    scale: f64,
+    strip: &mut Vec<f32>,
+) -> std::result::Result<(), usize> {
+    chunk_kernel::<4, 1>(packed, width, upper, scale, strip)
 }
 
-/// Tiles of 8 rows × two panels: 16 of AVX-512's 32 registers hold the sums.
+/// Tiles of 4 rows × two panels: 8 of AVX-512's 32 registers hold the sums.
+/// (LLVM keeps an 8-row tile in memory, not registers: 8× slower.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn chunk_avx512(packed: &[f32], rows: usize, width: usize, partial: &mut [f32]) {
-    chunk_kernel::<4, 2>(packed, rows, width, partial)
+fn chunk_avx512(
+    packed: &[f32],
+    width: usize,
+    upper: &mut [i128],
+    scale: f64,
+    strip: &mut Vec<f32>,
+) -> std::result::Result<(), usize> {
+    chunk_kernel::<4, 2>(packed, width, upper, scale, strip)
 }
 
 #[cfg(test)]
@@ -576,6 +665,23 @@ mod tests {
         );
         assert!(matches!(gram.observe(&[1.0]), Err(Error::Shape(_))));
         assert_eq!(gram, before);
+        // A value far out of range in the last of three chunks, past the
+        // first panel: the chunks before it and the entries of its chunk
+        // before the first bad one were added, and are taken back.
+        let width = 40;
+        let mut v = values(600, width, 5);
+        v[599 * width + 35] = 1e18;
+        for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
+            if !tier.is_supported() {
+                continue;
+            }
+            let mut gram = Gram::new(width, Gram::exponent_for(4.0, 600).unwrap()).unwrap();
+            gram.observe(&v[..100 * width]).unwrap();
+            let before = gram.clone();
+            let e = gram.observe_with(tier, &v).unwrap_err();
+            assert!(e.to_string().contains("entry (0, 35)"), "{e}");
+            assert_eq!(gram, before, "{tier:?}");
+        }
         // Merging past i128 is refused too.
         let mut big = Gram::from_parts(1, 0, 1, vec![i128::MAX - 1]).unwrap();
         let one = Gram::from_parts(1, 0, 1, vec![2]).unwrap();
