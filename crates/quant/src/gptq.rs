@@ -382,7 +382,8 @@ fn column_order(hessian: &[f64], n: usize, act_order: bool) -> Vec<usize> {
 ///
 /// With `R` upper triangular and `H = R Rᵀ` (the Cholesky factor of `H` with
 /// its rows and columns reversed, reversed back), `H⁻¹ = R⁻ᵀ R⁻¹`, so
-/// `U = R⁻¹`: one factorization and one triangular inverse.
+/// `U = R⁻¹`: one factorization and one triangular inverse, both sums of
+/// products of two rows computed in register tiles.
 fn inverse_factor(
     tier: Tier,
     hessian: &[f64],
@@ -418,14 +419,16 @@ fn inverse_factor(
         }
     }
     cholesky_lower(tier, &mut reversed, n)?;
-    // R = reverse(L): R[i][j] = L[n−1−i][n−1−j], upper triangular.
-    let mut r = vec![0.0; n * n];
+    // R = reverse(L), so U = R⁻¹ = reverse(L⁻¹):
+    // U[i][j] = L⁻¹[n−1−i][n−1−j] = Y[n−1−j][n−1−i] with Y = (L⁻¹)ᵀ.
+    let y = inverse_transposed(tier, &reversed, n);
+    let mut u = vec![0.0; n * n];
     for i in 0..n {
         for j in i..n {
-            r[i * n + j] = reversed[(n - 1 - i) * n + (n - 1 - j)];
+            u[i * n + j] = y[(n - 1 - j) * n + (n - 1 - i)];
         }
     }
-    Ok(upper_inverse(tier, &r, n))
+    Ok(u)
 }
 
 /// Rows of the Cholesky factorization and of the triangular inverse worked
@@ -435,121 +438,223 @@ fn inverse_factor(
 /// a 2 048-wide factor are 512 KB, which the L2 cache holds.
 const SOLVE_BLOCK: usize = 32;
 
-tiered! {
-    /// In-place Cholesky factorization `A = L Lᵀ` of the lower triangle of
-    /// `a` (row-major `n × n`; the upper triangle is ignored and left as is).
-    fn cholesky_lower => cholesky_lower_body(a: &mut [f64], n: usize) -> Result<()>
+/// In-place Cholesky factorization `A = L Lᵀ` of the lower triangle of `a`
+/// (row-major `n × n`; the upper triangle is ignored and left as is), on
+/// the tier's copy with its register tile.
+fn cholesky_lower(tier: Tier, a: &mut [f64], n: usize) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2(a: &mut [f64], n: usize) -> Result<()> {
+        cholesky_lower_body::<2, 2>(a, n)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn avx512(a: &mut [f64], n: usize) -> Result<()> {
+        cholesky_lower_body::<4, 2>(a, n)
+    }
+    debug_assert!(tier.is_supported());
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Tier` in use is one the CPU supports.
+        Tier::Avx2 => unsafe { avx2(a, n) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Tier::Avx512 => unsafe { avx512(a, n) },
+        _ => cholesky_lower_body::<2, 2>(a, n),
+    }
 }
 
+/// Blocks of [`SOLVE_BLOCK`] rows. For a block's entries in the columns of
+/// an earlier block `k0..`, the products over the columns before `k0` are
+/// summed first, [`block_dots`] in register tiles of `JT × KT` entries;
+/// the block's own columns `k0..` are then subtracted one at a time, in
+/// order. Each entry's operations are fixed by that recipe, never by the
+/// tile, so every tier gives the same bits.
 #[inline(always)]
-fn cholesky_lower_body(a: &mut [f64], n: usize) -> Result<()> {
+fn cholesky_lower_body<const JT: usize, const KT: usize>(a: &mut [f64], n: usize) -> Result<()> {
+    let mut sums = vec![0.0; SOLVE_BLOCK * SOLVE_BLOCK];
     for j0 in (0..n).step_by(SOLVE_BLOCK) {
         let j1 = (j0 + SOLVE_BLOCK).min(n);
         let (done, rest) = a.split_at_mut(j0 * n);
         let block = &mut rest[..(j1 - j0) * n];
-        // L[j][k] for the finished rows k < j0, each read once for the
-        // block; every row still takes its k in increasing order.
-        for k in 0..j0 {
-            let row_k = &done[k * n..k * n + k + 1];
-            for row_j in block.chunks_exact_mut(n) {
-                row_j[k] = (row_j[k] - dot(&row_j[..k], &row_k[..k])) / row_k[k];
+        for k0 in (0..j1).step_by(SOLVE_BLOCK) {
+            let diagonal = k0 == j0;
+            let k1 = (k0 + SOLVE_BLOCK).min(j1);
+            let earlier: &[f64] = if diagonal {
+                block
+            } else {
+                &done[k0 * n..k1 * n]
+            };
+            block_dots::<JT, KT>((block, j1 - j0), (earlier, k1 - k0), n, 0..k0, &mut sums);
+            for k in k0..k1 {
+                let first = if diagonal { k } else { j0 };
+                for j in first..j1 {
+                    let row_j = (j - j0) * n;
+                    // Row k of L: in the block on its diagonal, else finished.
+                    let l_k = |m: usize| {
+                        if diagonal {
+                            block[(k - j0) * n + m]
+                        } else {
+                            done[k * n + m]
+                        }
+                    };
+                    let mut t = block[row_j + k] - sums[(j - j0) * SOLVE_BLOCK + k - k0];
+                    for m in k0..k {
+                        t -= block[row_j + m] * l_k(m);
+                    }
+                    block[row_j + k] = if j == k {
+                        if !(t > 0.0 && t.is_finite()) {
+                            return Err(Error::Gptq(format!(
+                                "the dampened Hessian is not positive definite at column {j}; raise gptq.dampening"
+                            )));
+                        }
+                        t.sqrt()
+                    } else {
+                        t / l_k(k)
+                    };
+                }
             }
-        }
-        // Then the block's own columns and the diagonal, row by row.
-        for j in j0..j1 {
-            let (earlier, current) = block.split_at_mut((j - j0) * n);
-            let row_j = &mut current[..n];
-            for k in j0..j {
-                let row_k = &earlier[(k - j0) * n..(k - j0) * n + k + 1];
-                row_j[k] = (row_j[k] - dot(&row_j[..k], &row_k[..k])) / row_k[k];
-            }
-            let pivot = row_j[j] - dot(&row_j[..j], &row_j[..j]);
-            if !(pivot > 0.0 && pivot.is_finite()) {
-                return Err(Error::Gptq(format!(
-                    "the dampened Hessian is not positive definite at column {j}; raise gptq.dampening"
-                )));
-            }
-            row_j[j] = pivot.sqrt();
         }
     }
     Ok(())
 }
 
-/// `Σ a[m]·b[m]` in a fixed order that vectorizes: 32 running sums over
-/// interleaved lanes, added pairwise at the end, then the tail. (A sum in
-/// index order is one chain of dependent additions.)
-#[inline(always)]
-fn dot(a: &[f64], b: &[f64]) -> f64 {
-    // Four AVX-512 registers' worth: enough independent chains to keep the
-    // adders busy on every tier.
-    const LANES: usize = 32;
-    let mut lanes = [0f64; LANES];
-    for (x, y) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
-        for l in 0..LANES {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    let done = a.len() / LANES * LANES;
-    let tail: f64 = a[done..].iter().zip(&b[done..]).map(|(x, y)| x * y).sum();
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for l in 0..width {
-            lanes[l] += lanes[l + width];
-        }
-    }
-    lanes[0] + tail
-}
+/// Lanes of the factorization's sums of products: one AVX-512 register,
+/// two of AVX2.
+const LANES: usize = 8;
 
-tiered! {
-    /// The inverse of the upper-triangular `r` (row-major `n × n`), itself
-    /// upper triangular: back substitution, rows from the last up.
-    fn upper_inverse => upper_inverse_body(r: &[f64], n: usize) -> Vec<f64>
-}
-
+/// `sums[j][k] = Σ_{m ∈ columns} x[j][m] · y[k][m]` for the first `x_rows`
+/// rows of `x` and `y_rows` of `y` (row stride `n`, at most
+/// [`SOLVE_BLOCK`] each; `sums` row stride `SOLVE_BLOCK`), the range's
+/// length a multiple of [`LANES`]. Each sum keeps [`LANES`]
+/// running sums over interleaved columns, in column order, added pairwise
+/// at the end; `JT × KT` of them are computed side by side in registers,
+/// each row's values loaded once for the tile.
 #[inline(always)]
-fn upper_inverse_body(r: &[f64], n: usize) -> Vec<f64> {
-    let mut inv = vec![0.0; n * n];
-    // Row i of the inverse: inv[i][j] = −(Σ_{i<m≤j} r[i][m] · inv[m][j]) / d,
-    // for blocks of rows from the bottom: first the finished rows below the
-    // block (each read once for the block), then the block's own rows.
-    let mut i1 = n;
-    while i1 > 0 {
-        let i0 = i1.saturating_sub(SOLVE_BLOCK);
-        let (head, below) = inv.split_at_mut(i1 * n);
-        let block = &mut head[i0 * n..];
-        for m in i1..n {
-            let other = &below[(m - i1) * n..(m - i1 + 1) * n];
-            for (i, row) in (i0..i1).zip(block.chunks_exact_mut(n)) {
-                let coefficient = r[i * n + m];
-                if coefficient != 0.0 {
-                    for (v, &o) in row[m..].iter_mut().zip(&other[m..]) {
-                        *v -= coefficient * o;
+fn block_dots<const JT: usize, const KT: usize>(
+    (x, x_rows): (&[f64], usize),
+    (y, y_rows): (&[f64], usize),
+    n: usize,
+    columns: std::ops::Range<usize>,
+    sums: &mut [f64],
+) {
+    debug_assert!(columns.len().is_multiple_of(LANES));
+    let finish = |mut lanes: [f64; LANES]| {
+        let mut width = LANES;
+        while width > 1 {
+            width /= 2;
+            for l in 0..width {
+                lanes[l] += lanes[l + width];
+            }
+        }
+        lanes[0]
+    };
+    let chunk = |rows: &[f64], row: usize, at: usize| -> [f64; LANES] {
+        rows[row * n + at..row * n + at + LANES]
+            .try_into()
+            .expect("a chunk of lanes")
+    };
+    for j in (0..x_rows).step_by(JT) {
+        for k in (0..y_rows).step_by(KT) {
+            if j + JT <= x_rows && k + KT <= y_rows {
+                let mut acc = [[[0f64; LANES]; KT]; JT];
+                for at in columns.clone().step_by(LANES) {
+                    let ys: [[f64; LANES]; KT] = std::array::from_fn(|b| chunk(y, k + b, at));
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        let xa = chunk(x, j + a, at);
+                        for (lanes, yb) in acc.iter_mut().zip(&ys) {
+                            for l in 0..LANES {
+                                lanes[l] += xa[l] * yb[l];
+                            }
+                        }
+                    }
+                }
+                for (a, acc) in acc.into_iter().enumerate() {
+                    for (b, lanes) in acc.into_iter().enumerate() {
+                        sums[(j + a) * SOLVE_BLOCK + k + b] = finish(lanes);
+                    }
+                }
+            } else {
+                for a in j..(j + JT).min(x_rows) {
+                    for b in k..(k + KT).min(y_rows) {
+                        let mut lanes = [0f64; LANES];
+                        for at in columns.clone().step_by(LANES) {
+                            let (xa, yb) = (chunk(x, a, at), chunk(y, b, at));
+                            for l in 0..LANES {
+                                lanes[l] += xa[l] * yb[l];
+                            }
+                        }
+                        sums[a * SOLVE_BLOCK + b] = finish(lanes);
                     }
                 }
             }
         }
-        for i in (i0..i1).rev() {
-            let d = r[i * n + i];
-            let (own, finished) = block.split_at_mut((i - i0 + 1) * n);
-            let row = &mut own[(i - i0) * n..];
-            for m in i + 1..i1 {
-                let coefficient = r[i * n + m];
-                if coefficient != 0.0 {
-                    let other = &finished[(m - i - 1) * n..(m - i) * n];
-                    for (v, &o) in row[m..].iter_mut().zip(&other[m..]) {
-                        *v -= coefficient * o;
+    }
+}
+
+/// `Y = (L⁻¹)ᵀ` of the lower-triangular `l` (row-major `n × n`), upper
+/// triangular, on the tier's copy with its register tile.
+fn inverse_transposed(tier: Tier, l: &[f64], n: usize) -> Vec<f64> {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2(l: &[f64], n: usize) -> Vec<f64> {
+        inverse_transposed_body::<2, 2>(l, n)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn avx512(l: &[f64], n: usize) -> Vec<f64> {
+        inverse_transposed_body::<4, 2>(l, n)
+    }
+    debug_assert!(tier.is_supported());
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Tier` in use is one the CPU supports.
+        Tier::Avx2 => unsafe { avx2(l, n) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Tier::Avx512 => unsafe { avx512(l, n) },
+        _ => inverse_transposed_body::<2, 2>(l, n),
+    }
+}
+
+/// Forward substitution for every column of `L⁻¹` at once, written as
+/// rows of `Y`: `Y[j][i] = (δ_ij − Σ_{j ≤ m < i} L[i][m] · Y[j][m]) / L[i][i]`,
+/// a sum of products of two rows, like the factorization's. For a block of
+/// `Y`'s rows and the columns of a block `i0..`, the products over the
+/// columns `j0..i0` come first ([`block_dots`]; `Y[j][m]` is zero for
+/// `m < j`, so starting at the block's first row adds only zeros), then
+/// the block's own columns one at a time, in order.
+#[inline(always)]
+fn inverse_transposed_body<const JT: usize, const KT: usize>(l: &[f64], n: usize) -> Vec<f64> {
+    let mut y = vec![0.0; n * n];
+    let mut sums = vec![0.0; SOLVE_BLOCK * SOLVE_BLOCK];
+    for j0 in (0..n).step_by(SOLVE_BLOCK) {
+        let j1 = (j0 + SOLVE_BLOCK).min(n);
+        let block = &mut y[j0 * n..j1 * n];
+        for i0 in (j0..n).step_by(SOLVE_BLOCK) {
+            let i1 = (i0 + SOLVE_BLOCK).min(n);
+            block_dots::<JT, KT>(
+                (block, j1 - j0),
+                (&l[i0 * n..], i1 - i0),
+                n,
+                j0..i0,
+                &mut sums,
+            );
+            for i in i0..i1 {
+                let l_i = &l[i * n..(i + 1) * n];
+                for j in j0..j1.min(i + 1) {
+                    let row_j = (j - j0) * n;
+                    let identity = if i == j { 1.0 } else { 0.0 };
+                    let mut t = identity - sums[(j - j0) * SOLVE_BLOCK + i - i0];
+                    for m in i0.max(j)..i {
+                        t -= l_i[m] * block[row_j + m];
                     }
+                    block[row_j + i] = t / l_i[i];
                 }
             }
-            row[i] = 1.0 / d;
-            for v in &mut row[i + 1..] {
-                *v /= d;
-            }
         }
-        i1 = i0;
     }
-    inv
+    y
 }
 
 #[cfg(test)]
