@@ -16,8 +16,9 @@
 //! about 1e-6 (at worst 256 · 2⁻²⁴ ≈ 1.5e-5), under the 1 % dampening GPTQ
 //! adds to the diagonal by orders of magnitude, and the reference GPTQ sums
 //! its whole Hessian in f32. Twice the lanes per vector and half the bytes
-//! per panel make the Hessian pass's arithmetic about three times faster
-//! than f64 chunk sums were (BENCHMARKS.md, "GPTQ's time").
+//! per panel, with the sums added in place, make the Hessian arithmetic
+//! 2.1–2.5 times as fast as f64 chunk sums were (BENCHMARKS.md, "GPTQ's
+//! time").
 
 use crate::error::{Error, Result};
 
@@ -157,18 +158,35 @@ impl Gram {
         let scale = 2f64.powi(self.exponent);
         let padded = width.next_multiple_of(PANEL);
         let (mut packed, mut strip) = (Vec::new(), Vec::new());
-        let mut chunks = values.chunks(CHUNK_ROWS * width);
-        for (done, chunk) in chunks.by_ref().enumerate() {
+        let chunks = || values.chunks(CHUNK_ROWS * width);
+        for (done, chunk) in chunks().enumerate() {
             pack(chunk, width, padded, &mut packed);
-            let Err(entry) =
-                observe_chunk(tier, &packed, width, &mut self.upper, scale, &mut strip)
-            else {
+            let add = Direction::Add;
+            let Err(entry) = apply_chunk(
+                tier,
+                &packed,
+                width,
+                &mut self.upper,
+                scale,
+                &mut strip,
+                add,
+            ) else {
                 continue;
             };
-            for (c, chunk) in values.chunks(CHUNK_ROWS * width).take(done + 1).enumerate() {
+            for (c, chunk) in chunks().take(done + 1).enumerate() {
                 pack(chunk, width, padded, &mut packed);
                 let added = if c == done { entry } else { self.upper.len() };
-                subtract_chunk(&packed, width, &mut self.upper[..added], scale, &mut strip);
+                let upper = &mut self.upper[..added];
+                apply_chunk(
+                    tier,
+                    &packed,
+                    width,
+                    upper,
+                    scale,
+                    &mut strip,
+                    Direction::Take,
+                )
+                .expect("taking back what was added cannot overflow");
             }
             let (i, j) = upper_entry(width, entry);
             return Err(self.overflow(i, j));
@@ -344,62 +362,47 @@ fn pack(values: &[f32], width: usize, padded: usize, out: &mut Vec<f32>) {
     }
 }
 
-/// Adds one chunk (`packed` by [`pack`]) to `upper`: for each panel of
-/// [`PANEL`] rows of the matrix, the tiles' sums on or above the diagonal
-/// into `strip` (that panel's part of the upper triangle), then scaled,
-/// rounded and added as integers. `Err(index)`: the entry at `index` could
-/// not be added; those before it were.
-fn observe_chunk(
+/// Whether a chunk's integers are added to the sums, or taken back out
+/// after a later entry was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Add,
+    Take,
+}
+
+/// Adds one chunk (`packed` by [`pack`]) to `upper`, or takes it back out:
+/// for each panel of [`PANEL`] rows of the matrix, the tiles' sums on or
+/// above the diagonal into `strip` (that panel's part of the upper
+/// triangle), then scaled, rounded and added as integers. `upper` may be a
+/// first part of the triangle (taking back an observation cut short).
+/// `Err(index)`: the entry at `index` could not be added; those before it
+/// were.
+fn apply_chunk(
     tier: GramTier,
     packed: &[f32],
     width: usize,
     upper: &mut [i128],
     scale: f64,
     strip: &mut Vec<f32>,
+    direction: Direction,
 ) -> std::result::Result<(), usize> {
     match tier {
-        GramTier::Portable => chunk_portable(packed, width, upper, scale, strip),
+        GramTier::Portable => chunk_portable(packed, width, upper, scale, strip, direction),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller checked `tier.is_supported()`.
-        GramTier::Avx2 => unsafe { chunk_avx2(packed, width, upper, scale, strip) },
+        GramTier::Avx2 => unsafe { chunk_avx2(packed, width, upper, scale, strip, direction) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        GramTier::Avx512 => unsafe { chunk_avx512(packed, width, upper, scale, strip) },
+        GramTier::Avx512 => unsafe { chunk_avx512(packed, width, upper, scale, strip, direction) },
         #[cfg(not(target_arch = "x86_64"))]
         GramTier::Avx2 | GramTier::Avx512 => unreachable!("rejected by is_supported"),
     }
 }
 
-/// Undoes [`observe_chunk`] on the entries of `upper` it was given (the
-/// first ones of the triangle): recomputes the chunk's sums and subtracts
-/// their integers. Any tier gives the same sums; the portable one will do
-/// on this rare path.
-fn subtract_chunk(
-    packed: &[f32],
-    width: usize,
-    upper: &mut [i128],
-    scale: f64,
-    strip: &mut Vec<f32>,
-) {
-    let rows = packed.len() / width.next_multiple_of(PANEL);
-    let panels = width.div_ceil(PANEL);
-    for pi in 0..panels {
-        let base = upper_index(width, pi * PANEL, pi * PANEL);
-        if base >= upper.len() {
-            break;
-        }
-        let sums = panel_sums::<4, 1>(packed, rows, width, pi, strip);
-        for (entry, &sum) in upper[base..].iter_mut().zip(sums.iter()) {
-            let fixed = to_fixed(f64::from(sum) * scale).expect("it was added before");
-            *entry -= fixed;
-        }
-    }
-}
-
-/// The kernel: one chunk's sums, a panel of [`PANEL`] matrix rows at a
-/// time ([`panel_sums`]), each panel's scaled, rounded and added to `upper`
-/// before the next. `inline(always)` so each tier compiles its own copy
-/// (the rounding too: without SSE4.1 it is a library call).
+/// The kernel behind [`apply_chunk`]: a panel of [`PANEL`] matrix rows at
+/// a time ([`panel_sums`]), each panel's integers applied to `upper` before
+/// the next. `inline(always)` so each tier compiles its own copy (the
+/// rounding too: without SSE4.1 it is a library call).
 #[inline(always)]
 fn chunk_kernel<const ROWS: usize, const PANELS: usize>(
     packed: &[f32],
@@ -407,14 +410,22 @@ fn chunk_kernel<const ROWS: usize, const PANELS: usize>(
     upper: &mut [i128],
     scale: f64,
     strip: &mut Vec<f32>,
+    direction: Direction,
 ) -> std::result::Result<(), usize> {
     let rows = packed.len() / width.next_multiple_of(PANEL);
     for pi in 0..width.div_ceil(PANEL) {
         let base = upper_index(width, pi * PANEL, pi * PANEL);
+        if base >= upper.len() {
+            break;
+        }
         let sums = panel_sums::<ROWS, PANELS>(packed, rows, width, pi, strip);
         for (at, (entry, &sum)) in upper[base..].iter_mut().zip(sums.iter()).enumerate() {
-            let added = to_fixed(f64::from(sum) * scale).and_then(|fixed| entry.checked_add(fixed));
-            *entry = added.ok_or(base + at)?;
+            let fixed = to_fixed(f64::from(sum) * scale);
+            let applied = fixed.and_then(|fixed| match direction {
+                Direction::Add => entry.checked_add(fixed),
+                Direction::Take => entry.checked_sub(fixed),
+            });
+            *entry = applied.ok_or(base + at)?;
         }
     }
     Ok(())
@@ -517,8 +528,9 @@ fn chunk_portable(
     upper: &mut [i128],
     scale: f64,
     strip: &mut Vec<f32>,
+    direction: Direction,
 ) -> std::result::Result<(), usize> {
-    chunk_kernel::<4, 1>(packed, width, upper, scale, strip)
+    chunk_kernel::<4, 1>(packed, width, upper, scale, strip, direction)
 }
 
 /// Tiles of 4 rows × one panel: 8 of AVX2's 16 registers hold the sums.
@@ -530,8 +542,9 @@ fn chunk_avx2(
     upper: &mut [i128],
     scale: f64,
     strip: &mut Vec<f32>,
+    direction: Direction,
 ) -> std::result::Result<(), usize> {
-    chunk_kernel::<4, 1>(packed, width, upper, scale, strip)
+    chunk_kernel::<4, 1>(packed, width, upper, scale, strip, direction)
 }
 
 /// Tiles of 4 rows × two panels: 8 of AVX-512's 32 registers hold the sums.
@@ -544,8 +557,9 @@ fn chunk_avx512(
     upper: &mut [i128],
     scale: f64,
     strip: &mut Vec<f32>,
+    direction: Direction,
 ) -> std::result::Result<(), usize> {
-    chunk_kernel::<4, 2>(packed, width, upper, scale, strip)
+    chunk_kernel::<4, 2>(packed, width, upper, scale, strip, direction)
 }
 
 #[cfg(test)]
