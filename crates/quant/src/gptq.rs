@@ -139,19 +139,28 @@ impl Tier {
 
 /// `fn $name(tier, args…)`: `$body` (an `#[inline(always)]` function, so
 /// each copy vectorizes for its instruction set) run on the tier's copy.
+/// `$body::<generics>` per tier (baseline, AVX2, AVX-512) lets each tier
+/// choose its register tile.
 macro_rules! tiered {
     ($(#[$doc:meta])* fn $name:ident => $body:ident ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        tiered! {
+            $(#[$doc])*
+            fn $name => $body::<[] [] []>($($arg: $ty),*) -> $ret
+        }
+    };
+    ($(#[$doc:meta])* fn $name:ident => $body:ident::<[$($base:tt)*] [$($avx2:tt)*] [$($avx512:tt)*]>
+        ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         $(#[$doc])*
         fn $name(tier: Tier, $($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2")]
             fn avx2($($arg: $ty),*) -> $ret {
-                $body($($arg),*)
+                $body::<$($avx2)*>($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
             fn avx512($($arg: $ty),*) -> $ret {
-                $body($($arg),*)
+                $body::<$($avx512)*>($($arg),*)
             }
             debug_assert!(tier.is_supported());
             match tier {
@@ -162,7 +171,7 @@ macro_rules! tiered {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 Tier::Avx512 => unsafe { avx512($($arg),*) },
-                _ => $body($($arg),*),
+                _ => $body::<$($base)*>($($arg),*),
             }
         }
     };
@@ -438,30 +447,11 @@ fn inverse_factor(
 /// a 2 048-wide factor are 512 KB, which the L2 cache holds.
 const SOLVE_BLOCK: usize = 32;
 
-/// In-place Cholesky factorization `A = L Lᵀ` of the lower triangle of `a`
-/// (row-major `n × n`; the upper triangle is ignored and left as is), on
-/// the tier's copy with its register tile.
-fn cholesky_lower(tier: Tier, a: &mut [f64], n: usize) -> Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    fn avx2(a: &mut [f64], n: usize) -> Result<()> {
-        cholesky_lower_body::<2, 2>(a, n)
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    fn avx512(a: &mut [f64], n: usize) -> Result<()> {
-        cholesky_lower_body::<4, 2>(a, n)
-    }
-    debug_assert!(tier.is_supported());
-    match tier {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `Tier` in use is one the CPU supports.
-        Tier::Avx2 => unsafe { avx2(a, n) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Tier::Avx512 => unsafe { avx512(a, n) },
-        _ => cholesky_lower_body::<2, 2>(a, n),
-    }
+tiered! {
+    /// In-place Cholesky factorization `A = L Lᵀ` of the lower triangle of
+    /// `a` (row-major `n × n`; the upper triangle is ignored and left as
+    /// is), each tier with its register tile.
+    fn cholesky_lower => cholesky_lower_body::<[2, 2] [2, 2] [4, 2]>(a: &mut [f64], n: usize) -> Result<()>
 }
 
 /// Blocks of [`SOLVE_BLOCK`] rows. For a block's entries in the columns of
@@ -592,29 +582,10 @@ fn block_dots<const JT: usize, const KT: usize>(
     }
 }
 
-/// `Y = (L⁻¹)ᵀ` of the lower-triangular `l` (row-major `n × n`), upper
-/// triangular, on the tier's copy with its register tile.
-fn inverse_transposed(tier: Tier, l: &[f64], n: usize) -> Vec<f64> {
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    fn avx2(l: &[f64], n: usize) -> Vec<f64> {
-        inverse_transposed_body::<2, 2>(l, n)
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    fn avx512(l: &[f64], n: usize) -> Vec<f64> {
-        inverse_transposed_body::<4, 2>(l, n)
-    }
-    debug_assert!(tier.is_supported());
-    match tier {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `Tier` in use is one the CPU supports.
-        Tier::Avx2 => unsafe { avx2(l, n) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Tier::Avx512 => unsafe { avx512(l, n) },
-        _ => inverse_transposed_body::<2, 2>(l, n),
-    }
+tiered! {
+    /// `Y = (L⁻¹)ᵀ` of the lower-triangular `l` (row-major `n × n`), upper
+    /// triangular, each tier with its register tile.
+    fn inverse_transposed => inverse_transposed_body::<[2, 2] [2, 2] [4, 2]>(l: &[f64], n: usize) -> Vec<f64>
 }
 
 /// Forward substitution for every column of `L⁻¹` at once, written as
