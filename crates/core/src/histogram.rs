@@ -99,15 +99,81 @@ pub struct MagnitudeBin {
     pub count: u64,
 }
 
+/// The counts of finite non-zero values per bin (the zero and special bins
+/// stay empty).
+#[derive(Clone)]
+enum Bins {
+    /// Every bin: what observing writes to, without looking anything up.
+    Dense(Box<[u64; BIN_COUNT]>),
+    /// The non-empty bins in index order, as decoded: a few thousand for a
+    /// real tensor. A coordinator merges a decoded result in time that
+    /// follows its size; densifying every decoded tensor (512 KiB each, 121
+    /// for SmolLM2) was most of its time per result.
+    Sparse(Vec<(u16, u64)>),
+}
+
+impl Bins {
+    fn zeroed() -> Self {
+        Self::Dense(
+            vec![0u64; BIN_COUNT]
+                .into_boxed_slice()
+                .try_into()
+                .expect("BIN_COUNT elements"),
+        )
+    }
+
+    /// The dense counts, converting sparse ones first.
+    fn dense(&mut self) -> &mut [u64; BIN_COUNT] {
+        if let Self::Sparse(bins) = self {
+            let mut dense = Self::zeroed();
+            if let Self::Dense(counts) = &mut dense {
+                for &(index, count) in bins.iter() {
+                    counts[usize::from(index)] = count;
+                }
+            }
+            *self = dense;
+        }
+        match self {
+            Self::Dense(counts) => counts,
+            Self::Sparse(_) => unreachable!("converted above"),
+        }
+    }
+
+    fn get(&self, index: u16) -> u64 {
+        match self {
+            Self::Dense(counts) => counts[usize::from(index)],
+            Self::Sparse(bins) => bins
+                .binary_search_by_key(&index, |&(i, _)| i)
+                .map_or(0, |at| bins[at].1),
+        }
+    }
+
+    fn non_empty(&self) -> Box<dyn Iterator<Item = (u16, u64)> + '_> {
+        match self {
+            Self::Dense(counts) => Box::new(
+                counts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| **c != 0)
+                    .map(|(i, &c)| (i as u16, c)),
+            ),
+            Self::Sparse(bins) => Box::new(bins.iter().copied()),
+        }
+    }
+}
+
 /// Exact, mergeable histogram of f32 values with min/max and special-value counts.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Histogram {
-    /// Finite non-zero values per bin; the zero and special bins stay empty.
-    counts: Box<[u64; BIN_COUNT]>,
+    bins: Bins,
     zero: u64,
     nan: u64,
     pos_inf: u64,
     neg_inf: u64,
+    /// Every value recorded (the sum of all the counts above), kept so that
+    /// the overflow check of a merge does not add up 65 536 bins of both
+    /// sides: that check was most of a coordinator's merge time.
+    total: u64,
     /// Order key of the smallest finite value; `u32::MAX` when there is none.
     min_key: u32,
     /// Order key of the largest finite value; `0` when there is none.
@@ -128,6 +194,24 @@ impl std::fmt::Debug for Histogram {
             .finish()
     }
 }
+
+impl PartialEq for Histogram {
+    /// Equal counts and extremes, however each side holds its bins.
+    fn eq(&self, other: &Self) -> bool {
+        (self.zero, self.nan, self.pos_inf, self.neg_inf, self.total)
+            == (
+                other.zero,
+                other.nan,
+                other.pos_inf,
+                other.neg_inf,
+                other.total,
+            )
+            && (self.min_key, self.max_key) == (other.min_key, other.max_key)
+            && self.bins.non_empty().eq(other.bins.non_empty())
+    }
+}
+
+impl Eq for Histogram {}
 
 impl Default for Histogram {
     fn default() -> Self {
@@ -424,14 +508,12 @@ impl Histogram {
     /// An empty histogram.
     pub fn new() -> Self {
         Self {
-            counts: vec![0u64; BIN_COUNT]
-                .into_boxed_slice()
-                .try_into()
-                .expect("BIN_COUNT elements"),
+            bins: Bins::zeroed(),
             zero: 0,
             nan: 0,
             pos_inf: 0,
             neg_inf: 0,
+            total: 0,
             min_key: u32::MAX,
             max_key: 0,
         }
@@ -451,19 +533,21 @@ impl Histogram {
             return Err(Error::UnsupportedTier(format!("{tier:?}")));
         }
         let mut tally = Tally::new();
+        let counts = self.bins.dense();
         match tier {
-            ObserveTier::Portable => observe_portable(&mut self.counts, values, &mut tally),
+            ObserveTier::Portable => observe_portable(counts, values, &mut tally),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `is_supported` confirmed AVX2 above.
-            ObserveTier::Avx2 => unsafe { observe_avx2(&mut self.counts, values, &mut tally) },
+            ObserveTier::Avx2 => unsafe { observe_avx2(counts, values, &mut tally) },
             #[cfg(not(target_arch = "x86_64"))]
             ObserveTier::Avx2 => unreachable!("rejected by is_supported"),
             #[cfg(target_arch = "aarch64")]
-            ObserveTier::Neon => observe_neon(&mut self.counts, values, &mut tally),
+            ObserveTier::Neon => observe_neon(counts, values, &mut tally),
             #[cfg(not(target_arch = "aarch64"))]
             ObserveTier::Neon => unreachable!("rejected by is_supported"),
         }
         self.fold_tally(&tally);
+        self.total += values.len() as u64;
         Ok(())
     }
 
@@ -476,8 +560,9 @@ impl Histogram {
             // Only zeros (spread there by the kernel) and Inf/NaN patterns (whose
             // exponent is all ones) occupy these bins.
             let mut moved = 0;
+            let counts = self.bins.dense();
             for start in [FIRST_SPECIAL_BIN, FIRST_SPECIAL_BIN | NEG_ZERO_BIN] {
-                for bin in &mut self.counts[start..start + SPECIAL_BINS] {
+                for bin in &mut counts[start..start + SPECIAL_BINS] {
                     moved += *bin;
                     *bin = 0;
                 }
@@ -492,21 +577,12 @@ impl Histogram {
         self.max_key = self.max_key.max(tally.max_key);
     }
 
-    /// Every value recorded: finite, NaN and infinite. `None` only for a
-    /// corrupt histogram whose counts overflow (decoding rejects those).
-    fn total(&self) -> Option<u64> {
-        self.counts
-            .iter()
-            .chain([&self.zero, &self.nan, &self.pos_inf, &self.neg_inf])
-            .try_fold(0u64, |sum, &c| sum.checked_add(c))
-    }
-
     /// Fails if merging `other` into `self` would overflow a `u64` count (more
     /// than 2^64 − 1 values in all, which only crafted files can claim).
     pub fn check_merge(&self, other: &Histogram) -> Result<()> {
-        match (self.total(), other.total()) {
-            (Some(a), Some(b)) if a.checked_add(b).is_some() => Ok(()),
-            _ => Err(Error::Corrupt(
+        match self.total.checked_add(other.total) {
+            Some(_) => Ok(()),
+            None => Err(Error::Corrupt(
                 "merged histogram would hold more than 2^64 - 1 values".into(),
             )),
         }
@@ -516,13 +592,24 @@ impl Histogram {
     /// extremes. Fails, leaving `self` unchanged, if a count would overflow.
     pub fn merge(&mut self, other: &Histogram) -> Result<()> {
         self.check_merge(other)?;
-        for (a, b) in self.counts.iter_mut().zip(other.counts.iter()) {
-            *a += *b;
+        let counts = self.bins.dense();
+        match &other.bins {
+            Bins::Dense(theirs) => {
+                for (a, b) in counts.iter_mut().zip(theirs.iter()) {
+                    *a += *b;
+                }
+            }
+            Bins::Sparse(theirs) => {
+                for &(index, count) in theirs {
+                    counts[usize::from(index)] += count;
+                }
+            }
         }
         self.zero += other.zero;
         self.nan += other.nan;
         self.pos_inf += other.pos_inf;
         self.neg_inf += other.neg_inf;
+        self.total += other.total;
         self.min_key = self.min_key.min(other.min_key);
         self.max_key = self.max_key.max(other.max_key);
         Ok(())
@@ -530,7 +617,7 @@ impl Histogram {
 
     /// Number of finite values (zeros included).
     pub fn count(&self) -> u64 {
-        self.zero + self.counts.iter().sum::<u64>()
+        self.total - self.nan - self.pos_inf - self.neg_inf
     }
 
     /// Number of exact zeros (+0 and −0).
@@ -570,16 +657,12 @@ impl Histogram {
 
     /// Non-empty bins of finite non-zero values as `(index, count)`, in index order.
     pub fn non_empty_bins(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
-        self.counts
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| **c != 0)
-            .map(|(i, &c)| (i as u16, c))
+        self.bins.non_empty()
     }
 
     /// Count of one bin.
     pub fn bin(&self, index: u16) -> u64 {
-        self.counts[usize::from(index)]
+        self.bins.get(index)
     }
 
     /// The distribution of |x| over finite non-zero values, ascending, with the
@@ -592,7 +675,7 @@ impl Histogram {
         let abs_max = f64::from(abs_max);
         (0..NEG_ZERO_BIN)
             .filter_map(|i| {
-                let count = self.counts[i] + self.counts[i | NEG_ZERO_BIN];
+                let count = self.bin(i as u16) + self.bin((i | NEG_ZERO_BIN) as u16);
                 (count != 0).then(|| {
                     let (lower, upper) = bin_magnitude_range(i as u16);
                     MagnitudeBin {
@@ -608,9 +691,17 @@ impl Histogram {
     /// Rebuilds a histogram from its parts, validating that they are consistent.
     /// Used by the `.qstats` decoder.
     pub(crate) fn from_parts(parts: HistogramParts) -> Result<Self> {
-        let mut histogram = Self::new();
         let mut previous: Option<u16> = None;
-        for (index, count) in parts.bins {
+        // Decoded counts are untrusted. Real data never holds 2^64 values, and
+        // with the total in range `count()` and every sum over bins cannot
+        // overflow (the `qstats_decode` fuzz target found this).
+        let overflow =
+            || Error::Corrupt("histogram counts add up to more than 2^64 - 1 values".into());
+        let mut total = [parts.zero, parts.nan, parts.pos_inf, parts.neg_inf]
+            .into_iter()
+            .try_fold(0u64, u64::checked_add)
+            .ok_or_else(overflow)?;
+        for &(index, count) in &parts.bins {
             let i = usize::from(index);
             let special = (FIRST_SPECIAL_BIN..NEG_ZERO_BIN).contains(&(i & 0x7FFF));
             if special || count == 0 || previous.is_some_and(|p| p >= index) {
@@ -618,21 +709,19 @@ impl Histogram {
                     "histogram bin {index:#06x} (count {count}) is invalid or out of order"
                 )));
             }
-            histogram.counts[i] = count;
+            total = total.checked_add(count).ok_or_else(overflow)?;
             previous = Some(index);
         }
-        histogram.zero = parts.zero;
-        histogram.nan = parts.nan;
-        histogram.pos_inf = parts.pos_inf;
-        histogram.neg_inf = parts.neg_inf;
-        // Decoded counts are untrusted. Real data never holds 2^64 values, and
-        // with the total in range `count()` and every sum over bins cannot
-        // overflow (the `qstats_decode` fuzz target found this).
-        if histogram.total().is_none() {
-            return Err(Error::Corrupt(
-                "histogram counts add up to more than 2^64 - 1 values".into(),
-            ));
-        }
+        let mut histogram = Self {
+            bins: Bins::Sparse(parts.bins),
+            zero: parts.zero,
+            nan: parts.nan,
+            pos_inf: parts.pos_inf,
+            neg_inf: parts.neg_inf,
+            total,
+            min_key: u32::MAX,
+            max_key: 0,
+        };
         let finite = histogram.count();
         match (parts.min, parts.max) {
             (None, None) if finite == 0 => {}
@@ -683,6 +772,7 @@ impl Histogram {
 /// The scalar twin of the observation kernels: classifies one value at a time
 /// with ordinary float operations. Tests compare every tier against it.
 pub fn observe_reference(histogram: &mut Histogram, values: &[f32]) {
+    histogram.total += values.len() as u64;
     for &v in values {
         if v.is_nan() {
             histogram.nan += 1;
@@ -694,7 +784,7 @@ pub fn observe_reference(histogram: &mut Histogram, values: &[f32]) {
             if v == 0.0 {
                 histogram.zero += 1;
             } else {
-                histogram.counts[usize::from(bin_index(v))] += 1;
+                histogram.bins.dense()[usize::from(bin_index(v))] += 1;
             }
             let key = order_key(v.to_bits());
             histogram.min_key = histogram.min_key.min(key);
@@ -794,6 +884,48 @@ mod tests {
         assert_eq!(a, before);
         a.merge(&huge(5)).unwrap();
         assert_eq!(a.count(), u64::MAX);
+    }
+
+    #[test]
+    fn a_decoded_histogram_answers_merges_and_observes_like_the_one_encoded() {
+        let values: Vec<f32> = (0..5000)
+            .map(|i| ((i as f32) * 0.37).sin() * 10f32.powi(i % 7 - 3))
+            .chain([0.0, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY])
+            .collect();
+        let (first, second) = values.split_at(2000);
+        let observed = |values: &[f32]| {
+            let mut h = Histogram::new();
+            h.observe(values);
+            h
+        };
+        let dense = observed(first);
+        let decoded = Histogram::from_parts(dense.to_parts()).unwrap();
+        assert!(matches!(decoded.bins, Bins::Sparse(_)));
+        assert_eq!(decoded, dense);
+        assert_eq!(decoded.count(), dense.count());
+        assert_eq!(decoded.magnitude_bins(), dense.magnitude_bins());
+        for index in (0..=u16::MAX).step_by(97) {
+            assert_eq!(decoded.bin(index), dense.bin(index), "bin {index:#06x}");
+        }
+        // Merged into, merged from, or both: the counts of one histogram of all.
+        let whole = observed(&values);
+        let other = observed(second);
+        let other_decoded = Histogram::from_parts(other.to_parts()).unwrap();
+        for (mut a, b) in [
+            (dense.clone(), &other_decoded),
+            (decoded.clone(), &other),
+            (decoded.clone(), &other_decoded),
+        ] {
+            a.merge(b).unwrap();
+            assert_eq!(a, whole);
+            assert_eq!(
+                a.non_empty_bins().collect::<Vec<_>>(),
+                whole.non_empty_bins().collect::<Vec<_>>()
+            );
+        }
+        let mut resumed = decoded;
+        resumed.observe(second);
+        assert_eq!(resumed, whole);
     }
 
     #[test]

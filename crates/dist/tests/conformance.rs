@@ -16,7 +16,7 @@ use std::time::Duration;
 use qforge_calib::{Job, Plan, Recipe, Session, Weights, load_jsonl};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{
-    ClusterOptions, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
+    ClusterOptions, Compute, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
 };
 use qforge_dist::{
     Backend, CheckpointStore, Embedded, Error, Failure, Next, Outcome, RunOptions, RunSummary, run,
@@ -460,6 +460,18 @@ fn a_checkpoint_of_another_recipe_is_refused() {
 /// reference take them all on a busy machine. So there the test sets the
 /// reference fingerprint as the first worker would (`SET NX` of its hex) and
 /// the odd worker runs alone.
+/// A worker that loads the fixture's files, then computes with `.0` in place
+/// of the fixture's weights.
+struct Loading(Model);
+
+impl Compute for Loading {
+    fn open(&mut self, _: &RunSpec) -> qforge_dist::Result<Session> {
+        let mut session = session();
+        session.model = Some(self.0.clone());
+        Ok(session)
+    }
+}
+
 #[test]
 fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed() {
     let Some(server) = RedisServer::start("mixed", None) else {
@@ -505,12 +517,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         // Both load the fixture's files; the odd one then computes with
         // the perturbed weights.
         let serve_as = |name: &str, model: &Model| {
-            let mut open = |_: &RunSpec| {
-                let mut session = session();
-                session.model = Some(model.clone());
-                Ok(session)
-            };
-            serve_with(&worker(name), &mut open, &mut |_| {})
+            serve_with(&worker(name), &mut Loading(model.clone()), &mut |_| {})
         };
         let client = redis::Client::open(server.url()).unwrap();
         let mut connection = client.get_connection().unwrap();

@@ -22,17 +22,20 @@
 //!
 //! # Protocol
 //!
-//! The coordinator writes the spec, enqueues one task per pending batch and
-//! reads the results stream, handing every result to the generic coordinator
-//! (which merges each batch id once). A worker reads tasks through the
+//! The coordinator writes the spec, enqueues one task per pending batch, at
+//! most two per live worker (or 64) in flight at a time so that Redis holds
+//! the results of the batches in flight, never the plan's, and reads the
+//! results stream, handing every result to the generic coordinator (which
+//! merges each batch id once). A worker reads tasks through the
 //! consumer group, observes, appends the result, then acknowledges the task;
 //! a heartbeat thread refreshes its key every interval. A task pending on a
 //! worker whose heartbeat expired, or whose heartbeat names another task for
 //! longer than the timeout, is claimed (`XCLAIM`) and redone by an idle
 //! worker: liveness comes from the heartbeat, never from how long a task has
 //! been pending, so a live worker on a slow batch keeps it. With the queue
-//! empty, idle workers re-execute the oldest pending tasks speculatively, at
-//! most `(speculation − 1) × planned` times per run. Redis may lose the last
+//! empty, idle workers re-execute the oldest pending tasks speculatively
+//! (those held more than twice as long as the idle worker takes per batch),
+//! at most `(speculation − 1) × planned` times per run. Redis may lose the last
 //! second of writes (AOF `everysec`): the coordinator periodically checks that
 //! every unresolved batch still has a queued or pending task and re-enqueues
 //! the ones that vanished, so a lost write costs a recomputation, never a
@@ -48,4 +51,4 @@ pub use keys::RunKeys;
 pub use link::RedisAddress;
 pub use redis_backend::{ClusterOptions, RedisBackend};
 pub use spec::{FileRef, RunSpec};
-pub use worker::{WorkerOptions, WorkerReport, hostname, serve, serve_with};
+pub use worker::{Compute, ModelForward, WorkerOptions, WorkerReport, hostname, serve, serve_with};

@@ -33,6 +33,14 @@ const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 /// Results read from the stream at a time.
 const READ_COUNT: usize = 16;
 
+/// Batches in flight (enqueued, not yet resolved) per live worker: one
+/// being observed and one queued, so no worker waits for the next task.
+const IN_FLIGHT_PER_WORKER: usize = 2;
+
+/// Batches in flight however few workers are alive (before the first count
+/// of heartbeats, too).
+const MIN_IN_FLIGHT: usize = 64;
+
 /// What the backend keeps between calls.
 #[derive(Default)]
 struct Bookkeeping {
@@ -234,12 +242,34 @@ impl RedisBackend {
         Ok(())
     }
 
-    /// A fresh task stream and group holding exactly the pending batches.
-    fn reset_tasks(&self, link: &mut Link, plan: &Plan, pending: &[usize]) -> Result<()> {
+    /// A fresh, empty task stream and group.
+    fn reset_tasks(&self, link: &mut Link) -> Result<()> {
         let tasks = self.keys.tasks();
         link.call(|c| redis::cmd("DEL").arg(&tasks).query::<i64>(c))?;
-        self.create_group(link)?;
-        self.enqueue(link, plan, pending)
+        self.create_group(link)
+    }
+
+    /// Moves batches from `backlog` to `open` (enqueued, unresolved) until
+    /// the run has its limit of batches in flight. A result waits in Redis
+    /// only for a batch in flight, so when the coordinator merges slower
+    /// than the workers observe, Redis holds a bounded number of results
+    /// instead of the rest of the plan's (a SmolLM2 result is 1 MB).
+    fn issue(
+        &self,
+        link: &mut Link,
+        plan: &Plan,
+        backlog: &mut BTreeSet<usize>,
+        open: &mut BTreeSet<usize>,
+    ) -> Result<()> {
+        let limit = (IN_FLIGHT_PER_WORKER * self.alive.get()).max(MIN_IN_FLIGHT);
+        let mut batches = Vec::new();
+        while open.len() < limit
+            && let Some(batch) = backlog.pop_first()
+        {
+            open.insert(batch);
+            batches.push(batch);
+        }
+        self.enqueue(link, plan, &batches)
     }
 
     fn create_group(&self, link: &mut Link) -> Result<()> {
@@ -415,9 +445,11 @@ impl Backend for RedisBackend {
         on_outcome: &mut dyn FnMut(Outcome) -> Result<Next>,
     ) -> Result<()> {
         let mut link = self.link.borrow_mut();
-        self.reset_tasks(&mut link, plan, pending)?;
+        self.reset_tasks(&mut link)?;
         let results = self.keys.results();
-        let mut open: BTreeSet<usize> = pending.iter().copied().collect();
+        // Pending batches not enqueued yet, and those enqueued and unresolved.
+        let mut backlog: BTreeSet<usize> = pending.iter().copied().collect();
+        let mut open = BTreeSet::new();
         // From the start of the stream: a resumed coordinator also merges what
         // workers finished while it was down (duplicates of the checkpoint
         // are dropped by the merge).
@@ -453,6 +485,7 @@ impl Backend for RedisBackend {
                 self.alive.set(self.count_alive(&mut link)?);
                 self.reconcile(&mut link, plan, &open, drained)?;
             }
+            self.issue(&mut link, plan, &mut backlog, &mut open)?;
             let reply: Option<StreamReadReply> = link.call(|c| {
                 redis::cmd("XREAD")
                     .arg("COUNT")
@@ -484,7 +517,10 @@ impl Backend for RedisBackend {
                 link = self.link.borrow_mut();
                 match next? {
                     Next::Continue => {
+                        // A resumed coordinator may merge, from before its
+                        // crash, a batch it has not enqueued again yet.
                         open.remove(&batch);
+                        backlog.remove(&batch);
                     }
                     Next::Retry(b) => self.enqueue(&mut link, plan, &[b])?,
                     Next::Stop => return Ok(()),

@@ -1,11 +1,11 @@
 //! The worker's side of the Redis backend: `qforge worker`.
 
+use std::cell::Cell;
+use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use std::path::Path;
-
-use qforge_calib::{Job, Session as Calibration, Weights};
+use qforge_calib::{Batch, HiddenStates, Job, Session as Calibration, Weights};
 use qforge_core::codec::encode;
 use qforge_model::Model;
 use redis::streams::{
@@ -65,6 +65,44 @@ pub struct WorkerReport {
     pub failed: usize,
 }
 
+/// What a worker computes with. [`serve`] loads the files a spec names and
+/// runs the model's forward ([`ModelForward`]). Tests stand in a model that
+/// computes other activations, as another CPU would; the cluster benchmark
+/// (`examples/synthetic_worker.rs`) a forward that answers after a fixed
+/// delay, so many worker processes load the coordinator and Redis without
+/// loading the cores.
+pub trait Compute {
+    /// Loads the model and the data `spec` names, planned with its recipe,
+    /// the same way the coordinator did.
+    fn open(&mut self, spec: &RunSpec) -> Result<Calibration> {
+        Calibration::open(
+            Path::new(&spec.model.path),
+            Path::new(&spec.data.path),
+            &spec.recipe,
+            spec.skip_invalid,
+            Weights::Load,
+        )
+        .map_err(|e| Error::Cluster(format!("cannot load run {}: {e}", spec.run)))
+    }
+
+    /// Observes one planned batch of the pass's model: its statistics as
+    /// published (`.qstats` bytes).
+    fn observe(
+        &self,
+        target: &Model,
+        batch: &Batch,
+        job: &Job,
+        hidden_states: &HiddenStates,
+    ) -> std::result::Result<Vec<u8>, Failure> {
+        observe_guarded(target, batch, job, hidden_states).map(|stats| encode(&stats))
+    }
+}
+
+/// The model's own forward over the files a spec names: `qforge worker`.
+pub struct ModelForward;
+
+impl Compute for ModelForward {}
+
 /// Serves runs until the one joined finishes (or, with `forever`, until an
 /// error). The worker loads the model and plans the data a spec names, the
 /// same way the coordinator did ([`Calibration::open`]), and applies the
@@ -74,15 +112,13 @@ pub struct WorkerReport {
 /// `forever`, for the next run) over the same files and plan. `log`
 /// receives one line per notable event.
 pub fn serve(options: &WorkerOptions, log: &mut dyn FnMut(&str)) -> Result<WorkerReport> {
-    serve_with(options, &mut open_calibration, log)
+    serve_with(options, &mut ModelForward, log)
 }
 
-/// [`serve`], loading what a spec names with `open` instead of from the
-/// files it names (tests stand in a model that computes other activations,
-/// as another CPU would).
+/// [`serve`], computing with `compute`.
 pub fn serve_with(
     options: &WorkerOptions,
-    open: &mut dyn FnMut(&RunSpec) -> Result<Calibration>,
+    compute: &mut dyn Compute,
     log: &mut dyn FnMut(&str),
 ) -> Result<WorkerReport> {
     let mut link = Link::open(&options.redis, options.outage_limit)?;
@@ -117,10 +153,10 @@ pub fn serve_with(
                 let same_model = previous.transforms == spec.transforms;
                 (calibration, same_model.then_some(fingerprint))
             }
-            _ => (open(&spec)?, None),
+            _ => (compute.open(&spec)?, None),
         };
         let mut session = Session::join(options, spec, calibration, fingerprint, log)?;
-        let ending = session.serve(&mut link, &mut report, log)?;
+        let ending = session.serve(&mut link, &*compute, &mut report, log)?;
         finished = Some(run);
         let follow = session.spec.next_pass.clone();
         loaded = Some((session.spec, session.calibration, session.fingerprint));
@@ -141,19 +177,6 @@ pub fn serve_with(
             return Ok(report);
         }
     }
-}
-
-/// Loads what `spec` names: the model and the data, planned with the
-/// spec's recipe.
-fn open_calibration(spec: &RunSpec) -> Result<Calibration> {
-    Calibration::open(
-        Path::new(&spec.model.path),
-        Path::new(&spec.data.path),
-        &spec.recipe,
-        spec.skip_invalid,
-        Weights::Load,
-    )
-    .map_err(|e| Error::Cluster(format!("cannot load run {}: {e}", spec.run)))
 }
 
 /// Waits for a running run: the named one, or the active one (not `skip`,
@@ -251,6 +274,8 @@ struct Session {
     redis: RedisAddress,
     outage_limit: Duration,
     follows_active: bool,
+    /// Batches this worker observed in this run, and the time they took.
+    observed: Cell<(u32, Duration)>,
 }
 
 /// Shared with the heartbeat thread: the task being observed ("-" when idle).
@@ -310,6 +335,7 @@ impl Session {
             redis: options.redis.clone(),
             outage_limit: options.outage_limit,
             follows_active: options.run.is_none(),
+            observed: Cell::new((0, Duration::ZERO)),
         })
     }
 
@@ -317,6 +343,7 @@ impl Session {
     fn serve(
         &mut self,
         link: &mut Link,
+        compute: &dyn Compute,
         report: &mut WorkerReport,
         log: &mut dyn FnMut(&str),
     ) -> Result<Ending> {
@@ -372,7 +399,7 @@ impl Session {
         let heartbeat = self.start_heartbeat(current.clone(), stopped)?;
         // `report` counts every run this worker served; the log line is this run's.
         let before = (report.batches, report.speculative, report.reclaimed);
-        let served = self.work(link, &current, report);
+        let served = self.work(link, compute, &current, report);
         drop(stop);
         let _ = heartbeat.join();
         let _ = link.call(|c| {
@@ -436,6 +463,7 @@ impl Session {
     fn work(
         &self,
         link: &mut Link,
+        compute: &dyn Compute,
         current: &Current,
         report: &mut WorkerReport,
     ) -> Result<Ending> {
@@ -473,18 +501,18 @@ impl Session {
                 last_reclaim = Instant::now();
                 if let Some(entry) = self.reclaim(link, report)? {
                     report.reclaimed += 1;
-                    self.execute(link, current, &entry, false, report)?;
+                    self.execute(link, compute, current, &entry, false, report)?;
                     continue;
                 }
             }
             if let Some(entry) = self.next_task(link)? {
-                self.execute(link, current, &entry, false, report)?;
+                self.execute(link, compute, current, &entry, false, report)?;
             } else if let Some(entry) = self.reclaim(link, report)? {
                 report.reclaimed += 1;
-                self.execute(link, current, &entry, false, report)?;
+                self.execute(link, compute, current, &entry, false, report)?;
             } else if let Some(entry) = self.speculate(link)? {
                 report.speculative += 1;
-                self.execute(link, current, &entry, true, report)?;
+                self.execute(link, compute, current, &entry, true, report)?;
             }
         }
     }
@@ -585,15 +613,26 @@ impl Session {
         Ok(None)
     }
 
-    /// Picks the oldest task another (live) worker still holds, if the run's
-    /// speculation budget allows one more execution and nobody else
-    /// speculates on it.
+    /// Picks the oldest task another (live) worker still holds, if it has
+    /// been held for more than twice the time this worker takes per batch
+    /// (a straggler), the run's speculation budget allows one more execution
+    /// and nobody else speculates on it. Without that floor, a queue emptied
+    /// by a coordinator that merges slower than workers observe sent every
+    /// idle worker after fresh tasks: the cap's 20 % of extra results, all
+    /// duplicates, at the very coordinator that bounded the run.
     fn speculate(&self, link: &mut Link) -> Result<Option<StreamId>> {
+        let (batches, took) = self.observed.get();
+        let floor = match batches {
+            0 => Duration::from_millis(self.spec.heartbeat_timeout_ms),
+            n => 2 * took / n,
+        };
         let tasks = self.keys.tasks();
         let oldest: StreamPendingCountReply = link.call(|c| {
             match redis::cmd("XPENDING")
                 .arg(&tasks)
                 .arg(GROUP)
+                .arg("IDLE")
+                .arg(floor.as_millis() as u64)
                 .arg("-")
                 .arg("+")
                 .arg(8)
@@ -639,6 +678,7 @@ impl Session {
     fn execute(
         &self,
         link: &mut Link,
+        compute: &dyn Compute,
         current: &Current,
         entry: &StreamId,
         speculative: bool,
@@ -650,20 +690,23 @@ impl Session {
         self.announce(link, current, &entry.id)?;
         let started = Instant::now();
         let observed = match batches.get(batch) {
-            Some(planned) if planned.id.to_string() == id => observe_guarded(
+            Some(planned) if planned.id.to_string() == id => compute.observe(
                 &self.prepared.target,
                 planned,
                 &self.prepared.job,
                 &self.calibration.hidden_states,
-            )
-            .map(|stats| encode(&stats)),
+            ),
             _ => Err(Failure::Worker(format!(
                 "task names batch {batch} ({id}), which is not in this worker's plan"
             ))),
         };
+        let elapsed = started.elapsed();
+        let (batches, took) = self.observed.get();
+        self.observed
+            .set((batches.saturating_add(1), took + elapsed));
         report.batches += 1;
         report.failed += usize::from(observed.is_err());
-        self.publish(link, entry, observed, started.elapsed(), speculative)?;
+        self.publish(link, entry, observed, elapsed, speculative)?;
         self.announce(link, current, "-")
     }
 

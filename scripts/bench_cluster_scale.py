@@ -1,0 +1,253 @@
+"""The Redis backend at scale: one coordinator, one redis-server and 16, 64 or 256 worker
+processes whose forward is synthetic (crates/dist/examples/synthetic_worker.rs: a fixed
+delay, then the tensors of a real SmolLM2 batch's statistics, 121 tensors).
+
+Per worker count it measures, over one run of BATCHES batches:
+- merged results/s at the coordinator (planned batches / the coordinator's own wall clock);
+- bytes per result on the wire (one entry of the results stream, read mid-run);
+- Redis peak memory (`used_memory_peak`, a fresh server per worker count);
+- reclaim: 10 % of the workers SIGKILLed at once mid-run; the time until every task they
+  held is pending on another worker or merged (goal: heartbeat timeout + 1 s);
+- whether the merged statistics are byte-identical to a one-worker run.
+
+The coordinator is the real `qforge calibrate --cluster` over the CartPole fixture's
+observations (batch size 1, so BATCHES batches), which the synthetic workers also load and
+plan; only their observations are synthetic.
+
+Usage: python3 scripts/bench_cluster_scale.py [--workers 16,64,256] [--batches 10000]
+           [--delay-ms 100]
+Writes target/bench-cluster-scale.json.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+QFORGE = os.environ.get("QFORGE", "target/release/qforge")
+WORKER = os.environ.get("SYNTHETIC_WORKER", "target/release/examples/synthetic_worker")
+POLICY = "fixtures/policies/cartpole"
+TIMEOUT_MS = 2000
+
+
+class Resp:
+    """A minimal Redis client (RESP2 over a socket), binary-safe, for polling."""
+
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.buf = self.sock.makefile("rb")
+
+    def call(self, *args):
+        parts = [b"*%d\r\n" % len(args)]
+        for a in args:
+            a = a if isinstance(a, bytes) else str(a).encode()
+            parts.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        self.sock.sendall(b"".join(parts))
+        return self._read()
+
+    def _read(self):
+        line = self.buf.readline()[:-2]
+        kind, rest = line[:1], line[1:]
+        if kind in (b"+", b":"):
+            return int(rest) if kind == b":" else rest.decode()
+        if kind == b"-":
+            raise RuntimeError(rest.decode())
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else self.buf.read(n + 2)[:-2]
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self._read() for _ in range(n)]
+        raise RuntimeError(f"unexpected reply {line!r}")
+
+
+def cpu_seconds(pid):
+    """User + system CPU time of a live process, from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError):
+        return None
+
+
+class CpuMeter(threading.Thread):
+    """The last CPU time seen of each named process, polled until stopped."""
+
+    def __init__(self, pids):
+        super().__init__(daemon=True)
+        self.pids, self.seen, self.done = pids, {}, threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.1):
+            for name, pid in self.pids.items():
+                seconds = cpu_seconds(pid)
+                if seconds is not None:
+                    self.seen[name] = seconds
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(data_dir):
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--dir", data_dir, "--appendonly", "yes", "--appendfsync",
+                               "everysec", "--save", ""], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client = Resp(port)
+            if client.call("PING") == "PONG":
+                return server, port, client
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def make_inputs(work, batches):
+    """A template (one real SmolLM2 batch's statistics) and enough CartPole observations."""
+    template = os.path.join(work, "template.qstats")
+    subprocess.run([QFORGE, "calibrate", "--model", "models/smollm2-135m-instruct-q4_1.gguf",
+                    "--data", "fixtures/episodes/arithmetic.jsonl", "--samples", "8",
+                    "--seq-len", "128", "--batch-size", "8", "-o", template],
+                   check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(POLICY, "rollouts.jsonl")) as f:
+        lines = [line for line in f if line.strip()]
+    observations = sum(len(json.loads(line)["observations"]) for line in lines)
+    data = os.path.join(work, "observations.jsonl")
+    with open(data, "w") as f:
+        for _ in range(batches // observations + 1):
+            f.writelines(lines)
+    return template, data
+
+
+def run_once(work, template, data, batches, workers, delay_ms, kill):
+    data_dir = tempfile.mkdtemp(prefix="redis-", dir=work)
+    server, port, client = start_redis(data_dir)
+    url = f"redis://127.0.0.1:{port}"
+    run = f"scale-{workers}"
+    out = os.path.join(work, f"{run}.qstats")
+    pool = [subprocess.Popen([WORKER, url, run, f"w{i}", template, str(delay_ms)],
+                             stderr=subprocess.DEVNULL) for i in range(workers)]
+    coordinator = subprocess.Popen(
+        [QFORGE, "calibrate", "--model", POLICY, "--data", data, "--samples", str(batches),
+         "--batch-size", "1", "--cluster", url, "--run", run, "--heartbeat-timeout-ms",
+         str(TIMEOUT_MS), "-o", out, "--json"], stdout=subprocess.PIPE)
+    tasks, results = f"qforge:{{{run}}}:tasks", f"qforge:{{{run}}}:results"
+    meter = CpuMeter({"coordinator": coordinator.pid, "redis": server.pid})
+    meter.start()
+    row = {"workers": workers, "batches": batches, "delay_ms": delay_ms}
+    try:
+        # Wait until a third of the batches are done, read one result's size, then kill.
+        while True:
+            if coordinator.poll() is not None:
+                break
+            try:
+                group = client.call("XINFO", "GROUPS", tasks)[0]
+                group = dict(zip(group[::2], group[1::2]))
+                if group[b"entries-read"] - group[b"pending"] >= batches // 3:
+                    break
+            except (RuntimeError, IndexError, TypeError):
+                pass  # the task stream or its group does not exist yet
+            time.sleep(0.05)
+        entry = client.call("XREVRANGE", results, "+", "-", "COUNT", "1")
+        if entry:
+            fields = entry[0][1]
+            row["bytes_per_result"] = sum(len(v) for v in fields)
+        if kill and coordinator.poll() is None:
+            # 10 % of the workers: those that took a task last first (they hold it longest).
+            # While the coordinator is what bounds the run, workers wait for tasks
+            # most of the time: kill when some hold one.
+            entries = []
+            while not entries and coordinator.poll() is None:
+                entries = client.call("XPENDING", tasks, "workers", "-", "+", 100000)
+            holding = [e[1].decode() for e in sorted(entries, key=lambda e: e[2])]
+            order = list(dict.fromkeys(holding + [f"w{i}" for i in range(workers)]))
+            names = {n.encode() for n in order[: max(1, workers // 10)]}
+            victims = [int(n[1:]) for n in order[: max(1, workers // 10)]]
+            held = None
+            for i in victims:
+                os.kill(pool[i].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            reclaim = None
+            while time.monotonic() - killed < 60:
+                entries = client.call("XPENDING", tasks, "workers", "-", "+", 100000)
+                mine = [e[0] for e in entries if e[1] in names]
+                if held is None:
+                    held = len(mine)
+                if not mine:
+                    reclaim = time.monotonic() - killed
+                    break
+                time.sleep(0.02)
+            row["killed"] = len(victims)
+            row["tasks_held_by_killed"] = held
+            row["reclaim_seconds"] = reclaim
+        summary_bytes, _ = coordinator.communicate(timeout=3600)
+        meter.done.set()
+        meter.join()
+        row["cpu_seconds"] = dict(meter.seen)
+        summary = json.loads(summary_bytes)
+        row["seconds"] = summary["seconds"]
+        row["merged_per_s"] = summary["merged_batches"] / summary["seconds"]
+        row["duplicates"] = summary["duplicates"]
+        row["speculative_executions"] = summary["speculative_executions"]
+        memory = client.call("INFO", "memory").decode()
+        stats = dict(line.split(":", 1) for line in memory.splitlines() if ":" in line)
+        row["redis_peak_bytes"] = int(stats["used_memory_peak"])
+        with open(out, "rb") as f:
+            row["output"] = f.read()
+    finally:
+        for p in pool:
+            p.kill()
+            p.wait()
+        if coordinator.poll() is None:
+            coordinator.kill()
+        server.kill()
+        server.wait()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", default="16,64,256")
+    parser.add_argument("--batches", type=int, default=10000)
+    parser.add_argument("--delay-ms", type=int, default=100)
+    args = parser.parse_args()
+    for tool in (QFORGE, WORKER):
+        if not os.path.exists(tool):
+            sys.exit(f"{tool} is missing: cargo build --release -p qforge-cli && "
+                     "cargo build --release -p qforge-dist --example synthetic_worker")
+    if shutil.which("redis-server") is None:
+        sys.exit("redis-server is not installed (scripts/test.sh installs it)")
+    work = tempfile.mkdtemp(prefix="qforge-bench-scale-")
+    try:
+        template, data = make_inputs(work, args.batches)
+        reference = run_once(work, template, data, args.batches, 1, 0, kill=False)["output"]
+        rows = []
+        for workers in (int(w) for w in args.workers.split(",")):
+            row = run_once(work, template, data, args.batches, workers, args.delay_ms,
+                           kill=True)
+            row["identical_to_one_worker"] = row.pop("output") == reference
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        with open("target/bench-cluster-scale.json", "w") as f:
+            json.dump({"rows": rows, "template_bytes": os.path.getsize(template)}, f, indent=2)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
