@@ -29,6 +29,20 @@ pub struct Job {
     pub transforms: Vec<Transform>,
 }
 
+impl Job {
+    /// The provenance of one batch's statistics under this job.
+    pub fn provenance(&self, batch: BatchId) -> Provenance {
+        Provenance::single(
+            Some(self.model),
+            self.data,
+            self.recipe.digest(),
+            self.recipe.pass.name(),
+            batch,
+            self.planned,
+        )
+    }
+}
+
 /// Runs `batch` through the full-precision model `target` (already
 /// transformed as `job.transforms` say) and returns its statistics:
 /// every linear input's histogram (and per-channel abs-max for the smoothing
@@ -57,14 +71,7 @@ pub fn observe_batch(
         _ => forward_samples(target, &batch.samples, &mut observer)?,
     }
     Ok(Stats {
-        provenance: Provenance::single(
-            Some(job.model),
-            job.data,
-            job.recipe.digest(),
-            job.recipe.pass.name(),
-            batch.id,
-            job.planned,
-        ),
+        provenance: job.provenance(batch.id),
         tensors: observer.tensors,
     })
 }

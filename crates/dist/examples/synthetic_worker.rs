@@ -18,8 +18,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use qforge_calib::{Batch, HiddenStates, Job};
+use qforge_core::Stats;
 use qforge_core::codec::{decode, encode};
-use qforge_core::{Provenance, Stats};
 use qforge_dist::Failure;
 use qforge_dist::cluster::{Compute, RedisAddress, WorkerOptions, serve_with};
 use qforge_model::Model;
@@ -46,14 +46,7 @@ impl Compute for Synthetic {
             .template
             .lock()
             .map_err(|_| Failure::Worker("the template's lock is poisoned".into()))?;
-        template.provenance = Provenance::single(
-            Some(job.model),
-            job.data,
-            job.recipe.digest(),
-            job.recipe.pass.name(),
-            batch.id,
-            job.planned,
-        );
+        template.provenance = job.provenance(batch.id);
         Ok(encode(&template))
     }
 }

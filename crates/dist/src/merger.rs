@@ -324,17 +324,10 @@ fn check_checkpoint(
     ids: &BTreeMap<BatchId, usize>,
     path: &Path,
 ) -> Result<()> {
-    let expected = Provenance::single(
-        Some(job.model),
-        job.data,
-        job.recipe.digest(),
-        job.recipe.pass.name(),
-        BatchId {
-            index: 0,
-            content: job.data,
-        },
-        job.planned,
-    );
+    let expected = job.provenance(BatchId {
+        index: 0,
+        content: job.data,
+    });
     let same_source = provenance.models == expected.models
         && provenance.data == expected.data
         && provenance.recipes == expected.recipes
@@ -396,14 +389,7 @@ mod tests {
         let mut tensor = TensorStats::new();
         tensor.observe(values).unwrap();
         Stats {
-            provenance: Provenance::single(
-                Some(job.model),
-                job.data,
-                job.recipe.digest(),
-                job.recipe.pass.name(),
-                id,
-                job.planned,
-            ),
+            provenance: job.provenance(id),
             tensors: BTreeMap::from([("layer.0".to_owned(), tensor)]),
         }
     }
