@@ -16,11 +16,12 @@ plan; only their observations are synthetic.
 
 Usage: python3 scripts/bench_cluster_scale.py [--workers 16,64,256] [--batches 10000]
            [--delay-ms 100]
-Writes target/bench-cluster-scale.json.
+Writes target/bench-cluster-scale.json and the plot target/bench-cluster-scale.svg.
 """
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -220,6 +221,54 @@ def run_once(work, template, data, batches, workers, delay_ms, kill):
     return row
 
 
+def svg_plot(rows):
+    """Merged results/s against workers beside the load they offer (log-log)."""
+    width, height, left, bottom, top, right = 560, 360, 70, 50, 20, 150
+    workers = [r["workers"] for r in rows]
+    offered = [r["workers"] * 1000 / r["delay_ms"] for r in rows]
+    merged = [r["merged_per_s"] for r in rows]
+    lo_x, hi_x = math.log2(min(workers) / 2), math.log2(max(workers) * 2)
+    lo_y = math.floor(math.log10(min(merged) / 2))
+    hi_y = math.ceil(math.log10(max(offered + [1000])))
+
+    def x(w):
+        return left + (width - left - right) * (math.log2(w) - lo_x) / (hi_x - lo_x)
+
+    def y(v):
+        return top + (height - top - bottom) * (1 - (math.log10(v) - lo_y) / (hi_y - lo_y))
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             'font-family="sans-serif" font-size="12">',
+             f'<rect width="{width}" height="{height}" fill="white"/>']
+    for e in range(lo_y, hi_y + 1):
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(10 ** e):.1f}" '
+                     f'y2="{y(10 ** e):.1f}" stroke="#ddd"/>')
+        parts.append(f'<text x="{left - 6}" y="{y(10 ** e) + 4:.1f}" text-anchor="end">'
+                     f'{10 ** e:g}</text>')
+    for w in workers:
+        parts.append(f'<text x="{x(w):.1f}" y="{height - bottom + 16}" text-anchor="middle">'
+                     f'{w}</text>')
+    parts.append(f'<text x="{(left + width - right) / 2}" y="{height - 8}" '
+                 'text-anchor="middle">worker processes</text>')
+    parts.append(f'<text x="16" y="{(top + height - bottom) / 2}" text-anchor="middle" '
+                 f'transform="rotate(-90 16 {(top + height - bottom) / 2})">results/s</text>')
+    series = [("offered", offered, "#888", ' stroke-dasharray="4 3"'),
+              ("merged", merged, "#d62728", ""),
+              ("goal", [1000] * len(rows), "#2ca02c", ' stroke-dasharray="1 3"')]
+    for k, (name, values, color, dash) in enumerate(series):
+        line = " ".join(f"{x(w):.1f},{y(v):.1f}" for w, v in zip(workers, values))
+        parts.append(f'<polyline points="{line}" fill="none" stroke="{color}" '
+                     f'stroke-width="2"{dash}/>')
+        for w, v in zip(workers, values):
+            parts.append(f'<circle cx="{x(w):.1f}" cy="{y(v):.1f}" r="3" fill="{color}"/>')
+        ly = top + 20 * k + 10
+        parts.append(f'<line x1="{width - right + 10}" x2="{width - right + 30}" y1="{ly}" '
+                     f'y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>')
+        parts.append(f'<text x="{width - right + 36}" y="{ly + 4}">{name}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="16,64,256")
@@ -245,6 +294,8 @@ def main():
             rows.append(row)
         with open("target/bench-cluster-scale.json", "w") as f:
             json.dump({"rows": rows, "template_bytes": os.path.getsize(template)}, f, indent=2)
+        with open("target/bench-cluster-scale.svg", "w") as f:
+            f.write(svg_plot(rows))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
