@@ -1,6 +1,7 @@
 //! `qforge calibrate` (a calibration pass, coordinated on worker threads or
 //! on a Redis cluster) and `qforge worker` (a cluster worker).
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -138,6 +139,12 @@ pub(crate) struct ClusterArgs {
     /// Fail when Redis stays unreachable this long (seconds).
     #[arg(long, default_value_t = 60.0, value_name = "SECS")]
     outage_limit: f64,
+    /// Batches per task, which a worker merges and publishes as one result
+    /// (fewer, larger results for the coordinator to merge; a dead worker
+    /// loses a whole task). Default: sized from the coordinator's time per
+    /// result and the workers' time per batch, one while those are unknown.
+    #[arg(long, value_name = "N", requires = "cluster")]
+    batches_per_task: Option<NonZeroUsize>,
 }
 
 impl BackendArgs {
@@ -157,6 +164,7 @@ impl BackendArgs {
             allow_mixed_hardware: s.allow_mixed_hardware,
             speculation: s.speculation,
             outage_limit: Duration::from_secs_f64(s.outage_limit),
+            batches_per_task: s.batches_per_task,
         };
         settings.validate()?;
         Ok(match &self.cluster {

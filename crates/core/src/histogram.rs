@@ -56,6 +56,34 @@ const ZERO_SPREAD: usize = 8;
 /// ...starting at this one (the bin of +∞, otherwise holding only Inf/NaN).
 const ZERO_SPREAD_BIN: usize = FIRST_SPECIAL_BIN;
 
+/// Two sparse histograms merge into a sparse one while they hold at most
+/// this many non-empty bins between them (a quarter of the dense table's
+/// bytes); beyond it the dense table is smaller and faster to add into. A
+/// worker that merges the decoded results of several batches before it
+/// publishes them keeps them a few hundred kilobytes, not 62 MB a SmolLM2
+/// result.
+const SPARSE_MERGE_LIMIT: usize = BIN_COUNT / 8;
+
+/// The bins of both sorted lists, counts of the same bin added.
+fn merge_sparse(mine: &[(u16, u64)], theirs: &[(u16, u64)]) -> Vec<(u16, u64)> {
+    let mut merged = Vec::with_capacity(mine.len() + theirs.len());
+    let (mut a, mut b) = (mine.iter().peekable(), theirs.iter().peekable());
+    loop {
+        let next = match (a.peek(), b.peek()) {
+            (Some(&&(i, x)), Some(&&(j, y))) if i == j => {
+                a.next();
+                b.next();
+                (i, x + y)
+            }
+            (Some(&&(i, _)), Some(&&(j, _))) if j < i => *b.next().expect("peeked"),
+            (Some(_), _) => *a.next().expect("peeked"),
+            (None, Some(_)) => *b.next().expect("peeked"),
+            (None, None) => return merged,
+        };
+        merged.push(next);
+    }
+}
+
 /// Order-preserving map from an f32 pattern to a `u32`: `a < b` (IEEE, with
 /// −0 < +0) iff `key(a) < key(b)`. Using it for min/max makes them independent of
 /// the order values arrive in, even for signed zeros.
@@ -592,16 +620,25 @@ impl Histogram {
     /// extremes. Fails, leaving `self` unchanged, if a count would overflow.
     pub fn merge(&mut self, other: &Histogram) -> Result<()> {
         self.check_merge(other)?;
-        let counts = self.bins.dense();
-        match &other.bins {
-            Bins::Dense(theirs) => {
-                for (a, b) in counts.iter_mut().zip(theirs.iter()) {
-                    *a += *b;
-                }
+        match (&self.bins, &other.bins) {
+            (Bins::Sparse(mine), Bins::Sparse(theirs))
+                if mine.len() + theirs.len() <= SPARSE_MERGE_LIMIT =>
+            {
+                self.bins = Bins::Sparse(merge_sparse(mine, theirs));
             }
-            Bins::Sparse(theirs) => {
-                for &(index, count) in theirs {
-                    counts[usize::from(index)] += count;
+            (_, theirs) => {
+                let counts = self.bins.dense();
+                match theirs {
+                    Bins::Dense(theirs) => {
+                        for (a, b) in counts.iter_mut().zip(theirs.iter()) {
+                            *a += *b;
+                        }
+                    }
+                    Bins::Sparse(theirs) => {
+                        for &(index, count) in theirs {
+                            counts[usize::from(index)] += count;
+                        }
+                    }
                 }
             }
         }
@@ -673,17 +710,21 @@ impl Histogram {
             return Vec::new();
         };
         let abs_max = f64::from(abs_max);
-        (0..NEG_ZERO_BIN)
-            .filter_map(|i| {
-                let count = self.bin(i as u16) + self.bin((i | NEG_ZERO_BIN) as u16);
-                (count != 0).then(|| {
-                    let (lower, upper) = bin_magnitude_range(i as u16);
-                    MagnitudeBin {
-                        lower: f64::from(lower),
-                        upper: f64::from(upper).min(abs_max),
-                        count,
-                    }
-                })
+        let mut magnitudes = std::collections::BTreeMap::<u16, u64>::new();
+        for (index, count) in self.non_empty_bins() {
+            *magnitudes
+                .entry(index & !(NEG_ZERO_BIN as u16))
+                .or_default() += count;
+        }
+        magnitudes
+            .into_iter()
+            .map(|(index, count)| {
+                let (lower, upper) = bin_magnitude_range(index);
+                MagnitudeBin {
+                    lower: f64::from(lower),
+                    upper: f64::from(upper).min(abs_max),
+                    count,
+                }
             })
             .collect()
     }
@@ -916,7 +957,13 @@ mod tests {
             (decoded.clone(), &other),
             (decoded.clone(), &other_decoded),
         ] {
+            let both_sparse = matches!((&a.bins, &b.bins), (Bins::Sparse(_), Bins::Sparse(_)));
             a.merge(b).unwrap();
+            assert_eq!(
+                matches!(a.bins, Bins::Sparse(_)),
+                both_sparse,
+                "two decoded histograms merge without densifying"
+            );
             assert_eq!(a, whole);
             assert_eq!(
                 a.non_empty_bins().collect::<Vec<_>>(),

@@ -13,24 +13,29 @@ use crate::error::{Error, Result};
 /// What a worker reports for one batch.
 #[derive(Debug)]
 pub enum Outcome {
-    /// The batch's statistics.
+    /// The statistics of one or more batches, merged by the worker that
+    /// observed them (a cluster worker handed several batches as one task
+    /// publishes them as one result: merging is exact, so the coordinator's
+    /// result is the same, at a fraction of its work per batch).
     Done {
-        /// Index of the batch in the plan.
-        batch: usize,
-        /// Its statistics.
+        /// Indices of the batches in the plan, ascending, at least one.
+        batches: Vec<usize>,
+        /// Their statistics.
         stats: Box<Stats>,
         /// The worker that computed them.
         worker: String,
-        /// Time spent observing.
+        /// Time spent observing them.
         elapsed: Duration,
-        /// Whether it was a speculative re-execution of a batch another
+        /// Whether it was a speculative re-execution of a task another
         /// worker still held.
         speculative: bool,
     },
-    /// The batch failed on a worker.
+    /// The batches failed on a worker (a worker publishes each failed
+    /// batch of a task on its own; a result that does not decode fails all
+    /// it covers).
     Failed {
-        /// Index of the batch in the plan.
-        batch: usize,
+        /// Indices of the batches in the plan, at least one.
+        batches: Vec<usize>,
         /// The worker.
         worker: String,
         /// What went wrong.
@@ -88,12 +93,13 @@ impl std::fmt::Display for Failure {
 }
 
 /// What the coordinator tells a backend after each outcome.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Next {
     /// Keep going.
     Continue,
-    /// Retry this batch (it failed fewer times than the limit).
-    Retry(usize),
+    /// Observe these batches again (they failed fewer times than the limit,
+    /// or came in a result that could not be merged whole).
+    Retry(Vec<usize>),
     /// Stop: the coordinator has what it needs or gave up.
     Stop,
 }
@@ -101,7 +107,8 @@ pub enum Next {
 /// Runs the map step of a pass: turns the planned batches it is given into
 /// [`Outcome`]s. Outcomes may arrive in any order and may repeat (a retried
 /// or speculatively re-run batch); the coordinator merges each batch id
-/// exactly once.
+/// exactly once, refusing a result that covers a batch merged already
+/// together with one that is not.
 pub trait Backend {
     /// Observes the batches `pending` (indices into `plan.batches`, not
     /// empty), calling `on_outcome` for each result as it arrives, until it
@@ -211,14 +218,14 @@ impl Backend for Embedded {
                             );
                             let outcome = match observed {
                                 Ok(stats) => Outcome::Done {
-                                    batch,
+                                    batches: vec![batch],
                                     stats: Box::new(stats),
                                     worker: name.clone(),
                                     elapsed: started.elapsed(),
                                     speculative: false,
                                 },
                                 Err(error) => Outcome::Failed {
-                                    batch,
+                                    batches: vec![batch],
                                     worker: name.clone(),
                                     error,
                                 },
@@ -235,8 +242,10 @@ impl Backend for Embedded {
             for outcome in &rx {
                 match on_outcome(outcome) {
                     Ok(Next::Continue) => {}
-                    Ok(Next::Retry(batch)) => {
-                        let _ = retry_tx.send(batch);
+                    Ok(Next::Retry(batches)) => {
+                        for batch in batches {
+                            let _ = retry_tx.send(batch);
+                        }
                     }
                     Ok(Next::Stop) => break,
                     Err(e) => {

@@ -5,6 +5,7 @@
 //! Redis executor publishes each pass as a run that `qforge worker`
 //! processes serve, chaining the runs so the workers follow every pass.
 
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use qforge_calib::{Job, Session, Weights};
@@ -156,6 +157,9 @@ pub struct ClusterSettings {
     pub speculation: f64,
     /// Give up when Redis stays unreachable this long.
     pub outage_limit: Duration,
+    /// Batches per task; `None`: sized from what the run measures (see
+    /// [`RedisBackend`]).
+    pub batches_per_task: Option<NonZeroUsize>,
 }
 
 impl Default for ClusterSettings {
@@ -166,6 +170,7 @@ impl Default for ClusterSettings {
             allow_mixed_hardware: false,
             speculation: 1.2,
             outage_limit: Duration::from_secs(60),
+            batches_per_task: None,
         }
     }
 }
@@ -227,6 +232,7 @@ impl RedisExecutor {
             redis: self.redis.clone(),
             resume: self.resume,
             outage_limit: self.settings.outage_limit,
+            batches_per_task: self.settings.batches_per_task,
         }
     }
 

@@ -36,6 +36,8 @@ pub(crate) struct Merger<'p> {
     duplicates: usize,
     /// Results refused before the merge (see [`Merger::reject`]).
     rejected: usize,
+    /// Results that covered merged and unmerged batches at once.
+    split: usize,
     retries: usize,
     speculative: usize,
     resumed: usize,
@@ -70,6 +72,7 @@ impl<'p> Merger<'p> {
             timeline: Vec::new(),
             duplicates: 0,
             rejected: 0,
+            split: 0,
             retries: 0,
             speculative: 0,
             resumed: 0,
@@ -123,23 +126,23 @@ impl<'p> Merger<'p> {
     pub(crate) fn accept(&mut self, outcome: Outcome) -> Result<Next> {
         match outcome {
             Outcome::Done {
-                batch,
+                batches,
                 stats,
                 worker,
                 elapsed,
                 speculative,
-            } => self.accept_done(batch, &stats, worker, elapsed, speculative),
+            } => self.accept_done(&batches, &stats, worker, elapsed, speculative),
             Outcome::Failed {
-                batch,
+                batches,
                 worker,
                 error,
-            } => Ok(self.accept_failure(batch, worker, error)),
+            } => Ok(self.accept_failure(&batches, worker, error)),
         }
     }
 
     fn accept_done(
         &mut self,
-        batch: usize,
+        batches: &[usize],
         stats: &Stats,
         worker: String,
         elapsed: Duration,
@@ -148,71 +151,102 @@ impl<'p> Merger<'p> {
         self.speculative += usize::from(speculative);
         let busy_seconds = elapsed.as_secs_f64();
         self.workers.entry(worker.clone()).or_default().busy_seconds += busy_seconds;
-        let id = match claimed_id(self.plan, batch, stats) {
-            Ok(id) => id,
-            Err(reason) => return Ok(self.reject(batch, worker, reason)),
+        let ids = match claimed_ids(self.plan, batches, stats) {
+            Ok(ids) => ids,
+            Err(reason) => return Ok(self.reject(batches, worker, reason)),
         };
         // A retry or speculative copy that lost the race is a duplicate.
-        let merged = !self.done.contains(&id);
+        let merged_before = ids.iter().filter(|id| self.done.contains(id)).count();
+        let merged = merged_before == 0;
         if merged {
             // A failed merge leaves the statistics as they were.
             if let Err(e) = self.stats.merge(stats, MergePolicy::Strict) {
-                return Ok(self.reject(batch, worker, format!("its statistics do not merge: {e}")));
+                return Ok(self.reject(
+                    batches,
+                    worker,
+                    format!("its statistics do not merge: {e}"),
+                ));
             }
-            self.done.insert(id);
+            self.done.extend(ids);
         }
-        self.timeline.push(Delivery {
-            worker: worker.clone(),
-            batch,
-            at_seconds: self.started.elapsed().as_secs_f64(),
-            busy_seconds,
-            merged,
-        });
+        let at_seconds = self.started.elapsed().as_secs_f64();
+        for &batch in batches {
+            self.timeline.push(Delivery {
+                worker: worker.clone(),
+                batch,
+                at_seconds,
+                busy_seconds: busy_seconds / batches.len() as f64,
+                merged,
+            });
+        }
         let report = self.workers.entry(worker).or_default();
         if !merged {
-            report.duplicates += 1;
-            self.duplicates += 1;
-            return Ok(Next::Continue);
+            report.duplicates += merged_before;
+            self.duplicates += merged_before;
+            if merged_before == batches.len() {
+                return Ok(Next::Continue);
+            }
+            // Statistics cannot be taken apart: the batches it covers that
+            // are not merged yet are observed again. Only results grouped
+            // before a coordinator resumed, and regrouped after, overlap so.
+            self.split += 1;
+            let unmerged = batches
+                .iter()
+                .copied()
+                .filter(|&b| !self.done.contains(&self.plan.batches[b].id))
+                .collect();
+            return Ok(Next::Retry(unmerged));
         }
-        report.merged += 1;
-        self.unresolved -= 1;
-        self.since_checkpoint += 1;
+        report.merged += batches.len();
+        self.unresolved -= batches.len();
+        self.since_checkpoint += batches.len();
         Ok(self.next())
     }
 
     /// A result that must not be merged (forged, corrupt, or of another
-    /// run): counted and logged, and its batch handled as a failed attempt,
-    /// so the batch is observed again and the run goes on.
-    fn reject(&mut self, batch: usize, worker: String, reason: String) -> Next {
+    /// run): counted and logged, and its batches handled as failed attempts,
+    /// so they are observed again and the run goes on.
+    fn reject(&mut self, batches: &[usize], worker: String, reason: String) -> Next {
         self.rejected += 1;
         if self.rejected <= REJECTIONS_LOGGED {
             self.warnings.push(format!(
-                "rejected a result for batch {batch} from worker {worker}: {reason}"
+                "rejected a result for {} from worker {worker}: {reason}",
+                listed(batches)
             ));
         }
         self.accept_failure(
-            batch,
+            batches,
             worker,
             Failure::Worker(format!("rejected result: {reason}")),
         )
     }
 
-    fn accept_failure(&mut self, batch: usize, worker: String, error: Failure) -> Next {
+    /// One failed attempt at each of `batches`: those below the limit are
+    /// retried, the others quarantined.
+    fn accept_failure(&mut self, batches: &[usize], worker: String, error: Failure) -> Next {
         self.workers.entry(worker).or_default().failures += 1;
-        let id = self.plan.batches[batch].id;
-        // A late failure of a batch already settled changes nothing.
-        if self.done.contains(&id) || self.quarantined.contains_key(&id) {
-            return Next::Continue;
+        let mut retry = Vec::new();
+        for &batch in batches {
+            let id = self.plan.batches[batch].id;
+            // A late failure of a batch already settled changes nothing.
+            if self.done.contains(&id) || self.quarantined.contains_key(&id) {
+                continue;
+            }
+            let tries = self.attempts.entry(batch).or_insert(0);
+            *tries += 1;
+            if *tries < MAX_ATTEMPTS {
+                self.retries += 1;
+                retry.push(batch);
+            } else {
+                self.quarantined.insert(id, error.clone());
+                self.unresolved -= 1;
+            }
         }
-        let tries = self.attempts.entry(batch).or_insert(0);
-        *tries += 1;
-        if *tries < MAX_ATTEMPTS {
-            self.retries += 1;
-            return Next::Retry(batch);
+        if retry.is_empty() {
+            self.next()
+        } else {
+            Next::Retry(retry)
         }
-        self.quarantined.insert(id, error);
-        self.unresolved -= 1;
-        self.next()
     }
 
     fn next(&self) -> Next {
@@ -248,7 +282,13 @@ impl<'p> Merger<'p> {
 
     /// The summary, or an error naming the first missing batches if fewer
     /// than `min_coverage` of the plan were merged.
-    pub(crate) fn finish(self, min_coverage: f64) -> Result<RunSummary> {
+    pub(crate) fn finish(mut self, min_coverage: f64) -> Result<RunSummary> {
+        if self.split > 0 {
+            self.warnings.push(format!(
+                "{} result(s) covered batches merged already together with unmerged ones (grouped before the coordinator resumed); their unmerged batches were observed again",
+                self.split
+            ));
+        }
         let planned = self.plan.batches.len();
         let merged = self.done.len();
         let coverage = if planned == 0 {
@@ -299,21 +339,48 @@ impl<'p> Merger<'p> {
     }
 }
 
-/// The one batch id `stats` claims, if it is the id of plan batch `batch`.
-fn claimed_id(plan: &Plan, batch: usize, stats: &Stats) -> std::result::Result<BatchId, String> {
+/// The batch ids `stats` claims, if they are exactly the ids of plan
+/// batches `batches`.
+fn claimed_ids(
+    plan: &Plan,
+    batches: &[usize],
+    stats: &Stats,
+) -> std::result::Result<BTreeSet<BatchId>, String> {
     let claimed = &stats.provenance.batches;
-    let expected = plan.batches.get(batch).map(|b| b.id);
-    match claimed.first() {
-        Some(&id) if claimed.len() == 1 && Some(id) == expected => Ok(id),
+    let expected: Option<BTreeSet<BatchId>> = batches
+        .iter()
+        .map(|&b| plan.batches.get(b).map(|batch| batch.id))
+        .collect();
+    match expected {
+        Some(ids) if !ids.is_empty() && ids.len() == batches.len() && &ids == claimed => Ok(ids),
         _ => Err(format!(
-            "its statistics claim batch(es) [{}], not this plan's batch {batch}",
+            "its statistics claim batch(es) [{}], not this plan's {}",
             claimed
                 .iter()
                 .take(4)
                 .map(ToString::to_string)
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            listed(batches)
         )),
+    }
+}
+
+/// "batch 3", or "batches 3, 4, 5" (the first eight, then how many more).
+fn listed(batches: &[usize]) -> String {
+    const SHOWN: usize = 8;
+    let mut list = batches
+        .iter()
+        .take(SHOWN)
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if batches.len() > SHOWN {
+        list.push_str(&format!(" and {} more", batches.len() - SHOWN));
+    }
+    match batches.len() {
+        1 => format!("batch {list}"),
+        _ => format!("batches {list}"),
     }
 }
 
@@ -395,8 +462,14 @@ mod tests {
     }
 
     fn done(batch: usize, stats: Stats, worker: &str, speculative: bool) -> Outcome {
+        group(&[batch], stats, worker, speculative)
+    }
+
+    /// The merged statistics of `batches`, as a worker handed them as one
+    /// task publishes them.
+    fn group(batches: &[usize], stats: Stats, worker: &str, speculative: bool) -> Outcome {
         Outcome::Done {
-            batch,
+            batches: batches.to_vec(),
             stats: Box::new(stats),
             worker: worker.to_owned(),
             elapsed: Duration::from_millis(10),
@@ -406,7 +479,7 @@ mod tests {
 
     fn failed(batch: usize, worker: &str, error: &str) -> Outcome {
         Outcome::Failed {
-            batch,
+            batches: vec![batch],
             worker: worker.to_owned(),
             error: Failure::Worker(error.to_owned()),
         }
@@ -456,13 +529,104 @@ mod tests {
         assert_eq!(merged, [true, false]);
     }
 
+    /// Statistics of `batches` merged, as one worker publishes a task of
+    /// several batches.
+    fn merged_stats(job: &Job, plan: &Plan, batches: &[usize]) -> Stats {
+        let mut all = Stats::default();
+        for &b in batches {
+            let one = stats(job, plan.batches[b].id, &[b as f32 + 0.5]);
+            all.merge(&one, MergePolicy::Strict).unwrap();
+        }
+        all
+    }
+
+    #[test]
+    fn a_group_result_merges_as_its_batches_one_by_one() {
+        let (job, plan) = setup(5);
+        let mut merger = Merger::new(&plan, 50);
+        let first = merged_stats(&job, &plan, &[0, 2, 3]);
+        assert_eq!(
+            merger
+                .accept(group(&[0, 2, 3], first.clone(), "w0", false))
+                .unwrap(),
+            Next::Continue
+        );
+        assert_eq!(merger.pending(), vec![1, 4]);
+        // Its speculative copy is a duplicate of three batches.
+        merger.accept(group(&[0, 2, 3], first, "w1", true)).unwrap();
+        let rest = merged_stats(&job, &plan, &[1, 4]);
+        assert_eq!(
+            merger.accept(group(&[1, 4], rest, "w1", false)).unwrap(),
+            Next::Stop
+        );
+
+        let summary = merger.finish(1.0).unwrap();
+        let one_by_one = merged_stats(&job, &plan, &[0, 1, 2, 3, 4]);
+        assert_eq!(encode(&summary.stats), encode(&one_by_one));
+        assert_eq!((summary.merged, summary.duplicates), (5, 3));
+        assert_eq!(summary.workers["w0"].merged, 3);
+        assert_eq!(summary.workers["w1"].merged, 2);
+        assert_eq!(summary.timeline.len(), 8);
+    }
+
+    #[test]
+    fn a_group_overlapping_merged_batches_is_not_merged_and_its_others_are_retried() {
+        let (job, plan) = setup(4);
+        let mut merger = Merger::new(&plan, 50);
+        let first = merged_stats(&job, &plan, &[0, 1]);
+        merger.accept(group(&[0, 1], first, "w0", false)).unwrap();
+        // Grouped otherwise (before a coordinator resumed): 1 is merged, 2
+        // and 3 are not, and statistics do not come apart.
+        let overlapping = merged_stats(&job, &plan, &[1, 2, 3]);
+        let next = merger.accept(group(&[1, 2, 3], overlapping, "w1", false));
+        assert_eq!(next.unwrap(), Next::Retry(vec![2, 3]));
+        assert_eq!(merger.pending(), vec![2, 3]);
+        assert_eq!(merger.progress(2).retries, 0, "not a failure of 2 or 3");
+        for b in [2, 3] {
+            merger
+                .accept(done(b, merged_stats(&job, &plan, &[b]), "w1", false))
+                .unwrap();
+        }
+
+        let summary = merger.finish(1.0).unwrap();
+        let one_by_one = merged_stats(&job, &plan, &[0, 1, 2, 3]);
+        assert_eq!(encode(&summary.stats), encode(&one_by_one));
+        assert_eq!(summary.duplicates, 1);
+        assert!(
+            summary
+                .warnings
+                .iter()
+                .any(|w| w.contains("1 result(s) covered")),
+            "{:?}",
+            summary.warnings
+        );
+    }
+
+    #[test]
+    fn a_group_claiming_other_batches_is_rejected_and_each_of_its_batches_retried() {
+        let (job, plan) = setup(3);
+        let mut merger = Merger::new(&plan, 50);
+        // Statistics of 0 and 1 published as 0, 1 and 2.
+        let short = merged_stats(&job, &plan, &[0, 1]);
+        let next = merger.accept(group(&[0, 1, 2], short, "w0", false));
+        assert_eq!(next.unwrap(), Next::Retry(vec![0, 1, 2]));
+        assert_eq!(merger.pending(), vec![0, 1, 2]);
+        let summary = merger.finish(0.0).unwrap();
+        assert_eq!(summary.quarantined_results, 1);
+        assert!(
+            summary.warnings[0].contains("batches 0, 1, 2 from worker w0"),
+            "{:?}",
+            summary.warnings
+        );
+    }
+
     #[test]
     fn a_failure_is_retried_then_quarantined_after_max_attempts() {
         let (_, plan) = setup(2);
         let mut merger = Merger::new(&plan, 50);
         for attempt in 1..MAX_ATTEMPTS {
             let next = merger.accept(failed(1, "w0", &format!("boom {attempt}")));
-            assert_eq!(next.unwrap(), Next::Retry(1));
+            assert_eq!(next.unwrap(), Next::Retry(vec![1]));
         }
         let next = merger.accept(failed(1, "w0", "boom last"));
         assert_eq!(next.unwrap(), Next::Continue);
@@ -510,12 +674,12 @@ mod tests {
         };
         let mut merger = Merger::new(&plan, 50);
         let next = merger.accept(done(0, stats(&job, stranger, &[1.0]), "w0", false));
-        assert_eq!(next.unwrap(), Next::Retry(0));
+        assert_eq!(next.unwrap(), Next::Retry(vec![0]));
         // Nor may it pass as another planned batch.
         let other = stats(&job, plan.batches[1].id, &[1.0]);
         assert_eq!(
             merger.accept(done(0, other, "w0", false)).unwrap(),
-            Next::Retry(0)
+            Next::Retry(vec![0])
         );
         assert_eq!(merger.pending(), vec![0, 1]);
         // Statistics that cannot merge with the ones merged so far (another
@@ -529,7 +693,7 @@ mod tests {
         odd.tensors.insert("layer.0".into(), channels);
         assert_eq!(
             merger.accept(done(1, odd, "w1", false)).unwrap(),
-            Next::Retry(1)
+            Next::Retry(vec![1])
         );
         assert_eq!(merger.stats, before);
         assert_eq!(merger.pending(), vec![1]);

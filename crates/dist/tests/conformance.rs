@@ -9,6 +9,7 @@
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -91,7 +92,9 @@ fn backends(test: &str) -> Vec<Option<RedisServer>> {
 }
 
 /// Runs the job on the embedded backend (`redis` is `None`) or on Redis with
-/// `workers` worker threads joining run `name`; `faults` wraps the backend.
+/// `workers` worker threads joining run `name`, one batch per task (so the
+/// counts of retries and duplicates are per batch); `faults` wraps the
+/// backend.
 fn run_on(
     redis: Option<&RedisServer>,
     name: &str,
@@ -99,15 +102,20 @@ fn run_on(
     options: &RunOptions,
     faults: &Faults,
 ) -> qforge_dist::Result<RunSummary> {
-    run_session_on(session(), redis, name, workers, options, faults)
+    run_session_on(session(), redis, name, workers, BY_BATCH, options, faults)
 }
 
-/// [`run_on`] for another session than the default.
+/// One batch per task.
+const BY_BATCH: Option<NonZeroUsize> = NonZeroUsize::new(1);
+
+/// [`run_on`] for another session than the default, `per_task` batches
+/// per task on Redis (`None`: sized by the coordinator).
 fn run_session_on(
     session: Session,
     redis: Option<&RedisServer>,
     name: &str,
     workers: usize,
+    per_task: Option<NonZeroUsize>,
     options: &RunOptions,
     faults: &Faults,
 ) -> qforge_dist::Result<RunSummary> {
@@ -130,6 +138,7 @@ fn run_session_on(
             redis: address(server),
             resume: options.resume,
             outage_limit: Duration::from_secs(10),
+            batches_per_task: per_task,
         },
     )?;
     std::thread::scope(|scope| {
@@ -188,6 +197,80 @@ fn any_worker_count_gives_identical_bytes() {
             );
         }
     }
+}
+
+#[test]
+fn tasks_of_several_batches_give_identical_bytes_through_duplicates_and_a_regrouping_resume() {
+    let Some(server) = RedisServer::start("grouped", None) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let clean = clean_bytes(&target, &job, &plan);
+    let duplicate = Faults {
+        duplicate: true,
+        ..Faults::none()
+    };
+    for per_task in [2, 4, 19] {
+        let summary = run_session_on(
+            session(),
+            Some(&server),
+            &format!("grouped-{per_task}"),
+            3,
+            NonZeroUsize::new(per_task),
+            &RunOptions::default(),
+            &duplicate,
+        )
+        .unwrap();
+        assert_eq!(encode(&summary.stats), clean, "{per_task} batches per task");
+        assert_eq!(summary.merged, 19);
+        // Every copy dropped, but the last task's: its copy ends the run.
+        assert!(
+            (19 - per_task..19).contains(&summary.duplicates),
+            "{per_task} batches per task: {} duplicates",
+            summary.duplicates
+        );
+    }
+
+    // A coordinator crashes while tasks of 4 are out; resumed, it hands out
+    // tasks of 3, so results published before the crash may cover batches
+    // it has merged together with batches it has not.
+    let dir = temp_dir("grouped-resume");
+    let options = RunOptions {
+        checkpoints: Some(CheckpointStore::new(dir.path())),
+        checkpoint_every: 1,
+        ..RunOptions::default()
+    };
+    let crash = Faults {
+        crash_after: Some(2),
+        ..Faults::none()
+    };
+    let first = run_session_on(
+        session(),
+        Some(&server),
+        "regrouped",
+        2,
+        NonZeroUsize::new(4),
+        &options,
+        &crash,
+    );
+    assert!(first.is_err());
+    let resume = RunOptions {
+        resume: true,
+        ..options
+    };
+    let summary = run_session_on(
+        session(),
+        Some(&server),
+        "regrouped",
+        2,
+        NonZeroUsize::new(3),
+        &resume,
+        &Faults::none(),
+    )
+    .unwrap();
+    assert_eq!(encode(&summary.stats), clean);
+    assert!(summary.resumed >= 4, "resumed {}", summary.resumed);
+    assert_eq!(summary.merged, 19);
 }
 
 /// Faults injected into what the coordinator sees.
@@ -259,12 +342,18 @@ impl Backend for Faulty<'_> {
             {
                 return Err(Error::WorkerPanic("simulated coordinator crash".into()));
             }
+            // A task holding the failing batch fails whole.
             let outcome = match (outcome, self.faults.fail) {
-                (Outcome::Done { batch, worker, .. }, Some((b, times)))
-                    if batch == b && self.failures.fetch_add(1, Ordering::SeqCst) < times =>
+                (
+                    Outcome::Done {
+                        batches, worker, ..
+                    },
+                    Some((b, times)),
+                ) if batches.contains(&b)
+                    && self.failures.fetch_add(1, Ordering::SeqCst) < times =>
                 {
                     Outcome::Failed {
-                        batch,
+                        batches,
                         worker,
                         error: Failure::Worker("injected failure".into()),
                     }
@@ -273,7 +362,7 @@ impl Backend for Faulty<'_> {
             };
             if self.faults.duplicate
                 && let Outcome::Done {
-                    batch,
+                    batches,
                     stats,
                     worker,
                     elapsed,
@@ -281,7 +370,7 @@ impl Backend for Faulty<'_> {
                 } = &outcome
             {
                 let copy = Outcome::Done {
-                    batch: *batch,
+                    batches: batches.clone(),
                     stats: stats.clone(),
                     worker: format!("{worker}-speculative"),
                     elapsed: *elapsed,
@@ -503,6 +592,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
                 redis: address(&server),
                 resume: false,
                 outage_limit: Duration::from_secs(10),
+                batches_per_task: None,
             },
         )
         .unwrap();
@@ -592,11 +682,14 @@ fn a_coordinator_behind_the_results_stream_recomputes_nothing() {
         slow_merge: Some(Duration::from_millis(70)),
         ..Faults::none()
     };
+    // Tasks sized by the coordinator: slow as it is, it hands out several
+    // batches per task.
     let summary = run_session_on(
         session_of(8),
         Some(&server),
         "backlog",
         3,
+        None,
         &RunOptions::default(),
         &faults,
     )
@@ -608,6 +701,17 @@ fn a_coordinator_behind_the_results_stream_recomputes_nothing() {
         summary.warnings
     );
     assert_eq!(summary.duplicates, 0);
+    // The batches of one result share their worker and arrival time.
+    let mut per_result = std::collections::BTreeMap::new();
+    for delivery in &summary.timeline {
+        *per_result
+            .entry((delivery.worker.clone(), delivery.at_seconds.to_bits()))
+            .or_insert(0) += 1;
+    }
+    assert!(
+        per_result.values().any(|&batches| batches > 1),
+        "a coordinator this slow hands out several batches per task"
+    );
     let (target, job, plan) = setup_of(session_of(8));
     assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
 }
@@ -625,6 +729,7 @@ fn open_run(server: &RedisServer, name: &str, job: &Job) -> RedisBackend {
             redis: address(server),
             resume: false,
             outage_limit: Duration::from_secs(10),
+            batches_per_task: None,
         },
     )
     .unwrap()
@@ -670,9 +775,9 @@ fn forged_results_are_quarantined_and_the_run_goes_on() {
         redis::cmd("XADD")
             .arg("qforge:{forged}:results")
             .arg(id)
-            .arg("batch")
+            .arg("batches")
             .arg(batch)
-            .arg("id")
+            .arg("ids")
             .arg(batch_id)
             .arg("worker")
             .arg("forger")

@@ -1,5 +1,7 @@
 //! Key names of a run.
 
+use redis::streams::StreamId;
+
 use crate::error::{Error, Result};
 
 /// The consumer group of the task stream.
@@ -86,6 +88,23 @@ impl RunKeys {
             self.speculative(),
         ]
     }
+}
+
+/// The plan batches a task or result entry names: its `batches` field, the
+/// indices joined by commas (as [`joined`] writes them). `None` when the
+/// field is missing or not such a list.
+pub(crate) fn named_batches(entry: &StreamId) -> Option<Vec<usize>> {
+    let field = entry.get::<String>("batches")?;
+    field.split(',').map(|b| b.parse().ok()).collect()
+}
+
+/// `items` joined by commas: a task's or result's `batches` and `ids`.
+pub(crate) fn joined<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    items
+        .into_iter()
+        .map(|item| item.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// A stream entry id `ms-seq`, ordered as Redis orders them.

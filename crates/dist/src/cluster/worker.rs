@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use qforge_calib::{Batch, HiddenStates, Job, Session as Calibration, Weights};
 use qforge_core::codec::encode;
+use qforge_core::{MergePolicy, Stats};
 use qforge_model::Model;
 use redis::streams::{
     StreamClaimReply, StreamId, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
 };
 use serde_json::json;
 
-use super::keys::{ACTIVE, GROUP, RunKeys};
+use super::keys::{ACTIVE, GROUP, RunKeys, joined, named_batches};
 use super::link::{Link, RedisAddress};
 use super::spec::RunSpec;
 use crate::backend::{Failure, observe_guarded};
@@ -85,16 +86,15 @@ pub trait Compute {
         .map_err(|e| Error::Cluster(format!("cannot load run {}: {e}", spec.run)))
     }
 
-    /// Observes one planned batch of the pass's model: its statistics as
-    /// published (`.qstats` bytes).
+    /// Observes one planned batch of the pass's model.
     fn observe(
         &self,
         target: &Model,
         batch: &Batch,
         job: &Job,
         hidden_states: &HiddenStates,
-    ) -> std::result::Result<Vec<u8>, Failure> {
-        observe_guarded(target, batch, job, hidden_states).map(|stats| encode(&stats))
+    ) -> std::result::Result<Stats, Failure> {
+        observe_guarded(target, batch, job, hidden_states)
     }
 }
 
@@ -280,6 +280,15 @@ struct Session {
 
 /// Shared with the heartbeat thread: the task being observed ("-" when idle).
 type Current = Arc<Mutex<String>>;
+
+/// One results entry a task gives: the batches it covers, as the `batches`
+/// and `ids` fields name them, and their statistics (`.qstats` bytes) or
+/// why they failed.
+struct Answer {
+    batches: String,
+    ids: String,
+    observed: std::result::Result<Vec<u8>, Failure>,
+}
 
 impl Session {
     /// Checks that `calibration` is what `spec` describes, applies the
@@ -595,17 +604,19 @@ impl Session {
                 continue;
             };
             if pending.times_delivered >= MAX_DELIVERIES {
-                self.publish(
-                    link,
-                    &entry,
-                    Err(Failure::Worker(format!(
-                        "{} workers died while observing it (out of memory? a crash in the forward?)",
-                        pending.times_delivered
-                    ))),
-                    Duration::ZERO,
-                    false,
-                )?;
-                report.failed += 1;
+                let failure = Failure::Worker(format!(
+                    "{} workers died while observing it (out of memory? a crash in the forward?)",
+                    pending.times_delivered
+                ));
+                let answers = match self.planned(&entry) {
+                    Ok(batches) => batches
+                        .into_iter()
+                        .map(|b| self.failed(b, failure.clone()))
+                        .collect(),
+                    Err(unplanned) => vec![unplanned],
+                };
+                report.failed += answers.len();
+                self.publish(link, &entry, &answers, Duration::ZERO, false)?;
                 continue;
             }
             return Ok(Some(entry));
@@ -614,14 +625,17 @@ impl Session {
     }
 
     /// Picks the oldest task another (live) worker still holds, if it has
-    /// been held for more than twice the time this worker takes per batch
-    /// (a straggler), the run's speculation budget allows one more execution
-    /// and nobody else speculates on it. Without that floor, a queue emptied
-    /// by a coordinator that merges slower than workers observe sent every
-    /// idle worker after fresh tasks: the cap's 20 % of extra results, all
-    /// duplicates, at the very coordinator that bounded the run.
+    /// been held for more than twice the time this worker would take over
+    /// its batches (a straggler), the run's speculation budget allows one
+    /// more execution and nobody else speculates on it. Without that floor,
+    /// a queue emptied by a coordinator that merges slower than workers
+    /// observe sent every idle worker after fresh tasks: the cap's 20 % of
+    /// extra results, all duplicates, at the very coordinator that bounded
+    /// the run.
     fn speculate(&self, link: &mut Link) -> Result<Option<StreamId>> {
         let (batches, took) = self.observed.get();
+        // Per batch; a task of several must have been held that many times
+        // as long.
         let floor = match batches {
             0 => Duration::from_millis(self.spec.heartbeat_timeout_ms),
             n => 2 * took / n,
@@ -646,6 +660,20 @@ impl Session {
             if pending.consumer == self.name {
                 continue;
             }
+            let range: StreamRangeReply = link.call(|c| {
+                redis::cmd("XRANGE")
+                    .arg(&tasks)
+                    .arg(&pending.id)
+                    .arg(&pending.id)
+                    .query(c)
+            })?;
+            let Some(entry) = range.ids.into_iter().next() else {
+                continue;
+            };
+            let size = named_batches(&entry).map_or(1, |b| b.len().max(1)) as u32;
+            if Duration::from_millis(pending.last_delivered_ms as u64) < floor * size {
+                continue;
+            }
             let mine: Option<String> = link.call(|c| {
                 redis::cmd("SET")
                     .arg(self.keys.speculation_claim(&pending.id))
@@ -663,18 +691,13 @@ impl Session {
             if started > self.spec.speculation_cap() {
                 return Ok(None);
             }
-            let range: StreamRangeReply = link.call(|c| {
-                redis::cmd("XRANGE")
-                    .arg(&tasks)
-                    .arg(&pending.id)
-                    .arg(&pending.id)
-                    .query(c)
-            })?;
-            return Ok(range.ids.into_iter().next());
+            return Ok(Some(entry));
         }
         Ok(None)
     }
 
+    /// Observes the batches of a task, merges those that succeed into one
+    /// result, and publishes it with one entry per batch that failed.
     fn execute(
         &self,
         link: &mut Link,
@@ -684,30 +707,96 @@ impl Session {
         speculative: bool,
         report: &mut WorkerReport,
     ) -> Result<()> {
-        let batches = &self.calibration.plan.batches;
-        let batch = entry.get::<usize>("batch").unwrap_or(usize::MAX);
-        let id = entry.get::<String>("id").unwrap_or_default();
         self.announce(link, current, &entry.id)?;
         let started = Instant::now();
-        let observed = match batches.get(batch) {
-            Some(planned) if planned.id.to_string() == id => compute.observe(
-                &self.prepared.target,
-                planned,
-                &self.prepared.job,
-                &self.calibration.hidden_states,
-            ),
-            _ => Err(Failure::Worker(format!(
-                "task names batch {batch} ({id}), which is not in this worker's plan"
-            ))),
+        let (answers, observed) = match self.planned(entry) {
+            Ok(batches) => (self.observe_task(compute, &batches), batches.len()),
+            Err(unplanned) => (vec![unplanned], 1),
         };
         let elapsed = started.elapsed();
         let (batches, took) = self.observed.get();
         self.observed
-            .set((batches.saturating_add(1), took + elapsed));
-        report.batches += 1;
-        report.failed += usize::from(observed.is_err());
-        self.publish(link, entry, observed, elapsed, speculative)?;
+            .set((batches.saturating_add(observed as u32), took + elapsed));
+        report.batches += observed;
+        report.failed += answers.iter().filter(|a| a.observed.is_err()).count();
+        self.publish(link, entry, &answers, elapsed, speculative)?;
         self.announce(link, current, "-")
+    }
+
+    /// The plan batches a task names, if they are this worker's (else the
+    /// failure to publish for it, under the task's own fields).
+    fn planned(&self, entry: &StreamId) -> std::result::Result<Vec<usize>, Answer> {
+        let plan = &self.calibration.plan.batches;
+        let ids = entry.get::<String>("ids").unwrap_or_default();
+        match named_batches(entry) {
+            Some(batches)
+                if !batches.is_empty()
+                    && batches.iter().all(|&b| b < plan.len())
+                    && joined(batches.iter().map(|&b| plan[b].id)) == ids =>
+            {
+                Ok(batches)
+            }
+            _ => {
+                let named = entry.get::<String>("batches").unwrap_or_default();
+                Err(Answer {
+                    observed: Err(Failure::Worker(format!(
+                        "task names batches {named} ({ids}), which are not in this worker's plan"
+                    ))),
+                    batches: named,
+                    ids,
+                })
+            }
+        }
+    }
+
+    /// The answer that batch `batch` failed.
+    fn failed(&self, batch: usize, failure: Failure) -> Answer {
+        Answer {
+            batches: batch.to_string(),
+            ids: self.calibration.plan.batches[batch].id.to_string(),
+            observed: Err(failure),
+        }
+    }
+
+    /// Observes `batches` (planned), merging their statistics in order: the
+    /// merged result first, then a failure per batch that failed. Merging is
+    /// exact, so the coordinator's merge of this result equals its merges
+    /// of the batches one by one.
+    fn observe_task(&self, compute: &dyn Compute, batches: &[usize]) -> Vec<Answer> {
+        let plan = &self.calibration.plan.batches;
+        let mut merged: Option<Stats> = None;
+        let mut done = Vec::with_capacity(batches.len());
+        let mut failures = Vec::new();
+        for &b in batches {
+            let observed = compute
+                .observe(
+                    &self.prepared.target,
+                    &plan[b],
+                    &self.prepared.job,
+                    &self.calibration.hidden_states,
+                )
+                .and_then(|stats| match &mut merged {
+                    None => {
+                        merged = Some(stats);
+                        Ok(())
+                    }
+                    Some(all) => all.merge(&stats, MergePolicy::Strict).map_err(|e| {
+                        Failure::Worker(format!(
+                            "its statistics do not merge with the task's others: {e}"
+                        ))
+                    }),
+                });
+            match observed {
+                Ok(()) => done.push(b),
+                Err(failure) => failures.push(self.failed(b, failure)),
+            }
+        }
+        let merged = merged.map(|stats| Answer {
+            batches: joined(&done),
+            ids: joined(done.iter().map(|&b| plan[b].id)),
+            observed: Ok(encode(&stats)),
+        });
+        merged.into_iter().chain(failures).collect()
     }
 
     /// Names the task being observed ("-": none) in the heartbeat at once,
@@ -727,45 +816,53 @@ impl Session {
         })
     }
 
-    /// Appends the result, then acknowledges the task: in this order, a
+    /// Appends the task's results, then acknowledges it: in this order, a
     /// crash in between leaves a pending task whose rerun is a duplicate the
-    /// merge drops, never a lost result.
+    /// merge drops, never a lost result. The time observing is carried by
+    /// the first entry.
     fn publish(
         &self,
         link: &mut Link,
         entry: &StreamId,
-        observed: std::result::Result<Vec<u8>, Failure>,
+        answers: &[Answer],
         elapsed: Duration,
         speculative: bool,
     ) -> Result<()> {
         let results = self.keys.results();
-        let batch = entry.get::<usize>("batch").unwrap_or(usize::MAX);
-        let id = entry.get::<String>("id").unwrap_or_default();
         link.call(|c| {
-            let mut add = redis::cmd("XADD");
-            add.arg(&results)
-                .arg("*")
-                .arg("batch")
-                .arg(batch)
-                .arg("id")
-                .arg(&id)
-                .arg("worker")
-                .arg(&self.name)
-                .arg("fingerprint")
-                .arg(&self.fingerprint)
-                .arg("elapsed_us")
-                .arg(elapsed.as_micros() as u64)
-                .arg("speculative")
-                .arg(if speculative { "1" } else { "0" });
-            match &observed {
-                Ok(bytes) => add.arg("stats").arg(&bytes[..]),
-                Err(failure) => add
-                    .arg("error")
-                    .arg(failure.message())
-                    .arg("failure")
-                    .arg(failure.kind()),
-            };
-            add.query::<String>(c)
+            let mut pipe = redis::pipe();
+            for (i, answer) in answers.iter().enumerate() {
+                let add = pipe
+                    .cmd("XADD")
+                    .arg(&results)
+                    .arg("*")
+                    .arg("batches")
+                    .arg(&answer.batches)
+                    .arg("ids")
+                    .arg(&answer.ids)
+                    .arg("worker")
+                    .arg(&self.name)
+                    .arg("fingerprint")
+                    .arg(&self.fingerprint)
+                    .arg("elapsed_us")
+                    .arg(if i == 0 {
+                        elapsed.as_micros() as u64
+                    } else {
+                        0
+                    })
+                    .arg("speculative")
+                    .arg(if speculative { "1" } else { "0" });
+                match &answer.observed {
+                    Ok(bytes) => add.arg("stats").arg(&bytes[..]),
+                    Err(failure) => add
+                        .arg("error")
+                        .arg(failure.message())
+                        .arg("failure")
+                        .arg(failure.kind()),
+                };
+                add.ignore();
+            }
+            pipe.query::<()>(c)
         })?;
         link.call(|c| {
             redis::cmd("XACK")
