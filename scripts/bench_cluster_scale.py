@@ -3,8 +3,10 @@ processes whose forward is synthetic (crates/dist/examples/synthetic_worker.rs: 
 delay, then the tensors of a real SmolLM2 batch's statistics, 121 tensors).
 
 Per worker count it measures, over one run of BATCHES batches:
-- merged results/s at the coordinator (planned batches / the coordinator's own wall clock);
-- bytes per result on the wire (one entry of the results stream, read mid-run);
+- batches merged per second at the coordinator (planned batches / the coordinator's own wall
+  clock); a worker handed a task of several batches merges them and publishes one result, so
+  also the results published and the mean batches per result;
+- bytes per result on the wire (the results stream's newest 16 entries, read mid-run);
 - Redis peak memory (`used_memory_peak`, a fresh server per worker count);
 - reclaim: 10 % of the workers SIGKILLed at once mid-run; the time until every task they
   held is pending on another worker or merged (goal: heartbeat timeout + 1 s);
@@ -15,7 +17,7 @@ observations (batch size 1, so BATCHES batches), which the synthetic workers als
 plan; only their observations are synthetic.
 
 Usage: python3 scripts/bench_cluster_scale.py [--workers 16,64,256] [--batches 10000]
-           [--delay-ms 100]
+           [--delay-ms 100] [--batches-per-task N]   (default: the coordinator sizes tasks)
 Writes target/bench-cluster-scale.json and the plot target/bench-cluster-scale.svg.
 """
 
@@ -87,7 +89,7 @@ class CpuMeter(threading.Thread):
         self.pids, self.seen, self.done = pids, {}, threading.Event()
 
     def run(self):
-        while not self.done.wait(0.1):
+        while not self.done.wait(0.25):
             for name, pid in self.pids.items():
                 seconds = cpu_seconds(pid)
                 if seconds is not None:
@@ -134,7 +136,7 @@ def make_inputs(work, batches):
     return template, data
 
 
-def run_once(work, template, data, batches, workers, delay_ms, kill):
+def run_once(work, template, data, batches, workers, delay_ms, kill, per_task=None):
     data_dir = tempfile.mkdtemp(prefix="redis-", dir=work)
     server, port, client = start_redis(data_dir)
     url = f"redis://127.0.0.1:{port}"
@@ -145,28 +147,33 @@ def run_once(work, template, data, batches, workers, delay_ms, kill):
     coordinator = subprocess.Popen(
         [QFORGE, "calibrate", "--model", POLICY, "--data", data, "--samples", str(batches),
          "--batch-size", "1", "--cluster", url, "--run", run, "--heartbeat-timeout-ms",
-         str(TIMEOUT_MS), "-o", out, "--json"], stdout=subprocess.PIPE)
+         str(TIMEOUT_MS), "-o", out, "--json"]
+        + (["--batches-per-task", str(per_task)] if per_task else []),
+        stdout=subprocess.PIPE)
     tasks, results = f"qforge:{{{run}}}:tasks", f"qforge:{{{run}}}:results"
-    meter = CpuMeter({"coordinator": coordinator.pid, "redis": server.pid})
+    launched = time.monotonic()
+    meter = CpuMeter({"coordinator": coordinator.pid, "redis": server.pid,
+                      **{f"w{i}": p.pid for i, p in enumerate(pool)}})
     meter.start()
-    row = {"workers": workers, "batches": batches, "delay_ms": delay_ms}
+    row = {"workers": workers, "batches": batches, "delay_ms": delay_ms,
+           "batches_per_task": per_task or "auto"}
+    # Mid-run: a third of the time the workers would take if nothing else bounded them.
+    offered = workers * 1000 / max(delay_ms, 1)
     try:
-        # Wait until a third of the batches are done, read one result's size, then kill.
-        while True:
-            if coordinator.poll() is not None:
+        started = None
+        while coordinator.poll() is None:
+            if started is None and client.call("XLEN", results):
+                started = time.monotonic()
+            if started is not None and time.monotonic() - started >= batches / offered / 3:
                 break
-            try:
-                group = client.call("XINFO", "GROUPS", tasks)[0]
-                group = dict(zip(group[::2], group[1::2]))
-                if group[b"entries-read"] - group[b"pending"] >= batches // 3:
-                    break
-            except (RuntimeError, IndexError, TypeError):
-                pass  # the task stream or its group does not exist yet
             time.sleep(0.05)
-        entry = client.call("XREVRANGE", results, "+", "-", "COUNT", "1")
-        if entry:
-            fields = entry[0][1]
-            row["bytes_per_result"] = sum(len(v) for v in fields)
+        # The coordinator trims what it has merged: wait for entries to sample.
+        entries = []
+        while not entries and coordinator.poll() is None:
+            entries = client.call("XREVRANGE", results, "+", "-", "COUNT", "16")
+        if entries:
+            sizes = [sum(len(v) for v in fields) for _, fields in entries]
+            row["bytes_per_result"] = round(sum(sizes) / len(sizes))
         if kill and coordinator.poll() is None:
             # 10 % of the workers: those that took a task last first (they hold it longest).
             # While the coordinator is what bounds the run, workers wait for tasks
@@ -196,12 +203,24 @@ def run_once(work, template, data, batches, workers, delay_ms, kill):
             row["tasks_held_by_killed"] = held
             row["reclaim_seconds"] = reclaim
         summary_bytes, _ = coordinator.communicate(timeout=3600)
+        ended = time.monotonic()
         meter.done.set()
         meter.join()
-        row["cpu_seconds"] = dict(meter.seen)
+        seen = dict(meter.seen)
+        row["cpu_seconds"] = {
+            "coordinator": seen.pop("coordinator"), "redis": seen.pop("redis"),
+            "workers": round(sum(seen.values()), 2)}
+        if started is not None:
+            # Before the first result, the workers start: each loads and plans the files.
+            row["first_result_after_s"] = round(started - launched, 2)
+            row["merged_per_s_from_first_result"] = batches / (ended - started)
         summary = json.loads(summary_bytes)
         row["seconds"] = summary["seconds"]
         row["merged_per_s"] = summary["merged_batches"] / summary["seconds"]
+        stream = client.call("XINFO", "STREAM", results)
+        published = dict(zip(stream[::2], stream[1::2]))[b"entries-added"]
+        row["results_published"] = published
+        row["batches_per_result"] = (summary["merged_batches"] + summary["duplicates"]) / published
         row["duplicates"] = summary["duplicates"]
         row["speculative_executions"] = summary["speculative_executions"]
         memory = client.call("INFO", "memory").decode()
@@ -222,7 +241,7 @@ def run_once(work, template, data, batches, workers, delay_ms, kill):
 
 
 def svg_plot(rows):
-    """Merged results/s against workers beside the load they offer (log-log)."""
+    """Batches merged/s against workers beside the load they offer (log-log)."""
     width, height, left, bottom, top, right = 560, 360, 70, 50, 20, 150
     workers = [r["workers"] for r in rows]
     offered = [r["workers"] * 1000 / r["delay_ms"] for r in rows]
@@ -251,7 +270,7 @@ def svg_plot(rows):
     parts.append(f'<text x="{(left + width - right) / 2}" y="{height - 8}" '
                  'text-anchor="middle">worker processes</text>')
     parts.append(f'<text x="16" y="{(top + height - bottom) / 2}" text-anchor="middle" '
-                 f'transform="rotate(-90 16 {(top + height - bottom) / 2})">results/s</text>')
+                 f'transform="rotate(-90 16 {(top + height - bottom) / 2})">batches/s</text>')
     series = [("offered", offered, "#888", ' stroke-dasharray="4 3"'),
               ("merged", merged, "#d62728", ""),
               ("goal", [1000] * len(rows), "#2ca02c", ' stroke-dasharray="1 3"')]
@@ -274,6 +293,7 @@ def main():
     parser.add_argument("--workers", default="16,64,256")
     parser.add_argument("--batches", type=int, default=10000)
     parser.add_argument("--delay-ms", type=int, default=100)
+    parser.add_argument("--batches-per-task", type=int, default=None)
     args = parser.parse_args()
     for tool in (QFORGE, WORKER):
         if not os.path.exists(tool):
@@ -288,7 +308,7 @@ def main():
         rows = []
         for workers in (int(w) for w in args.workers.split(",")):
             row = run_once(work, template, data, args.batches, workers, args.delay_ms,
-                           kill=True)
+                           kill=True, per_task=args.batches_per_task)
             row["identical_to_one_worker"] = row.pop("output") == reference
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -56,17 +56,42 @@ const ZERO_SPREAD: usize = 8;
 /// ...starting at this one (the bin of +∞, otherwise holding only Inf/NaN).
 const ZERO_SPREAD_BIN: usize = FIRST_SPECIAL_BIN;
 
-/// Two sparse histograms merge into a sparse one while they hold at most
-/// this many non-empty bins between them (a quarter of the dense table's
-/// bytes); beyond it the dense table is smaller and faster to add into. A
-/// worker that merges the decoded results of several batches before it
-/// publishes them keeps them a few hundred kilobytes, not 62 MB a SmolLM2
-/// result.
-const SPARSE_MERGE_LIMIT: usize = BIN_COUNT / 8;
+/// Two sparse histograms merge into a sparse one while their union holds
+/// at most this many non-empty bins (half the dense table's bytes); beyond
+/// it the dense table is smaller and faster to add into. A worker that
+/// merges the results of several batches before it publishes them keeps
+/// them a few hundred kilobytes, not 62 MB a SmolLM2 result.
+const SPARSE_MERGE_LIMIT: usize = BIN_COUNT / 4;
 
-/// The bins of both sorted lists, counts of the same bin added.
-fn merge_sparse(mine: &[(u16, u64)], theirs: &[(u16, u64)]) -> Vec<(u16, u64)> {
-    let mut merged = Vec::with_capacity(mine.len() + theirs.len());
+/// Adds `theirs` into `mine`, both sorted by bin: in place, without
+/// allocating, while `theirs` only has bins `mine` has (what merging batches
+/// of the same tensor mostly meets); from the first bin `mine` lacks, into
+/// a new list.
+fn add_sparse(mine: &mut Vec<(u16, u64)>, theirs: &[(u16, u64)]) {
+    let mut at = 0;
+    for (next, &(index, count)) in theirs.iter().enumerate() {
+        while at < mine.len() && mine[at].0 < index {
+            at += 1;
+        }
+        match mine.get_mut(at) {
+            Some((i, c)) if *i == index => {
+                *c += count;
+                at += 1;
+            }
+            _ => {
+                let mut merged = Vec::with_capacity(mine.len() + theirs.len() - next);
+                merged.extend_from_slice(&mine[..at]);
+                merge_sparse(&mine[at..], &theirs[next..], &mut merged);
+                *mine = merged;
+                return;
+            }
+        }
+    }
+}
+
+/// Appends the bins of both sorted lists to `merged`, counts of the same
+/// bin added.
+fn merge_sparse(mine: &[(u16, u64)], theirs: &[(u16, u64)], merged: &mut Vec<(u16, u64)>) {
     let (mut a, mut b) = (mine.iter().peekable(), theirs.iter().peekable());
     loop {
         let next = match (a.peek(), b.peek()) {
@@ -78,7 +103,7 @@ fn merge_sparse(mine: &[(u16, u64)], theirs: &[(u16, u64)]) -> Vec<(u16, u64)> {
             (Some(&&(i, _)), Some(&&(j, _))) if j < i => *b.next().expect("peeked"),
             (Some(_), _) => *a.next().expect("peeked"),
             (None, Some(_)) => *b.next().expect("peeked"),
-            (None, None) => return merged,
+            (None, None) => return,
         };
         merged.push(next);
     }
@@ -620,11 +645,12 @@ impl Histogram {
     /// extremes. Fails, leaving `self` unchanged, if a count would overflow.
     pub fn merge(&mut self, other: &Histogram) -> Result<()> {
         self.check_merge(other)?;
-        match (&self.bins, &other.bins) {
-            (Bins::Sparse(mine), Bins::Sparse(theirs))
-                if mine.len() + theirs.len() <= SPARSE_MERGE_LIMIT =>
-            {
-                self.bins = Bins::Sparse(merge_sparse(mine, theirs));
+        match (&mut self.bins, &other.bins) {
+            (Bins::Sparse(mine), Bins::Sparse(theirs)) => {
+                add_sparse(mine, theirs);
+                if mine.len() > SPARSE_MERGE_LIMIT {
+                    self.bins.dense();
+                }
             }
             (_, theirs) => {
                 let counts = self.bins.dense();
@@ -970,9 +996,38 @@ mod tests {
                 whole.non_empty_bins().collect::<Vec<_>>()
             );
         }
+        // Bins all in the other's: added in place.
+        let mut twice = decoded.clone();
+        twice.merge(&decoded).unwrap();
+        let mut twice_dense = dense.clone();
+        twice_dense.merge(&dense).unwrap();
+        assert!(matches!(twice.bins, Bins::Sparse(_)));
+        assert_eq!(twice, twice_dense);
         let mut resumed = decoded;
         resumed.observe(second);
         assert_eq!(resumed, whole);
+    }
+
+    #[test]
+    fn sparse_histograms_whose_union_outgrows_the_limit_merge_dense() {
+        // Every bin of ±2^-60 .. 2^60: 30 720 bins, split between two.
+        let values: Vec<f32> = (-60..60)
+            .flat_map(|e| (0..128).map(move |m| 2f32.powi(e) * (1.0 + m as f32 / 128.0)))
+            .flat_map(|v| [v, -v])
+            .collect();
+        let (first, second) = values.split_at(values.len() / 2);
+        let decoded = |values: &[f32]| {
+            let mut h = Histogram::new();
+            h.observe(values);
+            Histogram::from_parts(h.to_parts()).unwrap()
+        };
+        let mut merged = decoded(first);
+        merged.merge(&decoded(second)).unwrap();
+        assert!(matches!(merged.bins, Bins::Dense(_)));
+        let mut whole = Histogram::new();
+        whole.observe(&values);
+        assert_eq!(merged, whole);
+        assert!(whole.non_empty_bins().count() > SPARSE_MERGE_LIMIT);
     }
 
     #[test]

@@ -12,29 +12,34 @@
 //! | `qforge:{R}:spec`           | string | the [`RunSpec`] (JSON)                             |
 //! | `qforge:{R}:state`          | string | `running`, `done` or `failed`                      |
 //! | `qforge:{R}:coordinator`    | string | the live coordinator's token (TTL)                 |
-//! | `qforge:{R}:tasks`          | stream | one entry per batch to observe; group `workers`    |
-//! | `qforge:{R}:results`        | stream | `.qstats` bytes (or an error) per observed batch   |
+//! | `qforge:{R}:tasks`          | stream | one entry per task (batches, ids); group `workers` |
+//! | `qforge:{R}:results`        | stream | a task's merged `.qstats`, or a batch's error      |
 //! | `qforge:{R}:hb:{worker}`    | string | heartbeat (TTL), naming the task being observed    |
 //! | `qforge:{R}:workers`        | hash   | worker → build, kernel tier, fingerprint, admitted |
 //! | `qforge:{R}:reference`      | string | the fingerprint workers must match                 |
-//! | `qforge:{R}:speculative`    | string | speculative executions started (counter)           |
+//! | `qforge:{R}:speculative`    | string | batches re-executed speculatively (counter)        |
 //! | `qforge:{R}:spec:{entry}`   | string | who re-executes a task speculatively (TTL)         |
 //!
 //! # Protocol
 //!
-//! The coordinator writes the spec, enqueues one task per pending batch, at
-//! most two per live worker (or 64) in flight at a time so that Redis holds
-//! the results of the batches in flight, never the plan's, and reads the
-//! results stream, handing every result to the generic coordinator (which
-//! merges each batch id once). A worker reads tasks through the
-//! consumer group, observes, appends the result, then acknowledges the task;
+//! The coordinator writes the spec, enqueues the pending batches as tasks of
+//! one or more batches (sized so that it merges faster than the workers
+//! publish; see [`RedisBackend`]), at most two tasks per live worker (or 64
+//! batches) in flight at a time so that Redis holds the results of the tasks
+//! in flight, never the plan's, and reads the results stream, handing every
+//! result to the generic coordinator (which merges each batch id once, and
+//! retries the unmerged batches of a result that also covers merged ones). A
+//! worker reads tasks through the consumer group, observes their batches,
+//! merges those that succeed into one result, appends it (and an error entry
+//! per failed batch), then acknowledges the task;
 //! a heartbeat thread refreshes its key every interval. A task pending on a
 //! worker whose heartbeat expired, or whose heartbeat names another task for
 //! longer than the timeout, is claimed (`XCLAIM`) and redone by an idle
 //! worker: liveness comes from the heartbeat, never from how long a task has
 //! been pending, so a live worker on a slow batch keeps it. With the queue
 //! empty, idle workers re-execute the oldest pending tasks speculatively
-//! (those held more than twice as long as the idle worker takes per batch),
+//! (those held more than twice as long as the idle worker would take over
+//! their batches),
 //! at most `(speculation − 1) × planned` times per run. Redis may lose the last
 //! second of writes (AOF `everysec`): the coordinator periodically checks that
 //! every unresolved batch still has a queued or pending task and re-enqueues

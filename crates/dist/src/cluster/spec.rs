@@ -60,8 +60,9 @@ impl RunSpec {
     /// The format name.
     pub const FORMAT: &'static str = "qforge-run";
     /// The version this build writes and reads (2: transforms and the next
-    /// pass).
-    pub const VERSION: u32 = 2;
+    /// pass; 3: tasks of several batches, whose entries name `batches` and
+    /// `ids`).
+    pub const VERSION: u32 = 3;
 
     /// The spec of `job` over the plan of `session`, with the default
     /// settings: heartbeat every 500 ms, dead after 2 s, no mixed hardware,
@@ -120,7 +121,7 @@ impl RunSpec {
             && self.plan_sha256 == other.plan_sha256
     }
 
-    /// Most speculative executions the run allows.
+    /// Most batches the run allows to be re-executed speculatively.
     pub fn speculation_cap(&self) -> u64 {
         ((self.speculation - 1.0).max(0.0) * self.planned as f64).ceil() as u64
     }

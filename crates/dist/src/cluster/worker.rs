@@ -96,6 +96,31 @@ pub trait Compute {
     ) -> std::result::Result<Stats, Failure> {
         observe_guarded(target, batch, job, hidden_states)
     }
+
+    /// Observes one planned batch into `task`, the merged statistics of the
+    /// task's batches observed so far (`None` before its first). On an
+    /// error `task` is as it was.
+    fn observe_into(
+        &self,
+        target: &Model,
+        batch: &Batch,
+        job: &Job,
+        hidden_states: &HiddenStates,
+        task: &mut Option<Stats>,
+    ) -> std::result::Result<(), Failure> {
+        let stats = self.observe(target, batch, job, hidden_states)?;
+        match task {
+            None => {
+                *task = Some(stats);
+                Ok(())
+            }
+            Some(merged) => merged.merge(&stats, MergePolicy::Strict).map_err(|e| {
+                Failure::Worker(format!(
+                    "its statistics do not merge with the task's others: {e}"
+                ))
+            }),
+        }
+    }
 }
 
 /// The model's own forward over the files a spec names: `qforge worker`.
@@ -686,8 +711,13 @@ impl Session {
             if mine.is_none() {
                 continue;
             }
-            let started: u64 =
-                link.call(|c| redis::cmd("INCR").arg(self.keys.speculative()).query(c))?;
+            // The budget counts batches, as the planned work does.
+            let started: u64 = link.call(|c| {
+                redis::cmd("INCRBY")
+                    .arg(self.keys.speculative())
+                    .arg(size)
+                    .query(c)
+            })?;
             if started > self.spec.speculation_cap() {
                 return Ok(None);
             }
@@ -768,24 +798,13 @@ impl Session {
         let mut done = Vec::with_capacity(batches.len());
         let mut failures = Vec::new();
         for &b in batches {
-            let observed = compute
-                .observe(
-                    &self.prepared.target,
-                    &plan[b],
-                    &self.prepared.job,
-                    &self.calibration.hidden_states,
-                )
-                .and_then(|stats| match &mut merged {
-                    None => {
-                        merged = Some(stats);
-                        Ok(())
-                    }
-                    Some(all) => all.merge(&stats, MergePolicy::Strict).map_err(|e| {
-                        Failure::Worker(format!(
-                            "its statistics do not merge with the task's others: {e}"
-                        ))
-                    }),
-                });
+            let observed = compute.observe_into(
+                &self.prepared.target,
+                &plan[b],
+                &self.prepared.job,
+                &self.calibration.hidden_states,
+                &mut merged,
+            );
             match observed {
                 Ok(()) => done.push(b),
                 Err(failure) => failures.push(self.failed(b, failure)),
