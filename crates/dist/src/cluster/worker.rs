@@ -1,6 +1,7 @@
 //! The worker's side of the Redis backend: `qforge worker`.
 
 use std::cell::Cell;
+use std::collections::{BTreeSet, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -10,7 +11,8 @@ use qforge_core::codec::encode;
 use qforge_core::{MergePolicy, Stats};
 use qforge_model::Model;
 use redis::streams::{
-    StreamClaimReply, StreamId, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
+    StreamClaimReply, StreamId, StreamPendingCountReply, StreamPendingReply, StreamRangeReply,
+    StreamReadReply,
 };
 use serde_json::json;
 
@@ -501,10 +503,7 @@ impl Session {
         current: &Current,
         report: &mut WorkerReport,
     ) -> Result<Ending> {
-        // Dead workers' tasks are looked for this often even while fresh work
-        // is queued, so a death costs about one timeout, not the queue's
-        // length.
-        let every = Duration::from_millis((self.spec.heartbeat_timeout_ms / 4).clamp(50, 1000));
+        let every = self.reclaim_every();
         let mut last_state_check = Instant::now();
         let mut last_reclaim = Instant::now();
         loop {
@@ -583,8 +582,59 @@ impl Session {
     }
 
     /// Takes over a task whose worker is dead: its heartbeat expired, or
-    /// names another task while this one has been pending past the timeout.
+    /// does not name the task while it has been pending past the timeout (a
+    /// worker restarted under the same name).
+    ///
+    /// Only the tasks of suspect workers are listed: those whose heartbeat
+    /// is gone, or names fewer tasks than they hold. Listing every task
+    /// pending past the timeout instead found, once tasks of several batches
+    /// outlasted the timeout, the tasks of live workers first: at 256
+    /// workers a dead one's tasks waited 7 s.
     fn reclaim(&self, link: &mut Link, report: &mut WorkerReport) -> Result<Option<StreamId>> {
+        let tasks = self.keys.tasks();
+        let holders: StreamPendingReply =
+            link.call(
+                |c| match redis::cmd("XPENDING").arg(&tasks).arg(GROUP).query(c) {
+                    Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingReply::default()),
+                    other => other,
+                },
+            )?;
+        let StreamPendingReply::Data(holders) = holders else {
+            return Ok(None);
+        };
+        let beats: Vec<String> = holders
+            .consumers
+            .iter()
+            .map(|c| self.keys.heartbeat(&c.name))
+            .collect();
+        let beats: Vec<Option<String>> =
+            link.call(|c| redis::cmd("MGET").arg(&beats[..]).query(c))?;
+        for (holder, beat) in holders.consumers.iter().zip(beats) {
+            // The heartbeat names the tasks its worker holds ("-": none).
+            let named: Vec<&str> = beat
+                .as_deref()
+                .map(|held| held.split(',').filter(|id| *id != "-").collect())
+                .unwrap_or_default();
+            if beat.is_some() && holder.pending <= named.len() {
+                continue;
+            }
+            if let Some(entry) = self.claim_from(link, &holder.name, &named, report)? {
+                return Ok(Some(entry));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Claims a task of `holder` pending past the timeout that its heartbeat
+    /// does not name (`named`); one that dead workers were handed too often
+    /// is published as failed instead.
+    fn claim_from(
+        &self,
+        link: &mut Link,
+        holder: &str,
+        named: &[&str],
+        report: &mut WorkerReport,
+    ) -> Result<Option<StreamId>> {
         let timeout = self.spec.heartbeat_timeout_ms;
         let tasks = self.keys.tasks();
         let stale: StreamPendingCountReply = link.call(|c| {
@@ -596,6 +646,7 @@ impl Session {
                 .arg("-")
                 .arg("+")
                 .arg(32)
+                .arg(holder)
                 .query(c)
             {
                 Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
@@ -603,12 +654,7 @@ impl Session {
             }
         })?;
         for pending in stale.ids {
-            let beat: Option<String> = link.call(|c| {
-                redis::cmd("GET")
-                    .arg(self.keys.heartbeat(&pending.consumer))
-                    .query(c)
-            })?;
-            if beat.as_deref() == Some(pending.id.as_str()) {
+            if named.contains(&pending.id.as_str()) {
                 continue; // alive and still on it
             }
             // XCLAIM with the idle floor: of several idle workers, one wins.
@@ -641,7 +687,13 @@ impl Session {
                     Err(unplanned) => vec![unplanned],
                 };
                 report.failed += answers.len();
-                self.publish(link, &entry, &answers, Duration::ZERO, false)?;
+                self.publish(
+                    link,
+                    std::slice::from_ref(&entry),
+                    &answers,
+                    Duration::ZERO,
+                    false,
+                )?;
                 continue;
             }
             return Ok(Some(entry));
@@ -739,8 +791,9 @@ impl Session {
     ) -> Result<()> {
         self.announce(link, current, &entry.id)?;
         let started = Instant::now();
+        let mut held = vec![entry.clone()];
         let (answers, observed) = match self.planned(entry) {
-            Ok(batches) => (self.observe_task(compute, &batches), batches.len()),
+            Ok(batches) => self.observe_task(link, compute, current, &mut held, batches, report)?,
             Err(unplanned) => (vec![unplanned], 1),
         };
         let elapsed = started.elapsed();
@@ -749,8 +802,15 @@ impl Session {
             .set((batches.saturating_add(observed as u32), took + elapsed));
         report.batches += observed;
         report.failed += answers.iter().filter(|a| a.observed.is_err()).count();
-        self.publish(link, entry, &answers, elapsed, speculative)?;
+        self.publish(link, &held, &answers, elapsed, speculative)?;
         self.announce(link, current, "-")
+    }
+
+    /// How often a worker looks for dead workers' tasks, between its own
+    /// batches too, so that a death costs about one timeout, not the queue's
+    /// length or a long task's.
+    fn reclaim_every(&self) -> Duration {
+        Duration::from_millis((self.spec.heartbeat_timeout_ms / 4).clamp(50, 1000))
     }
 
     /// The plan batches a task names, if they are this worker's (else the
@@ -792,30 +852,65 @@ impl Session {
     /// merged result first, then a failure per batch that failed. Merging is
     /// exact, so the coordinator's merge of this result equals its merges
     /// of the batches one by one.
-    fn observe_task(&self, compute: &dyn Compute, batches: &[usize]) -> Vec<Answer> {
+    ///
+    /// A dead worker's task found on the way (looked for every
+    /// [`Session::reclaim_every`]) joins this one: its entry is added to
+    /// `held` (and named in the heartbeat), its batches to those observed.
+    /// Returns the answers and the number of batches observed.
+    fn observe_task(
+        &self,
+        link: &mut Link,
+        compute: &dyn Compute,
+        current: &Current,
+        held: &mut Vec<StreamId>,
+        batches: Vec<usize>,
+        report: &mut WorkerReport,
+    ) -> Result<(Vec<Answer>, usize)> {
         let plan = &self.calibration.plan.batches;
         let mut merged: Option<Stats> = None;
-        let mut done = Vec::with_capacity(batches.len());
-        let mut failures = Vec::new();
-        for &b in batches {
-            let observed = compute.observe_into(
+        let mut queued: BTreeSet<usize> = batches.iter().copied().collect();
+        let mut queue: VecDeque<usize> = batches.into();
+        let mut done = Vec::with_capacity(queue.len());
+        let mut answers = Vec::new();
+        let mut observed = 0;
+        let mut last_reclaim = Instant::now();
+        while let Some(b) = queue.pop_front() {
+            observed += 1;
+            match compute.observe_into(
                 &self.prepared.target,
                 &plan[b],
                 &self.prepared.job,
                 &self.calibration.hidden_states,
                 &mut merged,
-            );
-            match observed {
+            ) {
                 Ok(()) => done.push(b),
-                Err(failure) => failures.push(self.failed(b, failure)),
+                Err(failure) => answers.push(self.failed(b, failure)),
             }
+            if queue.is_empty() || last_reclaim.elapsed() < self.reclaim_every() {
+                continue;
+            }
+            last_reclaim = Instant::now();
+            let Some(entry) = self.reclaim(link, report)? else {
+                continue;
+            };
+            report.reclaimed += 1;
+            match self.planned(&entry) {
+                // A batch already queued here (a retry enqueued beside its
+                // first task) is observed once.
+                Ok(more) => queue.extend(more.into_iter().filter(|&b| queued.insert(b))),
+                Err(unplanned) => answers.push(unplanned),
+            }
+            held.push(entry);
+            self.announce(link, current, &joined(held.iter().map(|e| &e.id)))?;
         }
+        done.sort_unstable();
         let merged = merged.map(|stats| Answer {
             batches: joined(&done),
             ids: joined(done.iter().map(|&b| plan[b].id)),
             observed: Ok(encode(&stats)),
         });
-        merged.into_iter().chain(failures).collect()
+        answers.splice(0..0, merged);
+        Ok((answers, observed))
     }
 
     /// Names the task being observed ("-": none) in the heartbeat at once,
@@ -835,14 +930,14 @@ impl Session {
         })
     }
 
-    /// Appends the task's results, then acknowledges it: in this order, a
-    /// crash in between leaves a pending task whose rerun is a duplicate the
-    /// merge drops, never a lost result. The time observing is carried by
-    /// the first entry.
+    /// Appends the results of the tasks `held`, then acknowledges them: in
+    /// this order, a crash in between leaves pending tasks whose rerun is a
+    /// duplicate the merge drops, never a lost result. The time observing is
+    /// carried by the first entry.
     fn publish(
         &self,
         link: &mut Link,
-        entry: &StreamId,
+        held: &[StreamId],
         answers: &[Answer],
         elapsed: Duration,
         speculative: bool,
@@ -887,7 +982,7 @@ impl Session {
             redis::cmd("XACK")
                 .arg(self.keys.tasks())
                 .arg(GROUP)
-                .arg(&entry.id)
+                .arg(held.iter().map(|e| &e.id).collect::<Vec<_>>())
                 .query::<i64>(c)
         })?;
         Ok(())
