@@ -108,6 +108,25 @@ fn bench_coordinator(c: &mut Criterion) {
         });
     }
     group.finish();
+
+    // A worker's work per batch of a task: merging a batch's statistics into
+    // the task's, holding the same bins (the synthetic worker's case).
+    let decoded = decode(&bytes).expect("valid bytes");
+    let mut task = decoded.clone();
+    let mut group = c.benchmark_group("worker_per_batch");
+    group.sample_size(20);
+    group.bench_function("merge_same_bins", |b| {
+        b.iter(|| {
+            for (name, tensor) in &decoded.tensors {
+                task.tensors
+                    .get_mut(name)
+                    .expect("same tensors")
+                    .merge(black_box(tensor))
+                    .expect("in range");
+            }
+        })
+    });
+    group.finish();
 }
 
 criterion_group!(benches, bench_coordinator);

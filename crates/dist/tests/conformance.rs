@@ -716,6 +716,107 @@ fn a_coordinator_behind_the_results_stream_recomputes_nothing() {
     assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
 }
 
+/// The model's own forward, slowed down so that a task of several batches
+/// outlasts the heartbeat timeout.
+struct Slow(Duration);
+
+impl Compute for Slow {
+    fn observe(
+        &self,
+        target: &Model,
+        batch: &qforge_calib::Batch,
+        job: &Job,
+        hidden_states: &qforge_calib::HiddenStates,
+    ) -> Result<qforge_core::Stats, Failure> {
+        std::thread::sleep(self.0);
+        qforge_calib::observe_batch(target, batch, job, hidden_states)
+            .map_err(|e| Failure::Data(e.to_string()))
+    }
+}
+
+#[test]
+fn a_worker_folds_a_dead_workers_task_into_the_one_it_is_running() {
+    let Some(server) = RedisServer::start("fold", None) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let mut spec = RunSpec::new("fold", &session(), &job).unwrap();
+    spec.speculation = 1.0;
+    spec.heartbeat_ms = 100;
+    spec.heartbeat_timeout_ms = 600;
+    // Two tasks: batches 0-9 and 10-18.
+    let backend = RedisBackend::open(
+        spec,
+        &ClusterOptions {
+            redis: address(&server),
+            resume: false,
+            outage_limit: Duration::from_secs(10),
+            batches_per_task: NonZeroUsize::new(10),
+        },
+    )
+    .unwrap();
+    let (job_ref, plan_ref) = (&job, &plan);
+    let summary = std::thread::scope(|scope| {
+        let coordinator = scope.spawn(move || {
+            let summary = run(
+                job_ref,
+                plan_ref,
+                &backend,
+                &RunOptions::default(),
+                &mut |_| {},
+            );
+            backend.finish(summary.is_ok()).unwrap();
+            summary
+        });
+        // A worker that takes the first task and dies at once: it never
+        // heartbeats.
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut connection = client.get_connection().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        // Until the coordinator has created the task stream's group. A
+        // failure is asserted once the live worker has ended the run, which
+        // would otherwise wait for workers forever.
+        let ghost = loop {
+            let read = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("workers")
+                .arg("ghost")
+                .arg("COUNT")
+                .arg(1)
+                .arg("BLOCK")
+                .arg(1_000)
+                .arg("STREAMS")
+                .arg("qforge:{fold}:tasks")
+                .arg(">")
+                .query::<Option<redis::streams::StreamReadReply>>(&mut connection);
+            match read {
+                Ok(Some(reply)) => break Ok(reply.keys[0].ids.len()),
+                Ok(None) | Err(_) if std::time::Instant::now() < deadline => {}
+                other => break Err(format!("{other:?}")),
+            }
+        };
+        // The live worker takes the other task, 10 batches of 200 ms, and
+        // finds the ghost's pending past the 600 ms timeout on the way.
+        serve_with(
+            &worker_of(&server, "fold", "fold-live"),
+            &mut Slow(Duration::from_millis(200)),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(ghost, Ok(1), "the ghost holds a task");
+        coordinator.join().unwrap().unwrap()
+    });
+    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
+    assert_eq!(summary.workers["fold-live"].merged, 19);
+    // One result covered both tasks' batches.
+    let arrivals: std::collections::BTreeSet<u64> = summary
+        .timeline
+        .iter()
+        .map(|d| d.at_seconds.to_bits())
+        .collect();
+    assert_eq!(arrivals.len(), 1, "{:?}", summary.timeline);
+}
+
 /// Opens run `name` on `server` as its coordinator, with fast heartbeats
 /// and no speculation.
 fn open_run(server: &RedisServer, name: &str, job: &Job) -> RedisBackend {
