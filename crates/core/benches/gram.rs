@@ -6,10 +6,11 @@
 //!
 //! Run: `cargo bench -p qforge-core --bench gram`
 
+use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use qforge_core::{Gram, GramTier};
+use qforge_core::{Gram, GramTier, MergePolicy, Provenance, Stats, TensorStats};
 use rand::{SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, Normal};
 
@@ -38,5 +39,33 @@ fn bench_gram(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_gram);
+/// A coordinator's merge of one batch's Hessian partial: the statistics of
+/// a `down_proj` input of SmolLM2 (1536 wide) with its Gram matrix, merged
+/// into the run's.
+fn bench_merge(c: &mut Criterion) {
+    let width = 1536;
+    let mut rng = StdRng::seed_from_u64(8);
+    let normal = Normal::new(0.0f32, 1.0).expect("valid normal");
+    let values: Vec<f32> = (0..256 * width).map(|_| normal.sample(&mut rng)).collect();
+    let exponent = Gram::exponent_for(8.0, 1 << 40).expect("finite");
+    let mut tensor = TensorStats::with_gram(Gram::new(width, exponent).expect("width ≥ 1"));
+    tensor.observe(&values).expect("in range");
+    let partial = Stats {
+        provenance: Provenance::default(),
+        tensors: BTreeMap::from([("model.layers.0.mlp.down_proj".to_owned(), tensor)]),
+    };
+    let mut run = partial.clone();
+    let mut group = c.benchmark_group("gram_merge");
+    group.sample_size(20);
+    group.bench_function("stats_1536", |b| {
+        // Force: the same partial again would be refused as a duplicate.
+        b.iter(|| {
+            run.merge(black_box(&partial), MergePolicy::Force)
+                .expect("in range")
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_gram, bench_merge);
 criterion_main!(benches);

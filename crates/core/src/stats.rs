@@ -81,6 +81,12 @@ impl TensorStats {
     /// (or neither).
     pub fn merge(&mut self, other: &TensorStats) -> Result<()> {
         self.check_merge(other)?;
+        self.add_checked(other)
+    }
+
+    /// [`TensorStats::merge`] once [`TensorStats::check_merge`] has
+    /// accepted `other`: the Gram matrices are not scanned again.
+    fn add_checked(&mut self, other: &TensorStats) -> Result<()> {
         self.histogram.merge(&other.histogram)?;
         if let (Some(a), Some(b)) = (&mut self.channel_abs_max, &other.channel_abs_max) {
             for (x, y) in a.iter_mut().zip(b) {
@@ -88,7 +94,7 @@ impl TensorStats {
             }
         }
         if let (Some(a), Some(b)) = (&mut self.gram, &other.gram) {
-            a.merge(b)?;
+            a.add_checked(b);
         }
         Ok(())
     }
@@ -410,7 +416,7 @@ impl Stats {
         }
         for (name, theirs) in &other.tensors {
             match self.tensors.get_mut(name) {
-                Some(ours) => ours.merge(theirs)?,
+                Some(ours) => ours.add_checked(theirs)?,
                 None => {
                     self.tensors.insert(name.clone(), theirs.clone());
                 }
