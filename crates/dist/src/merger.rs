@@ -37,7 +37,7 @@ pub(crate) struct Merger<'p> {
     /// Results refused before the merge (see [`Merger::reject`]).
     rejected: usize,
     /// Results that covered merged and unmerged batches at once.
-    split: usize,
+    overlapping: usize,
     retries: usize,
     speculative: usize,
     resumed: usize,
@@ -72,7 +72,7 @@ impl<'p> Merger<'p> {
             timeline: Vec::new(),
             duplicates: 0,
             rejected: 0,
-            split: 0,
+            overlapping: 0,
             retries: 0,
             speculative: 0,
             resumed: 0,
@@ -167,6 +167,13 @@ impl<'p> Merger<'p> {
                     format!("its statistics do not merge: {e}"),
                 ));
             }
+            // A batch quarantined after failures that a late result covers is
+            // merged now, and was already counted as resolved.
+            let fresh = ids
+                .iter()
+                .filter(|id| self.quarantined.remove(id).is_none())
+                .count();
+            self.unresolved -= fresh;
             self.done.extend(ids);
         }
         let at_seconds = self.started.elapsed().as_secs_f64();
@@ -187,18 +194,25 @@ impl<'p> Merger<'p> {
                 return Ok(Next::Continue);
             }
             // Statistics cannot be taken apart: the batches it covers that
-            // are not merged yet are observed again. Only results grouped
-            // before a coordinator resumed, and regrouped after, overlap so.
-            self.split += 1;
-            let unmerged = batches
+            // are neither merged nor quarantined are observed again. Results
+            // grouped before a coordinator resumed and regrouped the plan
+            // overlap so.
+            self.overlapping += 1;
+            let unresolved = batches
                 .iter()
                 .copied()
-                .filter(|&b| !self.done.contains(&self.plan.batches[b].id))
-                .collect();
-            return Ok(Next::Retry(unmerged));
+                .filter(|&b| {
+                    let id = &self.plan.batches[b].id;
+                    !self.done.contains(id) && !self.quarantined.contains_key(id)
+                })
+                .collect::<Vec<_>>();
+            return Ok(if unresolved.is_empty() {
+                Next::Continue
+            } else {
+                Next::Retry(unresolved)
+            });
         }
         report.merged += batches.len();
-        self.unresolved -= batches.len();
         self.since_checkpoint += batches.len();
         Ok(self.next())
     }
@@ -283,10 +297,10 @@ impl<'p> Merger<'p> {
     /// The summary, or an error naming the first missing batches if fewer
     /// than `min_coverage` of the plan were merged.
     pub(crate) fn finish(mut self, min_coverage: f64) -> Result<RunSummary> {
-        if self.split > 0 {
+        if self.overlapping > 0 {
             self.warnings.push(format!(
                 "{} result(s) covered batches merged already together with unmerged ones (grouped before the coordinator resumed); their unmerged batches were observed again",
-                self.split
+                self.overlapping
             ));
         }
         let planned = self.plan.batches.len();
@@ -600,6 +614,47 @@ mod tests {
             "{:?}",
             summary.warnings
         );
+    }
+
+    #[test]
+    fn a_quarantined_batch_merged_late_is_resolved_once() {
+        let (job, plan) = setup(3);
+        let mut merger = Merger::new(&plan, 50);
+        for _ in 0..MAX_ATTEMPTS {
+            merger.accept(failed(1, "w0", "died")).unwrap();
+        }
+        assert_eq!(merger.progress(1).merged, 0);
+        // A late copy of a task of 0 and 1, then the last batch: the run
+        // stops there, not a batch early, and 1 counts as merged.
+        let late = merged_stats(&job, &plan, &[0, 1]);
+        assert_eq!(
+            merger.accept(group(&[0, 1], late, "w1", false)).unwrap(),
+            Next::Continue
+        );
+        let last = merged_stats(&job, &plan, &[2]);
+        assert_eq!(
+            merger.accept(group(&[2], last, "w1", false)).unwrap(),
+            Next::Stop
+        );
+        let summary = merger.finish(1.0).unwrap();
+        assert_eq!(summary.merged, 3);
+        assert!(summary.quarantined.is_empty());
+        // Late when it is the last: no underflow, the run stops.
+        let (job, plan) = setup(2);
+        let mut merger = Merger::new(&plan, 50);
+        merger
+            .accept(done(0, merged_stats(&job, &plan, &[0]), "w0", false))
+            .unwrap();
+        for _ in 0..MAX_ATTEMPTS - 1 {
+            merger.accept(failed(1, "w0", "died")).unwrap();
+        }
+        assert_eq!(merger.accept(failed(1, "w0", "died")).unwrap(), Next::Stop);
+        let late = merged_stats(&job, &plan, &[1]);
+        assert_eq!(
+            merger.accept(done(1, late, "w1", false)).unwrap(),
+            Next::Stop
+        );
+        assert_eq!(merger.finish(1.0).unwrap().merged, 2);
     }
 
     #[test]

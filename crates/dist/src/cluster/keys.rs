@@ -91,11 +91,19 @@ impl RunKeys {
 }
 
 /// The plan batches a task or result entry names: its `batches` field, the
-/// indices joined by commas (as [`joined`] writes them). `None` when the
-/// field is missing or not such a list.
+/// indices in ascending order joined by commas (as [`joined`] writes them).
+/// `None` when the field is missing or not such a list (a forged `0,0`
+/// would count one batch twice).
 pub(crate) fn named_batches(entry: &StreamId) -> Option<Vec<usize>> {
     let field = entry.get::<String>("batches")?;
-    field.split(',').map(|b| b.parse().ok()).collect()
+    let batches: Vec<usize> = field
+        .split(',')
+        .map(|b| b.parse().ok())
+        .collect::<Option<_>>()?;
+    batches
+        .windows(2)
+        .all(|pair| pair[0] < pair[1])
+        .then_some(batches)
 }
 
 /// `items` joined by commas: a task's or result's `batches` and `ids`.

@@ -14,7 +14,7 @@
 //! | `qforge:{R}:coordinator`    | string | the live coordinator's token (TTL)                 |
 //! | `qforge:{R}:tasks`          | stream | one entry per task (batches, ids); group `workers` |
 //! | `qforge:{R}:results`        | stream | a task's merged `.qstats`, or a batch's error      |
-//! | `qforge:{R}:hb:{worker}`    | string | heartbeat (TTL), naming the task being observed    |
+//! | `qforge:{R}:hb:{worker}`    | string | heartbeat (TTL), naming the tasks held             |
 //! | `qforge:{R}:workers`        | hash   | worker → build, kernel tier, fingerprint, admitted |
 //! | `qforge:{R}:reference`      | string | the fingerprint workers must match                 |
 //! | `qforge:{R}:speculative`    | string | batches re-executed speculatively (counter)        |
@@ -32,11 +32,12 @@
 //! worker reads tasks through the consumer group, observes their batches,
 //! merges those that succeed into one result, appends it (and an error entry
 //! per failed batch), then acknowledges the task;
-//! a heartbeat thread refreshes its key every interval. A task pending on a
-//! worker whose heartbeat expired, or whose heartbeat names another task for
-//! longer than the timeout, is claimed (`XCLAIM`) and redone by an idle
-//! worker: liveness comes from the heartbeat, never from how long a task has
-//! been pending, so a live worker on a slow batch keeps it. With the queue
+//! a heartbeat thread refreshes its key every interval. A task pending past
+//! the timeout on a worker whose heartbeat expired, or does not name it, is
+//! claimed (`XCLAIM`) by another worker, between two of its own batches, and
+//! observed after its own task's (each task keeps its own result):
+//! liveness comes from the heartbeat, never from how long a task has been
+//! pending, so a live worker on a slow batch keeps it. With the queue
 //! empty, idle workers re-execute the oldest pending tasks speculatively
 //! (those held more than twice as long as the idle worker would take over
 //! their batches),

@@ -41,8 +41,8 @@ const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 /// Results read from the stream at a time.
 const READ_COUNT: usize = 16;
 
-/// Batches in flight (enqueued, not yet resolved) per live worker: one
-/// being observed and one queued, so no worker waits for the next task.
+/// Tasks in flight (enqueued, not yet resolved) per live worker: one being
+/// observed and one queued, so no worker waits for the next task.
 const IN_FLIGHT_PER_WORKER: usize = 2;
 
 /// Batches in flight however few workers are alive (before the first count

@@ -60,9 +60,9 @@ pub struct WorkerReport {
     pub runs: usize,
     /// Batches observed (including speculative and reclaimed ones).
     pub batches: usize,
-    /// Of which speculative re-executions.
+    /// Tasks re-executed speculatively.
     pub speculative: usize,
-    /// Of which taken over from dead workers.
+    /// Tasks taken over from dead workers.
     pub reclaimed: usize,
     /// Batches whose observation failed.
     pub failed: usize,
@@ -309,12 +309,35 @@ struct Session {
 type Current = Arc<Mutex<String>>;
 
 /// One results entry a task gives: the batches it covers, as the `batches`
-/// and `ids` fields name them, and their statistics (`.qstats` bytes) or
-/// why they failed.
+/// and `ids` fields name them, their statistics (`.qstats` bytes) or why
+/// they failed, and the time spent observing them.
 struct Answer {
     batches: String,
     ids: String,
     observed: std::result::Result<Vec<u8>, Failure>,
+    elapsed: Duration,
+}
+
+/// A task a worker holds while observing: its entry, the batches it names
+/// (planned), and the merged statistics of those observed so far.
+struct Held {
+    entry: StreamId,
+    batches: Vec<usize>,
+    merged: Option<Stats>,
+    done: Vec<usize>,
+    took: Duration,
+}
+
+impl Held {
+    fn new(entry: StreamId, batches: Vec<usize>) -> Self {
+        Self {
+            entry,
+            batches,
+            merged: None,
+            done: Vec::new(),
+            took: Duration::ZERO,
+        }
+    }
 }
 
 impl Session {
@@ -446,7 +469,7 @@ impl Session {
         let ending = served?;
         match ending {
             Ending::Finished { .. } => log(&format!(
-                "run {} finished; this worker observed {} batch(es) of it ({} speculative, {} reclaimed)",
+                "run {} finished; this worker observed {} batch(es) of it ({} speculative tasks, {} reclaimed)",
                 self.spec.run,
                 report.batches - before.0,
                 report.speculative - before.1,
@@ -610,10 +633,15 @@ impl Session {
         let beats: Vec<Option<String>> =
             link.call(|c| redis::cmd("MGET").arg(&beats[..]).query(c))?;
         for (holder, beat) in holders.consumers.iter().zip(beats) {
-            // The heartbeat names the tasks its worker holds ("-": none).
+            // The heartbeat names the tasks its worker holds ("-": none; a
+            // speculative copy, which it does not hold, marked "~").
             let named: Vec<&str> = beat
                 .as_deref()
-                .map(|held| held.split(',').filter(|id| *id != "-").collect())
+                .map(|held| {
+                    held.split(',')
+                        .filter(|id| *id != "-" && !id.starts_with('~'))
+                        .collect()
+                })
                 .unwrap_or_default();
             if beat.is_some() && holder.pending <= named.len() {
                 continue;
@@ -687,13 +715,7 @@ impl Session {
                     Err(unplanned) => vec![unplanned],
                 };
                 report.failed += answers.len();
-                self.publish(
-                    link,
-                    std::slice::from_ref(&entry),
-                    &answers,
-                    Duration::ZERO,
-                    false,
-                )?;
+                self.publish(link, std::slice::from_ref(&entry), &answers, false)?;
                 continue;
             }
             return Ok(Some(entry));
@@ -789,20 +811,31 @@ impl Session {
         speculative: bool,
         report: &mut WorkerReport,
     ) -> Result<()> {
-        self.announce(link, current, &entry.id)?;
-        let started = Instant::now();
-        let mut held = vec![entry.clone()];
-        let (answers, observed) = match self.planned(entry) {
-            Ok(batches) => self.observe_task(link, compute, current, &mut held, batches, report)?,
-            Err(unplanned) => (vec![unplanned], 1),
+        // A speculative copy is not this worker's pending task: the
+        // heartbeat marks it, so that the count of tasks it names matches
+        // those it holds (see `reclaim`).
+        let named = if speculative {
+            format!("~{}", entry.id)
+        } else {
+            entry.id.clone()
         };
-        let elapsed = started.elapsed();
+        self.announce(link, current, &named)?;
+        let started = Instant::now();
+        let (held, answers, observed) = match self.planned(entry) {
+            Ok(batches) => {
+                let task = Held::new(entry.clone(), batches);
+                self.observe_tasks(link, compute, current, task, speculative, report)?
+            }
+            Err(unplanned) => (vec![entry.clone()], vec![unplanned], 1),
+        };
         let (batches, took) = self.observed.get();
-        self.observed
-            .set((batches.saturating_add(observed as u32), took + elapsed));
+        self.observed.set((
+            batches.saturating_add(observed as u32),
+            took + started.elapsed(),
+        ));
         report.batches += observed;
         report.failed += answers.iter().filter(|a| a.observed.is_err()).count();
-        self.publish(link, &held, &answers, elapsed, speculative)?;
+        self.publish(link, &held, &answers, speculative)?;
         self.announce(link, current, "-")
     }
 
@@ -834,6 +867,7 @@ impl Session {
                     ))),
                     batches: named,
                     ids,
+                    elapsed: Duration::ZERO,
                 })
             }
         }
@@ -845,48 +879,55 @@ impl Session {
             batches: batch.to_string(),
             ids: self.calibration.plan.batches[batch].id.to_string(),
             observed: Err(failure),
+            elapsed: Duration::ZERO,
         }
     }
 
-    /// Observes `batches` (planned), merging their statistics in order: the
-    /// merged result first, then a failure per batch that failed. Merging is
-    /// exact, so the coordinator's merge of this result equals its merges
-    /// of the batches one by one.
+    /// Observes the batches of `task` (planned), merging their statistics
+    /// in order. Merging is exact, so the coordinator's merge of the result
+    /// equals its merges of the batches one by one.
     ///
     /// A dead worker's task found on the way (looked for every
-    /// [`Session::reclaim_every`]) joins this one: its entry is added to
-    /// `held` (and named in the heartbeat), its batches to those observed.
-    /// Returns the answers and the number of batches observed.
-    fn observe_task(
+    /// [`Session::reclaim_every`], unless this is a speculative copy) is
+    /// taken into the run: its batches are observed after this task's, the
+    /// heartbeat names both, and each task gets its own result, so a result
+    /// never covers more than its task (were the dead worker only slow, its
+    /// result and this one are duplicates, not an overlap the coordinator
+    /// must refuse). Returns the entries held, their answers (a merged
+    /// result per task, then a failure per batch that failed) and the number
+    /// of batches observed.
+    fn observe_tasks(
         &self,
         link: &mut Link,
         compute: &dyn Compute,
         current: &Current,
-        held: &mut Vec<StreamId>,
-        batches: Vec<usize>,
+        task: Held,
+        speculative: bool,
         report: &mut WorkerReport,
-    ) -> Result<(Vec<Answer>, usize)> {
+    ) -> Result<(Vec<StreamId>, Vec<Answer>, usize)> {
         let plan = &self.calibration.plan.batches;
-        let mut merged: Option<Stats> = None;
-        let mut queued: BTreeSet<usize> = batches.iter().copied().collect();
-        let mut queue: VecDeque<usize> = batches.into();
-        let mut done = Vec::with_capacity(queue.len());
-        let mut answers = Vec::new();
+        let mut queued: BTreeSet<usize> = task.batches.iter().copied().collect();
+        let mut queue: VecDeque<(usize, usize)> = task.batches.iter().map(|&b| (0, b)).collect();
+        let mut tasks = vec![task];
+        let mut failures = Vec::new();
         let mut observed = 0;
         let mut last_reclaim = Instant::now();
-        while let Some(b) = queue.pop_front() {
+        while let Some((t, b)) = queue.pop_front() {
             observed += 1;
+            let started = Instant::now();
+            let task = &mut tasks[t];
             match compute.observe_into(
                 &self.prepared.target,
                 &plan[b],
                 &self.prepared.job,
                 &self.calibration.hidden_states,
-                &mut merged,
+                &mut task.merged,
             ) {
-                Ok(()) => done.push(b),
-                Err(failure) => answers.push(self.failed(b, failure)),
+                Ok(()) => task.done.push(b),
+                Err(failure) => failures.push(self.failed(b, failure)),
             }
-            if queue.is_empty() || last_reclaim.elapsed() < self.reclaim_every() {
+            task.took += started.elapsed();
+            if speculative || queue.is_empty() || last_reclaim.elapsed() < self.reclaim_every() {
                 continue;
             }
             last_reclaim = Instant::now();
@@ -894,23 +935,35 @@ impl Session {
                 continue;
             };
             report.reclaimed += 1;
-            match self.planned(&entry) {
-                // A batch already queued here (a retry enqueued beside its
-                // first task) is observed once.
-                Ok(more) => queue.extend(more.into_iter().filter(|&b| queued.insert(b))),
-                Err(unplanned) => answers.push(unplanned),
-            }
-            held.push(entry);
-            self.announce(link, current, &joined(held.iter().map(|e| &e.id)))?;
+            let more = match self.planned(&entry) {
+                Ok(more) => more,
+                Err(unplanned) => {
+                    failures.push(unplanned);
+                    Vec::new()
+                }
+            };
+            // A batch already queued here (a retry enqueued beside its first
+            // task) is observed once, for its first task.
+            let t = tasks.len();
+            queue.extend(more.iter().filter(|&&b| queued.insert(b)).map(|&b| (t, b)));
+            tasks.push(Held::new(entry, more));
+            self.announce(link, current, &joined(tasks.iter().map(|h| &h.entry.id)))?;
         }
-        done.sort_unstable();
-        let merged = merged.map(|stats| Answer {
-            batches: joined(&done),
-            ids: joined(done.iter().map(|&b| plan[b].id)),
-            observed: Ok(encode(&stats)),
-        });
-        answers.splice(0..0, merged);
-        Ok((answers, observed))
+        let mut answers = Vec::with_capacity(tasks.len() + failures.len());
+        let mut held = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            if let Some(stats) = task.merged {
+                answers.push(Answer {
+                    batches: joined(&task.done),
+                    ids: joined(task.done.iter().map(|&b| plan[b].id)),
+                    observed: Ok(encode(&stats)),
+                    elapsed: task.took,
+                });
+            }
+            held.push(task.entry);
+        }
+        answers.extend(failures);
+        Ok((held, answers, observed))
     }
 
     /// Names the task being observed ("-": none) in the heartbeat at once,
@@ -932,20 +985,18 @@ impl Session {
 
     /// Appends the results of the tasks `held`, then acknowledges them: in
     /// this order, a crash in between leaves pending tasks whose rerun is a
-    /// duplicate the merge drops, never a lost result. The time observing is
-    /// carried by the first entry.
+    /// duplicate the merge drops, never a lost result.
     fn publish(
         &self,
         link: &mut Link,
         held: &[StreamId],
         answers: &[Answer],
-        elapsed: Duration,
         speculative: bool,
     ) -> Result<()> {
         let results = self.keys.results();
         link.call(|c| {
             let mut pipe = redis::pipe();
-            for (i, answer) in answers.iter().enumerate() {
+            for answer in answers {
                 let add = pipe
                     .cmd("XADD")
                     .arg(&results)
@@ -959,11 +1010,7 @@ impl Session {
                     .arg("fingerprint")
                     .arg(&self.fingerprint)
                     .arg("elapsed_us")
-                    .arg(if i == 0 {
-                        elapsed.as_micros() as u64
-                    } else {
-                        0
-                    })
+                    .arg(answer.elapsed.as_micros() as u64)
                     .arg("speculative")
                     .arg(if speculative { "1" } else { "0" });
                 match &answer.observed {
