@@ -740,21 +740,8 @@ fn a_worker_folds_a_dead_workers_task_into_the_one_it_is_running() {
         return;
     };
     let (target, job, plan) = setup();
-    let mut spec = RunSpec::new("fold", &session(), &job).unwrap();
-    spec.speculation = 1.0;
-    spec.heartbeat_ms = 100;
-    spec.heartbeat_timeout_ms = 600;
     // Two tasks: batches 0-9 and 10-18.
-    let backend = RedisBackend::open(
-        spec,
-        &ClusterOptions {
-            redis: address(&server),
-            resume: false,
-            outage_limit: Duration::from_secs(10),
-            batches_per_task: NonZeroUsize::new(10),
-        },
-    )
-    .unwrap();
+    let backend = open_run(&server, "fold", &job, NonZeroUsize::new(10));
     let (job_ref, plan_ref) = (&job, &plan);
     let client = redis::Client::open(server.url()).unwrap();
     let served = std::sync::atomic::AtomicBool::new(false);
@@ -832,9 +819,15 @@ fn a_worker_folds_a_dead_workers_task_into_the_one_it_is_running() {
     assert_eq!(summary.duplicates, 0);
 }
 
-/// Opens run `name` on `server` as its coordinator, with fast heartbeats
-/// and no speculation.
-fn open_run(server: &RedisServer, name: &str, job: &Job) -> RedisBackend {
+/// Opens run `name` on `server` as its coordinator, with fast heartbeats,
+/// no speculation and `per_task` batches per task (`None`: sized by the
+/// coordinator).
+fn open_run(
+    server: &RedisServer,
+    name: &str,
+    job: &Job,
+    per_task: Option<NonZeroUsize>,
+) -> RedisBackend {
     let mut spec = RunSpec::new(name, &session(), job).unwrap();
     spec.speculation = 1.0;
     spec.heartbeat_ms = 100;
@@ -845,7 +838,7 @@ fn open_run(server: &RedisServer, name: &str, job: &Job) -> RedisBackend {
             redis: address(server),
             resume: false,
             outage_limit: Duration::from_secs(10),
-            batches_per_task: None,
+            batches_per_task: per_task,
         },
     )
     .unwrap()
@@ -869,7 +862,7 @@ fn forged_results_are_quarantined_and_the_run_goes_on() {
         return;
     };
     let (target, job, plan) = setup();
-    let backend = open_run(&server, "forged", &job);
+    let backend = open_run(&server, "forged", &job, None);
     // What a forger with access to Redis writes before any worker runs: the
     // true reference fingerprint (so nothing is dropped for it), then batch
     // 0 carrying batch 1's statistics, an entry naming no planned batch,
@@ -940,7 +933,7 @@ fn a_forged_non_ascii_reference_fingerprint_refuses_the_worker_without_a_panic()
         return;
     };
     let (_, job, _) = setup();
-    let _backend = open_run(&server, "forged-reference", &job);
+    let _backend = open_run(&server, "forged-reference", &job, None);
     let client = redis::Client::open(server.url()).unwrap();
     redis::cmd("SET")
         .arg("qforge:{forged-reference}:reference")

@@ -303,7 +303,8 @@ impl RedisBackend {
         let alive = self.alive.get().max(1);
         let keeping_up = (2.0 * alive as f64 * merge / batch.max(1e-6)).ceil();
         let spread = (remaining / (IN_FLIGHT_PER_WORKER * alive)).max(1);
-        (keeping_up.min(MAX_BATCHES_PER_TASK as f64) as usize)
+        // `as` saturates: an infinite or huge ratio is the cap.
+        (keeping_up as usize)
             .clamp(1, MAX_BATCHES_PER_TASK)
             .min(spread)
     }
