@@ -7,7 +7,8 @@ Per worker count it measures, over one run of BATCHES batches:
   clock); a worker handed a task of several batches merges them and publishes one result, so
   also the results published and the mean batches per result;
 - bytes per result on the wire (the results stream's newest 16 entries, read mid-run);
-- Redis peak memory (`used_memory_peak`, a fresh server per worker count);
+- Redis peak memory (`used_memory_peak`, a fresh server per worker count; on a Redis
+  Cluster, of the master that holds the run: a run's keys share one hash slot);
 - reclaim: 10 % of the workers SIGKILLed at once mid-run; the time until every task they
   held is pending on another worker or merged (goal: heartbeat timeout + 1 s);
 - whether the merged statistics are byte-identical to a one-worker run.
@@ -18,6 +19,7 @@ plan; only their observations are synthetic.
 
 Usage: python3 scripts/bench_cluster_scale.py [--workers 16,64,256] [--batches 10000]
            [--delay-ms 100] [--batches-per-task N]   (default: the coordinator sizes tasks)
+           [--redis-cluster-masters N]   (a Redis Cluster of N masters in place of one server)
 Writes target/bench-cluster-scale.json and the plot target/bench-cluster-scale.svg.
 """
 
@@ -102,11 +104,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_redis(data_dir):
+def start_node(data_dir, *args):
+    """A redis-server (AOF everysec, as the deploy docs recommend) and a client once it answers."""
     port = free_port()
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                                "--dir", data_dir, "--appendonly", "yes", "--appendfsync",
-                               "everysec", "--save", ""], stdout=subprocess.DEVNULL)
+                               "everysec", "--save", "", *args], stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -117,6 +120,39 @@ def start_redis(data_dir):
             if time.monotonic() > deadline:
                 raise
         time.sleep(0.05)
+
+
+def start_redis(data_dir, masters, run):
+    """One redis-server (masters 0), or a Redis Cluster of `masters` masters without
+    replicas, its slots split evenly. Returns the servers, the URL the coordinator and
+    workers are given, and a client of the node that holds run `run`'s keys. On a cluster
+    the URL is a node that does not hold them, so every connection follows a redirection."""
+    if masters == 0:
+        server, port, client = start_node(data_dir)
+        return [server], f"redis://127.0.0.1:{port}", client
+    nodes = []
+    for i in range(masters):
+        node_dir = os.path.join(data_dir, f"node{i}")
+        os.makedirs(node_dir)
+        bus = free_port()  # the default, port + 10 000, may be past 65 535
+        nodes.append(start_node(node_dir, "--cluster-enabled", "yes", "--cluster-config-file",
+                                "nodes.conf", "--cluster-port", str(bus)) + (bus,))
+    ranges = [(16384 * i // masters, 16384 * (i + 1) // masters - 1) for i in range(masters)]
+    for (_, _, client, _), (first, last) in zip(nodes, ranges):
+        client.call("CLUSTER", "ADDSLOTSRANGE", first, last)
+    for _, port, _, bus in nodes[1:]:
+        nodes[0][2].call("CLUSTER", "MEET", "127.0.0.1", port, bus)
+    deadline = time.monotonic() + 60
+    for _, _, client, _ in nodes:
+        while not (info := client.call("CLUSTER", "INFO").decode()).startswith("cluster_state:ok") \
+                or f"cluster_known_nodes:{masters}\r" not in info:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Redis Cluster did not form: {info}")
+            time.sleep(0.05)
+    slot = nodes[0][2].call("CLUSTER", "KEYSLOT", f"qforge:{{{run}}}:tasks")
+    owner = next(i for i, (first, last) in enumerate(ranges) if first <= slot <= last)
+    seed = nodes[(owner + 1) % masters][1]
+    return [n[0] for n in nodes], f"redis://127.0.0.1:{seed}", nodes[owner][2]
 
 
 def make_inputs(work, batches):
@@ -136,11 +172,11 @@ def make_inputs(work, batches):
     return template, data
 
 
-def run_once(work, template, data, batches, workers, delay_ms, kill, per_task=None):
+def run_once(work, template, data, batches, workers, delay_ms, kill, per_task=None,
+             masters=0):
     data_dir = tempfile.mkdtemp(prefix="redis-", dir=work)
-    server, port, client = start_redis(data_dir)
-    url = f"redis://127.0.0.1:{port}"
     run = f"scale-{workers}"
+    servers, url, client = start_redis(data_dir, masters, run)
     out = os.path.join(work, f"{run}.qstats")
     pool = [subprocess.Popen([WORKER, url, run, f"w{i}", template, str(delay_ms)],
                              stderr=subprocess.DEVNULL) for i in range(workers)]
@@ -152,11 +188,12 @@ def run_once(work, template, data, batches, workers, delay_ms, kill, per_task=No
         stdout=subprocess.PIPE)
     tasks, results = f"qforge:{{{run}}}:tasks", f"qforge:{{{run}}}:results"
     launched = time.monotonic()
-    meter = CpuMeter({"coordinator": coordinator.pid, "redis": server.pid,
+    meter = CpuMeter({"coordinator": coordinator.pid,
+                      **{f"redis{i}": s.pid for i, s in enumerate(servers)},
                       **{f"w{i}": p.pid for i, p in enumerate(pool)}})
     meter.start()
     row = {"workers": workers, "batches": batches, "delay_ms": delay_ms,
-           "batches_per_task": per_task or "auto"}
+           "batches_per_task": per_task or "auto", "redis_cluster_masters": masters}
     # Mid-run: a third of the time the workers would take if nothing else bounded them.
     offered = workers * 1000 / max(delay_ms, 1)
     try:
@@ -207,8 +244,9 @@ def run_once(work, template, data, batches, workers, delay_ms, kill, per_task=No
         meter.done.set()
         meter.join()
         seen = dict(meter.seen)
+        redis = [seen.pop(f"redis{i}") for i in range(len(servers))]
         row["cpu_seconds"] = {
-            "coordinator": seen.pop("coordinator"), "redis": seen.pop("redis"),
+            "coordinator": seen.pop("coordinator"), "redis": round(sum(redis), 2),
             "workers": round(sum(seen.values()), 2)}
         if started is not None:
             # Before the first result, the workers start: each loads and plans the files.
@@ -234,8 +272,9 @@ def run_once(work, template, data, batches, workers, delay_ms, kill, per_task=No
             p.wait()
         if coordinator.poll() is None:
             coordinator.kill()
-        server.kill()
-        server.wait()
+        for server in servers:
+            server.kill()
+            server.wait()
         shutil.rmtree(data_dir, ignore_errors=True)
     return row
 
@@ -294,6 +333,8 @@ def main():
     parser.add_argument("--batches", type=int, default=10000)
     parser.add_argument("--delay-ms", type=int, default=100)
     parser.add_argument("--batches-per-task", type=int, default=None)
+    parser.add_argument("--redis-cluster-masters", type=int, default=0,
+                        help="run against a Redis Cluster of N masters (0: one redis-server)")
     args = parser.parse_args()
     for tool in (QFORGE, WORKER):
         if not os.path.exists(tool):
@@ -308,7 +349,8 @@ def main():
         rows = []
         for workers in (int(w) for w in args.workers.split(",")):
             row = run_once(work, template, data, args.batches, workers, args.delay_ms,
-                           kill=True, per_task=args.batches_per_task)
+                           kill=True, per_task=args.batches_per_task,
+                           masters=args.redis_cluster_masters)
             row["identical_to_one_worker"] = row.pop("output") == reference
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -23,7 +23,7 @@ use qforge_dist::{
     Backend, CheckpointStore, Embedded, Error, Failure, Next, Outcome, RunOptions, RunSummary, run,
 };
 use qforge_model::{MlpPolicy, Model};
-use redis_server::RedisServer;
+use redis_server::{RedisCluster, RedisServer};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/pendulum")
@@ -271,6 +271,53 @@ fn tasks_of_several_batches_give_identical_bytes_through_duplicates_and_a_regrou
     assert_eq!(encode(&summary.stats), clean);
     assert!(summary.resumed >= 4, "resumed {}", summary.resumed);
     assert_eq!(summary.merged, 19);
+}
+
+/// A Redis Cluster of three masters, reached through a node that serves
+/// neither the run's slot nor `qforge:active`'s: the coordinator and the
+/// workers follow the redirections to both (the workers find the run through
+/// `qforge:active`), and the bytes are the clean run's.
+#[test]
+fn a_run_through_a_three_master_redis_cluster_gives_identical_bytes() {
+    let Some(cluster) = RedisCluster::start("cluster", 3) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let clean = clean_bytes(&target, &job, &plan);
+    let active = cluster.owner_of("qforge:active");
+    let (name, owner) = (0..)
+        .map(|i| format!("clustered-{i}"))
+        .map(|name| {
+            let owner = cluster.owner_of(&format!("qforge:{{{name}}}:spec"));
+            (name, owner)
+        })
+        .find(|(_, owner)| *owner != active)
+        .unwrap();
+    let seed = &cluster.nodes[3 - owner - active];
+    let backend = open_run(seed, &name, &job, NonZeroUsize::new(2));
+    let summary = std::thread::scope(|scope| {
+        for w in 0..3 {
+            let worker = WorkerOptions {
+                run: None,
+                ..worker_of(seed, &name, &format!("{name}-w{w}"))
+            };
+            scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
+        }
+        let summary = run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {}).unwrap();
+        backend.finish(true).unwrap();
+        summary
+    });
+    assert_eq!(encode(&summary.stats), clean);
+    assert_eq!(summary.merged, 19);
+    // The run's keys are on the node serving its slot.
+    let mut connection = redis::Client::open(cluster.nodes[owner].url())
+        .and_then(|c| c.get_connection())
+        .unwrap();
+    let state: String = redis::cmd("GET")
+        .arg(format!("qforge:{{{name}}}:state"))
+        .query(&mut connection)
+        .unwrap();
+    assert_eq!(state, "done");
 }
 
 /// Faults injected into what the coordinator sees.

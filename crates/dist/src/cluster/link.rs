@@ -1,9 +1,14 @@
-//! A Redis connection that survives a Redis restart.
+//! A Redis connection that survives a Redis restart and follows a Redis
+//! Cluster's redirections.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use redis::{Client, Connection, IntoConnectionInfo, RedisError, RedisResult};
+use redis::{
+    Client, Connection, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError,
+    RedisResult, ServerErrorKind,
+};
 
 use crate::error::{Error, Result};
 
@@ -16,11 +21,28 @@ const PASSWORD_FILE_LIMIT: u64 = 4096;
 /// Longer than any `BLOCK` we issue, so a stopped (SIGSTOP) Redis is noticed.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// One connection, re-opened on I/O errors, retried until the outage lasts
-/// longer than `outage_limit`.
+/// Redirections one command may follow. A run's keys share a slot, so a
+/// command is redirected once when the cluster's slots move and twice while a
+/// slot migrates; more means its keys lie on several nodes.
+const REDIRECT_LIMIT: usize = 5;
+
+/// A Redis node: the one the URL names, or a Redis Cluster node that a
+/// `MOVED` or `ASK` redirection named.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Node {
+    Url,
+    Redirected { host: String, port: u16 },
+}
+
+/// Connections, re-opened on I/O errors, retried until the outage lasts
+/// longer than `outage_limit`. Against a Redis Cluster, commands go to the
+/// node that serves their slot: the URL's node until a `MOVED` names
+/// another, which is then kept (a run's keys share one slot); `qforge:active`
+/// may live elsewhere, so a connection is kept per node.
 pub(crate) struct Link {
-    client: Client,
-    connection: Option<Connection>,
+    info: ConnectionInfo,
+    connections: HashMap<Node, Connection>,
+    node: Node,
     outage_limit: Duration,
     url: String,
     /// Times the connection was re-established after an outage.
@@ -83,7 +105,7 @@ impl RedisAddress {
         Self::new(url, password)
     }
 
-    fn client(&self) -> Result<Client> {
+    fn connection_info(&self) -> Result<ConnectionInfo> {
         let mut info = self
             .url
             .as_str()
@@ -93,7 +115,7 @@ impl RedisAddress {
             let settings = info.redis_settings().clone().set_password(password);
             info = info.set_redis_settings(settings);
         }
-        Client::open(info).map_err(|e| Error::Cluster(format!("invalid cluster URL {self}: {e}")))
+        Ok(info)
     }
 }
 
@@ -164,20 +186,47 @@ fn redact(url: &str) -> String {
     out
 }
 
+/// Errors that pass: the server is unreachable or loading, or a Redis
+/// Cluster is electing a new master or moving a slot.
 fn transient(e: &RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_timeout()
-        || e.code() == Some("LOADING")
+        || matches!(e.code(), Some("LOADING" | "TRYAGAIN" | "CLUSTERDOWN"))
+}
+
+/// Where a Redis Cluster sends a command that reached the wrong node:
+/// the node, and whether only this command goes there (`ASK`: its slot is
+/// migrating) rather than every later one (`MOVED`). A transaction or
+/// pipeline carries its commands' errors inside its own.
+fn redirection(e: &RedisError) -> Option<(String, u16, bool)> {
+    e.clone()
+        .into_server_errors()?
+        .iter()
+        .find_map(|(_, error)| {
+            let ask = match error.kind()? {
+                ServerErrorKind::Moved => false,
+                ServerErrorKind::Ask => true,
+                _ => return None,
+            };
+            // `SLOT HOST:PORT`
+            let (host, port) = error
+                .details()?
+                .split_ascii_whitespace()
+                .nth(1)?
+                .rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?, ask))
+        })
 }
 
 impl Link {
     /// Connects and checks that Redis answers (and accepts the password).
     pub(crate) fn open(address: &RedisAddress, outage_limit: Duration) -> Result<Self> {
         let mut link = Self {
-            client: address.client()?,
-            connection: None,
+            info: address.connection_info()?,
+            connections: HashMap::new(),
+            node: Node::Url,
             outage_limit,
             url: address.to_string(),
             reconnects: 0,
@@ -205,44 +254,96 @@ impl Link {
     }
 
     /// Runs `command`, reconnecting and retrying while Redis is unreachable
-    /// (up to the outage limit). A retried command may have run already;
-    /// every caller is idempotent or deduplicated downstream.
+    /// (up to the outage limit), and following a Redis Cluster's
+    /// redirections. A retried command may have run already; every caller
+    /// is idempotent or deduplicated downstream.
     pub(crate) fn call<T>(
         &mut self,
         mut command: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
         let mut down_since: Option<Instant> = None;
         let mut pause = Duration::from_millis(50);
+        let mut redirects = 0;
+        let mut asked: Option<Node> = None;
         loop {
-            let attempt = match self.connection.as_mut() {
-                Some(connection) => command(connection),
-                None => self
-                    .client
-                    .get_connection_with_timeout(IO_TIMEOUT)
-                    .and_then(|c| {
-                        c.set_read_timeout(Some(IO_TIMEOUT))?;
-                        c.set_write_timeout(Some(IO_TIMEOUT))?;
-                        if down_since.is_some() {
-                            self.reconnects += 1;
-                        }
-                        self.connection = Some(c);
-                        command(self.connection.as_mut().expect("just set"))
-                    }),
+            let (node, asking) = match asked.take() {
+                Some(node) => (node, true),
+                None => (self.node.clone(), false),
             };
-            match attempt {
-                Ok(value) => return Ok(value),
-                Err(e) if transient(&e) => {
-                    self.connection = None;
-                    let since = *down_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= self.outage_limit {
-                        return Err(self.explain(&e));
-                    }
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(500));
+            let attempt = self.connection(&node, down_since.is_some()).and_then(|c| {
+                if asking {
+                    redis::cmd("ASKING").query::<()>(c)?;
                 }
-                Err(e) => return Err(self.explain(&e)),
+                command(c)
+            });
+            let e = match attempt {
+                Ok(value) => return Ok(value),
+                Err(e) => e,
+            };
+            if let Some((host, port, ask)) = redirection(&e) {
+                redirects += 1;
+                if redirects > REDIRECT_LIMIT {
+                    return Err(Error::Cluster(format!(
+                        "Redis at {} redirected a command {REDIRECT_LIMIT} times ({e}): its keys \
+                         are on several Redis Cluster nodes, or the cluster's slots keep moving",
+                        self.url
+                    )));
+                }
+                // An empty host is the answering node's.
+                let host = match (host.is_empty(), &node, self.info.addr()) {
+                    (false, _, _) => host,
+                    (true, Node::Redirected { host, .. }, _) => host.clone(),
+                    (true, Node::Url, ConnectionAddr::Tcp(url_host, _)) => url_host.clone(),
+                    (true, Node::Url, _) => {
+                        return Err(Error::Cluster(format!(
+                            "Redis at {} redirected a command to port {port} without naming \
+                             the host; give the cluster's URL as redis://HOST:PORT",
+                            self.url
+                        )));
+                    }
+                };
+                let target = Node::Redirected { host, port };
+                if ask {
+                    asked = Some(target);
+                } else {
+                    self.node = target;
+                }
+            } else if transient(&e) {
+                // The URL's node answers again, or names a promoted master.
+                self.connections.remove(&node);
+                self.node = Node::Url;
+                let since = *down_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= self.outage_limit {
+                    return Err(self.explain(&e));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(500));
+            } else {
+                return Err(self.explain(&e));
             }
         }
+    }
+
+    /// The open connection to `node`, opened if need be (`after_outage`:
+    /// count it as a reconnection).
+    fn connection(&mut self, node: &Node, after_outage: bool) -> RedisResult<&mut Connection> {
+        if !self.connections.contains_key(node) {
+            let info = match node {
+                Node::Url => self.info.clone(),
+                Node::Redirected { host, port } => self
+                    .info
+                    .clone()
+                    .set_addr(ConnectionAddr::Tcp(host.clone(), *port)),
+            };
+            let connection = Client::open(info)?.get_connection_with_timeout(IO_TIMEOUT)?;
+            connection.set_read_timeout(Some(IO_TIMEOUT))?;
+            connection.set_write_timeout(Some(IO_TIMEOUT))?;
+            if after_outage {
+                self.reconnects += 1;
+            }
+            self.connections.insert(node.clone(), connection);
+        }
+        Ok(self.connections.get_mut(node).expect("just opened"))
     }
 }
 
@@ -277,9 +378,8 @@ mod tests {
         let beside = RedisAddress::new("redis://10.0.0.1:6379", Some("s3cret".into())).unwrap();
         assert_eq!(
             beside
-                .client()
+                .connection_info()
                 .unwrap()
-                .get_connection_info()
                 .redis_settings()
                 .password(),
             Some("s3cret")

@@ -182,12 +182,11 @@ impl RedisBackend {
                 .arg(keys.state())
                 .arg("running")
                 .ignore()
-                .cmd("SET")
-                .arg(ACTIVE)
-                .arg(keys.run())
-                .ignore()
                 .query::<()>(c)
         })?;
+        // Apart: `qforge:active` is not in the run's Redis Cluster slot. Set
+        // after the spec, so a worker that follows it finds the run.
+        link.call(|c| redis::cmd("SET").arg(ACTIVE).arg(keys.run()).query::<()>(c))?;
         Ok(Self {
             link: RefCell::new(link),
             keys,

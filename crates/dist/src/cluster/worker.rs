@@ -532,24 +532,20 @@ impl Session {
         loop {
             if last_state_check.elapsed() >= Duration::from_millis(250) {
                 last_state_check = Instant::now();
-                let (state, coordinator, active): (Option<String>, bool, Option<String>) = link
-                    .call(|c| {
-                        redis::pipe()
-                            .cmd("GET")
-                            .arg(self.keys.state())
-                            .cmd("EXISTS")
-                            .arg(self.keys.coordinator())
-                            .cmd("GET")
-                            .arg(ACTIVE)
-                            .query(c)
-                    })?;
+                let (state, coordinator): (Option<String>, bool) = link.call(|c| {
+                    redis::pipe()
+                        .cmd("GET")
+                        .arg(self.keys.state())
+                        .cmd("EXISTS")
+                        .arg(self.keys.coordinator())
+                        .query(c)
+                })?;
                 if state.as_deref() != Some("running") {
                     return Ok(Ending::Finished {
                         succeeded: state.as_deref() == Some("done"),
                     });
                 }
-                if self.follows_active && !coordinator && active.as_deref() != Some(self.keys.run())
-                {
+                if self.follows_active && !coordinator && self.active_moved_on(link)? {
                     return Ok(Ending::Abandoned);
                 }
             }
@@ -837,6 +833,13 @@ impl Session {
         report.failed += answers.iter().filter(|a| a.observed.is_err()).count();
         self.publish(link, &held, &answers, speculative)?;
         self.announce(link, current, "-")
+    }
+
+    /// Whether `qforge:active` names another run than this one (asked apart
+    /// from the run's keys: on a Redis Cluster it lives in another slot).
+    fn active_moved_on(&self, link: &mut Link) -> Result<bool> {
+        let active: Option<String> = link.call(|c| redis::cmd("GET").arg(ACTIVE).query(c))?;
+        Ok(active.as_deref() != Some(self.keys.run()))
     }
 
     /// How often a worker looks for dead workers' tasks, between its own

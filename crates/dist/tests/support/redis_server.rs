@@ -14,12 +14,27 @@ pub struct RedisServer {
     pub port: u16,
     dir: PathBuf,
     password: Option<String>,
+    /// Arguments beyond the defaults (a cluster node's).
+    extra: Vec<String>,
+}
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
 }
 
 impl RedisServer {
     /// Starts a server, or returns `None` (printing SKIPPED) when
     /// `redis-server` is not installed, except under CI, where that fails.
     pub fn start(name: &str, password: Option<&str>) -> Option<Self> {
+        Self::start_with(name, password, Vec::new())
+    }
+
+    /// [`RedisServer::start`] with `extra` arguments for `redis-server`.
+    fn start_with(name: &str, password: Option<&str>, extra: Vec<String>) -> Option<Self> {
         if Command::new("redis-server")
             .arg("--version")
             .stdout(Stdio::null())
@@ -35,10 +50,7 @@ impl RedisServer {
             );
             return None;
         }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free loopback port");
+        let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("qforge-redis-{name}-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -48,6 +60,7 @@ impl RedisServer {
             port,
             dir,
             password: password.map(str::to_owned),
+            extra,
         };
         server.restart();
         Some(server)
@@ -82,6 +95,7 @@ impl RedisServer {
                 "",
             ])
             .args(["--logfile", "redis.log"])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         if let Some(p) = &self.password {
@@ -120,5 +134,106 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop("KILL");
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A Redis Cluster of masters without replicas on loopback, its 16 384 slots
+/// split evenly, each node a [`RedisServer`] in cluster mode.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+    /// Each node's cluster bus port.
+    buses: Vec<u16>,
+}
+
+impl RedisCluster {
+    /// Starts `masters` nodes, gives each its share of the slots, joins them
+    /// and waits until every node sees the whole cluster serving; `None`
+    /// as [`RedisServer::start`].
+    pub fn start(name: &str, masters: usize) -> Option<Self> {
+        let (mut nodes, mut buses) = (Vec::new(), Vec::new());
+        for i in 0..masters {
+            buses.push(free_port());
+            let extra = [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                // The bus's default port (+10 000) may be past 65 535.
+                "--cluster-port",
+                &buses[i].to_string(),
+            ];
+            let extra = extra.iter().map(|a| a.to_string()).collect();
+            nodes.push(RedisServer::start_with(
+                &format!("{name}-{i}"),
+                None,
+                extra,
+            )?);
+        }
+        let cluster = Self { nodes, buses };
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            let (first, last) = cluster.slots_of(i);
+            redis::cmd("CLUSTER")
+                .arg("ADDSLOTSRANGE")
+                .arg(first)
+                .arg(last)
+                .query::<()>(&mut cluster.connection(node))
+                .expect("slots assigned");
+        }
+        let mut first = cluster.connection(&cluster.nodes[0]);
+        for (node, bus) in cluster.nodes[1..].iter().zip(&cluster.buses[1..]) {
+            redis::cmd("CLUSTER")
+                .arg("MEET")
+                .arg("127.0.0.1")
+                .arg(node.port)
+                .arg(bus)
+                .query::<()>(&mut first)
+                .expect("nodes meet");
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for node in &cluster.nodes {
+            loop {
+                let mut connection = cluster.connection(node);
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query(&mut connection)
+                    .expect("cluster info");
+                let known = info.contains("cluster_state:ok")
+                    && info.contains(&format!("cluster_known_nodes:{masters}\r\n"));
+                if known {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the cluster did not form: {info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Some(cluster)
+    }
+
+    fn connection(&self, node: &RedisServer) -> redis::Connection {
+        redis::Client::open(node.url())
+            .and_then(|c| c.get_connection())
+            .expect("a cluster node answers")
+    }
+
+    /// The index of the node that serves `key`'s slot.
+    pub fn owner_of(&self, key: &str) -> usize {
+        let mut connection = self.connection(&self.nodes[0]);
+        let slot: usize = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(&mut connection)
+            .expect("a key's slot");
+        (0..self.nodes.len())
+            .find(|&i| (self.slots_of(i).0..=self.slots_of(i).1).contains(&slot))
+            .expect("every slot is served")
+    }
+
+    /// The first and last slot node `i` serves.
+    fn slots_of(&self, i: usize) -> (usize, usize) {
+        let n = self.nodes.len();
+        (16384 * i / n, 16384 * (i + 1) / n - 1)
     }
 }
