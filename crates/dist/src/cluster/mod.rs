@@ -4,7 +4,9 @@
 //! # Keys
 //!
 //! Every key of run `R` carries the hash tag `{R}`, so a Redis Cluster keeps a
-//! run on one shard and multi-key commands stay legal:
+//! run on one shard and multi-key commands stay legal. `qforge:active` lies in
+//! another slot: no command names it beside a run key. Connections follow the
+//! cluster's redirections (`link.rs`).
 //!
 //! | key                         | type   | holds                                              |
 //! |-----------------------------|--------|----------------------------------------------------|
