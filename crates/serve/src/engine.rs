@@ -74,12 +74,16 @@ pub enum FinishReason {
 /// one `Failed`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// The next piece of text, with the log-probabilities of the tokens
-    /// taken since the previous piece (when the request asks for them;
-    /// a piece may be empty when text is held back).
+    /// The next piece of text, with the tokens generated since the previous
+    /// piece and their log-probabilities (when the request asks for them).
+    /// A piece may be empty when text is held back, and is for a model
+    /// without a tokenizer (which sends one piece per token).
     Text {
         /// The text.
         text: String,
+        /// The token ids, in order (a stop string's included; the end of
+        /// sequence not).
+        tokens: Vec<u32>,
         /// One entry per token, in order.
         log_probs: Vec<TokenLogProb>,
     },
@@ -333,6 +337,8 @@ struct Sequence {
     generated: Vec<u32>,
     /// Bytes of the decoded text already sent.
     sent: usize,
+    /// Tokens of `generated` already sent.
+    sent_tokens: usize,
     /// Log-probabilities of the tokens taken and not yet sent.
     pending: Vec<TokenLogProb>,
     /// The draw at every position so far.
@@ -537,6 +543,7 @@ impl Scheduler<'_> {
                 prefilled: 0,
                 generated: Vec::new(),
                 sent: 0,
+                sent_tokens: 0,
                 pending: Vec::new(),
                 chosen: Vec::new(),
                 scored: Vec::new(),
@@ -737,15 +744,20 @@ impl Scheduler<'_> {
                 end
             }
         };
-        // The last tokens' log-probabilities go out with the finish even
-        // when they add no text (the end of sequence, a stop string).
-        if end > sequence.sent || (finish.is_some() && !sequence.pending.is_empty()) {
+        // The last tokens and their log-probabilities go out with the finish
+        // even when they add no text (the end of sequence, a stop string);
+        // a model without a tokenizer sends every token as it comes.
+        let unsent = sequence.generated.len() > sequence.sent_tokens;
+        let flush = !self.lm.text.tokenizer.reads_text() || finish.is_some();
+        if end > sequence.sent || (flush && (unsent || !sequence.pending.is_empty())) {
             let end = end.max(sequence.sent);
             let _ = request.events.send(Event::Text {
                 text: text[sequence.sent..end].to_owned(),
+                tokens: sequence.generated[sequence.sent_tokens..].to_vec(),
                 log_probs: std::mem::take(&mut sequence.pending),
             });
             sequence.sent = end;
+            sequence.sent_tokens = sequence.generated.len();
         }
         if let Some(finish_reason) = finish {
             self.metrics

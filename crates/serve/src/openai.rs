@@ -132,9 +132,9 @@ struct StreamOptions {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Body {
-    /// `/v1/completions`: the text to continue.
+    /// `/v1/completions`: the text to continue, or its token ids.
     #[serde(default)]
-    prompt: Option<String>,
+    prompt: Option<PromptField>,
     /// `/v1/chat/completions`: the conversation.
     #[serde(default)]
     messages: Option<Vec<ChatMessage>>,
@@ -168,6 +168,27 @@ struct Body {
     /// Accepted for compatibility (OpenAI's end-user id); not used.
     #[serde(default, rename = "user")]
     _user: Option<String>,
+    /// vLLM's switch: each choice also gives the prompt's and the
+    /// completion's token ids. On by default for a model without a
+    /// tokenizer, whose completions have no text.
+    #[serde(default)]
+    return_token_ids: Option<bool>,
+}
+
+/// What `prompt` may hold: OpenAI's text or token ids. Anything else (a
+/// batch of prompts, ids out of range) is kept to be refused by name.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Other(Value),
+}
+
+/// The prompt of a request: text to tokenize, or token ids.
+enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
 }
 
 /// Which endpoint, for the response shapes.
@@ -206,6 +227,8 @@ pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Response {
 /// A checked request: the prompt's tokens and how to sample.
 struct Checked {
     prompt: Vec<u32>,
+    /// Whether the response gives token ids.
+    token_ids: bool,
     max_tokens: usize,
     temperature: Option<f64>,
     seed: Option<u64>,
@@ -224,13 +247,16 @@ type Checking<T> = std::result::Result<T, Refusal>;
 /// whether prompt and completion fit.
 fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> Checking<Checked> {
     let mut sampling = parse(body)?;
-    let (text, max_tokens) = prompt_text(lm, &sampling, kind)?;
+    let (prompt, max_tokens) = prompt_of(lm, &mut sampling, kind)?;
     let temperature = check_sampling(lm, &sampling)?;
     let log_probs = log_probs_asked(&mut sampling, kind)?;
     let stop = stop_strings(sampling.stop.take())?;
-    let (prompt, max_tokens) = fit(lm, &text, max_tokens, kind)?;
+    let (prompt, max_tokens) = fit(lm, prompt, max_tokens, kind)?;
     Ok(Checked {
         prompt,
+        token_ids: sampling
+            .return_token_ids
+            .unwrap_or(!lm.text.tokenizer.reads_text()),
         max_tokens,
         temperature: (temperature > 0.0).then_some(temperature),
         seed: sampling.seed,
@@ -256,18 +282,34 @@ fn parse(body: &[u8]) -> Checking<Body> {
     Ok(sampling)
 }
 
-/// The text to continue (a chat renders its conversation through the
+/// The prompt to continue (a chat renders its conversation through the
 /// model's template) and the token limit asked for: for a chat without
 /// one, `usize::MAX` (as many as the context leaves).
-fn prompt_text(lm: &LanguageBackend, sampling: &Body, kind: Kind) -> Checking<(String, usize)> {
-    match (kind, &sampling.prompt, &sampling.messages) {
-        (Kind::Completion, Some(prompt), None) => Ok((
-            prompt.clone(),
-            sampling.max_tokens.unwrap_or(DEFAULT_COMPLETION_TOKENS),
-        )),
+fn prompt_of(lm: &LanguageBackend, sampling: &mut Body, kind: Kind) -> Checking<(Prompt, usize)> {
+    let completion_tokens = sampling.max_tokens.unwrap_or(DEFAULT_COMPLETION_TOKENS);
+    match (kind, sampling.prompt.take(), &sampling.messages) {
+        (Kind::Completion, Some(PromptField::Text(text)), None) => {
+            Ok((Prompt::Text(text), completion_tokens))
+        }
+        (Kind::Completion, Some(PromptField::Tokens(ids)), None) => {
+            Ok((Prompt::Tokens(ids), completion_tokens))
+        }
+        (Kind::Completion, Some(PromptField::Other(value)), None) => {
+            let why = match &value {
+                Value::Array(items) if items.iter().all(|i| i.is_string() || i.is_array()) => {
+                    "this server takes one prompt per request: send one request per prompt"
+                }
+                Value::Array(_) => "token ids are integers from 0 to 4294967295",
+                _ => "it takes a string or an array of token ids",
+            };
+            Err(invalid(
+                Some("prompt"),
+                format!("invalid \"prompt\": {why}"),
+            ))
+        }
         (Kind::Completion, _, _) => Err(invalid(
             Some("prompt"),
-            "/v1/completions takes a \"prompt\" string (and no \"messages\")".into(),
+            "/v1/completions takes a \"prompt\" (and no \"messages\")".into(),
         )),
         (Kind::Chat, None, Some(messages)) => {
             if messages.is_empty() {
@@ -282,7 +324,7 @@ fn prompt_text(lm: &LanguageBackend, sampling: &Body, kind: Kind) -> Checking<(S
                 .max_completion_tokens
                 .or(sampling.max_tokens)
                 .unwrap_or(usize::MAX);
-            Ok((text, max))
+            Ok((Prompt::Text(text), max))
         }
         (Kind::Chat, _, _) => Err(invalid(
             Some("messages"),
@@ -356,7 +398,7 @@ fn stop_strings(stop: Option<Stop>) -> Checking<Vec<String>> {
 /// known to fit the context, the KV budget and the server's limit.
 fn fit(
     lm: &LanguageBackend,
-    text: &str,
+    prompt: Prompt,
     max_tokens: usize,
     kind: Kind,
 ) -> Checking<(Vec<u32>, usize)> {
@@ -368,25 +410,21 @@ fn fit(
         "this server takes prompts of at most {longest} tokens (--max-prompt-tokens {}, context {}, KV budget {})",
         lm.max_prompt_tokens, lm.context, lm.limits.kv_budget_tokens
     );
-    // A prompt of more bytes than `longest` tokens can stand for has more
-    // tokens: refused before it costs a tokenization (a 1 MiB prompt was
-    // tokenized whole to be refused).
-    if let Some(per_token) = lm.bytes_per_token
-        && text.len() > longest.saturating_mul(per_token)
-    {
-        return Err(invalid(
-            Some("prompt"),
-            format!(
-                "the prompt is {} bytes, more than {longest} tokens can hold (a token stands for at most {per_token} bytes); {limits}",
-                text.len(),
-            ),
-        ));
-    }
-    let prompt = lm
-        .text
-        .tokenizer
-        .encode(text)
-        .map_err(|e| invalid(Some("prompt"), e.to_string()))?;
+    let prompt = match prompt {
+        Prompt::Text(text) => tokenized(lm, &text, longest, &limits)?,
+        Prompt::Tokens(ids) => {
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= lm.vocab_size) {
+                return Err(invalid(
+                    Some("prompt"),
+                    format!(
+                        "token id {id} is outside the model's vocabulary of {} tokens",
+                        lm.vocab_size
+                    ),
+                ));
+            }
+            ids
+        }
+    };
     if prompt.is_empty() {
         return Err(invalid(Some("prompt"), "the prompt has no tokens".into()));
     }
@@ -422,6 +460,28 @@ fn fit(
     Ok((prompt, max_tokens))
 }
 
+/// The tokens of a text prompt.
+fn tokenized(lm: &LanguageBackend, text: &str, longest: usize, limits: &str) -> Checking<Vec<u32>> {
+    // A prompt of more bytes than `longest` tokens can stand for has more
+    // tokens: refused before it costs a tokenization (a 1 MiB prompt was
+    // tokenized whole to be refused).
+    if let Some(per_token) = lm.bytes_per_token
+        && text.len() > longest.saturating_mul(per_token)
+    {
+        return Err(invalid(
+            Some("prompt"),
+            format!(
+                "the prompt is {} bytes, more than {longest} tokens can hold (a token stands for at most {per_token} bytes); {limits}",
+                text.len(),
+            ),
+        ));
+    }
+    lm.text
+        .tokenizer
+        .encode(text)
+        .map_err(|e| invalid(Some("prompt"), e.to_string()))
+}
+
 /// 500 in OpenAI's shape: the model failed on the request.
 fn server_error(message: String) -> Response {
     api_error(
@@ -452,6 +512,7 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
     let arm = lm.rollout.arm_for(session(headers));
     let (stream, include_usage) = (checked.stream, checked.include_usage);
     let spelling = checked.log_probs.map(|_| Arc::clone(&lm.text));
+    let prompt_ids = checked.token_ids.then(|| checked.prompt.clone());
     let Some((receiver, admitted)) = submit(state, lm, checked, number, arm) else {
         return worker_stopped();
     };
@@ -470,7 +531,7 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         // Dropping the receiver takes the request out of the queue.
         Err(_) => return not_admitted(timeout),
     };
-    let meta = Meta::new(kind, number, &lm.name, spelling);
+    let meta = Meta::new(kind, number, &lm.name, spelling, prompt_ids);
     let response = if stream {
         streamed(meta, receiver, include_usage, permit, arm).await
     } else {
@@ -568,6 +629,7 @@ async fn streamed(
 /// The whole completion, once the engine is done.
 struct Completion {
     text: String,
+    tokens: Vec<u32>,
     /// Per token, when asked for.
     log_probs: Vec<TokenLogProb>,
     finish: FinishReason,
@@ -597,14 +659,17 @@ async fn collect(
     receiver: &mut UnboundedReceiver<Event>,
 ) -> std::result::Result<Completion, Option<String>> {
     let mut text = String::new();
+    let mut tokens = Vec::new();
     let mut log_probs = Vec::new();
     while let Some(event) = receiver.recv().await {
         match event {
             Event::Text {
                 text: piece,
+                tokens: ids,
                 log_probs: entries,
             } => {
                 text.push_str(&piece);
+                tokens.extend(ids);
                 log_probs.extend(entries);
             }
             Event::Done {
@@ -614,6 +679,7 @@ async fn collect(
             } => {
                 return Ok(Completion {
                     text,
+                    tokens,
                     log_probs,
                     finish: finish_reason,
                     prompt_tokens,
@@ -626,6 +692,13 @@ async fn collect(
     Err(None)
 }
 
+/// A streamed piece of the completion.
+struct Piece {
+    text: String,
+    tokens: Vec<u32>,
+    log_probs: Vec<TokenLogProb>,
+}
+
 /// What every response object of one request repeats.
 struct Meta {
     id: String,
@@ -634,6 +707,11 @@ struct Meta {
     kind: Kind,
     /// Set when the request asks for log-probs.
     spelling: Option<Spelling>,
+    /// Whether choices give token ids.
+    token_ids: bool,
+    /// The prompt's token ids, when asked for and not given yet (a stream
+    /// gives them in its first chunk).
+    prompt_ids: Option<Vec<u32>>,
 }
 
 /// How a request's log-probs are spelled: the served tokenizer, and the
@@ -653,7 +731,13 @@ fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 }
 
 impl Meta {
-    fn new(kind: Kind, number: u64, model: &str, spelling: Option<Arc<TextSide>>) -> Self {
+    fn new(
+        kind: Kind,
+        number: u64,
+        model: &str,
+        spelling: Option<Arc<TextSide>>,
+        prompt_ids: Option<Vec<u32>>,
+    ) -> Self {
         Self {
             id: match kind {
                 Kind::Completion => format!("cmpl-{number}"),
@@ -665,7 +749,21 @@ impl Meta {
             model: model.to_owned(),
             kind,
             spelling: spelling.map(|text| Spelling { text, offset: 0 }),
+            token_ids: prompt_ids.is_some(),
+            prompt_ids,
         }
+    }
+
+    /// Adds the token ids to `choice` when the request asks for them: the
+    /// completion's `tokens`, and the prompt's if not given yet.
+    fn add_token_ids(&mut self, choice: &mut Value, tokens: &[u32]) {
+        if !self.token_ids {
+            return;
+        }
+        if let Some(prompt) = self.prompt_ids.take() {
+            choice["prompt_token_ids"] = json!(prompt);
+        }
+        choice["token_ids"] = json!(tokens);
     }
 
     /// The `logprobs` of a choice: `null` unless asked for.
@@ -683,13 +781,14 @@ impl Meta {
     fn full(&mut self, completion: &Completion) -> Value {
         let Completion {
             text,
+            tokens,
             log_probs,
             finish,
             prompt_tokens,
             completion_tokens,
         } = completion;
         let log_probs = self.log_probs(log_probs);
-        let choice = match self.kind {
+        let mut choice = match self.kind {
             Kind::Completion => {
                 json!({"index": 0, "text": text, "logprobs": log_probs, "finish_reason": finish})
             }
@@ -700,6 +799,7 @@ impl Meta {
                 "finish_reason": finish,
             }),
         };
+        self.add_token_ids(&mut choice, tokens);
         json!({
             "id": self.id,
             "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion" },
@@ -710,19 +810,15 @@ impl Meta {
         })
     }
 
-    /// One streamed chunk: a text piece with its tokens' log-probs, or
-    /// (with `finish`) the last one.
-    fn chunk(
-        &mut self,
-        piece: Option<(&str, &[TokenLogProb])>,
-        finish: Option<FinishReason>,
-    ) -> Value {
+    /// One streamed chunk: a text piece with its tokens and their
+    /// log-probs, or (with `finish`) the last one.
+    fn chunk(&mut self, piece: Option<&Piece>, finish: Option<FinishReason>) -> Value {
         let log_probs = match piece {
-            Some((_, entries)) => self.log_probs(entries),
+            Some(piece) => self.log_probs(&piece.log_probs),
             None => Value::Null,
         };
-        let text = piece.map(|(text, _)| text);
-        let choice = match self.kind {
+        let text = piece.map(|piece| piece.text.as_str());
+        let mut choice = match self.kind {
             Kind::Completion => json!({
                 "index": 0, "text": text.unwrap_or(""), "logprobs": log_probs, "finish_reason": finish
             }),
@@ -733,6 +829,7 @@ impl Meta {
                 "finish_reason": finish,
             }),
         };
+        self.add_token_ids(&mut choice, piece.map_or(&[], |p| &p.tokens));
         self.wrap(vec![choice], None)
     }
 
@@ -775,9 +872,18 @@ fn sse_stream(
             (meta, Some(permit)),
             move |(meta, permit), event| {
                 let out: Vec<Value> = match event {
-                    Event::Text { text, log_probs } => {
-                        vec![meta.chunk(Some((&text, &log_probs)), None)]
-                    }
+                    Event::Text {
+                        text,
+                        tokens,
+                        log_probs,
+                    } => vec![meta.chunk(
+                        Some(&Piece {
+                            text,
+                            tokens,
+                            log_probs,
+                        }),
+                        None,
+                    )],
                     Event::Done {
                         finish_reason,
                         prompt_tokens,
@@ -807,4 +913,157 @@ fn sse_stream(
             stream::iter(events)
         });
     head.chain(events).map(Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use qforge_model::TextTokenizer;
+
+    use crate::testing::{TestServer, options, smollm2};
+
+    fn post(server: &TestServer, body: &Value) -> (u16, Value) {
+        let (status, text) = server.request("POST", "/v1/completions", &body.to_string());
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// The token ids of every chunk of a streamed completion, and the
+    /// prompt's ids wherever a chunk gave them.
+    fn streamed_ids(server: &TestServer, body: &Value) -> (Vec<Value>, Vec<Value>) {
+        let (status, events) = server.request("POST", "/v1/completions", &body.to_string());
+        assert_eq!(status, 200, "{events}");
+        let (mut tokens, mut prompts) = (Vec::new(), Vec::new());
+        for line in events.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            let Ok(chunk) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            let choice = &chunk["choices"][0];
+            tokens.extend(
+                choice["token_ids"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .cloned(),
+            );
+            prompts.extend(choice.get("prompt_token_ids").cloned());
+        }
+        (tokens, prompts)
+    }
+
+    #[test]
+    fn a_prompt_of_token_ids_completes_as_its_text_does() {
+        let lm = smollm2();
+        let text = "The capital of France is";
+        let ids = lm.text.tokenizer.encode(text).unwrap();
+        let server = TestServer::serving(lm.clone(), options());
+        let by_text =
+            json!({"prompt": text, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
+        let (status, by_text) = post(&server, &by_text);
+        assert_eq!(status, 200, "{by_text}");
+        let by_ids =
+            json!({"prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
+        let (status, by_ids) = post(&server, &by_ids);
+        assert_eq!(status, 200, "{by_ids}");
+        let (a, b) = (&by_text["choices"][0], &by_ids["choices"][0]);
+        assert_eq!(a["text"], b["text"]);
+        assert_eq!(a["token_ids"], b["token_ids"]);
+        assert_eq!(a["prompt_token_ids"], json!(ids));
+        assert_eq!(b["prompt_token_ids"], json!(ids));
+        let generated: Vec<u32> = serde_json::from_value(b["token_ids"].clone()).unwrap();
+        assert_eq!(generated.len(), 8, "{by_ids}");
+        assert_eq!(
+            lm.text.tokenizer.decode(&generated).unwrap(),
+            b["text"].as_str().unwrap()
+        );
+        assert_eq!(by_ids["usage"]["prompt_tokens"], json!(ids.len()));
+        // Not asked for: a model with a tokenizer answers in text only.
+        let (_, plain) = post(&server, &json!({"prompt": ids, "max_tokens": 2}));
+        assert!(plain["choices"][0].get("token_ids").is_none(), "{plain}");
+        // Streamed: the chunks' ids put together, the prompt's given once.
+        let streamed = json!({"prompt": ids, "max_tokens": 8, "temperature": 0, "stream": true, "return_token_ids": true});
+        let (tokens, prompts) = streamed_ids(&server, &streamed);
+        assert_eq!(Value::Array(tokens), b["token_ids"]);
+        assert_eq!(prompts, [json!(ids)]);
+    }
+
+    #[test]
+    fn malformed_token_id_prompts_are_refused_by_name() {
+        let server = TestServer::serving(smollm2(), options());
+        for (prompt, says) in [
+            (
+                json!([1, 49152]),
+                "token id 49152 is outside the model's vocabulary of 49152 tokens",
+            ),
+            (
+                json!([1, -2]),
+                "token ids are integers from 0 to 4294967295",
+            ),
+            (
+                json!([1, 2.5]),
+                "token ids are integers from 0 to 4294967295",
+            ),
+            (json!(["one", "two"]), "one prompt per request"),
+            (json!([[1, 2], [3]]), "one prompt per request"),
+            (json!({"text": "hi"}), "a string or an array of token ids"),
+            (json!([]), "the prompt has no tokens"),
+        ] {
+            let (status, answer) = post(&server, &json!({"prompt": prompt, "max_tokens": 1}));
+            assert_eq!(status, 400, "{prompt}: {answer}");
+            assert_eq!(answer["error"]["param"], "prompt", "{answer}");
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(message.contains(says), "{prompt}: {message}");
+        }
+        let (_, metrics) = server.request("GET", "/metrics", "");
+        assert!(
+            metrics.contains("qforge_prompt_tokens_total 0"),
+            "{metrics}"
+        );
+    }
+
+    /// A model without a tokenizer (a synthetic model, a checkpoint saved
+    /// without one) is served on token ids: they come back as they are
+    /// generated, the same as the model with its tokenizer gives; text
+    /// prompts are refused naming the missing file.
+    #[test]
+    fn a_model_without_a_tokenizer_is_served_on_token_ids() {
+        let lm = smollm2();
+        let ids = lm
+            .text
+            .tokenizer
+            .encode("The capital of France is")
+            .unwrap();
+        let with_text = TestServer::serving(lm.clone(), options());
+        let body =
+            json!({"prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": true});
+        let (_, expected) = post(&with_text, &body);
+        drop(with_text);
+
+        let mut ids_only = lm;
+        let tokenizer = &ids_only.text.tokenizer;
+        ids_only.text.tokenizer = TextTokenizer::ids_only(
+            std::path::Path::new("synthetic/tokenizer.json"),
+            ids_only.model.config().vocab_size,
+            tokenizer.bos,
+            false,
+            tokenizer.eos.clone(),
+        );
+        let server = TestServer::serving(ids_only, options());
+        let body = json!({"prompt": ids, "max_tokens": 6, "temperature": 0});
+        let (status, answer) = post(&server, &body);
+        assert_eq!(status, 200, "{answer}");
+        let choice = &answer["choices"][0];
+        assert_eq!(choice["token_ids"], expected["choices"][0]["token_ids"]);
+        assert_eq!(choice["text"], "");
+        // Streamed, one chunk per token.
+        let (tokens, _) = streamed_ids(
+            &server,
+            &json!({"prompt": ids, "max_tokens": 6, "temperature": 0, "stream": true}),
+        );
+        assert_eq!(Value::Array(tokens), choice["token_ids"]);
+        let (status, answer) = post(&server, &json!({"prompt": "Hello", "max_tokens": 1}));
+        assert_eq!(status, 400, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains("synthetic/tokenizer.json"), "{message}");
+    }
 }

@@ -176,6 +176,8 @@ pub(crate) struct LanguageBackend {
     pub(crate) text: Arc<TextSide>,
     /// Positions the model attends over.
     pub(crate) context: usize,
+    /// Token ids the model takes.
+    pub(crate) vocab_size: usize,
     /// The most prompt bytes one token can stand for, where the tokenizer
     /// makes that provable: a longer prompt is refused untokenized.
     pub(crate) bytes_per_token: Option<usize>,
@@ -222,6 +224,7 @@ impl LanguageBackend {
         }
         let text = Arc::new(lm.text.clone());
         let context = lm.model.config().max_position_embeddings;
+        let vocab_size = lm.model.config().vocab_size;
         let bytes_per_token = text.tokenizer.max_bytes_per_token();
         Ok(Self {
             int8: Engine::start(lm, monitor, limits, Arc::clone(metrics))?,
@@ -233,6 +236,7 @@ impl LanguageBackend {
             name,
             text,
             context,
+            vocab_size,
             bytes_per_token,
             limits,
             max_tokens: options.max_tokens,
