@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use qforge_core::{BatchId, Digest, Provenance, Stats};
-use qforge_model::{HiddenState, Model, Observer, StatsObserver};
+use qforge_model::{HiddenState, Llama, Model, Observer, StatsObserver};
 
 use crate::error::{Error, Result};
 use crate::plan::{Batch, Pass, Recipe, Sample};
@@ -99,13 +99,7 @@ fn first_observed_layer(pass: &Pass) -> Option<usize> {
     hessian
         .points
         .keys()
-        .map(|point| {
-            point
-                .strip_prefix("model.layers.")
-                .and_then(|rest| rest.split('.').next())
-                .and_then(|layer| layer.parse().ok())
-                .unwrap_or(usize::MAX)
-        })
+        .map(|point| Llama::layer_of(point).unwrap_or(usize::MAX))
         .min()
 }
 

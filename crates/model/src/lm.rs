@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::llama::{Decoder, Llama, LlamaConfig, Logits, Residency, log_softmax};
+use crate::llama::{Decoder, HiddenState, Llama, LlamaConfig, Logits, Residency, log_softmax};
 use crate::tokenizer::TextTokenizer;
 
 /// What turns text into token ids: the tokenizer and the chat template.
@@ -516,10 +516,16 @@ fn chunk_log_probs(
     ctx: usize,
     c: usize,
 ) -> Result<(Tensor, Vec<u32>)> {
-    let first = ctx / 2;
     let chunk = &tokens[c * ctx..(c + 1) * ctx];
     let logits = model.forward(&[chunk.to_vec()], None, None, Logits::All)?;
-    // Position j predicts token j + 1; score j in [first, ctx − 1).
+    scored_log_probs(&logits, chunk)
+}
+
+/// Of a chunk's `logits` (`[1, ctx, vocab]`), the log-probabilities of the
+/// scored positions, with the tokens they score: position j predicts token
+/// j + 1, and j in [ctx / 2, ctx − 1) is scored (llama.cpp's method).
+fn scored_log_probs(logits: &Tensor, chunk: &[u32]) -> Result<(Tensor, Vec<u32>)> {
+    let (ctx, first) = (chunk.len(), chunk.len() / 2);
     let scored = logits.get(0)?.narrow(0, first, ctx - 1 - first)?;
     Ok((log_softmax(&scored)?, chunk[first + 1..].to_vec()))
 }
@@ -580,6 +586,8 @@ pub struct ReferenceLogProbs {
     chunks: Vec<(Tensor, Vec<u32>)>,
     ctx: usize,
     tokens: usize,
+    /// Per chunk, when kept: the hidden states entering every layer.
+    states: Vec<Vec<HiddenState>>,
 }
 
 impl ReferenceLogProbs {
@@ -591,6 +599,27 @@ impl ReferenceLogProbs {
                 .collect::<Result<_>>()?,
             ctx,
             tokens: tokens.len(),
+            states: Vec::new(),
+        })
+    }
+
+    /// [`ReferenceLogProbs::new`], keeping the hidden states entering every
+    /// layer of every chunk, so that a model that differs from `reference`
+    /// only from some layer on is compared from there ([`compare_from`]).
+    /// They take `(layers + 1) × tokens × hidden` floats.
+    pub fn keeping_states(reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Self> {
+        let (mut chunks, mut states) = (Vec::new(), Vec::new());
+        for c in 0..chunk_count(tokens.len(), ctx)? {
+            let chunk = &tokens[c * ctx..(c + 1) * ctx];
+            let (logits, kept) = reference.forward_keeping(&[chunk.to_vec()], Logits::All)?;
+            chunks.push(scored_log_probs(&logits, chunk)?);
+            states.push(kept);
+        }
+        Ok(Self {
+            chunks,
+            ctx,
+            tokens: tokens.len(),
+            states,
         })
     }
 }
@@ -611,6 +640,46 @@ pub fn compare_to(
     reference: &ReferenceLogProbs,
     tokens: &[u32],
 ) -> Result<Comparison> {
+    compare_chunks(reference, tokens, |c| {
+        chunk_log_probs(model, tokens, reference.ctx, c)
+    })
+}
+
+/// [`compare_to`] for a `model` whose layers before `layer` are the
+/// reference's (`layer` = the layer count: only the final norm and head
+/// differ): each chunk runs from the reference's hidden state entering
+/// `layer`, kept by [`ReferenceLogProbs::keeping_states`]. The figures are
+/// those of [`compare_to`], bit for bit, for a fraction of the work.
+pub fn compare_from(
+    model: &Llama,
+    reference: &ReferenceLogProbs,
+    tokens: &[u32],
+    layer: usize,
+) -> Result<Comparison> {
+    let ctx = reference.ctx;
+    compare_chunks(reference, tokens, |c| {
+        let state = reference
+            .states
+            .get(c)
+            .and_then(|kept| kept.get(layer))
+            .ok_or_else(|| {
+                Error::Shape(format!(
+                    "the reference kept no hidden state entering layer {layer} of chunk {c}"
+                ))
+            })?;
+        let chunk = &tokens[c * ctx..(c + 1) * ctx];
+        let logits = model.forward_resuming(&[chunk.to_vec()], state, Logits::All)?;
+        scored_log_probs(&logits, chunk)
+    })
+}
+
+/// Compares the log-probabilities `chunk` gives for each chunk of `tokens`
+/// with `reference`'s.
+fn compare_chunks(
+    reference: &ReferenceLogProbs,
+    tokens: &[u32],
+    chunk: impl Fn(usize) -> Result<(Tensor, Vec<u32>)>,
+) -> Result<Comparison> {
     if tokens.len() != reference.tokens {
         return Err(Error::Shape(format!(
             "the reference was run on {} tokens, the model on {}",
@@ -620,7 +689,7 @@ pub fn compare_to(
     }
     let (mut nll, mut ref_nll, mut kl, mut agree, mut count) = (0.0, 0.0, 0.0, 0usize, 0usize);
     for (c, (rp, _)) in reference.chunks.iter().enumerate() {
-        let (ours, targets) = chunk_log_probs(model, tokens, reference.ctx, c)?;
+        let (ours, targets) = chunk(c)?;
         let lp = &ours;
         // KL(P_ref ‖ P_model) = Σ p_ref (log p_ref − log p_model), per row.
         let row_kl = (rp.exp()? * (rp - lp)?)?.sum(D::Minus1)?.to_vec1::<f32>()?;

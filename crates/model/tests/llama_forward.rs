@@ -776,3 +776,68 @@ fn an_observing_pass_resumed_from_a_kept_hidden_state_sees_what_the_whole_forwar
     assert!(err.to_string().contains("hidden state"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A model that differs from another only from some layer on, run from the
+/// other's hidden state entering that layer, gives its own whole forward's
+/// logits bit for bit (what the guard's per-layer ranking relies on), and
+/// its comparison with the other is the whole comparison's.
+#[test]
+fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() {
+    use qforge_model::Activations;
+    use qforge_model::lm::{ReferenceLogProbs, compare_from, compare_to};
+
+    let dir = tiny_model("forward-resume");
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let tokens: Vec<u32> = (0..19).map(|i| (i * 5 % 96) as u32).collect();
+    let batch = vec![tokens.clone()];
+    let whole = model.forward(&batch, None, None, Logits::All).unwrap();
+    let (logits, kept) = model.forward_keeping(&batch, Logits::All).unwrap();
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(bits(&logits), bits(&whole));
+    let layers = model.config().num_layers;
+    assert_eq!(
+        kept.iter().map(|s| s.layer).collect::<Vec<_>>(),
+        (0..=layers).collect::<Vec<_>>()
+    );
+    for state in &kept {
+        let resumed = model.forward_resuming(&batch, state, Logits::Last).unwrap();
+        let last = model.forward(&batch, None, None, Logits::Last).unwrap();
+        assert_eq!(bits(&resumed), bits(&last), "from layer {}", state.layer);
+    }
+
+    let reference = ReferenceLogProbs::keeping_states(&model, &tokens, tokens.len()).unwrap();
+    for point in ["model.layers.1.mlp.down_proj", "lm_head"] {
+        let changed = model
+            .with_linears(|p, layer| {
+                if p == point {
+                    layer.to_int8(Activations::Dynamic)
+                } else {
+                    Ok(layer.clone())
+                }
+            })
+            .unwrap();
+        let layer = Llama::layer_of(point).unwrap_or(layers);
+        let own = changed.forward(&batch, None, None, Logits::All).unwrap();
+        let resumed = changed
+            .forward_resuming(&batch, &kept[layer], Logits::All)
+            .unwrap();
+        assert_eq!(bits(&resumed), bits(&own), "{point}");
+        assert_ne!(bits(&own), bits(&whole), "{point} changed nothing");
+        assert_eq!(
+            compare_from(&changed, &reference, &tokens, layer).unwrap(),
+            compare_to(&changed, &reference, &tokens).unwrap(),
+            "{point}"
+        );
+    }
+    assert_eq!(
+        Llama::layer_of("model.layers.12.self_attn.q_proj"),
+        Some(12)
+    );
+    assert_eq!(Llama::layer_of("lm_head"), None);
+    let other = vec![vec![1u32, 2, 3]];
+    let err = model
+        .forward_resuming(&other, &kept[1], Logits::All)
+        .unwrap_err();
+    assert!(err.to_string().contains("hidden state"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use qforge_core::{Calibrator, Stats};
 use qforge_model::artifact::{LayerPrecision, in_precision};
-use qforge_model::lm::{ReferenceLogProbs, compare_to};
+use qforge_model::lm::{ReferenceLogProbs, compare_from, compare_to};
 use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{Action, Activations, Linear, Llama, MlpPolicy};
 use serde::Serialize;
@@ -350,7 +350,9 @@ fn kl_sensitivity(
     progress: &mut dyn FnMut(&str),
 ) -> Result<BTreeMap<String, f64>> {
     let tokens = &tokens[..tokens.len().min(SENSITIVITY_TOKENS)];
-    let reference = ReferenceLogProbs::new(model, tokens, tokens.len())?;
+    // Only the point's own layer on differs from the reference: each run
+    // starts from the reference's hidden state entering it.
+    let reference = ReferenceLogProbs::keeping_states(model, tokens, tokens.len())?;
     let points: Vec<String> = {
         let mut p: Vec<String> = model.linears().into_iter().map(|(_, p, _)| p).collect();
         p.dedup();
@@ -368,9 +370,10 @@ fn kl_sensitivity(
                 Ok(layer.clone())
             }
         })?;
+        let layer = Llama::layer_of(point).unwrap_or(model.config().num_layers);
         out.insert(
             point.clone(),
-            compare_to(&single, &reference, tokens)?.kl_divergence,
+            compare_from(&single, &reference, tokens, layer)?.kl_divergence,
         );
         if (i + 1) % 20 == 0 {
             progress(&format!("  {}/{} layer inputs ranked", i + 1, points.len()));

@@ -782,7 +782,11 @@ impl Llama {
                 Err(_) => kv.forget_uncommitted(),
             }
         }
-        let x = x?;
+        self.logits_of(x?, &lengths, logits)
+    }
+
+    /// The logits `logits` asks for from the decoder stack's output `x`.
+    fn logits_of(&self, x: Tensor, lengths: &[usize], logits: Logits) -> Result<Tensor> {
         let x = match logits {
             Logits::All => x,
             Logits::Last => {
@@ -795,6 +799,96 @@ impl Llama {
             }
         };
         self.lm_head.forward(&x)
+    }
+
+    /// [`Llama::forward`] without a cache or observer, also giving the
+    /// hidden states entering every decoder layer and the one after the last
+    /// (entering the final norm): a model that differs from this one only
+    /// from some layer on can then start there ([`Llama::forward_resuming`]).
+    pub fn forward_keeping(
+        &self,
+        batch: &[Vec<u32>],
+        logits: Logits,
+    ) -> Result<(Tensor, Vec<HiddenState>)> {
+        let Embedded {
+            x,
+            cos,
+            sin,
+            lengths,
+        } = self.embedded(batch, 0)?;
+        let mut kept = Vec::with_capacity(self.layers.len() + 1);
+        let x = self.decoder_stack(
+            x,
+            (&cos, &sin),
+            &lengths,
+            None,
+            Span {
+                kept: Some(&mut kept),
+                keep_every: true,
+                ..Span::default()
+            },
+            |_, q, k, v| attention::causal_over_tensors(q, k, v, &lengths),
+        )?;
+        Ok((self.logits_of(x, &lengths, logits)?, kept))
+    }
+
+    /// [`Llama::forward`] without a cache or observer, starting from
+    /// `resume` (a hidden state that [`Llama::forward_keeping`] of this
+    /// model, or of one with the same layers before `resume.layer`, kept
+    /// for `batch`) instead of the embedding. The layers run compute exactly
+    /// what they compute from the embedding (the same operations on the
+    /// same values).
+    pub fn forward_resuming(
+        &self,
+        batch: &[Vec<u32>],
+        resume: &HiddenState,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let Embedded {
+            x,
+            cos,
+            sin,
+            lengths,
+        } = self.embedded(batch, 0)?;
+        let x = self.decoder_stack(
+            self.resumed(&x, resume)?,
+            (&cos, &sin),
+            &lengths,
+            None,
+            Span {
+                first: resume.layer,
+                ..Span::default()
+            },
+            |_, q, k, v| attention::causal_over_tensors(q, k, v, &lengths),
+        )?;
+        self.logits_of(x, &lengths, logits)
+    }
+
+    /// `resume`'s state, checked to fit the batch whose embedding is
+    /// `embedded` and this model's layers.
+    fn resumed(&self, embedded: &Tensor, resume: &HiddenState) -> Result<Tensor> {
+        if resume.x.dims() != embedded.dims() || resume.layer > self.layers.len() {
+            return Err(Error::Shape(format!(
+                "a hidden state {:?} entering layer {} for a batch of {:?} in a model of {} layers",
+                resume.x.dims(),
+                resume.layer,
+                embedded.dims(),
+                self.layers.len()
+            )));
+        }
+        Ok(resume.x.clone())
+    }
+
+    /// The decoder layer an observation point (or linear layer) named
+    /// `point` belongs to: `N` for `model.layers.N.…`, `None` for
+    /// `lm_head`, which follows them all.
+    pub fn layer_of(point: &str) -> Option<usize> {
+        point
+            .strip_prefix("model.layers.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
     }
 
     /// Runs the decoder over `batch` only to hand every distinct linear input
@@ -827,18 +921,7 @@ impl Llama {
             lengths,
         } = self.embedded(batch, 0)?;
         let (x, first) = match resume {
-            Some(state) => {
-                if state.x.dims() != x.dims() || state.layer > self.layers.len() {
-                    return Err(Error::Shape(format!(
-                        "a hidden state {:?} entering layer {} for a batch of {:?} in a model of {} layers",
-                        state.x.dims(),
-                        state.layer,
-                        x.dims(),
-                        self.layers.len()
-                    )));
-                }
-                (state.x.clone(), state.layer)
-            }
+            Some(state) => (self.resumed(&x, state)?, state.layer),
             None => (x, 0),
         };
         let mut kept = Vec::new();
@@ -851,6 +934,7 @@ impl Llama {
                 first,
                 stop_when_finished: true,
                 kept: Some(&mut kept),
+                keep_every: false,
             },
             |_, q, k, v| attention::causal_over_tensors(q, k, v, &lengths),
         )?;
@@ -1076,6 +1160,9 @@ impl Llama {
                 return Ok(x);
             }
         }
+        if span.keep_every {
+            span.keep(self.layers.len(), &x);
+        }
         let x = self.rotate_input(
             RotatedInput::Head,
             candle_nn::ops::rms_norm(&x, &self.norm, eps)?,
@@ -1105,17 +1192,21 @@ struct Span<'a> {
     /// Receives the hidden states entering the last two layers run (or, when
     /// it stops early, entering the last one run and the one after it).
     kept: Option<&'a mut Vec<HiddenState>>,
+    /// Keep the states entering every layer run and the one after the
+    /// last, not only the last two.
+    keep_every: bool,
 }
 
 impl Span<'_> {
-    /// Keeps `x`, entering layer `layer`, as one of the last two.
+    /// Keeps `x`, entering layer `layer` (as one of the last two, unless
+    /// every state is kept).
     fn keep(&mut self, layer: usize, x: &Tensor) {
         if let Some(kept) = self.kept.as_deref_mut() {
             kept.push(HiddenState {
                 layer,
                 x: x.clone(),
             });
-            if kept.len() > 2 {
+            if kept.len() > 2 && !self.keep_every {
                 kept.remove(0);
             }
         }
