@@ -59,4 +59,4 @@ ln -sf ../debug/libqforge.so target/python/qforge.abi3.so
 # assertions on), so the cross-checks reuse it instead of a second, release build.
 step "python cross-checks against ONNX Runtime, and the Python package against the CLI"
 QFORGE="$PWD/target/debug/qforge" PYTHONPATH="$PWD/target/python" \
-    .venv/bin/python -m pytest -q tests/python
+    .venv/bin/python -m pytest -q --durations=8 tests/python

@@ -37,5 +37,16 @@ pub enum Error {
     Core(#[from] qforge_core::Error),
 }
 
+impl Error {
+    /// Whether the request itself does not fit, in the library that
+    /// refused it (see `qforge_model::Error::is_request`).
+    pub fn is_request(&self) -> bool {
+        match self {
+            Error::Model(e) => e.is_request(),
+            _ => false,
+        }
+    }
+}
+
 /// Result type of `qforge-calib`.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -174,41 +174,23 @@ fn message(error: &anyhow::Error) -> String {
 /// Whether `error` is the caller's mistake (exit 2): bad flags, or a
 /// request the libraries refused as not fitting (a setting out of range, a
 /// policy where a language model is needed).
-/// The libraries' errors are looked into through every layer that wraps
-/// another's (an error that `#[error(transparent)]` forwards hides the
-/// wrapped one from `anyhow`'s chain).
+/// Each library's error answers through the errors it wraps (an error that
+/// `#[error(transparent)]` forwards hides the wrapped one from `anyhow`'s
+/// chain).
 fn is_misuse(error: &anyhow::Error) -> bool {
-    fn model(e: &qforge_model::Error) -> bool {
-        match e {
-            qforge_model::Error::Request(_) => true,
-            qforge_model::Error::InFile { source, .. } => model(source),
-            _ => false,
-        }
-    }
-    fn calib(e: &qforge_calib::Error) -> bool {
-        matches!(e, qforge_calib::Error::Model(m) if model(m))
-    }
-    fn dist(e: &qforge_dist::Error) -> bool {
-        match e {
-            qforge_dist::Error::Request(_) => true,
-            qforge_dist::Error::Model(m) => model(m),
-            qforge_dist::Error::Calib(c) => calib(c),
-            _ => false,
-        }
-    }
-    fn quant(e: &qforge_quant::Error) -> bool {
-        match e {
-            qforge_quant::Error::Model(m) => model(m),
-            qforge_quant::Error::Calib(c) => calib(c),
-            qforge_quant::Error::Dist(d) => dist(d),
-            _ => false,
-        }
-    }
     error.downcast_ref::<UsageError>().is_some()
-        || error.downcast_ref().is_some_and(model)
-        || error.downcast_ref().is_some_and(calib)
-        || error.downcast_ref().is_some_and(dist)
-        || error.downcast_ref().is_some_and(quant)
+        || error
+            .downcast_ref()
+            .is_some_and(qforge_model::Error::is_request)
+        || error
+            .downcast_ref()
+            .is_some_and(qforge_calib::Error::is_request)
+        || error
+            .downcast_ref()
+            .is_some_and(qforge_dist::Error::is_request)
+        || error
+            .downcast_ref()
+            .is_some_and(qforge_quant::Error::is_request)
 }
 
 fn main() -> ExitCode {

@@ -59,6 +59,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the request itself does not fit, here or in the library
+    /// that refused it (see `qforge_model::Error::is_request`).
+    pub fn is_request(&self) -> bool {
+        match self {
+            Error::Request(_) => true,
+            Error::Model(e) => e.is_request(),
+            Error::Calib(e) => e.is_request(),
+            _ => false,
+        }
+    }
+
     /// Whether running the same thing again can succeed.
     pub fn is_retryable(&self) -> bool {
         match self {

@@ -60,6 +60,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the request itself does not fit (a setting out of range, a
+    /// policy where a language model is needed), through the file it
+    /// happened in: a usage error, not a failure.
+    pub fn is_request(&self) -> bool {
+        match self {
+            Error::Request(_) => true,
+            Error::InFile { source, .. } => source.is_request(),
+            _ => false,
+        }
+    }
+
     /// An I/O error on `path`.
     pub fn io(path: &Path, source: std::io::Error) -> Self {
         Error::Io {

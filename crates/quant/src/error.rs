@@ -35,5 +35,18 @@ pub enum Error {
     Report(String),
 }
 
+impl Error {
+    /// Whether the request itself does not fit, in the library that
+    /// refused it (see `qforge_model::Error::is_request`).
+    pub fn is_request(&self) -> bool {
+        match self {
+            Error::Model(e) => e.is_request(),
+            Error::Calib(e) => e.is_request(),
+            Error::Dist(e) => e.is_request(),
+            _ => false,
+        }
+    }
+}
+
 /// Result type of `qforge-quant`.
 pub type Result<T> = std::result::Result<T, Error>;
