@@ -320,6 +320,70 @@ fn a_run_through_a_three_master_redis_cluster_gives_identical_bytes() {
     assert_eq!(state, "done");
 }
 
+/// A Redis Cluster with a replica per master loses the master holding the
+/// run mid-run (SIGKILL): its replica takes over the slot, the coordinator
+/// and the workers, reaching the cluster through another master, follow it
+/// there, writes the dead master had not replicated are made up for, and the
+/// bytes are the clean run's.
+#[test]
+fn a_run_survives_the_failover_of_the_redis_cluster_master_holding_it() {
+    let Some(mut cluster) = RedisCluster::start_with_replicas("failover", 3, true) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let clean = clean_bytes(&target, &job, &plan);
+    let name = "failover";
+    let owner = cluster.owner_of(&format!("qforge:{{{name}}}:spec"));
+    let seed_port = cluster.nodes[(owner + 1) % 3].port;
+    let seed = RedisAddress::new(&format!("redis://127.0.0.1:{seed_port}"), None).unwrap();
+    let mut spec = RunSpec::new(name, &session(), &job).unwrap();
+    spec.speculation = 1.0;
+    spec.heartbeat_ms = 100;
+    spec.heartbeat_timeout_ms = 600;
+    let backend = RedisBackend::open(
+        spec,
+        &ClusterOptions {
+            redis: seed.clone(),
+            resume: false,
+            outage_limit: Duration::from_secs(30),
+            batches_per_task: NonZeroUsize::new(1),
+        },
+    )
+    .unwrap();
+    let workers: Vec<WorkerOptions> = (0..3)
+        .map(|w| WorkerOptions {
+            redis: seed.clone(),
+            outage_limit: Duration::from_secs(30),
+            ..worker_of(&cluster.nodes[0], name, &format!("{name}-w{w}"))
+        })
+        .collect();
+    let victim = &mut cluster.nodes[owner];
+    let summary = std::thread::scope(|scope| {
+        for worker in &workers {
+            scope.spawn(move || {
+                serve_with(worker, &mut Slow(Duration::from_millis(150)), &mut |_| {}).unwrap()
+            });
+        }
+        // Once three batches are merged, the master holding the run dies.
+        let mut victim = Some(victim);
+        let summary = run(&job, &plan, &backend, &RunOptions::default(), &mut |p| {
+            if p.merged >= 3
+                && let Some(master) = victim.take()
+            {
+                master.stop("KILL");
+            }
+        });
+        // Finished either way, so that the workers leave.
+        backend.finish(summary.is_ok()).unwrap();
+        assert!(victim.is_none(), "the master was killed mid-run");
+        summary
+    })
+    .unwrap();
+    assert_eq!(encode(&summary.stats), clean);
+    assert_eq!(summary.merged, 19);
+    assert!(cluster.is_master(3 + owner), "the replica took over");
+}
+
 /// Faults injected into what the coordinator sees.
 #[derive(Default)]
 struct Faults {

@@ -21,9 +21,9 @@ const PASSWORD_FILE_LIMIT: u64 = 4096;
 /// Longer than any `BLOCK` we issue, so a stopped (SIGSTOP) Redis is noticed.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Redirections one command may follow. A run's keys share a slot, so a
-/// command is redirected once when the cluster's slots move and twice while a
-/// slot migrates; more means its keys lie on several nodes.
+/// Redirections one command may follow in a row. A run's keys share a slot,
+/// so a command is redirected once when the cluster's slots move and twice
+/// while a slot migrates; more means its keys lie on several nodes.
 const REDIRECT_LIMIT: usize = 5;
 
 /// A Redis node: the one the URL names, or a Redis Cluster node that a
@@ -310,8 +310,11 @@ impl Link {
                 }
             } else if transient(&e) {
                 // The URL's node answers again, or names a promoted master.
+                // Until the cluster sees the failure, it may name the dead
+                // one: that is part of the outage, not a redirection loop.
                 self.connections.remove(&node);
                 self.node = Node::Url;
+                redirects = 0;
                 let since = *down_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= self.outage_limit {
                     return Err(self.explain(&e));

@@ -137,10 +137,12 @@ impl Drop for RedisServer {
     }
 }
 
-/// A Redis Cluster of masters without replicas on loopback, its 16 384 slots
-/// split evenly, each node a [`RedisServer`] in cluster mode.
+/// A Redis Cluster on loopback, its 16 384 slots split evenly between its
+/// masters, each node a [`RedisServer`] in cluster mode: the masters first
+/// in `nodes`, then their replicas (master `i`'s is `masters + i`).
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
+    masters: usize,
     /// Each node's cluster bus port.
     buses: Vec<u16>,
 }
@@ -150,8 +152,16 @@ impl RedisCluster {
     /// and waits until every node sees the whole cluster serving; `None`
     /// as [`RedisServer::start`].
     pub fn start(name: &str, masters: usize) -> Option<Self> {
+        Self::start_with_replicas(name, masters, false)
+    }
+
+    /// [`RedisCluster::start`], with one replica per master when `replicas`,
+    /// and a node timeout of 1 s so that a dead master's replica takes over
+    /// within seconds.
+    pub fn start_with_replicas(name: &str, masters: usize, replicas: bool) -> Option<Self> {
+        let count = if replicas { 2 * masters } else { masters };
         let (mut nodes, mut buses) = (Vec::new(), Vec::new());
-        for i in 0..masters {
+        for i in 0..count {
             buses.push(free_port());
             let extra = [
                 "--cluster-enabled",
@@ -161,6 +171,11 @@ impl RedisCluster {
                 // The bus's default port (+10 000) may be past 65 535.
                 "--cluster-port",
                 &buses[i].to_string(),
+                "--cluster-node-timeout",
+                "1000",
+                // A replica's first copy starts at once, not 5 s later.
+                "--repl-diskless-sync-delay",
+                "0",
             ];
             let extra = extra.iter().map(|a| a.to_string()).collect();
             nodes.push(RedisServer::start_with(
@@ -169,8 +184,12 @@ impl RedisCluster {
                 extra,
             )?);
         }
-        let cluster = Self { nodes, buses };
-        for (i, node) in cluster.nodes.iter().enumerate() {
+        let cluster = Self {
+            nodes,
+            masters,
+            buses,
+        };
+        for (i, node) in cluster.nodes[..masters].iter().enumerate() {
             let (first, last) = cluster.slots_of(i);
             redis::cmd("CLUSTER")
                 .arg("ADDSLOTSRANGE")
@@ -190,6 +209,21 @@ impl RedisCluster {
                 .expect("nodes meet");
         }
         let deadline = Instant::now() + Duration::from_secs(60);
+        for (replica, master) in cluster.nodes[masters..].iter().zip(&cluster.nodes) {
+            let id: String = redis::cmd("CLUSTER")
+                .arg("MYID")
+                .query(&mut cluster.connection(master))
+                .expect("a node id");
+            // A replica must know its master first: retried until it does.
+            while let Err(e) = redis::cmd("CLUSTER")
+                .arg("REPLICATE")
+                .arg(&id)
+                .query::<()>(&mut cluster.connection(replica))
+            {
+                assert!(Instant::now() < deadline, "no replica: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         for node in &cluster.nodes {
             loop {
                 let mut connection = cluster.connection(node);
@@ -198,8 +232,17 @@ impl RedisCluster {
                     .query(&mut connection)
                     .expect("cluster info");
                 let known = info.contains("cluster_state:ok")
-                    && info.contains(&format!("cluster_known_nodes:{masters}\r\n"));
-                if known {
+                    && info.contains(&format!("cluster_known_nodes:{count}\r\n"));
+                // A replica that never finished its first copy cannot
+                // take over: wait for it.
+                let synced = !replicas
+                    || redis::cmd("INFO")
+                        .arg("replication")
+                        .query::<String>(&mut connection)
+                        .is_ok_and(|r| {
+                            r.contains("role:master") || r.contains("master_link_status:up")
+                        });
+                if known && synced {
                     break;
                 }
                 assert!(
@@ -226,14 +269,23 @@ impl RedisCluster {
             .arg(key)
             .query(&mut connection)
             .expect("a key's slot");
-        (0..self.nodes.len())
+        (0..self.masters)
             .find(|&i| (self.slots_of(i).0..=self.slots_of(i).1).contains(&slot))
             .expect("every slot is served")
     }
 
-    /// The first and last slot node `i` serves.
+    /// Whether node `i` is a master now (a replica is after a failover).
+    pub fn is_master(&self, i: usize) -> bool {
+        let role: redis::Value = redis::cmd("ROLE")
+            .query(&mut self.connection(&self.nodes[i]))
+            .expect("a role");
+        matches!(role, redis::Value::Array(items) if items.first()
+            == Some(&redis::Value::BulkString(b"master".to_vec())))
+    }
+
+    /// The first and last slot master `i` serves.
     fn slots_of(&self, i: usize) -> (usize, usize) {
-        let n = self.nodes.len();
+        let n = self.masters;
         (16384 * i / n, 16384 * (i + 1) / n - 1)
     }
 }
