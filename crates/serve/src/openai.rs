@@ -1019,6 +1019,13 @@ mod tests {
             metrics.contains("qforge_prompt_tokens_total 0"),
             "{metrics}"
         );
+        // The published contract states the largest id, so a client or a
+        // fuzzer knows the out-of-range ones are invalid.
+        let (_, doc) = server.request("GET", "/openapi.json", "");
+        let doc: Value = serde_json::from_str(&doc).unwrap();
+        let ids = &doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["oneOf"]
+            [1]["items"];
+        assert_eq!(ids["maximum"], 49151, "{ids}");
     }
 
     /// A model without a tokenizer (a synthetic model, a checkpoint saved

@@ -465,7 +465,8 @@ const OPENAPI: &str = include_str!("../api/openapi.json");
 
 /// The API document of this server: the published one, with what only the
 /// served model and the options decide filled in (observation width, rows
-/// per request), so a client or a fuzzer reads the real contract.
+/// per request, the largest token id), so a client or a fuzzer reads the
+/// real contract.
 fn openapi_document(backend: &Backend, options: &ServeOptions) -> String {
     let mut doc: Value = serde_json::from_str(OPENAPI).expect("the bundled document is JSON");
     // Only a server with a token takes reloads; without one the route
@@ -492,6 +493,11 @@ fn openapi_document(backend: &Backend, options: &ServeOptions) -> String {
         let largest = f64::from_bits((2f64.powi(128) - 2f64.powi(103)).to_bits() - 1);
         row["items"]["minimum"] = (-largest).into();
         row["items"]["maximum"] = largest.into();
+    }
+    if let Backend::Language(lm) = backend {
+        let ids = &mut doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["oneOf"]
+            [1]["items"];
+        ids["maximum"] = lm.vocab_size.saturating_sub(1).into();
     }
     doc.to_string()
 }
