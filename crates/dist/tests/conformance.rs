@@ -334,28 +334,11 @@ fn a_run_survives_the_failover_of_the_redis_cluster_master_holding_it() {
     let clean = clean_bytes(&target, &job, &plan);
     let name = "failover";
     let owner = cluster.owner_of(&format!("qforge:{{{name}}}:spec"));
-    let seed_port = cluster.nodes[(owner + 1) % 3].port;
-    let seed = RedisAddress::new(&format!("redis://127.0.0.1:{seed_port}"), None).unwrap();
-    let mut spec = RunSpec::new(name, &session(), &job).unwrap();
-    spec.speculation = 1.0;
-    spec.heartbeat_ms = 100;
-    spec.heartbeat_timeout_ms = 600;
-    let backend = RedisBackend::open(
-        spec,
-        &ClusterOptions {
-            redis: seed.clone(),
-            resume: false,
-            outage_limit: Duration::from_secs(30),
-            batches_per_task: NonZeroUsize::new(1),
-        },
-    )
-    .unwrap();
+    // Reached through another master, which stays up.
+    let seed = &cluster.nodes[(owner + 1) % 3];
+    let backend = open_run(seed, name, &job, NonZeroUsize::new(1));
     let workers: Vec<WorkerOptions> = (0..3)
-        .map(|w| WorkerOptions {
-            redis: seed.clone(),
-            outage_limit: Duration::from_secs(30),
-            ..worker_of(&cluster.nodes[0], name, &format!("{name}-w{w}"))
-        })
+        .map(|w| worker_of(seed, name, &format!("{name}-w{w}")))
         .collect();
     let victim = &mut cluster.nodes[owner];
     let summary = std::thread::scope(|scope| {
