@@ -46,19 +46,20 @@ def test_token_ids_quantize_exactly_on_any_worker_count_and_export(tmp_path):
 
     args = ["quantize", "--model", str(model), "--data", "ids.jsonl", "--samples", "24",
             "--seq-len", "64", "--activations", "static", "--gptq"]
-    # Two workers, and Hessians cut into a pass per layer or so: each pass after the
-    # first resumes every batch from the hidden state the one before kept.
+    # Two workers, and Hessians cut into a pass per layer or so: the activation pass
+    # sums the first group's, and each Hessian pass after the first resumes every
+    # batch from the hidden state the one before kept.
     (tmp_path / "small.toml").write_text("[gptq]\nhessian_memory_mib = 1\n")
     reports = [qforge(*args, "--workers", "1", "-o", "w1", cwd=tmp_path),
                qforge(*args, "--workers", "2", "--recipe", "small.toml", "-o", "w2", cwd=tmp_path)]
     for report in reports:
         assert report["accepted"] and report["total_layers"] == 4 * 7 + 1
         assert "tokens of 16 episodes not drawn for calibration" in report["held_out"]
-    hessian_passes = [
-        sum(p["pass"] == "hessian" for p in
-            json.loads((tmp_path / out / "report.json").read_text())["calibration"]["passes"])
-        for out in ("w1", "w2")]
-    assert hessian_passes[0] == 1 and hessian_passes[1] >= 4, hessian_passes
+    passes = [[p["pass"] for p in
+               json.loads((tmp_path / out / "report.json").read_text())["calibration"]["passes"]]
+              for out in ("w1", "w2")]
+    assert passes[0] == ["activation+hessian"], passes
+    assert passes[1][0] == "activation+hessian" and passes[1].count("hessian") >= 3, passes
     assert (tmp_path / "w1/model.safetensors").read_bytes() == \
         (tmp_path / "w2/model.safetensors").read_bytes()
     assert not (tmp_path / "w1/tokenizer.json").exists()

@@ -34,10 +34,15 @@ pub enum Pass {
     /// The exact Gram matrices `Σ x xᵀ` of some linear inputs (GPTQ's
     /// Hessians).
     Hessian(HessianPass),
+    /// The activation pass and GPTQ's first Hessian pass in one forward:
+    /// every linear input's histogram, and the Gram matrices of some.
+    #[serde(rename = "activation+hessian")]
+    ActivationAndHessian(HessianPass),
 }
 
 /// The linear inputs a Hessian pass sums `Σ x xᵀ` of, each with the
-/// run-wide fixed-point exponent its integers use ([`qforge_core::Gram`]).
+/// run-wide fixed-point exponent its integers use
+/// ([`qforge_core::Gram::run_exponent`]).
 /// A pipeline cuts a model's inputs into such passes so that one pass's
 /// matrices fit in memory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,6 +59,7 @@ impl Pass {
             Pass::Activation => "activation",
             Pass::Smoothing => "smoothing",
             Pass::Hessian(_) => "hessian",
+            Pass::ActivationAndHessian(_) => "activation+hessian",
         }
     }
 
@@ -63,6 +69,7 @@ impl Pass {
             Pass::Activation => Statistics::Histograms { per_channel: false },
             Pass::Smoothing => Statistics::Histograms { per_channel: true },
             Pass::Hessian(h) => Statistics::Grams(h.points.clone()),
+            Pass::ActivationAndHessian(h) => Statistics::HistogramsAndGrams(h.points.clone()),
         }
     }
 }

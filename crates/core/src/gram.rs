@@ -31,6 +31,14 @@ pub const CHUNK_ROWS: usize = 256;
 /// bits below `i128::MAX`, so rounding and the bound's slack cannot overflow.
 const LIMIT_BITS: i32 = 120;
 
+/// The largest activation magnitude [`Gram::run_exponent`] provides for:
+/// 2²⁴. Trained LLMs stay far below it (the "massive activations" of
+/// Llama-2 and -3 reach about 10⁴; Sun et al., 2024). The sums have seven
+/// bits of headroom, so an input overflows only when its values pass about
+/// eleven times the bound on every row; its Gram matrix is then dropped, not
+/// wrapped ([`crate::TensorStats`]).
+pub const ACTIVATION_BOUND: f32 = 16_777_216.0;
+
 /// Columns of a packed panel: one AVX-512 register of f32.
 const PANEL: usize = 16;
 
@@ -106,10 +114,19 @@ impl Gram {
         })
     }
 
+    /// The exponent a run of `rows` rows sums its Gram matrices at: the one
+    /// [`Gram::exponent_for`] gives for values up to [`ACTIVATION_BOUND`].
+    /// It depends on the plan alone, so the Hessians can be summed in the
+    /// same pass that first sees the activations. Its resolution is far finer
+    /// than the f32 chunk sums' (2⁻⁵⁸ at 16 384 rows).
+    pub fn run_exponent(rows: u64) -> i32 {
+        Self::exponent_for(ACTIVATION_BOUND, rows).expect("the bound is finite")
+    }
+
     /// The exponent that keeps the merged sums of `rows` rows whose values are
     /// at most `max_abs` in magnitude under `2^120`: every entry is at most
-    /// `rows · max_abs²`. A run chooses it once (from an earlier pass's
-    /// statistics) and every batch uses it, so partials merge as integers.
+    /// `rows · max_abs²`. A run chooses it once and every batch uses it, so
+    /// partials merge as integers.
     pub fn exponent_for(max_abs: f32, rows: u64) -> Result<i32> {
         if !max_abs.is_finite() {
             return Err(Error::NonFinite(format!(

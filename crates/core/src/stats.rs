@@ -15,6 +15,12 @@ use crate::histogram::Histogram;
 /// special-value counts) and, optionally, the abs-max of each channel (the last
 /// axis), which smoothing needs, and the Gram matrix `Σ x xᵀ` of its rows,
 /// which GPTQ needs. Every field merges exactly.
+///
+/// A Gram matrix is undefined once its rows held a value it cannot sum (NaN,
+/// ±∞, or a magnitude beyond its fixed-point range): it is dropped, and a
+/// merge with dropped statistics drops it too, so the result is the same in
+/// any merge order. The histogram keeps counting such values, so the pass
+/// goes on and the cause can be told from it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TensorStats {
     histogram: Histogram,
@@ -49,11 +55,15 @@ impl TensorStats {
 
     /// Records `values`. With per-channel tracking or a Gram matrix, `values`
     /// is a row-major `[rows, channels]` block and its length must be a
-    /// multiple of the channel count; a refused Gram observation (non-finite
-    /// values, overflow) leaves the statistics unchanged.
+    /// multiple of the channel count. Values the Gram matrix cannot sum
+    /// (non-finite, beyond its range) drop it; the rest is recorded.
     pub fn observe(&mut self, values: &[f32]) -> Result<()> {
         if let Some(gram) = &mut self.gram {
-            gram.observe(values)?;
+            match gram.observe(values) {
+                Ok(()) => {}
+                Err(Error::NonFinite(_) | Error::Overflow(_)) => self.gram = None,
+                Err(e) => return Err(e),
+            }
         }
         if let Some(channels) = &mut self.channel_abs_max {
             let width = channels.len();
@@ -93,23 +103,22 @@ impl TensorStats {
                 *x = (*x).max(*y);
             }
         }
-        if let (Some(a), Some(b)) = (&mut self.gram, &other.gram) {
-            a.add_checked(b);
+        match (&mut self.gram, &other.gram) {
+            (Some(a), Some(b)) => a.add_checked(b),
+            // A dropped (undefined) Gram matrix stays dropped.
+            (Some(_), None) => self.gram = None,
+            _ => {}
         }
         Ok(())
     }
 
     /// Fails if `other` cannot be merged into `self`: different channel
     /// tracking or Gram matrices, or counts or sums that would overflow.
+    /// Statistics without a Gram matrix merge with statistics with one: the
+    /// matrix was dropped from one side, and the merge has none.
     pub fn check_merge(&self, other: &TensorStats) -> Result<()> {
-        match (&self.gram, &other.gram) {
-            (Some(a), Some(b)) => a.check_merge(b)?,
-            (None, None) => {}
-            _ => {
-                return Err(Error::Shape(
-                    "cannot merge statistics with a Gram matrix and statistics without one".into(),
-                ));
-            }
+        if let (Some(a), Some(b)) = (&self.gram, &other.gram) {
+            a.check_merge(b)?;
         }
         let (a, b) = (&self.channel_abs_max, &other.channel_abs_max);
         if a.as_ref().map(Vec::len) != b.as_ref().map(Vec::len) {
@@ -141,6 +150,11 @@ impl TensorStats {
     /// The Gram matrix of the rows, if summed.
     pub fn gram(&self) -> Option<&Gram> {
         self.gram.as_ref()
+    }
+
+    /// Moves the Gram matrix out, leaving the other statistics.
+    pub fn take_gram(&mut self) -> Option<Gram> {
+        self.gram.take()
     }
 
     pub(crate) fn from_parts(

@@ -1,10 +1,12 @@
 //! Property tests of the merge laws that make statistics exact and order-free:
 //! merging is commutative and associative, any sharding of the same values in
 //! any order encodes to the same bytes, and a batch cannot be counted twice.
+//! A Gram matrix that some batch's values dropped (NaN, ±∞, beyond its
+//! range) obeys the same laws.
 
 use proptest::prelude::*;
 use qforge_core::codec::{decode, encode};
-use qforge_core::{BatchId, Digest, MergePolicy, Provenance, Stats, TensorStats};
+use qforge_core::{BatchId, Digest, Gram, MergePolicy, Provenance, Stats, TensorStats};
 
 const CHANNELS: usize = 4;
 
@@ -25,12 +27,17 @@ fn rows() -> impl Strategy<Value = Vec<f32>> {
     (0usize..40).prop_flat_map(|rows| proptest::collection::vec(value(), rows * CHANNELS))
 }
 
-/// Statistics of one batch: two tensors, one with per-channel tracking.
+/// Statistics of one batch: three tensors, one with per-channel tracking and
+/// one with a Gram matrix (at the exponent of a run of 100 batches of at
+/// most 40 rows, so that the huge values drop it).
 fn batch_stats(index: u64, values: &[f32]) -> Stats {
     let mut with_channels = TensorStats::with_channels(CHANNELS);
     with_channels.observe(values).unwrap();
     let mut plain = TensorStats::new();
     plain.observe(values).unwrap();
+    let gram = Gram::new(CHANNELS, Gram::run_exponent(100 * 40)).unwrap();
+    let mut with_gram = TensorStats::with_gram(gram);
+    with_gram.observe(values).unwrap();
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let id = BatchId {
         index,
@@ -48,6 +55,7 @@ fn batch_stats(index: u64, values: &[f32]) -> Stats {
         tensors: [
             ("layers.0.mlp.down_proj".to_owned(), with_channels),
             ("layers.0.self_attn.q_proj".to_owned(), plain),
+            ("layers.0.self_attn.o_proj".to_owned(), with_gram),
         ]
         .into(),
     }
@@ -180,4 +188,25 @@ fn channel_count_mismatch_is_an_error_and_changes_nothing() {
     let err = a.merge(&b, MergePolicy::Strict).unwrap_err();
     assert!(err.to_string().contains("channels"), "{err}");
     assert_eq!(encode(&a), before);
+}
+
+#[test]
+fn values_a_gram_matrix_cannot_sum_drop_it_in_any_merge_order() {
+    let finite = batch_stats(0, &[1.5; 8]);
+    let gram = |stats: &Stats| stats.tensors["layers.0.self_attn.o_proj"].gram().cloned();
+    assert!(gram(&finite).is_some());
+    for bad in [f32::NAN, f32::INFINITY, 1e30] {
+        let dropped = batch_stats(1, &[bad, 1.0, 2.0, 3.0]);
+        let tensor = &dropped.tensors["layers.0.self_attn.o_proj"];
+        assert!(tensor.gram().is_none(), "{bad} kept the Gram matrix");
+        // The histogram still counts the values.
+        let h = tensor.histogram();
+        assert_eq!(h.count() + h.nan() + h.pos_inf() + h.neg_inf(), 4);
+        let (ab, ba) = (
+            merged(&[finite.clone(), dropped.clone()]),
+            merged(&[dropped, finite.clone()]),
+        );
+        assert!(gram(&ab).is_none());
+        assert_eq!(encode(&ab), encode(&ba));
+    }
 }

@@ -39,6 +39,10 @@ pub enum Statistics {
     /// are skipped, and the observer is finished once each listed point was
     /// seen.
     Grams(BTreeMap<String, i32>),
+    /// Every point's histogram, and the Gram matrix of the listed points at
+    /// their exponents: the activation pass and GPTQ's first Hessian pass in
+    /// one forward.
+    HistogramsAndGrams(BTreeMap<String, i32>),
 }
 
 /// An observer that accumulates exact statistics per observation point.
@@ -61,27 +65,25 @@ impl StatsObserver {
 
 impl Observer for StatsObserver {
     fn observe(&mut self, point: &str, rows: &[f32], width: usize) -> Result<()> {
-        let stats = match &self.statistics {
-            Statistics::Histograms { per_channel } => {
-                let per_channel = *per_channel;
-                self.tensors.entry(point.to_owned()).or_insert_with(|| {
-                    if per_channel {
+        let stats = match self.tensors.entry(point.to_owned()) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let fresh = match &self.statistics {
+                    Statistics::Histograms { per_channel: true } => {
                         TensorStats::with_channels(width)
-                    } else {
-                        TensorStats::new()
                     }
-                })
-            }
-            Statistics::Grams(points) => {
-                let Some(&exponent) = points.get(point) else {
-                    return Ok(());
+                    Statistics::Histograms { per_channel: false } => TensorStats::new(),
+                    Statistics::Grams(points) | Statistics::HistogramsAndGrams(points) => {
+                        match points.get(point) {
+                            Some(&exponent) => TensorStats::with_gram(Gram::new(width, exponent)?),
+                            None if matches!(self.statistics, Statistics::Grams(_)) => {
+                                return Ok(());
+                            }
+                            None => TensorStats::new(),
+                        }
+                    }
                 };
-                match self.tensors.entry(point.to_owned()) {
-                    Entry::Occupied(e) => e.into_mut(),
-                    Entry::Vacant(e) => {
-                        e.insert(TensorStats::with_gram(Gram::new(width, exponent)?))
-                    }
-                }
+                e.insert(fresh)
             }
         };
         stats.observe(rows)?;
@@ -90,7 +92,7 @@ impl Observer for StatsObserver {
 
     fn finished(&self) -> bool {
         match &self.statistics {
-            Statistics::Histograms { .. } => false,
+            Statistics::Histograms { .. } | Statistics::HistogramsAndGrams(_) => false,
             Statistics::Grams(points) => points.keys().all(|p| self.tensors.contains_key(p)),
         }
     }

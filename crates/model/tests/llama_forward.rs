@@ -777,6 +777,51 @@ fn an_observing_pass_resumed_from_a_kept_hidden_state_sees_what_the_whole_forwar
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The activation pass with the first group's Hessians records, in one
+/// forward, what the activation pass and the Hessian pass record apart: the
+/// same histograms of every input and the same Gram integers of the listed
+/// ones.
+#[test]
+fn histograms_and_grams_in_one_forward_equal_each_recorded_alone() {
+    use std::collections::BTreeMap;
+
+    let dir = tiny_model("fused-pass");
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let batch = vec![
+        (0..19).map(|i| (i * 5 % 96) as u32).collect::<Vec<u32>>(),
+        (0..11).map(|i| (i * 3 % 96) as u32).collect(),
+    ];
+    let exponent = qforge_core::Gram::run_exponent(30);
+    let points: BTreeMap<String, i32> = [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.mlp.down_proj",
+    ]
+    .map(|p| (p.to_owned(), exponent))
+    .into();
+    let observed = |statistics| {
+        let mut observer = StatsObserver::new(statistics);
+        model.observe(&batch, &mut observer).unwrap();
+        observer.tensors
+    };
+    let activation = observed(Statistics::Histograms { per_channel: false });
+    let hessian = observed(Statistics::Grams(points.clone()));
+    let both = observed(Statistics::HistogramsAndGrams(points.clone()));
+    assert_eq!(both.len(), activation.len());
+    assert_eq!(hessian.len(), points.len());
+    for (point, tensor) in &both {
+        assert_eq!(tensor.histogram(), activation[point].histogram(), "{point}");
+        match hessian.get(point) {
+            Some(alone) => {
+                let gram = tensor.gram().expect("a listed point has its Gram matrix");
+                assert!(gram.upper().iter().any(|&v| v != 0), "{point}");
+                assert_eq!(Some(gram), alone.gram(), "{point}");
+            }
+            None => assert!(tensor.gram().is_none(), "{point}"),
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A model that differs from another only from some layer on, run from the
 /// other's hidden state entering that layer, gives its own whole forward's
 /// logits bit for bit (what the guard's per-layer ranking relies on), and

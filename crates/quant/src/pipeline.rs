@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use qforge_calib::{HessianPass, Job, Pass, Session, Transform, write_transforms};
-use qforge_core::{Gram, Stats};
+use qforge_core::{Gram, Stats, TensorStats};
 use qforge_dist::{Executor, Listener, PassPosition, RunOptions, RunSummary};
 use qforge_model::artifact::{write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
@@ -96,14 +96,22 @@ impl<'a> Pipeline<'a> {
 
     /// The calibration passes of the recipe that run before any transform
     /// is chosen, in order: SmoothQuant's (if enabled), then the activation
-    /// pass. GPTQ's Hessian passes follow them; how many depends on the
-    /// model ([`hessian_groups`]).
+    /// pass. With GPTQ, the activation pass also sums the Hessians of the
+    /// first group of layer inputs, and a Hessian pass follows for each
+    /// further group; how many depends on the model ([`hessian_groups`]).
     pub fn passes(&self) -> Vec<Pass> {
         if self.recipe.smoothing.enabled {
             vec![Pass::Smoothing, Pass::Activation]
         } else {
             vec![Pass::Activation]
         }
+    }
+
+    /// How many passes the recipe runs when GPTQ's inputs fall into `groups`
+    /// (none without GPTQ): the first group's Hessians are summed by the
+    /// activation pass.
+    fn pass_count(&self, groups: &[Vec<(String, usize)>]) -> usize {
+        self.passes().len() + groups.len().saturating_sub(1)
     }
 
     /// Runs every pass, then GPTQ (if enabled), then the guard. When the
@@ -134,7 +142,7 @@ impl<'a> Pipeline<'a> {
         // The Hessian passes cut the model's inputs by their widths, so the
         // count of passes is known before the first one runs.
         let groups = self.hessian_groups(&mut session)?;
-        let count = self.passes().len() + groups.len();
+        let count = self.pass_count(&groups);
         let prepared = self.prepare(&mut session, &groups, 0, count, listener)?;
         self.finish(session, original, prepared, held, listener)
     }
@@ -160,15 +168,17 @@ impl<'a> Pipeline<'a> {
         if stages.iter().any(|(_, stage)| stage.recipe.gptq.enabled) {
             groups = stages[0].1.hessian_groups_for(&mut session)?;
         }
-        let passes_of = |stage: &Pipeline<'_>| {
-            stage.passes().len()
-                + if stage.recipe.gptq.enabled {
-                    groups.len()
-                } else {
-                    0
-                }
+        let groups_of = |stage: &Pipeline<'_>| {
+            if stage.recipe.gptq.enabled {
+                &groups[..]
+            } else {
+                &[]
+            }
         };
-        let count: usize = stages.iter().map(|(_, stage)| passes_of(stage)).sum();
+        let count: usize = stages
+            .iter()
+            .map(|(_, stage)| stage.pass_count(groups_of(stage)))
+            .sum();
         let original = session.load_model()?.clone();
         let held = self.held_out(&session, &original, inputs, listener)?;
         let mut trials: Vec<MethodTrial> = Vec::new();
@@ -177,13 +187,9 @@ impl<'a> Pipeline<'a> {
         for (i, (method, stage)) in stages.iter().enumerate() {
             listener.message(&format!("method {}: calibrating", method.name()));
             let started = std::time::Instant::now();
-            let stage_groups = if stage.recipe.gptq.enabled {
-                &groups[..]
-            } else {
-                &[]
-            };
+            let stage_groups = groups_of(stage);
             let prepared = stage.prepare(&mut session, stage_groups, done, count, listener)?;
-            done += passes_of(stage);
+            done += stage.pass_count(stage_groups);
             let before = probe(
                 fp_model(&prepared.model),
                 fp_model(&original),
@@ -308,9 +314,13 @@ impl<'a> Pipeline<'a> {
     ) -> Result<Prepared> {
         let rotation = &self.recipe.rotation;
         let first = session.recipe.clone();
+        // Every Hessian sums at the exponent the plan's row count implies, so
+        // the first group's can be summed beside the activation histograms.
+        let exponent = Gram::run_exponent(session.plan.rows as u64);
         let mut transforms = Vec::new();
         let mut records = Vec::new();
         let mut activation = None;
+        let mut first_hessians = None;
         let mut smoothing = None;
         for (i, pass) in self.passes().into_iter().enumerate() {
             let position = PassPosition {
@@ -332,13 +342,19 @@ impl<'a> Pipeline<'a> {
                     });
                 }
             }
+            let pass = match (pass, groups.first()) {
+                (Pass::Activation, Some(group)) => {
+                    Pass::ActivationAndHessian(hessian_pass(group, exponent))
+                }
+                (pass, _) => pass,
+            };
             let recipe = qforge_calib::Recipe {
                 pass: pass.clone(),
                 ..first.clone()
             };
             let job = session.job(&recipe, &transforms);
             let mut summary = self.run_pass(session, &job, position, listener)?;
-            match pass {
+            match &pass {
                 Pass::Smoothing => {
                     let chosen = self.smoothing(session, &summary.stats, listener)?;
                     transforms.push(Transform::Smooth {
@@ -347,6 +363,11 @@ impl<'a> Pipeline<'a> {
                     smoothing = Some(chosen.record);
                 }
                 Pass::Activation => activation = Some(std::mem::take(&mut summary.stats)),
+                Pass::ActivationAndHessian(hessian) => {
+                    let mut stats = std::mem::take(&mut summary.stats);
+                    first_hessians = Some(Hessians::take(&mut stats, hessian, summary.coverage));
+                    activation = Some(stats);
+                }
                 Pass::Hessian(_) => unreachable!("Hessian passes follow the calibration passes"),
             }
             records.push((pass.name(), summary));
@@ -354,17 +375,23 @@ impl<'a> Pipeline<'a> {
         let stats = activation.expect("every recipe runs the activation pass");
         let mut model = session.target(&transforms)?;
         let mut gptq = None;
-        if !groups.is_empty() {
+        if let Some(first_hessians) = first_hessians {
             let rounding = Rounding {
                 session,
                 transforms: &transforms,
-                activation: &stats,
                 first: &first,
+                exponent,
                 done: done + records.len(),
                 count,
             };
-            let (weights, seconds) =
-                self.gptq(&rounding, &model, groups, &mut records, listener)?;
+            let (weights, seconds) = self.gptq(
+                &rounding,
+                &model,
+                groups,
+                first_hessians,
+                &mut records,
+                listener,
+            )?;
             model = model.with_int8_weights(&weights)?;
             gptq = Some(GptqRecord {
                 layers: weights.len(),
@@ -411,17 +438,20 @@ impl<'a> Pipeline<'a> {
         })
     }
 
-    /// GPTQ: one Hessian pass per group of layer inputs, each input's merged
-    /// Gram matrix rounding the weights of every layer that reads it; returns
-    /// the int8 weights by layer name and the seconds spent solving. An
-    /// input whose pass covered too few
-    /// batches, or whose activations were never finite, keeps rounding to
-    /// nearest (with a warning); the guard judges the result either way.
+    /// GPTQ: the Hessians of each group of layer inputs (the first group's
+    /// summed by the activation pass, `first`; one Hessian pass for each
+    /// further group), each input's merged Gram matrix rounding the weights
+    /// of every layer that reads it; returns the int8 weights by layer name
+    /// and the seconds spent solving. An input whose pass covered too few
+    /// batches, or whose activations could not be summed (NaN, ±∞, beyond
+    /// the fixed-point range), keeps rounding to nearest (with a warning);
+    /// the guard judges the result either way.
     fn gptq(
         &self,
         rounding: &Rounding<'_>,
         model: &Model,
         groups: &[Vec<(String, usize)>],
+        first: Hessians,
         records: &mut Vec<(&'static str, RunSummary)>,
         listener: &mut dyn Listener,
     ) -> Result<(BTreeMap<String, Int8Weight>, f64)> {
@@ -431,55 +461,56 @@ impl<'a> Pipeline<'a> {
             dampening: g.dampening,
             act_order: g.act_order,
         };
-        let rows = rounding.session.plan.rows as u64;
         let mut weights = BTreeMap::new();
         let mut solving = 0.0;
+        let mut hessians = Some(first);
         for (i, group) in groups.iter().enumerate() {
-            let mut points = BTreeMap::new();
-            for (point, _) in group {
-                match exponent(rounding.activation, point, rows) {
-                    Ok(e) => {
-                        points.insert(point.clone(), e);
-                    }
-                    Err(why) => {
-                        listener.message(&format!("warning: {point} rounds to nearest: {why}"))
-                    }
+            let hessians = match hessians.take() {
+                Some(first) => first,
+                None => {
+                    let pass = hessian_pass(group, rounding.exponent);
+                    let recipe = qforge_calib::Recipe {
+                        pass: Pass::Hessian(pass.clone()),
+                        ..rounding.first.clone()
+                    };
+                    let job = rounding.session.job(&recipe, rounding.transforms);
+                    let position = PassPosition {
+                        // The first group's pass was the activation pass.
+                        index: rounding.done + i,
+                        count: rounding.count,
+                    };
+                    let mut summary = self.run_pass(rounding.session, &job, position, listener)?;
+                    let hessians = Hessians::take(&mut summary.stats, &pass, summary.coverage);
+                    records.push(("hessian", summary));
+                    hessians
                 }
+            };
+            for (point, why) in &hessians.missing {
+                listener.message(&format!("warning: {point} rounds to nearest: {why}"));
             }
-            let recipe = qforge_calib::Recipe {
-                pass: Pass::Hessian(HessianPass { points }),
-                ..rounding.first.clone()
-            };
-            let job = rounding.session.job(&recipe, rounding.transforms);
-            let position = PassPosition {
-                index: rounding.done + i + 1,
-                count: rounding.count,
-            };
-            let mut summary = self.run_pass(rounding.session, &job, position, listener)?;
-            let started = std::time::Instant::now();
-            let stats = std::mem::take(&mut summary.stats);
-            if summary.coverage < self.recipe.calibration.min_coverage {
+            if hessians.coverage < self.recipe.calibration.min_coverage {
                 listener.message(&format!(
-                    "warning: the Hessian pass covered {:.1} % of its batches, below calibration.min_coverage; its {} inputs round to nearest",
-                    100.0 * summary.coverage,
+                    "warning: the Hessians' pass covered {:.1} % of its batches, below calibration.min_coverage; its {} inputs round to nearest",
+                    100.0 * hessians.coverage,
                     group.len()
                 ));
-            } else {
-                let rounded = round_group(model, &stats, group, &options)?;
-                let seconds = started.elapsed().as_secs_f64();
-                solving += seconds;
-                listener.message(&format!(
-                    "gptq: {} layers rounded in {seconds:.2} s",
-                    rounded.len()
-                ));
-                weights.extend(rounded);
+                continue;
             }
-            records.push(("hessian", summary));
+            let started = std::time::Instant::now();
+            let rounded = round_group(model, &hessians.grams, &options)?;
+            let seconds = started.elapsed().as_secs_f64();
+            solving += seconds;
+            listener.message(&format!(
+                "gptq: {} layers rounded in {seconds:.2} s",
+                rounded.len()
+            ));
+            weights.extend(rounded);
         }
         // No later pass resumes from them: free the memory for the guard.
         rounding.session.hidden_states.clear();
         Ok((weights, solving))
     }
+
     fn run_pass(
         &self,
         session: &Session,
@@ -616,14 +647,76 @@ struct Prepared {
 struct Rounding<'a> {
     session: &'a Session,
     transforms: &'a [Transform],
-    /// The activation pass's statistics (the Gram exponents' bounds).
-    activation: &'a Stats,
     /// The recipe of the first pass (the plan's sampling).
     first: &'a qforge_calib::Recipe,
+    /// The Gram matrices' fixed-point exponent.
+    exponent: i32,
     /// Passes run before the Hessian passes.
     done: usize,
     /// Passes of the pipeline.
     count: usize,
+}
+
+/// One group's merged Hessians, taken out of its pass's statistics.
+struct Hessians {
+    /// Layer input → its Gram matrix.
+    grams: BTreeMap<String, Gram>,
+    /// Inputs of the group without one, with the reason.
+    missing: Vec<(String, String)>,
+    /// The fraction of the plan's batches the pass merged.
+    coverage: f64,
+}
+
+impl Hessians {
+    /// Moves the Gram matrices of `pass`'s inputs out of `stats` (the merged
+    /// statistics of a pass that covered `coverage` of its batches), so that
+    /// statistics kept for the guard and the artifact do not carry them.
+    fn take(stats: &mut Stats, pass: &HessianPass, coverage: f64) -> Self {
+        let mut grams = BTreeMap::new();
+        let mut missing = Vec::new();
+        for point in pass.points.keys() {
+            match stats.tensors.get_mut(point) {
+                Some(tensor) => match tensor.take_gram() {
+                    Some(gram) => {
+                        grams.insert(point.clone(), gram);
+                    }
+                    None => missing.push((point.clone(), unsummed(tensor))),
+                },
+                None => missing.push((point.clone(), "the pass never saw it".into())),
+            }
+        }
+        Self {
+            grams,
+            missing,
+            coverage,
+        }
+    }
+}
+
+/// Why an input's statistics hold no Gram matrix, from the histogram of the
+/// values that dropped it.
+fn unsummed(tensor: &TensorStats) -> String {
+    let h = tensor.histogram();
+    if h.nan() + h.pos_inf() + h.neg_inf() > 0 {
+        return "its activations include NaN or infinite values".into();
+    }
+    match h.abs_max() {
+        Some(max) => format!(
+            "its activations reach {max:e}, beyond the Hessian's fixed-point range (values up to {:e} are summed exactly)",
+            qforge_core::gram::ACTIVATION_BOUND
+        ),
+        None => "it saw no finite activation".into(),
+    }
+}
+
+/// The Hessian pass over `group`'s inputs, at `exponent`.
+fn hessian_pass(group: &[(String, usize)], exponent: i32) -> HessianPass {
+    HessianPass {
+        points: group
+            .iter()
+            .map(|(point, _)| (point.clone(), exponent))
+            .collect(),
+    }
 }
 
 /// The model's linear inputs (observation point, width) in forward order,
@@ -654,27 +747,11 @@ pub fn hessian_groups(model: &Model, budget: u64) -> Vec<Vec<(String, usize)>> {
     groups
 }
 
-/// The Gram exponent of `point` for a pass over `rows` rows: from the
-/// largest magnitude the activation pass saw there.
-fn exponent(stats: &Stats, point: &str, rows: u64) -> std::result::Result<i32, String> {
-    let tensor = stats
-        .tensors
-        .get(point)
-        .ok_or("the activation pass has no statistics for it")?;
-    let h = tensor.histogram();
-    if h.nan() + h.pos_inf() + h.neg_inf() > 0 {
-        return Err("its activations include NaN or infinite values".into());
-    }
-    let max = h.abs_max().ok_or("it saw no finite activation")?;
-    Gram::exponent_for(max, rows).map_err(|e| e.to_string())
-}
-
 /// GPTQ's int8 weights for every layer of `model` that reads an input of
-/// `group`, from the merged Hessians in `stats`; layers run in parallel.
+/// `grams`, from its merged Hessian; layers run in parallel.
 fn round_group(
     model: &Model,
-    stats: &Stats,
-    group: &[(String, usize)],
+    grams: &BTreeMap<String, Gram>,
     options: &GptqOptions,
 ) -> Result<BTreeMap<String, Int8Weight>> {
     // Every input's solve is its own, so inputs run side by side on the
@@ -682,13 +759,10 @@ fn round_group(
     // the rows of one layer are parallel too), and the result does not
     // depend on the thread count.
     let linears = model.linears();
-    let rounded = group
+    let rounded = grams
         .par_iter()
-        .map(|(point, width)| {
-            let Some(gram) = stats.tensors.get(point).and_then(|t| t.gram()) else {
-                return Ok(Vec::new());
-            };
-            let solver = Gptq::new(&gram.to_matrix(), *width, options)
+        .map(|(point, gram)| {
+            let solver = Gptq::new(&gram.to_matrix(), gram.width(), options)
                 .map_err(|e| Error::Gptq(format!("{point}: {e}")))?;
             linears
                 .par_iter()
