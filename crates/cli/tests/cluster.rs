@@ -816,7 +816,12 @@ fn quantize_with_one_worker_killed(
     };
     let victim = worker("victim");
     let mut survivors = [worker("a"), worker("b")];
-    let heartbeat = format!("qforge:{{{run}.pass{pass}}}:hb:victim");
+    // The first pass's Redis run is the run itself; later passes' carry a suffix.
+    let pass_run = match pass {
+        1 => run.to_owned(),
+        _ => format!("{run}.pass{pass}"),
+    };
+    let heartbeat = format!("qforge:{{{pass_run}}}:hb:victim");
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         let beat = redis_get(server, &heartbeat);
@@ -841,7 +846,7 @@ fn quantize_with_one_worker_killed(
     }
     let followed = std::fs::read_to_string(dir.join("a.log")).unwrap();
     assert!(
-        followed.contains(&format!("joining run {run}.pass{pass}")),
+        followed.contains(&format!("joining run {pass_run}")),
         "{followed}"
     );
     assert!(

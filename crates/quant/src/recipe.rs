@@ -352,10 +352,10 @@ impl RotationSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GptqSection {
-    /// Run it: after the activation pass, Hessian passes sum the exact
-    /// `Σ x xᵀ` of every linear input, and every int8 layer's weights are
-    /// rounded column by column with error compensation instead of to
-    /// nearest.
+    /// Run it: the activation pass (and, past `hessian_memory_mib`, Hessian
+    /// passes after it) sum the exact `Σ x xᵀ` of every linear input, and
+    /// every int8 layer's weights are rounded column by column with error
+    /// compensation instead of to nearest.
     pub enabled: bool,
     /// Columns per block of lazily applied updates.
     pub block_size: usize,
@@ -648,9 +648,10 @@ pub struct Overrides {
     /// down_proj).
     #[cfg_attr(feature = "clap", arg(long, value_name = "INPUTS"))]
     pub hadamard: Option<String>,
-    /// [gptq] round int8 weights with GPTQ: Hessian passes after the
-    /// activation pass sum each layer input's exact Σ x xᵀ (on any backend,
-    /// the same bytes), and weights are rounded with error compensation.
+    /// [gptq] round int8 weights with GPTQ: the activation pass (and Hessian
+    /// passes after it, for models whose Hessians pass hessian_memory_mib)
+    /// sums each layer input's exact Σ x xᵀ (on any backend, the same bytes),
+    /// and weights are rounded with error compensation.
     #[cfg_attr(feature = "clap", arg(long))]
     pub gptq: bool,
     /// [gptq] round columns in order of decreasing Hessian diagonal
