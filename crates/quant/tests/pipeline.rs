@@ -154,6 +154,71 @@ fn the_alpha_search_keeps_the_policy_bar_that_the_papers_alpha_misses() {
     assert!(agreement < 0.995, "CartPole at alpha 0.5: {agreement}");
 }
 
+/// An input whose values leave the Hessian's fixed-point range (observations
+/// of 10¹⁰ here) loses its Gram matrix in the batches that saw them, so its
+/// layer rounds to nearest with a warning naming the cause; the pass goes on
+/// and GPTQ rounds the other layers, the same on one and three threads.
+#[test]
+fn an_input_beyond_the_hessians_range_rounds_to_nearest_with_the_reason() {
+    let dir = scratch("huge-observations");
+    let data = dir.path().join("huge.jsonl");
+    let lines: Vec<String> = std::fs::read_to_string(cartpole().join("rollouts.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let mut episode: serde_json::Value = serde_json::from_str(line).unwrap();
+            for observation in episode["observations"].as_array_mut().unwrap() {
+                for value in observation.as_array_mut().unwrap() {
+                    *value = serde_json::json!(value.as_f64().unwrap() * 1e10);
+                }
+            }
+            episode.to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let mut recipe = QuantRecipe::default();
+    recipe.gptq.enabled = true;
+    recipe.method.search = false;
+    recipe.quantize.activations = qforge_quant::recipe::ActivationScheme::Dynamic;
+    let inputs = Inputs::new(cartpole(), &data);
+    let weights: Vec<Vec<u8>> = [1, 3]
+        .into_iter()
+        .map(|threads| {
+            let executor = EmbeddedExecutor { threads };
+            let mut messages = Messages::default();
+            let quantized = Pipeline::new(recipe.clone(), &executor)
+                .unwrap()
+                .run(&inputs, &mut messages)
+                .unwrap();
+            let warning = messages
+                .0
+                .iter()
+                .find(|m| m.contains("rounds to nearest"))
+                .expect("a warning names the input that rounds to nearest");
+            assert!(
+                warning.starts_with("warning: layers.0 rounds to nearest: its activations reach")
+                    && warning.contains("beyond the Hessian's fixed-point range"),
+                "{warning}"
+            );
+            assert_eq!(quantized.report.gptq.as_ref().unwrap().layers, 2);
+            let out = scratch(&format!("huge-{threads}"));
+            quantized.write(out.path()).unwrap();
+            std::fs::read(out.path().join("model.safetensors")).unwrap()
+        })
+        .collect();
+    assert!(weights[0] == weights[1]);
+}
+
+/// The lines a pipeline prints.
+#[derive(Default)]
+struct Messages(Vec<String>);
+
+impl qforge_dist::Listener for Messages {
+    fn message(&mut self, line: &str) {
+        self.0.push(line.to_owned());
+    }
+}
+
 /// GPTQ from the library: the activation pass also sums the policy's
 /// Hessians (they fit in one group), its exact Gram matrices give the same
 /// int8 weights on one and three threads, and every layer of the policy is
