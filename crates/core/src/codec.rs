@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! magic    8 bytes  "QFSTATS\0"
-//! version  u32 LE   PLAIN_VERSION (2), or FORMAT_VERSION (4) with Gram matrices
+//! version  u32 LE   PLAIN_VERSION (2), or FORMAT_VERSION (5) with Gram matrices
 //! length   u64 LE   body length in bytes
 //! body     see below
 //! crc32    u32 LE   CRC-32 (IEEE) of everything before it
@@ -27,15 +27,16 @@
 //!   extremes               u8 0, or u8 1 + min f32 bits LE + max f32 bits LE
 //!   bins                   varint n, then n × (varint index delta, varint count)
 //!   channels               u8 0, or u8 1 + varint n + n × f32 bits LE
-//!   gram (version 4 only)  u8 0, or u8 1 + varint width + varint zigzag
+//!   gram (version 5 only)  u8 0, or u8 1 + varint width + varint zigzag
 //!                          exponent + varint rows + width·(width+1)/2 entries
 //! ```
 //!
-//! A file with a Gram matrix is version 4; one without is written as version
-//! 2, so statistics without Gram matrices keep their bytes. Version 3 held
-//! Gram matrices whose chunk sums were f64 ([`crate::Gram`] sums in f32
-//! since): they are refused, because they would not merge exactly with this
-//! build's. A Gram entry `v` is `varint 0` for zero, else
+//! A file with a Gram matrix is version 5; one without is written as version
+//! 2, so statistics without Gram matrices keep their bytes. Versions 3 and 4
+//! held Gram matrices summed another way (3: f64 chunk sums; 4: f32 products
+//! and additions apart, over chunks of 256 rows; [`crate::Gram`] now fuses
+//! them, over 1 024): they are refused, because they would not merge exactly
+//! with this build's. A Gram entry `v` is `varint 0` for zero, else
 //! `varint (1 + (tz << 1 | sign))` then `varint128 ((|v| >> tz) >> 1)` with
 //! `tz` the trailing zero bits of `|v|`: a batch's partial sums are f32
 //! values scaled by a power of two, so their integers carry at most 24
@@ -52,7 +53,7 @@ use crate::stats::{BatchId, Digest, Provenance, Stats, TensorStats};
 pub const MAGIC: &[u8; 8] = b"QFSTATS\0";
 /// Version of the format this build writes for statistics with a Gram
 /// matrix; it reads this and [`PLAIN_VERSION`].
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// Version written for statistics without a Gram matrix (the layout before
 /// Gram matrices existed, byte for byte).
 pub const PLAIN_VERSION: u32 = 2;

@@ -6,26 +6,30 @@
 //! Llama-3-8B perplexity reads 37.51, 37.64 and 36.40 on 1, 2 and 4 GPUs).
 //! Here every observation is cut into chunks of [`CHUNK_ROWS`] rows; a
 //! chunk's sums are computed in f32, each entry over the chunk's rows in
-//! order (a product, then an addition, each rounded: no fused multiply-add),
-//! then scaled by a run-wide power of two and rounded to `i128`. Partials
+//! order (one fused multiply-add per row, rounded once), then scaled by a
+//! run-wide power of two and rounded to `i128`. Partials
 //! merge by integer addition: any sharding, any merge order, the same
 //! integers. An entry that would leave the range is refused, never wrapped.
 //!
 //! The chunk sums are f32 because GPTQ needs the Hessian to a few digits,
-//! not to f64's sixteen: over 256 rows an entry's relative rounding error is
-//! about 1e-6 (at worst 256 · 2⁻²⁴ ≈ 1.5e-5), under the 1 % dampening GPTQ
+//! not to f64's sixteen: over 1 024 rows an entry's relative rounding error is
+//! about 2e-6 (at worst 1 024 · 2⁻²⁴ ≈ 6e-5), under the 1 % dampening GPTQ
 //! adds to the diagonal by orders of magnitude, and the reference GPTQ sums
 //! its whole Hessian in f32. Twice the lanes per vector and half the bytes
-//! per panel, with the sums added in place, make the Hessian arithmetic
-//! 2.1–2.5 times as fast as f64 chunk sums were (BENCHMARKS.md, "GPTQ's
-//! time").
+//! per panel, with the sums added in place, made the Hessian arithmetic
+//! 2.1–2.5 times as fast as f64 chunk sums were; fused multiply-adds, one
+//! instruction where a product and an addition took two, made it faster
+//! again (BENCHMARKS.md, "GPTQ's time").
 
 use crate::error::{Error, Result};
 
-/// Rows per chunk of an observation whose f64 sums are rounded to fixed point
+/// Rows per chunk of an observation whose f32 sums are rounded to fixed point
 /// together. Fixed, so that the integers depend only on the rows observed;
-/// small enough that a chunk of a 14 336-wide input packs into 29 MB.
-pub const CHUNK_ROWS: usize = 256;
+/// small enough that a chunk of a 14 336-wide input packs into 59 MB. A
+/// chunk's sums are scaled, rounded and added to the `i128` triangle (16
+/// bytes per entry, read and written) once per chunk: at 256 rows that cost
+/// as much as the multiply-adds, at 1 024 a quarter as much.
+pub const CHUNK_ROWS: usize = 1024;
 
 /// Magnitude the merged sums of a run are kept under (`2^LIMIT_BITS`): seven
 /// bits below `i128::MAX`, so rounding and the bound's slack cannot overflow.
@@ -52,14 +56,14 @@ pub struct Gram {
     upper: Vec<i128>,
 }
 
-/// A CPU tier of the partial-sum kernel. Every tier performs the same f64
-/// multiplications and additions in the same order (no fused multiply-add),
-/// so every tier gives the same bits; they differ in vector width.
+/// A CPU tier of the partial-sum kernel. Every tier performs the same f32
+/// fused multiply-adds in the same order, so every tier gives the same
+/// bits; they differ in vector width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GramTier {
     /// The kernel compiled for the target's baseline instruction set.
     Portable,
-    /// The kernel compiled with AVX2 (x86-64 only).
+    /// The kernel compiled with AVX2 and FMA (x86-64 only).
     Avx2,
     /// The kernel compiled with AVX-512F (x86-64 only).
     Avx512,
@@ -79,7 +83,7 @@ impl GramTier {
         let cpu = crate::CpuFeatures::get();
         match self {
             Self::Portable => true,
-            Self::Avx2 => cpu.avx2,
+            Self::Avx2 => cpu.avx2 && cpu.fma,
             Self::Avx512 => cpu.avx512f,
         }
     }
@@ -515,7 +519,7 @@ fn tile<const ROWS: usize, const PANELS: usize>(
             let y: &[f32; PANEL] = b[at..at + PANEL].try_into().expect("a panel row");
             for (acc_row, &x) in acc.iter_mut().zip(x) {
                 for (slot, &y) in acc_row[p].iter_mut().zip(y) {
-                    *slot += x * y;
+                    *slot = x.mul_add(y, *slot);
                 }
             }
         }
@@ -546,7 +550,10 @@ fn hand_over<const ROWS: usize, const PANELS: usize>(
     }
 }
 
-/// Tiles of 4 rows × one panel: 64 sums, 16 registers of four lanes.
+/// Tiles of 4 rows × one panel: 64 sums, 16 registers of four lanes. On a
+/// target without an FMA instruction (baseline x86-64) each fused
+/// multiply-add is a call to libm's `fmaf`: slow, and only run where the
+/// CPU has no AVX2; aarch64 has the instruction.
 fn chunk_portable(
     packed: &[f32],
     width: usize,
@@ -560,7 +567,7 @@ fn chunk_portable(
 
 /// Tiles of 4 rows × one panel: 8 of AVX2's 16 registers hold the sums.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 fn chunk_avx2(
     packed: &[f32],
     width: usize,
@@ -600,7 +607,7 @@ mod tests {
                 for j in i..width {
                     let mut sum = 0f32;
                     for row in chunk.chunks_exact(width) {
-                        sum += row[i] * row[j];
+                        sum = row[i].mul_add(row[j], sum);
                     }
                     out[upper_index(width, i, j)] +=
                         to_fixed(f64::from(sum) * 2f64.powi(exponent)).unwrap();
@@ -624,7 +631,8 @@ mod tests {
 
     #[test]
     fn every_tier_equals_the_definition() {
-        for (rows, width) in [(1, 1), (3, 5), (17, 8), (300, 13), (600, 37), (260, 70)] {
+        let chunks = 2 * CHUNK_ROWS + 37;
+        for (rows, width) in [(1, 1), (3, 5), (17, 8), (300, 13), (chunks, 37), (260, 70)] {
             let v = values(rows, width, (rows * width) as u64);
             let exponent = Gram::exponent_for(4.0, rows as u64).unwrap();
             let expected = reference(&v, width, exponent);
@@ -647,8 +655,10 @@ mod tests {
     #[test]
     fn merging_any_sharding_gives_the_same_integers() {
         let width = 11;
-        let v = values(700, width, 7);
-        let exponent = Gram::exponent_for(4.0, 700).unwrap();
+        // Observations that cross chunk boundaries.
+        let (total, cut) = (2 * CHUNK_ROWS + 188, 100 + CHUNK_ROWS);
+        let v = values(total, width, 7);
+        let exponent = Gram::exponent_for(4.0, total as u64).unwrap();
         // Each part is a (first row, end row) observation.
         let shard = |parts: &[(usize, usize)]| {
             let grams: Vec<Gram> = parts
@@ -665,18 +675,18 @@ mod tests {
             }
             merged
         };
-        let a = shard(&[(0, 100), (100, 700)]);
-        let b = shard(&[(0, 100), (100, 356), (356, 700)]);
-        let c = shard(&[(100, 356), (356, 700), (0, 100)]);
+        let a = shard(&[(0, 100), (100, total)]);
+        let b = shard(&[(0, 100), (100, cut), (cut, total)]);
+        let c = shard(&[(100, cut), (cut, total), (0, 100)]);
         // Different chunkings round differently, so compare shardings of the
         // same observations: every order and grouping of merges agrees.
         assert_eq!(b, c);
-        let mut d = shard(&[(356, 700)]);
-        d.merge(&shard(&[(0, 100), (100, 356)])).unwrap();
+        let mut d = shard(&[(cut, total)]);
+        d.merge(&shard(&[(0, 100), (100, cut)])).unwrap();
         assert_eq!(b, d);
-        assert_eq!(a.rows(), 700);
-        // The matrix is the Gram matrix up to the f32 sums' rounding: a
-        // few units of f32's 2⁻²⁴ per row, relative to the products' sizes.
+        assert_eq!(a.rows(), total as u64);
+        // The matrix is the Gram matrix up to the f32 sums' rounding: about
+        // √1024 · 2⁻²⁴ ≈ 2e-6 of the products' sizes over a chunk.
         let m = a.to_matrix();
         let (i, j) = (2, 9);
         let products = || {
@@ -686,7 +696,7 @@ mod tests {
         let exact: f64 = products().sum();
         let magnitude: f64 = products().map(f64::abs).sum();
         let error = (m[i * width + j] - exact).abs();
-        assert!(error <= 1e-6 * magnitude, "{error} against {magnitude}");
+        assert!(error <= 1e-5 * magnitude, "{error} against {magnitude}");
         assert_eq!(m[i * width + j], m[j * width + i]);
     }
 
@@ -708,13 +718,14 @@ mod tests {
         // first panel: the chunks before it and the entries of its chunk
         // before the first bad one were added, and are taken back.
         let width = 40;
-        let mut v = values(600, width, 5);
-        v[599 * width + 35] = 1e18;
+        let rows = 2 * CHUNK_ROWS + 88;
+        let mut v = values(rows, width, 5);
+        v[(rows - 1) * width + 35] = 1e18;
         for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
             if !tier.is_supported() {
                 continue;
             }
-            let mut gram = Gram::new(width, Gram::exponent_for(4.0, 600).unwrap()).unwrap();
+            let mut gram = Gram::new(width, Gram::exponent_for(4.0, rows as u64).unwrap()).unwrap();
             gram.observe(&v[..100 * width]).unwrap();
             let before = gram.clone();
             let e = gram.observe_with(tier, &v).unwrap_err();
