@@ -16,8 +16,17 @@
 # Cross-building is set up by scripts/aarch64-env.sh (Debian's Rust and cross
 # linker, qemu-user). Three minutes on 2 cores once built; building takes longer
 # (the aarch64 `qforge` alone took 6 minutes here with some dependencies built).
+#
+# `--kernels` runs step 1 alone: what scripts/test.sh runs, about 3 minutes from
+# nothing installed (set-up 30 s, build 110 s, the tests 45 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+KERNELS_ONLY=false
+case "${1:-}" in
+    --kernels) KERNELS_ONLY=true ;;
+    "") ;;
+    *) echo "usage: $0 [--kernels]" >&2; exit 2 ;;
+esac
 source scripts/aarch64-env.sh
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -25,13 +34,29 @@ SYSROOT=/usr/aarch64-linux-gnu
 # `max` has every Arm extension, `cortex-a53` none (Armv8.0); `cortex-a76` has
 # dotprod but not i8mm, so the artifact also runs on the middle tier.
 TEST_CPUS=(max cortex-a53)
+# What each test CPU model has: the tests check that the probe finds it, so no
+# tier is skipped on `max` unnoticed.
+declare -A CPU_FEATURES=([max]=neon,dotprod,i8mm [cortex-a53]=neon)
 RUN_CPUS=(max cortex-a76 cortex-a53)
 
+# The tests build the crates' dev-dependencies, among them the peers the benches
+# compare against (candle, rten, criterion), which no test runs: compiled without
+# optimisation they build in half the time. What the tests do run (random numbers,
+# proptest, rayon, hashes) stays optimised, or the tests take twice as long.
+TEST_PROFILE=(--config 'profile.test.package."*".opt-level=0')
+for package in rand rand_core rand_chacha rand_distr ppv-lite86 proptest rand_xorshift \
+    rayon rayon-core crossbeam-deque crossbeam-epoch crossbeam-utils libm sha2 crc32fast; do
+    TEST_PROFILE+=(--config "profile.test.package.$package.opt-level=2")
+done
 for cpu in "${TEST_CPUS[@]}"; do
     step "aarch64 kernel tests under qemu-aarch64 -cpu $cpu"
-    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu $cpu -L $SYSROOT" \
-        aarch64_cargo test --locked -p qforge-core -p qforge-kernels --lib --tests
+    QFORGE_EXPECT_CPU_FEATURES=${CPU_FEATURES[$cpu]} \
+        CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu $cpu -L $SYSROOT" \
+        aarch64_cargo test --locked -p qforge-core -p qforge-kernels --lib --tests "${TEST_PROFILE[@]}"
 done
+if $KERNELS_ONLY; then
+    exit 0
+fi
 
 step "qforge for aarch64, and the CartPole INT8 artifact quantized on x86-64"
 aarch64_cargo build --locked --profile test -p qforge-cli

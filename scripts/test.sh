@@ -45,6 +45,12 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
+step "aarch64: the kernels' tiers under qemu-aarch64 (scripts/test-aarch64.sh --kernels)"
+# Cross-built with Debian's Rust and cross linker, run on an Armv8.0 CPU model and on
+# one with every extension; scripts/test-aarch64.sh without --kernels also runs the
+# aarch64 `qforge` (CartPole through act and serve, SmolLM2's perplexity).
+scripts/test-aarch64.sh --kernels
+
 step "the Python package (python/): its extension module"
 # The module a wheel of python/ holds (maturin builds the same crate), built with the
 # test profile and the targets cargo test selected, so the workspace's features unify

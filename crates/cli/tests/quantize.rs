@@ -442,6 +442,7 @@ fn smollm2_rotated_by_quarot_runs_on_qforge_and_refuses_export() {
     assert_eq!(export.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&export.stderr);
     assert!(stderr.contains("rotates the inputs"), "{stderr}");
+    assert!(stderr.contains("--hadamard residual"), "{stderr}");
     assert!(!dir.join("ct").exists());
 }
 

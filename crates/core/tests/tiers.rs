@@ -4,7 +4,27 @@
 
 use proptest::prelude::*;
 use qforge_core::histogram::observe_reference;
-use qforge_core::{Histogram, ObserveTier};
+use qforge_core::{CpuFeatures, Histogram, ObserveTier};
+
+/// Tier tests skip what the CPU lacks, so a probe that stopped seeing a
+/// feature would turn them into passes that ran nothing. Where the CPU is
+/// chosen for the tests (qemu's CPU models in scripts/test-aarch64.sh), the
+/// runner names its features in `QFORGE_EXPECT_CPU_FEATURES` and the probe
+/// must find each.
+#[test]
+fn the_probe_finds_every_feature_the_runner_names() {
+    let Ok(expected) = std::env::var("QFORGE_EXPECT_CPU_FEATURES") else {
+        eprintln!("SKIPPED: QFORGE_EXPECT_CPU_FEATURES names no features to find");
+        return;
+    };
+    let found = CpuFeatures::get().names();
+    for feature in expected.split(',').filter(|f| !f.is_empty()) {
+        assert!(
+            found.contains(&feature),
+            "the runner's CPU has {feature}, the probe found only {found:?}"
+        );
+    }
+}
 
 fn supported_tiers() -> Vec<ObserveTier> {
     ObserveTier::ALL

@@ -270,7 +270,7 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
         // a model that loads and answers garbage. qforge does not write
         // compressed-tensors' transform configuration, so it refuses.
         return Err(Error::Unsupported(format!(
-            "{} rotates the inputs of {} online (a Hadamard rotation qforge's engine applies), which a compressed-tensors checkpoint cannot carry here; quantize again without --hadamard to export to vLLM",
+            "{} rotates the inputs of {} online (a Hadamard rotation qforge's engine applies), which a compressed-tensors checkpoint cannot carry here; to export to vLLM, quantize again with `--hadamard residual` (the residual stream rotated offline, nothing online) or without --hadamard",
             artifact.display(),
             config
                 .online_rotations
