@@ -8,7 +8,8 @@ observation width), and SmolLM2 (the completion endpoints, streaming included). 
 language model the `positive_data_acceptance` check is left out: whether a prompt plus
 max_tokens fits the context depends on the prompt's token count, which a schema cannot
 state, so a schema-valid request can rightly get 400. A small KV budget keeps every
-generation short."""
+generation short: with 32 positions, 196 of the 681 requests generate (206 with 64) and
+the run takes 84 s instead of 225 s, nearly all of it the model's decode steps."""
 
 import os
 import subprocess
@@ -57,7 +58,7 @@ def test_every_operation_keeps_its_published_contract(tmp_path, kind):
         extra = ["--max-examples", "100"]
     else:
         server, addr = start(ROOT / "models/smollm2-135m-instruct-q4_1.gguf",
-                             "--kv-budget-tokens", "64", cwd=tmp_path)
+                             "--kv-budget-tokens", "32", cwd=tmp_path)
         extra = ["--max-examples", "40", "--exclude-checks", "positive_data_acceptance"]
     try:
         fuzz(addr, *extra)
