@@ -193,6 +193,22 @@ fn is_misuse(error: &anyhow::Error) -> bool {
             .is_some_and(qforge_quant::Error::is_request)
 }
 
+/// candle's thread pool (its element-wise operations) spins 25 000 times
+/// before a worker sleeps, while the matrix product that comes next runs on
+/// rayon's threads: the spinning worker takes a core from them. With 1 000
+/// spins the full-precision forward (calibration's) runs faster on 2 cores:
+/// a 163-token prefill 445 → 592 tokens/s, 30 perplexity windows of 128
+/// tokens 22.2 → 18.4 s with the same bits (BENCHMARKS.md). It changes when
+/// threads sleep, not what they compute. A value the user set is kept.
+fn limit_candle_spinning() {
+    const SPIN_LIMIT: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+    if std::env::var_os(SPIN_LIMIT).is_none() {
+        // SAFETY: called at the start of main, before any thread exists
+        // (candle reads the variable when its pool starts, at first use).
+        unsafe { std::env::set_var(SPIN_LIMIT, "1000") };
+    }
+}
+
 fn main() -> ExitCode {
     // Die quietly on a closed pipe (`qforge stats show X | head`), as other
     // Unix tools do, instead of panicking in println!.
@@ -202,6 +218,7 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    limit_candle_spinning();
     // The libraries log through `tracing` (the server's drift alerts and
     // rollbacks): to stderr, without timestamps, INFO and up unless
     // RUST_LOG says otherwise.
