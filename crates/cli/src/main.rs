@@ -196,7 +196,7 @@ fn is_misuse(error: &anyhow::Error) -> bool {
 /// candle's thread pool (its element-wise operations) spins 25 000 times
 /// before a worker sleeps, while the matrix product that comes next runs on
 /// rayon's threads: the spinning worker takes a core from them. With 1 000
-/// spins the full-precision forward (calibration's) runs faster on 2 cores:
+/// spins the full-precision forward runs faster on 2 cores:
 /// a 163-token prefill 445 → 592 tokens/s, 30 perplexity windows of 128
 /// tokens 22.2 → 18.4 s with the same bits (BENCHMARKS.md). It changes when
 /// threads sleep, not what they compute. A value the user set is kept.
