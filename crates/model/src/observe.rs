@@ -73,15 +73,14 @@ impl Observer for StatsObserver {
                         TensorStats::with_channels(width)
                     }
                     Statistics::Histograms { per_channel: false } => TensorStats::new(),
-                    Statistics::Grams(points) | Statistics::HistogramsAndGrams(points) => {
-                        match points.get(point) {
-                            Some(&exponent) => TensorStats::with_gram(Gram::new(width, exponent)?),
-                            None if matches!(self.statistics, Statistics::Grams(_)) => {
-                                return Ok(());
-                            }
-                            None => TensorStats::new(),
-                        }
-                    }
+                    Statistics::Grams(points) => match points.get(point) {
+                        Some(&exponent) => TensorStats::with_gram(Gram::new(width, exponent)?),
+                        None => return Ok(()),
+                    },
+                    Statistics::HistogramsAndGrams(points) => match points.get(point) {
+                        Some(&exponent) => TensorStats::with_gram(Gram::new(width, exponent)?),
+                        None => TensorStats::new(),
+                    },
                 };
                 e.insert(fresh)
             }

@@ -739,14 +739,20 @@ impl Observer for LayerCapture {
     }
 }
 
+/// Two sequences of the tiny model's vocabulary, 19 and 11 tokens long (so
+/// padding is exercised).
+fn two_ragged_sequences() -> Vec<Vec<u32>> {
+    vec![
+        (0..19).map(|i| (i * 5 % 96) as u32).collect(),
+        (0..11).map(|i| (i * 3 % 96) as u32).collect(),
+    ]
+}
+
 #[test]
 fn an_observing_pass_resumed_from_a_kept_hidden_state_sees_what_the_whole_forward_sees() {
     let dir = tiny_model("resume");
     let model = Llama::from_hf_dir(&dir).unwrap();
-    let batch = vec![
-        (0..19).map(|i| (i * 5 % 96) as u32).collect::<Vec<u32>>(),
-        (0..11).map(|i| (i * 3 % 96) as u32).collect(),
-    ];
+    let batch = two_ragged_sequences();
     let capture = |layer| LayerCapture {
         layer,
         rows: Vec::new(),
@@ -787,10 +793,7 @@ fn histograms_and_grams_in_one_forward_equal_each_recorded_alone() {
 
     let dir = tiny_model("fused-pass");
     let model = Llama::from_hf_dir(&dir).unwrap();
-    let batch = vec![
-        (0..19).map(|i| (i * 5 % 96) as u32).collect::<Vec<u32>>(),
-        (0..11).map(|i| (i * 3 % 96) as u32).collect(),
-    ];
+    let batch = two_ragged_sequences();
     let exponent = qforge_core::Gram::run_exponent(30);
     let points: BTreeMap<String, i32> = [
         "model.layers.0.self_attn.q_proj",
