@@ -122,7 +122,11 @@ struct DecodeLayer<'m> {
     gate: &'m Int8Linear,
     up: &'m Int8Linear,
     down: &'m Int8Linear,
-    /// Keys and values of positions `0..len`, `[capacity, kv_heads·head_dim]`.
+    /// Keys and values of positions `0..len`, head-major: `[kv_heads,
+    /// capacity, head_dim]`, so that a step's attention streams each head's
+    /// keys and values as one contiguous run (position-major, each head read
+    /// 256 of every 768 bytes at SmolLM2's shape, and 4 096 positions
+    /// decoded at 0.85× llama.cpp's speed).
     keys: Vec<f32>,
     values: Vec<f32>,
 }
@@ -257,11 +261,19 @@ impl<'m> Decoder<'m> {
             )));
         }
         self.model.check_cache(cache)?;
-        let values = cache.len * cache.kv_heads * cache.head_dim;
-        // Both keep keys position-major: a copy of the cached rows.
+        // The tensor forward keeps them position-major.
+        let (hd, capacity) = (cache.head_dim, self.capacity);
         for (layer, cached) in self.layers.iter_mut().zip(&cache.layers) {
-            layer.keys[..values].copy_from_slice(&cached.keys[..values]);
-            layer.values[..values].copy_from_slice(&cached.values[..values]);
+            let rows = cached
+                .keys
+                .chunks_exact(hd)
+                .zip(cached.values.chunks_exact(hd));
+            for (i, (key, value)) in rows.take(cache.len * cache.kv_heads).enumerate() {
+                let (pos, head) = (i / cache.kv_heads, i % cache.kv_heads);
+                let at = (head * capacity + pos) * hd;
+                layer.keys[at..at + hd].copy_from_slice(key);
+                layer.values[at..at + hd].copy_from_slice(value);
+            }
         }
         self.len = cache.len;
         Ok(())
@@ -297,7 +309,6 @@ impl<'m> Decoder<'m> {
         let eps = c.rms_norm_eps as f32;
         let scale = 1.0 / (hd as f32).sqrt();
         let group = heads / kv_heads;
-        let kv = kv_heads * hd;
         let model = self.model;
         let rotations = &model.rotations;
         let rotate = |input: RotatedInput, x: &mut [f32]| -> Result<()> {
@@ -321,8 +332,16 @@ impl<'m> Decoder<'m> {
             {
                 rope(head, cos, sin);
             }
-            layer.keys[pos * kv..(pos + 1) * kv].copy_from_slice(&self.k);
-            layer.values[pos * kv..(pos + 1) * kv].copy_from_slice(&self.v);
+            for (head, (key, value)) in self
+                .k
+                .chunks_exact(hd)
+                .zip(self.v.chunks_exact(hd))
+                .enumerate()
+            {
+                let at = (head * self.capacity + pos) * hd;
+                layer.keys[at..at + hd].copy_from_slice(key);
+                layer.values[at..at + hd].copy_from_slice(value);
+            }
             let (q, keys, values) = (&self.q, &layer.keys, &layer.values);
             let capacity = self.capacity;
             // Groups of heads sharing a key/value head are independent:
@@ -344,8 +363,8 @@ impl<'m> Decoder<'m> {
                             KeyValues {
                                 keys,
                                 values,
-                                offset: kv_head * hd,
-                                stride: kv,
+                                offset: kv_head * capacity * hd,
+                                stride: hd,
                                 visible: pos + 1,
                             },
                             hd,
