@@ -442,16 +442,13 @@ fn bad_inputs_are_clear_errors() {
 /// input when a value crosses a rounding boundary (the decoder's RMSNorm
 /// once multiplied by the inverse root where candle divides by the root,
 /// and Qwen2's logits then moved by 0.18), so nothing less than equality
-/// holds up.
+/// holds up. On three threads, the 4 query heads split 1:1:2, so a key/value
+/// head's two query heads are attended on different threads.
 #[test]
 fn int8_decoder_steps_match_the_tensor_forward() {
-    for qwen2 in [false, true] {
+    for (qwen2, threads) in [(false, 2), (true, 2), (false, 3)] {
         let dir = tiny_family(
-            if qwen2 {
-                "decode-qwen2"
-            } else {
-                "decode-llama"
-            },
+            &format!("decode-{}-{threads}", if qwen2 { "qwen2" } else { "llama" }),
             qwen2,
         );
         let model = Llama::from_hf_dir(&dir)
@@ -468,7 +465,13 @@ fn int8_decoder_steps_match_the_tensor_forward() {
                 Logits::Last,
             )
             .unwrap();
-        let mut decoder = qforge_model::Decoder::new(&model, 32)
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        // The decoder's team has as many threads as the pool it is made in.
+        let mut decoder = pool
+            .install(|| qforge_model::Decoder::new(&model, 32))
             .unwrap()
             .expect("all INT8");
         decoder.load_cache(&cache).unwrap();
