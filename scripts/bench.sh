@@ -46,6 +46,10 @@ command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk 
 python3 scripts/bench_serve.py
 # /v1/completions under load: SmolLM2 as an INT8 artifact and as its FP32 reference.
 python3 scripts/bench_completions.py
+# A short request's time to first token while a 4 096-token prompt is prefilled beside
+# it, on the INT8 artifact bench_completions.py made.
+python3 scripts/bench_ttft.py target/release/qforge target/bench-completions-int8 \
+    --long-tokens 4096 > target/bench-ttft.json
 # Generation of 64 tokens (llama-bench's tg64) in f32 and on the INT8 decoder, five
 # runs each (llama-bench's -r 5), alternating, with llama.cpp's Q8_0 tg64 beside each
 # INT8 run when a build is at hand.
