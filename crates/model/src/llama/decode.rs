@@ -342,51 +342,20 @@ impl<'m> Decoder<'m> {
                 layer.keys[at..at + hd].copy_from_slice(key);
                 layer.values[at..at + hd].copy_from_slice(value);
             }
-            let (q, keys, values) = (&self.q, &layer.keys, &layer.values);
-            let capacity = self.capacity;
-            // Query heads are independent, and a head's result does not
-            // depend on the heads attended beside it: each thread attends a
-            // share of the heads, those sharing a key/value head together so
-            // that its cache is read once per thread. Shares of heads rather
-            // than of groups: SmolLM2's 3 groups of 3 split 6:3 over two
-            // threads, its 9 heads 4:5.
-            let failure = std::sync::OnceLock::new();
-            self.projector
-                .team
-                .run_chunks(&mut self.attended, hd, |start, mut out| {
-                    // Sized once per thread for the longest sequence, so
-                    // that steps do not allocate.
-                    reserve(group, capacity);
-                    let mut head = start / hd;
-                    while !out.is_empty() {
-                        let kv_head = head / group;
-                        let heads = ((kv_head + 1) * group - head).min(out.len() / hd);
-                        let (these, rest) = out.split_at_mut(heads * hd);
-                        let attended = attend_group(
-                            QueryGroup {
-                                rows: &q[head * hd..],
-                                stride: hd,
-                            },
-                            KeyValues {
-                                keys,
-                                values,
-                                offset: kv_head * capacity * hd,
-                                stride: hd,
-                                visible: pos + 1,
-                            },
-                            hd,
-                            scale,
-                            these,
-                        );
-                        if let Err(error) = attended {
-                            let _ = failure.set(error);
-                        }
-                        (head, out) = (head + heads, rest);
-                    }
-                });
-            if let Some(error) = failure.into_inner() {
-                return Err(error.into());
-            }
+            let heads = Heads {
+                dim: hd,
+                group,
+                capacity: self.capacity,
+                scale,
+            };
+            attend_heads(
+                &mut self.projector.team,
+                &self.q,
+                layer,
+                heads,
+                pos + 1,
+                &mut self.attended,
+            )?;
             rotate(RotatedInput::AttentionOutput, &mut self.attended)?;
             let out = &mut self.out[..d];
             self.projector
@@ -414,6 +383,79 @@ impl<'m> Decoder<'m> {
             .project(&self.h, &[self.lm_head], &mut [&mut self.logits])?;
         self.len += 1;
         Ok(&self.logits)
+    }
+}
+
+/// The query heads of a decode step and the cache they attend.
+#[derive(Clone, Copy)]
+struct Heads {
+    /// Values per head.
+    dim: usize,
+    /// Query heads per key/value head.
+    group: usize,
+    /// Positions the cache holds per head (its head-major stride).
+    capacity: usize,
+    /// What multiplies each score.
+    scale: f32,
+}
+
+/// Attention of the query heads `q` over the first `visible` positions of
+/// `layer`'s cache, into `out`, on `team`.
+///
+/// Query heads are independent, and a head's result does not depend on the
+/// heads attended beside it: each thread attends a share of the heads, those
+/// sharing a key/value head together so that its cache is read once per
+/// thread. Shares of heads rather than of groups: SmolLM2's 3 groups of 3
+/// split 6:3 over two threads, its 9 heads 4:5.
+fn attend_heads(
+    team: &mut Team,
+    q: &[f32],
+    layer: &DecodeLayer<'_>,
+    heads: Heads,
+    visible: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let Heads {
+        dim,
+        group,
+        capacity,
+        scale,
+    } = heads;
+    let failure = std::sync::OnceLock::new();
+    team.run_chunks(out, dim, |start, mut out| {
+        // Sized once per thread for the longest sequence, so that steps do
+        // not allocate.
+        reserve(group, capacity);
+        let mut head = start / dim;
+        while !out.is_empty() {
+            let kv_head = head / group;
+            let count = ((kv_head + 1) * group - head).min(out.len() / dim);
+            let (these, rest) = out.split_at_mut(count * dim);
+            let attended = attend_group(
+                QueryGroup {
+                    rows: &q[head * dim..],
+                    stride: dim,
+                },
+                KeyValues {
+                    keys: &layer.keys,
+                    values: &layer.values,
+                    offset: kv_head * capacity * dim,
+                    stride: dim,
+                    visible,
+                },
+                dim,
+                scale,
+                these,
+            );
+            if let Err(error) = attended {
+                let _ = failure.set(error);
+            }
+            (head, out) = (head + count, rest);
+        }
+    });
+    match failure.into_inner() {
+        Some(error) => Err(error.into()),
+        None => Ok(()),
     }
 }
 
