@@ -131,6 +131,30 @@ struct DecodeLayer<'m> {
     values: Vec<f32>,
 }
 
+impl DecodeLayer<'_> {
+    /// Stores position `pos`'s keys and values, given position-major (every
+    /// head's `head_dim` values in turn, as the projections and the tensor
+    /// forward's cache hold them), into the head-major cache of `capacity`
+    /// positions per head.
+    fn store(
+        &mut self,
+        pos: usize,
+        capacity: usize,
+        head_dim: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) {
+        let heads = keys
+            .chunks_exact(head_dim)
+            .zip(values.chunks_exact(head_dim));
+        for (head, (key, value)) in heads.enumerate() {
+            let at = (head * capacity + pos) * head_dim;
+            self.keys[at..at + head_dim].copy_from_slice(key);
+            self.values[at..at + head_dim].copy_from_slice(value);
+        }
+    }
+}
+
 /// Generates one token at a time for one sequence (see the module docs).
 pub struct Decoder<'m> {
     model: &'m Llama,
@@ -261,18 +285,14 @@ impl<'m> Decoder<'m> {
             )));
         }
         self.model.check_cache(cache)?;
-        // The tensor forward keeps them position-major.
-        let (hd, capacity) = (cache.head_dim, self.capacity);
+        let (hd, row) = (cache.head_dim, cache.kv_heads * cache.head_dim);
         for (layer, cached) in self.layers.iter_mut().zip(&cache.layers) {
-            let rows = cached
+            let positions = cached
                 .keys
-                .chunks_exact(hd)
-                .zip(cached.values.chunks_exact(hd));
-            for (i, (key, value)) in rows.take(cache.len * cache.kv_heads).enumerate() {
-                let (pos, head) = (i / cache.kv_heads, i % cache.kv_heads);
-                let at = (head * capacity + pos) * hd;
-                layer.keys[at..at + hd].copy_from_slice(key);
-                layer.values[at..at + hd].copy_from_slice(value);
+                .chunks_exact(row)
+                .zip(cached.values.chunks_exact(row));
+            for (pos, (keys, values)) in positions.take(cache.len).enumerate() {
+                layer.store(pos, self.capacity, hd, keys, values);
             }
         }
         self.len = cache.len;
@@ -283,7 +303,6 @@ impl<'m> Decoder<'m> {
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
         let c = self.model.config();
         let (d, hd) = (c.hidden_size, c.head_dim);
-        let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
         self.model.check_vocabulary(std::slice::from_ref(&token))?;
         if self.len >= self.capacity {
             return Err(Error::Shape(format!(
@@ -307,8 +326,12 @@ impl<'m> Decoder<'m> {
             &self.sin[pos * half..(pos + 1) * half],
         );
         let eps = c.rms_norm_eps as f32;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let group = heads / kv_heads;
+        let heads = Heads {
+            dim: hd,
+            group: c.num_heads / c.num_kv_heads,
+            capacity: self.capacity,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
         let model = self.model;
         let rotations = &model.rotations;
         let rotate = |input: RotatedInput, x: &mut [f32]| -> Result<()> {
@@ -332,22 +355,7 @@ impl<'m> Decoder<'m> {
             {
                 rope(head, cos, sin);
             }
-            for (head, (key, value)) in self
-                .k
-                .chunks_exact(hd)
-                .zip(self.v.chunks_exact(hd))
-                .enumerate()
-            {
-                let at = (head * self.capacity + pos) * hd;
-                layer.keys[at..at + hd].copy_from_slice(key);
-                layer.values[at..at + hd].copy_from_slice(value);
-            }
-            let heads = Heads {
-                dim: hd,
-                group,
-                capacity: self.capacity,
-                scale,
-            };
+            layer.store(pos, self.capacity, hd, &self.k, &self.v);
             attend_heads(
                 &mut self.projector.team,
                 &self.q,
