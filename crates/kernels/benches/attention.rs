@@ -1,11 +1,11 @@
 //! One decode step's attention for one GQA group on SmolLM2-135M's shape
 //! (3 query heads per key/value head, head size 64) and Llama-3-8B's (4
 //! heads of 128), over 128 to 8 192 cached positions laid out as the KV
-//! cache holds them: every tier of `attention::attend_group`. Throughput is
+//! cache holds them: every tier of `attention::attend`. Throughput is
 //! in cached positions attended per second.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use qforge_kernels::attention::{AttentionTier, KeyValues, QueryGroup, attend_group_with};
+use qforge_kernels::attention::{AttentionTier, KeyValues, Queries, attend_with};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -34,18 +34,19 @@ fn attention(c: &mut Criterion) {
                 let id = BenchmarkId::new(format!("{name}/{tier:?}"), visible);
                 group.bench_function(id, |b| {
                     b.iter(|| {
-                        attend_group_with(
+                        attend_with(
                             tier,
-                            QueryGroup {
+                            Queries {
                                 rows: &queries,
-                                stride: hd,
+                                head_stride: hd,
+                                position_stride: 0,
+                                visible: &[visible],
                             },
                             KeyValues {
                                 keys: &keys,
                                 values: &cached,
                                 offset: 0,
                                 stride: row,
-                                visible,
                             },
                             hd,
                             1.0 / (hd as f32).sqrt(),

@@ -1,5 +1,6 @@
 //! Scaled dot-product attention of one GQA group of query heads over one
-//! key/value head: the decoder's attention for a single query position.
+//! key/value head, at one query position (a decode step) or a tile of
+//! consecutive positions (a prefill).
 //!
 //! For each query of the group: the scores `q·k · scale` in key order, their
 //! softmax, and the values weighted by it. The arithmetic is fixed down to
@@ -23,8 +24,11 @@
 //!
 //! The two passes over one query's scores (max, then exponentials) read a
 //! row of `visible` floats (32 KiB at 8 192 keys) that stays in the cache;
-//! no matrix of scores over queries exists. Keys are read once per group in
-//! blocks of eight, values once per group in blocks that stay in L1.
+//! no matrix of scores over a whole prompt's queries exists, only a tile's
+//! rows. Keys are read from memory once per tile in blocks of eight, values
+//! once per tile in blocks that stay in L1: a tile of 8 positions of
+//! SmolLM2's 3-head groups reads the cache an eighth as often as a position
+//! at a time, which is what a long prefill spends its time on.
 
 use std::cell::RefCell;
 
@@ -92,18 +96,37 @@ impl AttentionTier {
     }
 }
 
-/// The query heads of one GQA group: head `g` at `g · stride` in `rows`.
+/// The query heads of one GQA group at one or more consecutive query
+/// positions: head `g` of position `p` at `p · position_stride + g ·
+/// head_stride` in `rows`, and position `p` attends the first `visible[p]`
+/// positions of the keys (at least 1). A decode step is one position; a
+/// prefill attends a tile of positions at once, so each block of keys and
+/// values read from memory serves every query of the tile.
 #[derive(Debug, Clone, Copy)]
-pub struct QueryGroup<'a> {
+pub struct Queries<'a> {
     /// The queries, each `head_dim` values.
     pub rows: &'a [f32],
     /// Distance between the first values of consecutive heads.
-    pub stride: usize,
+    pub head_stride: usize,
+    /// Distance between the first values of consecutive positions.
+    pub position_stride: usize,
+    /// Positions attended by each query position.
+    pub visible: &'a [usize],
 }
 
-/// The first `visible` positions of one key/value head: the key of position
-/// `t` at `offset + t · stride` in `keys`, its value at the same index in
-/// `values`.
+impl Queries<'_> {
+    fn positions(&self) -> usize {
+        self.visible.len()
+    }
+
+    /// The most positions any query attends.
+    fn longest(&self) -> usize {
+        self.visible.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// One key/value head: the key of position `t` at `offset + t · stride` in
+/// `keys`, its value at the same index in `values`.
 #[derive(Debug, Clone, Copy)]
 pub struct KeyValues<'a> {
     /// Keys, `head_dim` values each.
@@ -114,28 +137,28 @@ pub struct KeyValues<'a> {
     pub offset: usize,
     /// Distance between consecutive positions' keys.
     pub stride: usize,
-    /// Positions attended (at least 1).
-    pub visible: usize,
 }
 
-/// Attention of every query head in `queries` over `kv`, on the fastest
-/// tier: `out` holds the group's outputs, `head_dim` values per head (so the
-/// group has `out.len() / head_dim` heads); `scale` multiplies each score.
-pub fn attend_group(
-    queries: QueryGroup<'_>,
+/// Attention of every query in `queries` over `kv`, on the fastest tier:
+/// `out` holds the outputs position by position, each position's heads in
+/// turn, `head_dim` values per head (so the group has `out.len() /
+/// (head_dim · positions)` heads); `scale` multiplies each score. A query's
+/// result does not depend on the other queries attended beside it.
+pub fn attend(
+    queries: Queries<'_>,
     kv: KeyValues<'_>,
     head_dim: usize,
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    attend_group_with(AttentionTier::detect(), queries, kv, head_dim, scale, out)
+    attend_with(AttentionTier::detect(), queries, kv, head_dim, scale, out)
 }
 
-/// [`attend_group`] on a chosen tier; errors if the CPU lacks it or the
-/// slices do not hold what the shapes say.
-pub fn attend_group_with(
+/// [`attend`] on a chosen tier; errors if the CPU lacks it or the slices do
+/// not hold what the shapes say.
+pub fn attend_with(
     tier: AttentionTier,
-    queries: QueryGroup<'_>,
+    queries: Queries<'_>,
     kv: KeyValues<'_>,
     head_dim: usize,
     scale: f32,
@@ -145,46 +168,37 @@ pub fn attend_group_with(
     if !tier.is_supported() {
         return Err(Error::UnsupportedTier(format!("{tier:?}")));
     }
-    let group = out.len() / head_dim;
-    let padded = kv.visible.next_multiple_of(LANES);
-    reserve(group, kv.visible);
-    SCRATCH.with_borrow_mut(|scratch| match tier {
-        #[cfg(target_arch = "x86_64")]
-        AttentionTier::Avx2 if head_dim.is_multiple_of(LANES) => {
-            let (scores, rest) = scratch.split_at_mut(group * padded);
-            // SAFETY: the CPU has AVX2 and FMA (checked above), and `check`
-            // accepted the shapes.
-            unsafe {
-                x86::attend(
-                    queries,
-                    kv,
-                    head_dim,
-                    (scores, &mut rest[..group]),
-                    scale,
-                    out,
-                )
+    let rows = out.len() / head_dim;
+    let longest = queries.longest();
+    let padded = longest.next_multiple_of(LANES);
+    reserve(rows, longest);
+    SCRATCH.with_borrow_mut(|scratch| {
+        let (scores, rest) = scratch.split_at_mut(rows * padded);
+        let scratch = Scratch {
+            scores,
+            totals: &mut rest[..rows],
+        };
+        match tier {
+            #[cfg(target_arch = "x86_64")]
+            AttentionTier::Avx2 if head_dim.is_multiple_of(LANES) => {
+                // SAFETY: the CPU has AVX2 and FMA (checked above), and
+                // `check` accepted the shapes.
+                unsafe { x86::attend(queries, kv, head_dim, scratch, scale, out) }
             }
+            // Head sizes that are not whole vectors take the scalar order,
+            // which is the vector order too.
+            _ => portable::attend(queries, kv, head_dim, scratch, scale, out),
         }
-        // Head sizes that are not whole vectors take the scalar order,
-        // which is the vector order too.
-        _ => portable::attend(
-            queries,
-            kv,
-            head_dim,
-            &mut scratch[..group * padded],
-            scale,
-            out,
-        ),
     });
     Ok(())
 }
 
-/// Grows the calling thread's scratch so that attending `group` query heads
-/// over up to `visible` positions does not allocate: a decoder of fixed
-/// capacity reserves it once per thread, and its steps then allocate
-/// nothing.
-pub fn reserve(group: usize, visible: usize) {
-    let needed = group * (visible.next_multiple_of(LANES) + 1);
+/// Grows the calling thread's scratch so that attending `rows` queries
+/// (query heads times positions) over up to `visible` positions does not
+/// allocate: a decoder of fixed capacity reserves it once per thread, and
+/// its steps then allocate nothing.
+pub fn reserve(rows: usize, visible: usize) {
+    let needed = rows * (visible.next_multiple_of(LANES) + 1);
     SCRATCH.with_borrow_mut(|scratch| {
         if scratch.len() < needed {
             scratch.resize(needed, 0.0);
@@ -192,25 +206,46 @@ pub fn reserve(group: usize, visible: usize) {
     });
 }
 
-fn check(queries: QueryGroup<'_>, kv: KeyValues<'_>, head_dim: usize, out: &[f32]) -> Result<()> {
-    let fits = |len: usize, at: usize, step: usize, count: usize| {
-        count == 0 || len >= at + (count - 1) * step + head_dim
+/// The queries' padded rows of scores (row `p · group + g` for head `g` of
+/// position `p`, each as long as the longest row rounded up to whole lanes)
+/// and their softmax denominators.
+struct Scratch<'a> {
+    scores: &'a mut [f32],
+    totals: &'a mut [f32],
+}
+
+impl Scratch<'_> {
+    fn padded(&self) -> usize {
+        self.scores.len() / self.totals.len()
+    }
+}
+
+fn check(queries: Queries<'_>, kv: KeyValues<'_>, head_dim: usize, out: &[f32]) -> Result<()> {
+    let positions = queries.positions();
+    let group = out
+        .len()
+        .checked_div(head_dim * positions)
+        .unwrap_or_default();
+    let longest = queries.longest();
+    let fits_kv = |len: usize| len >= kv.offset + (longest - 1) * kv.stride + head_dim;
+    let last_query = |group: usize| {
+        (positions - 1) * queries.position_stride + (group - 1) * queries.head_stride + head_dim
     };
-    let group = out.len().checked_div(head_dim).unwrap_or(0);
     if group == 0
-        || !out.len().is_multiple_of(head_dim)
-        || kv.visible == 0
-        || !fits(queries.rows.len(), 0, queries.stride, group)
-        || !fits(kv.keys.len(), kv.offset, kv.stride, kv.visible)
-        || !fits(kv.values.len(), kv.offset, kv.stride, kv.visible)
+        || !out.len().is_multiple_of(head_dim * positions)
+        || queries.visible.contains(&0)
+        || queries.rows.len() < last_query(group)
+        || !fits_kv(kv.keys.len())
+        || !fits_kv(kv.values.len())
     {
         return Err(Error::Shape(format!(
-            "attention of {} output values in heads of {head_dim} (queries: {} values, stride {}) \
-             over {} positions at offset {} stride {} ({} keys, {} values)",
+            "attention of {} output values in heads of {head_dim} at {positions} positions \
+             (queries: {} values, head stride {}, position stride {}) over up to {longest} \
+             positions at offset {} stride {} ({} keys, {} values)",
             out.len(),
             queries.rows.len(),
-            queries.stride,
-            kv.visible,
+            queries.head_stride,
+            queries.position_stride,
             kv.offset,
             kv.stride,
             kv.keys.len(),
@@ -250,28 +285,29 @@ mod portable {
     use super::*;
 
     pub(super) fn attend(
-        queries: QueryGroup<'_>,
+        queries: Queries<'_>,
         kv: KeyValues<'_>,
         hd: usize,
-        scores: &mut [f32],
+        scratch: Scratch<'_>,
         scale: f32,
         out: &mut [f32],
     ) {
-        let padded = scores.len() / (out.len() / hd);
-        for (g, row) in scores.chunks_exact_mut(padded).enumerate() {
-            let query = &queries.rows[g * queries.stride..][..hd];
-            for (t, score) in row[..kv.visible].iter_mut().enumerate() {
+        let padded = scratch.padded();
+        let group = scratch.totals.len() / queries.positions();
+        let rows = scratch.scores.chunks_exact_mut(padded);
+        for (r, (row, out)) in rows.zip(out.chunks_exact_mut(hd)).enumerate() {
+            let (p, g) = (r / group, r % group);
+            let visible = queries.visible[p];
+            let query =
+                &queries.rows[p * queries.position_stride + g * queries.head_stride..][..hd];
+            let row = &mut row[..visible.next_multiple_of(LANES)];
+            for (t, score) in row[..visible].iter_mut().enumerate() {
                 *score = dot(query, &kv.keys[kv.offset + t * kv.stride..][..hd]) * scale;
             }
-            row[kv.visible..].fill(f32::NEG_INFINITY);
-        }
-        for (row, out) in scores
-            .chunks_exact_mut(padded)
-            .zip(out.chunks_exact_mut(hd))
-        {
+            row[visible..].fill(f32::NEG_INFINITY);
             let total = exponentials(row);
             out.fill(0.0);
-            for (t, &e) in row[..kv.visible].iter().enumerate() {
+            for (t, &e) in row[..visible].iter().enumerate() {
                 let value = &kv.values[kv.offset + t * kv.stride..][..hd];
                 for (o, &v) in out.iter_mut().zip(value) {
                     *o = e.mul_add(v, *o);
@@ -331,82 +367,106 @@ mod x86 {
     /// The CPU has AVX2 and FMA, and [`check`] accepted the shapes.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn attend(
-        queries: QueryGroup<'_>,
+        queries: Queries<'_>,
         kv: KeyValues<'_>,
         hd: usize,
-        (scores, totals): (&mut [f32], &mut [f32]),
+        scratch: Scratch<'_>,
         scale: f32,
         out: &mut [f32],
     ) {
-        let padded = scores.len() / totals.len();
-        // SAFETY: `check` proved that the query of head g < group lies at
-        // g · stride within `queries.rows`, and the key and value of every
-        // position t < visible at offset + t · stride within theirs; scores
-        // hold `group` padded rows and `out` `group` rows of `hd`.
+        let padded = scratch.padded();
+        let Scratch { scores, totals } = scratch;
+        let group = totals.len() / queries.positions();
+        let visible = |row: usize| queries.visible[row / group];
+        // SAFETY: `check` proved that the query of head g < group at
+        // position p lies at p · position_stride + g · head_stride within
+        // `queries.rows`, and the key and value of every position t <
+        // visible[p] at offset + t · stride within theirs; the scores hold
+        // a padded row per query and `out` a row of `hd` per query.
         unsafe {
             let keys = kv.keys.as_ptr().add(kv.offset);
             let values = kv.values.as_ptr().add(kv.offset);
-            let q = queries.rows.as_ptr();
+            let query = |row: usize| {
+                let (p, g) = (row / group, row % group);
+                queries
+                    .rows
+                    .as_ptr()
+                    .add(p * queries.position_stride + g * queries.head_stride)
+            };
             let s = scores.as_mut_ptr();
-            let full = kv.visible / LANES * LANES;
-            // Eight keys at a time for every query of the group, so a block
-            // of keys is read from memory once.
-            for t in (0..full).step_by(LANES) {
-                for g in 0..totals.len() {
-                    let query = q.add(g * queries.stride);
-                    let mut acc = [_mm256_setzero_ps(); LANES];
-                    for c in (0..hd).step_by(LANES) {
-                        let qc = _mm256_loadu_ps(query.add(c));
-                        for (j, acc) in acc.iter_mut().enumerate() {
-                            let k = _mm256_loadu_ps(keys.add((t + j) * kv.stride + c));
-                            *acc = _mm256_fmadd_ps(qc, k, *acc);
+            // Eight keys at a time for every query of the tile, so a block
+            // of keys is read from memory once and then from L1; two
+            // queries at a time share each key vector loaded.
+            for t in (0..queries.longest()).step_by(LANES) {
+                let block = keys.add(t * kv.stride);
+                let mut row = 0;
+                while row < totals.len() {
+                    let at = s.add(row * padded + t);
+                    let whole = |row: usize| t + LANES <= visible(row);
+                    if row + 1 < totals.len() && whole(row) && whole(row + 1) {
+                        let both = (query(row), query(row + 1));
+                        let (a_low, b_low) = dot_two(both, block, kv.stride, hd);
+                        let (a_high, b_high) =
+                            dot_two(both, block.add(4 * kv.stride), kv.stride, hd);
+                        let scale = _mm256_set1_ps(scale);
+                        _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_set_m128(a_high, a_low), scale));
+                        let next = at.add(padded);
+                        _mm256_storeu_ps(
+                            next,
+                            _mm256_mul_ps(_mm256_set_m128(b_high, b_low), scale),
+                        );
+                        row += 2;
+                        continue;
+                    }
+                    if whole(row) {
+                        let each = dot_each(query(row), block, kv.stride, hd);
+                        _mm256_storeu_ps(at, _mm256_mul_ps(each, _mm256_set1_ps(scale)));
+                    } else {
+                        for j in 0..visible(row).saturating_sub(t) {
+                            *at.add(j) = dot(query(row), block.add(j * kv.stride), hd) * scale;
                         }
                     }
-                    let each = _mm256_mul_ps(sum_each(acc), _mm256_set1_ps(scale));
-                    _mm256_storeu_ps(s.add(g * padded + t), each);
+                    row += 1;
                 }
             }
-            for t in full..kv.visible {
-                for g in 0..totals.len() {
-                    let query = q.add(g * queries.stride);
-                    let mut acc = _mm256_setzero_ps();
-                    for c in (0..hd).step_by(LANES) {
-                        let k = _mm256_loadu_ps(keys.add(t * kv.stride + c));
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(query.add(c)), k, acc);
-                    }
-                    *s.add(g * padded + t) = sum(acc) * scale;
-                }
+            for (row, (scores, total)) in scores
+                .chunks_exact_mut(padded)
+                .zip(totals.iter_mut())
+                .enumerate()
+            {
+                let scores = &mut scores[..visible(row).next_multiple_of(LANES)];
+                scores[visible(row)..].fill(f32::NEG_INFINITY);
+                *total = exponentials(scores);
             }
-            for (row, total) in scores.chunks_exact_mut(padded).zip(totals.iter_mut()) {
-                row[kv.visible..].fill(f32::NEG_INFINITY);
-                *total = exponentials(row);
-            }
-            // Each output accumulates the keys in order; the group's queries
+            // Each output accumulates the keys in order; the tile's queries
             // take a block of values in turn while it is in L1.
             out.fill(0.0);
             let o = out.as_mut_ptr();
             let s = scores.as_ptr();
-            for block in (0..kv.visible).step_by(VALUE_BLOCK) {
-                let end = (block + VALUE_BLOCK).min(kv.visible);
-                for g in 0..totals.len() {
-                    for c in (0..hd).step_by(LANES * LANES) {
-                        let width = (hd - c).min(LANES * LANES) / LANES;
-                        let at = o.add(g * hd + c);
-                        let mut acc = [_mm256_setzero_ps(); LANES];
-                        for (i, acc) in acc.iter_mut().enumerate().take(width) {
-                            *acc = _mm256_loadu_ps(at.add(i * LANES));
+            let stride = kv.stride;
+            for block in (0..queries.longest()).step_by(VALUE_BLOCK) {
+                let end = |row: usize| (block + VALUE_BLOCK).min(visible(row));
+                let output = |row: usize| (o.add(row * hd), s.add(row * padded));
+                // Two queries at a time share each value vector loaded, as
+                // far as both see; then each alone to its own end.
+                let mut row = 0;
+                while row < totals.len() {
+                    if row + 1 < totals.len() {
+                        let common = end(row).min(end(row + 1));
+                        if common > block {
+                            let span = (block, common, stride);
+                            accumulate_two(output(row), output(row + 1), values, span, hd);
                         }
-                        for t in block..end {
-                            let e = _mm256_set1_ps(*s.add(g * padded + t));
-                            let value = values.add(t * kv.stride + c);
-                            for (i, acc) in acc.iter_mut().enumerate().take(width) {
-                                let v = _mm256_loadu_ps(value.add(i * LANES));
-                                *acc = _mm256_fmadd_ps(e, v, *acc);
-                            }
+                        for row in [row, row + 1] {
+                            let (out, weights) = output(row);
+                            let span = (common.max(block), end(row), stride);
+                            accumulate_one(out, weights, values, span, hd);
                         }
-                        for (i, acc) in acc.iter().enumerate().take(width) {
-                            _mm256_storeu_ps(at.add(i * LANES), *acc);
-                        }
+                        row += 2;
+                    } else {
+                        let (out, weights) = output(row);
+                        accumulate_one(out, weights, values, (block, end(row), stride), hd);
+                        row += 1;
                     }
                 }
             }
@@ -414,6 +474,186 @@ mod x86 {
         for (out, &total) in out.chunks_exact_mut(hd).zip(totals.iter()) {
             out.iter_mut().for_each(|o| *o /= total);
         }
+    }
+
+    /// Adds `weights[t] · values[t · stride]` for `t` in `start..end`, in
+    /// order, to one query's output row of `hd` values at `out`.
+    ///
+    /// # Safety
+    /// `out` holds `hd` values, `weights` `end` values, and each value row
+    /// `hd` values at `t · stride` for `t < end`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn accumulate_one(
+        out: *mut f32,
+        weights: *const f32,
+        values: *const f32,
+        span: (usize, usize, usize),
+        hd: usize,
+    ) {
+        if span.1 <= span.0 {
+            return;
+        }
+        for c in (0..hd).step_by(LANES * LANES) {
+            let (out, values) = (out.wrapping_add(c), values.wrapping_add(c));
+            let (o, w) = ([out], [weights]);
+            // SAFETY: the caller's bounds; the width fits `hd - c`.
+            unsafe {
+                // The width is a constant in each instance, so the
+                // accumulators stay in registers without a branch per
+                // vector.
+                match (hd - c).min(LANES * LANES) / LANES {
+                    8 => accumulate::<1, 8>(o, w, values, span),
+                    7 => accumulate::<1, 7>(o, w, values, span),
+                    6 => accumulate::<1, 6>(o, w, values, span),
+                    5 => accumulate::<1, 5>(o, w, values, span),
+                    4 => accumulate::<1, 4>(o, w, values, span),
+                    3 => accumulate::<1, 3>(o, w, values, span),
+                    2 => accumulate::<1, 2>(o, w, values, span),
+                    _ => accumulate::<1, 1>(o, w, values, span),
+                }
+            }
+        }
+    }
+
+    /// [`accumulate_one`] for two queries' rows over the same span, each
+    /// value vector loaded once for both.
+    ///
+    /// # Safety
+    /// As [`accumulate_one`], for both rows.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn accumulate_two(
+        a: (*mut f32, *const f32),
+        b: (*mut f32, *const f32),
+        values: *const f32,
+        span: (usize, usize, usize),
+        hd: usize,
+    ) {
+        for c in (0..hd).step_by(4 * LANES) {
+            let o = [a.0.wrapping_add(c), b.0.wrapping_add(c)];
+            let (w, values) = ([a.1, b.1], values.wrapping_add(c));
+            // SAFETY: the caller's bounds; the width fits `hd - c`.
+            unsafe {
+                match (hd - c).min(4 * LANES) / LANES {
+                    4 => accumulate::<2, 4>(o, w, values, span),
+                    3 => accumulate::<2, 3>(o, w, values, span),
+                    2 => accumulate::<2, 2>(o, w, values, span),
+                    _ => accumulate::<2, 1>(o, w, values, span),
+                }
+            }
+        }
+    }
+
+    /// Adds `weights[r][t] · values[t · stride]` for `t` in `start..end`, in
+    /// order, to the `W` vectors at `out[r]`, for each of `R` rows.
+    ///
+    /// # Safety
+    /// Each `out[r]` holds `8 W` values, each `weights[r]` `end` values, and
+    /// each value row `8 W` values at `t · stride` for `t < end`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn accumulate<const R: usize, const W: usize>(
+        out: [*mut f32; R],
+        weights: [*const f32; R],
+        values: *const f32,
+        (start, end, stride): (usize, usize, usize),
+    ) {
+        // SAFETY: the caller's bounds.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); W]; R];
+            for (acc, out) in acc.iter_mut().zip(out) {
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_loadu_ps(out.add(i * LANES));
+                }
+            }
+            for t in start..end {
+                let value = values.add(t * stride);
+                let e = weights.map(|w| _mm256_set1_ps(*w.add(t)));
+                for i in 0..W {
+                    let v = _mm256_loadu_ps(value.add(i * LANES));
+                    for (acc, e) in acc.iter_mut().zip(e) {
+                        acc[i] = _mm256_fmadd_ps(e, v, acc[i]);
+                    }
+                }
+            }
+            for (acc, out) in acc.iter().zip(out) {
+                for (i, acc) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(i * LANES), *acc);
+                }
+            }
+        }
+    }
+
+    /// The dot products of two queries with four consecutive keys (`stride`
+    /// apart), four lanes each, in the order of [`dot_each`].
+    ///
+    /// # Safety
+    /// Both queries hold `hd` values and each key `hd` values.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_two(
+        (a, b): (*const f32, *const f32),
+        keys: *const f32,
+        stride: usize,
+        hd: usize,
+    ) -> (__m128, __m128) {
+        let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+        for c in (0..hd).step_by(LANES) {
+            // SAFETY: c + 8 ≤ hd (the caller's bounds).
+            unsafe {
+                let q = [_mm256_loadu_ps(a.add(c)), _mm256_loadu_ps(b.add(c))];
+                for j in 0..4 {
+                    let k = _mm256_loadu_ps(keys.add(j * stride + c));
+                    for (acc, q) in acc.iter_mut().zip(q) {
+                        acc[j] = _mm256_fmadd_ps(q, k, acc[j]);
+                    }
+                }
+            }
+        }
+        (sum_four(acc[0]), sum_four(acc[1]))
+    }
+
+    /// Each of four vectors' lanes summed by the tree: the low half of
+    /// [`sum_each`].
+    #[target_feature(enable = "avx2,fma")]
+    fn sum_four(a: [__m256; 4]) -> __m128 {
+        let u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1))
+    }
+
+    /// The dot products of one query with eight consecutive keys (`stride`
+    /// apart), as one vector.
+    ///
+    /// # Safety
+    /// `query` holds `hd` values and each key `hd` values.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_each(query: *const f32, keys: *const f32, stride: usize, hd: usize) -> __m256 {
+        let mut acc = [_mm256_setzero_ps(); LANES];
+        for c in (0..hd).step_by(LANES) {
+            // SAFETY: c + 8 ≤ hd (the caller's bounds).
+            unsafe {
+                let qc = _mm256_loadu_ps(query.add(c));
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let k = _mm256_loadu_ps(keys.add(j * stride + c));
+                    *acc = _mm256_fmadd_ps(qc, k, *acc);
+                }
+            }
+        }
+        sum_each(acc)
+    }
+
+    /// One query's dot product with one key.
+    ///
+    /// # Safety
+    /// `query` and `key` hold `hd` values each.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot(query: *const f32, key: *const f32, hd: usize) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for c in (0..hd).step_by(LANES) {
+            // SAFETY: c + 8 ≤ hd (the caller's bounds).
+            unsafe {
+                let k = _mm256_loadu_ps(key.add(c));
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(query.add(c)), k, acc);
+            }
+        }
+        sum(acc)
     }
 
     /// Each of eight vectors' lanes summed by the tree, as one vector.
@@ -555,18 +795,19 @@ mod tests {
         let keys = seeded(visible * stride, 2, spread);
         let values = seeded(visible * stride, 3, 1.0);
         let mut out = vec![0f32; group * hd];
-        attend_group_with(
+        attend_with(
             tier,
-            QueryGroup {
+            Queries {
                 rows: &q,
-                stride: hd,
+                head_stride: hd,
+                position_stride: 0,
+                visible: &[visible],
             },
             KeyValues {
                 keys: &keys,
                 values: &values,
                 offset: hd,
                 stride,
-                visible,
             },
             hd,
             1.0 / (hd as f32).sqrt(),
@@ -678,18 +919,19 @@ mod tests {
         let values = seeded(10 * hd, 5, 1.0);
         for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
             let mut out = vec![0f32; hd];
-            attend_group_with(
+            attend_with(
                 tier,
-                QueryGroup {
+                Queries {
                     rows: &q,
-                    stride: hd,
+                    head_stride: hd,
+                    position_stride: 0,
+                    visible: &[10],
                 },
                 KeyValues {
                     keys: &keys,
                     values: &values,
                     offset: 0,
                     stride: hd,
-                    visible: 10,
                 },
                 hd,
                 0.25,
@@ -704,29 +946,107 @@ mod tests {
     fn slices_shorter_than_the_shapes_are_refused() {
         let (q, keys, values) = (vec![0f32; 64], vec![0f32; 64 * 4], vec![0f32; 64 * 4]);
         let mut out = vec![0f32; 64];
-        let attend = |visible: usize, offset: usize, out: &mut [f32]| {
-            attend_group(
-                QueryGroup {
+        let attempt = |visible: usize, offset: usize, out: &mut [f32]| {
+            attend(
+                Queries {
                     rows: &q,
-                    stride: 64,
+                    head_stride: 64,
+                    position_stride: 64,
+                    visible: &[visible],
                 },
                 KeyValues {
                     keys: &keys,
                     values: &values,
                     offset,
                     stride: 64,
-                    visible,
                 },
                 64,
                 1.0,
                 out,
             )
         };
-        assert!(attend(4, 0, &mut out).is_ok());
-        assert!(attend(5, 0, &mut out).is_err());
-        assert!(attend(4, 1, &mut out).is_err());
-        assert!(attend(0, 0, &mut out).is_err());
-        assert!(attend(1, 0, &mut vec![0f32; 128]).is_err());
-        assert!(attend(1, 0, &mut vec![0f32; 60]).is_err());
+        assert!(attempt(4, 0, &mut out).is_ok());
+        assert!(attempt(5, 0, &mut out).is_err());
+        assert!(attempt(4, 1, &mut out).is_err());
+        assert!(attempt(0, 0, &mut out).is_err());
+        assert!(attempt(1, 0, &mut vec![0f32; 128]).is_err());
+        assert!(attempt(1, 0, &mut vec![0f32; 60]).is_err());
+        // Two positions need two queries' values and two outputs.
+        let two = |q: &[f32], out: &mut [f32]| {
+            attend(
+                Queries {
+                    rows: q,
+                    head_stride: 64,
+                    position_stride: 64,
+                    visible: &[1, 2],
+                },
+                KeyValues {
+                    keys: &keys,
+                    values: &values,
+                    offset: 0,
+                    stride: 64,
+                },
+                64,
+                1.0,
+                out,
+            )
+        };
+        assert!(two(&[0f32; 128], &mut vec![0f32; 128]).is_ok());
+        assert!(two(&q, &mut vec![0f32; 128]).is_err());
+        assert!(two(&[0f32; 128], &mut vec![0f32; 64]).is_err());
+        assert!(two(&[0f32; 128], &mut vec![0f32; 192]).is_err());
+    }
+
+    /// A tile of positions gives each query the bits it gets alone, on
+    /// every tier: causal rows of every length around the lanes and the
+    /// value blocks, and trailing rows that stop growing (a padded
+    /// sequence's queries past its end).
+    #[test]
+    fn a_tile_of_positions_gives_each_query_its_bits_alone() {
+        for (hd, group) in [(64, 3), (128, 4), (20, 2)] {
+            let positions = 13;
+            let visible: Vec<usize> = (0..positions).map(|p| (60 + p).min(70)).collect();
+            let longest = visible[positions - 1];
+            // Queries laid out [heads, positions, hd], as the tensor forward
+            // holds them; two kv heads interleaved per cached position.
+            let q = seeded(group * positions * hd, 6, 3.0);
+            let keys = seeded(longest * 2 * hd, 7, 3.0);
+            let values = seeded(longest * 2 * hd, 8, 1.0);
+            let kv = KeyValues {
+                keys: &keys,
+                values: &values,
+                offset: hd,
+                stride: 2 * hd,
+            };
+            let scale = 1.0 / (hd as f32).sqrt();
+            let mut alone = vec![0f32; positions * group * hd];
+            for (p, out) in alone.chunks_exact_mut(group * hd).enumerate() {
+                let queries = Queries {
+                    rows: &q[p * hd..],
+                    head_stride: positions * hd,
+                    position_stride: 0,
+                    visible: &visible[p..=p],
+                };
+                attend_with(AttentionTier::Portable, queries, kv, hd, scale, out).unwrap();
+            }
+            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+                let mut tile = vec![0f32; positions * group * hd];
+                let queries = Queries {
+                    rows: &q,
+                    head_stride: positions * hd,
+                    position_stride: hd,
+                    visible: &visible,
+                };
+                attend_with(tier, queries, kv, hd, scale, &mut tile).unwrap();
+                let same = tile
+                    .iter()
+                    .zip(&alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{tier:?}: a tile differs from its positions alone (hd {hd})"
+                );
+            }
+        }
     }
 }

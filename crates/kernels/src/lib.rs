@@ -27,7 +27,7 @@ pub mod quantize;
 pub mod team;
 pub mod tiers;
 
-pub use attention::{AttentionTier, KeyValues, QueryGroup};
+pub use attention::{AttentionTier, KeyValues, Queries};
 pub use error::{Error, Result};
 pub use gemm::{GemmTier, PackedWeights, WEIGHT_QMAX};
 pub use hadamard::{Hadamard, HadamardTier};

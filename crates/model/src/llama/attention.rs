@@ -3,7 +3,7 @@
 //! whether the keys came from a cache, or how a prompt was chunked.
 //!
 //! Every path of the decoder attends through the kernel
-//! [`qforge_kernels::attention::attend_group`] (the batched forward and
+//! [`qforge_kernels::attention::attend`] (the batched forward and
 //! `step` here, the INT8 decoder in `decode`), whose arithmetic is fixed to
 //! the order of every addition and the same on every CPU tier, so a
 //! prefill, a chunked prefill, a decode step and teacher forcing over the
@@ -19,7 +19,7 @@
 //! batched: the rollout engine's log-probabilities are the trainer's.
 
 use candle_core::{Device, Layout, Storage, Tensor};
-use qforge_kernels::attention::{KeyValues, QueryGroup, attend_group};
+use qforge_kernels::attention::{KeyValues, Queries, attend};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -41,13 +41,19 @@ pub(super) struct SequenceKv<'a> {
     pub start: usize,
 }
 
+/// Query positions of one sequence attended together: each block of keys
+/// and values read then serves this many positions' queries. Measured on
+/// SmolLM2's 8 192-token INT8 prefill (see BENCHMARKS.md).
+const TILE: usize = 4;
+
 /// Causal attention of `q: [b, heads, seq, hd]` over the keys and values of
 /// each sequence (`kv[s]`, whose queries sit at positions `kv[s].start..`):
 /// query `i` of sequence `s` sees keys up to its own position and before the
-/// sequence's padding (`lengths[s]` real tokens from its start). Every query
-/// of every sequence is one task of one parallel loop, so a batched decode
-/// step attends all its sequences in one call. Returns
-/// `[b, seq, heads · hd]`.
+/// sequence's padding (`lengths[s]` real tokens from its start). Each tile
+/// of [`TILE`] query positions of one key/value head of one sequence is one
+/// task of one parallel loop, so a batched decode step attends all its
+/// sequences in one call and a prefill spreads over the threads by tiles.
+/// Returns `[b, seq, heads · hd]`.
 pub(super) fn causal(
     q: &Tensor,
     kv: &[SequenceKv<'_>],
@@ -77,36 +83,52 @@ pub(super) fn causal(
     let q = q.contiguous()?;
     let (q_storage, q_layout) = q.storage_and_layout();
     let q = values(&q_storage, q_layout, q.elem_count())?;
-    let row = heads * hd;
-    let mut out = vec![0f32; b * seq * row];
-    // One task per (sequence, query position, key/value head): the group of
-    // query heads sharing that key/value head is contiguous in the output
-    // row, and a single decode step still spreads over the threads.
-    out.par_chunks_mut(group * hd)
+    let tiles = seq.div_ceil(TILE);
+    let tile_len = TILE * group * hd;
+    // The tiles' outputs, `[b, kv_heads, tiles · TILE, group, hd]`: a tile
+    // holds its positions' heads of one key/value group, which the output
+    // row interleaves with the other groups', so they are put in place
+    // after.
+    let mut tiled = vec![0f32; b * kv_heads * tiles * tile_len];
+    tiled
+        .par_chunks_mut(tile_len)
         .enumerate()
         .try_for_each(|(at, out)| {
-            let (s, i, g) = (at / (seq * kv_heads), at / kv_heads % seq, at % kv_heads);
+            let (s, g, tile) = (at / (kv_heads * tiles), at / tiles % kv_heads, at % tiles);
             let sequence = &kv[s];
+            let first = tile * TILE;
+            let positions = TILE.min(seq - first);
             // A padding query (never observed) sees the real keys only.
-            let visible = sequence.start + (i + 1).min(lengths[s]);
-            let query = ((s * heads + g * group) * seq + i) * hd;
-            attend_group(
-                QueryGroup {
+            let mut visible = [0; TILE];
+            for (j, visible) in visible[..positions].iter_mut().enumerate() {
+                *visible = sequence.start + (first + j + 1).min(lengths[s]);
+            }
+            let query = ((s * heads + g * group) * seq + first) * hd;
+            attend(
+                Queries {
                     rows: &q[query..],
-                    stride: seq * hd,
+                    head_stride: seq * hd,
+                    position_stride: hd,
+                    visible: &visible[..positions],
                 },
                 KeyValues {
                     keys: sequence.keys,
                     values: sequence.values,
                     offset: g * sequence.head_step,
                     stride: sequence.stride,
-                    visible,
                 },
                 hd,
                 scale,
-                out,
+                &mut out[..positions * group * hd],
             )
         })?;
+    let row = heads * hd;
+    let mut out = vec![0f32; b * seq * row];
+    for (at, attended) in out.chunks_exact_mut(group * hd).enumerate() {
+        let (s, i, g) = (at / (seq * kv_heads), at / kv_heads % seq, at % kv_heads);
+        let from = ((s * kv_heads + g) * tiles * TILE + i) * group * hd;
+        attended.copy_from_slice(&tiled[from..from + group * hd]);
+    }
     Ok(Tensor::from_vec(out, (b, seq, row), &Device::Cpu)?)
 }
 

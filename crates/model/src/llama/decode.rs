@@ -7,7 +7,7 @@
 //! norms, rotary embedding and attention, each op allocating its result.
 
 use candle_core::{DType, Storage, Tensor};
-use qforge_kernels::attention::{KeyValues, QueryGroup, attend_group, reserve};
+use qforge_kernels::attention::{KeyValues, Queries, attend, reserve};
 use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD};
 use qforge_kernels::{Int8Linear, Team};
 
@@ -439,17 +439,18 @@ fn attend_heads(
             let kv_head = head / group;
             let count = ((kv_head + 1) * group - head).min(out.len() / dim);
             let (these, rest) = out.split_at_mut(count * dim);
-            let attended = attend_group(
-                QueryGroup {
+            let attended = attend(
+                Queries {
                     rows: &q[head * dim..],
-                    stride: dim,
+                    head_stride: dim,
+                    position_stride: 0,
+                    visible: &[visible],
                 },
                 KeyValues {
                     keys: &layer.keys,
                     values: &layer.values,
                     offset: kv_head * capacity * dim,
                     stride: dim,
-                    visible,
                 },
                 dim,
                 scale,
