@@ -55,6 +55,11 @@ def measure(args):
     with open(TEXT) as f:
         text = f.read()
     prefill, decode = [], []
+    # llama-bench warms up before it measures; so does qforge, once per precision, so
+    # that the first length does not pay for reading the model file (the FP32 row at
+    # 128 tokens was 414 tokens/s cold and 588-634 warm on one machine).
+    for _, precision in QFORGE_PRECISIONS:
+        qforge_generate(qforge, text, 128, precision, 1)
     for length in args.lengths:
         for engine, precision in QFORGE_PRECISIONS:
             run = qforge_generate(qforge, text, length, precision, 1)

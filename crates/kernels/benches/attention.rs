@@ -3,6 +3,11 @@
 //! heads of 128), over 128 to 8 192 cached positions laid out as the KV
 //! cache holds them: every tier of `attention::attend`. Throughput is
 //! in cached positions attended per second.
+//!
+//! `prefill`: the AVX2 tier's attention of 8 consecutive query positions of
+//! one group ending at position N, as one tile (what a prefill runs) and as
+//! 8 calls of one position each (as decode steps attend); throughput in query
+//! positions per second.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use qforge_kernels::attention::{AttentionTier, KeyValues, Queries, attend_with};
@@ -61,12 +66,64 @@ fn attention(c: &mut Criterion) {
     group.finish();
 }
 
+fn prefill(c: &mut Criterion) {
+    const TILE: usize = 8;
+    let tier = AttentionTier::detect();
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut group = c.benchmark_group("prefill");
+    group.throughput(Throughput::Elements(TILE as u64));
+    for (name, heads, hd, kv_heads) in SHAPES {
+        let row = kv_heads * hd;
+        let longest = POSITIONS[POSITIONS.len() - 1];
+        let keys = values(&mut rng, longest * row);
+        let cached = values(&mut rng, longest * row);
+        // Queries `[heads, TILE, hd]`, as the tensor forward holds them.
+        let queries = values(&mut rng, heads * TILE * hd);
+        let mut out = vec![0f32; TILE * heads * hd];
+        let kv = KeyValues {
+            keys: &keys,
+            values: &cached,
+            offset: 0,
+            stride: row,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        for last in POSITIONS {
+            let visible: Vec<usize> = (last + 1 - TILE..=last).collect();
+            let tile = Queries {
+                rows: &queries,
+                head_stride: TILE * hd,
+                position_stride: hd,
+                visible: &visible,
+            };
+            let id = BenchmarkId::new(format!("{name}/tile"), last);
+            group.bench_function(id, |b| {
+                b.iter(|| attend_with(tier, tile, kv, hd, scale, &mut out).expect("shapes fit"))
+            });
+            let id = BenchmarkId::new(format!("{name}/positions"), last);
+            group.bench_function(id, |b| {
+                b.iter(|| {
+                    for (p, out) in out.chunks_exact_mut(heads * hd).enumerate() {
+                        let one = Queries {
+                            rows: &queries[p * hd..],
+                            head_stride: TILE * hd,
+                            position_stride: 0,
+                            visible: &visible[p..=p],
+                        };
+                        attend_with(tier, one, kv, hd, scale, out).expect("shapes fit");
+                    }
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(std::time::Duration::from_millis(500))
         .measurement_time(std::time::Duration::from_secs(2))
         .sample_size(20);
-    targets = attention
+    targets = attention, prefill
 }
 criterion_main!(benches);
