@@ -356,7 +356,7 @@ mod x86 {
 
     use super::*;
 
-    /// Keys whose values are accumulated for every query of the group before
+    /// Keys whose values are accumulated for every query of the tile before
     /// the next block is read: 64 values of 128 dimensions are 32 KiB.
     const VALUE_BLOCK: usize = 64;
 
@@ -374,105 +374,150 @@ mod x86 {
         scale: f32,
         out: &mut [f32],
     ) {
-        let padded = scratch.padded();
+        let tile = Tile {
+            queries,
+            group: scratch.totals.len() / queries.positions(),
+            hd,
+            padded: scratch.padded(),
+        };
         let Scratch { scores, totals } = scratch;
-        let group = totals.len() / queries.positions();
-        let visible = |row: usize| queries.visible[row / group];
         // SAFETY: `check` proved that the query of head g < group at
         // position p lies at p · position_stride + g · head_stride within
         // `queries.rows`, and the key and value of every position t <
         // visible[p] at offset + t · stride within theirs; the scores hold
         // a padded row per query and `out` a row of `hd` per query.
+        unsafe { score(tile, kv, scores.as_mut_ptr(), scale) };
+        for (row, (scores, total)) in scores
+            .chunks_exact_mut(tile.padded)
+            .zip(totals.iter_mut())
+            .enumerate()
+        {
+            let scores = &mut scores[..tile.visible(row).next_multiple_of(LANES)];
+            scores[tile.visible(row)..].fill(f32::NEG_INFINITY);
+            *total = exponentials(scores);
+        }
+        out.fill(0.0);
+        // SAFETY: as above.
+        unsafe { weigh_values(tile, kv, scores.as_ptr(), out.as_mut_ptr()) };
+        for (out, &total) in out.chunks_exact_mut(hd).zip(totals.iter()) {
+            out.iter_mut().for_each(|o| *o /= total);
+        }
+    }
+
+    /// The queries of one call, row `p · group + g` for head `g` of
+    /// position `p`, and the length of a row of scores.
+    #[derive(Clone, Copy)]
+    struct Tile<'a> {
+        queries: Queries<'a>,
+        group: usize,
+        hd: usize,
+        padded: usize,
+    }
+
+    impl Tile<'_> {
+        fn rows(&self) -> usize {
+            self.queries.positions() * self.group
+        }
+
+        fn visible(&self, row: usize) -> usize {
+            self.queries.visible[row / self.group]
+        }
+
+        /// The first of a row's query values (a pointer into the checked
+        /// `rows`).
+        fn query(&self, row: usize) -> *const f32 {
+            let (p, g) = (row / self.group, row % self.group);
+            let at = p * self.queries.position_stride + g * self.queries.head_stride;
+            self.queries.rows[at..].as_ptr()
+        }
+    }
+
+    /// Each row's scores `q·k · scale` for the keys it sees, into its row
+    /// of `scores` (`tile.padded` apart). Eight keys at a time for every
+    /// query of the tile, so a block of keys is read from memory once and
+    /// then from L1; two queries at a time share each key vector loaded.
+    ///
+    /// # Safety
+    /// [`check`] accepted the tile and `kv`, and `scores` holds a padded row
+    /// per query.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn score(tile: Tile<'_>, kv: KeyValues<'_>, scores: *mut f32, scale: f32) {
+        let Tile { hd, padded, .. } = tile;
+        let stride = kv.stride;
+        let scales = _mm256_set1_ps(scale);
+        // SAFETY: the caller's bounds: row r's scores for keys t < visible(r).
         unsafe {
             let keys = kv.keys.as_ptr().add(kv.offset);
-            let values = kv.values.as_ptr().add(kv.offset);
-            let query = |row: usize| {
-                let (p, g) = (row / group, row % group);
-                queries
-                    .rows
-                    .as_ptr()
-                    .add(p * queries.position_stride + g * queries.head_stride)
-            };
-            let s = scores.as_mut_ptr();
-            // Eight keys at a time for every query of the tile, so a block
-            // of keys is read from memory once and then from L1; two
-            // queries at a time share each key vector loaded.
-            for t in (0..queries.longest()).step_by(LANES) {
-                let block = keys.add(t * kv.stride);
+            for t in (0..tile.queries.longest()).step_by(LANES) {
+                let block = keys.add(t * stride);
+                let whole = |row: usize| t + LANES <= tile.visible(row);
                 let mut row = 0;
-                while row < totals.len() {
-                    let at = s.add(row * padded + t);
-                    let whole = |row: usize| t + LANES <= visible(row);
-                    if row + 1 < totals.len() && whole(row) && whole(row + 1) {
-                        let both = (query(row), query(row + 1));
-                        let (a_low, b_low) = dot_two(both, block, kv.stride, hd);
-                        let (a_high, b_high) =
-                            dot_two(both, block.add(4 * kv.stride), kv.stride, hd);
-                        let scale = _mm256_set1_ps(scale);
-                        _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_set_m128(a_high, a_low), scale));
-                        let next = at.add(padded);
-                        _mm256_storeu_ps(
-                            next,
-                            _mm256_mul_ps(_mm256_set_m128(b_high, b_low), scale),
-                        );
+                while row < tile.rows() {
+                    let at = scores.add(row * padded + t);
+                    if row + 1 < tile.rows() && whole(row) && whole(row + 1) {
+                        let both = (tile.query(row), tile.query(row + 1));
+                        let (a_low, b_low) = dot_two(both, block, stride, hd);
+                        let (a_high, b_high) = dot_two(both, block.add(4 * stride), stride, hd);
+                        let a = _mm256_set_m128(a_high, a_low);
+                        let b = _mm256_set_m128(b_high, b_low);
+                        _mm256_storeu_ps(at, _mm256_mul_ps(a, scales));
+                        _mm256_storeu_ps(at.add(padded), _mm256_mul_ps(b, scales));
                         row += 2;
                         continue;
                     }
                     if whole(row) {
-                        let each = dot_each(query(row), block, kv.stride, hd);
-                        _mm256_storeu_ps(at, _mm256_mul_ps(each, _mm256_set1_ps(scale)));
+                        let each = dot_each(tile.query(row), block, stride, hd);
+                        _mm256_storeu_ps(at, _mm256_mul_ps(each, scales));
                     } else {
-                        for j in 0..visible(row).saturating_sub(t) {
-                            *at.add(j) = dot(query(row), block.add(j * kv.stride), hd) * scale;
+                        for j in 0..tile.visible(row).saturating_sub(t) {
+                            *at.add(j) = dot(tile.query(row), block.add(j * stride), hd) * scale;
                         }
                     }
                     row += 1;
                 }
             }
-            for (row, (scores, total)) in scores
-                .chunks_exact_mut(padded)
-                .zip(totals.iter_mut())
-                .enumerate()
-            {
-                let scores = &mut scores[..visible(row).next_multiple_of(LANES)];
-                scores[visible(row)..].fill(f32::NEG_INFINITY);
-                *total = exponentials(scores);
-            }
-            // Each output accumulates the keys in order; the tile's queries
-            // take a block of values in turn while it is in L1.
-            out.fill(0.0);
-            let o = out.as_mut_ptr();
-            let s = scores.as_ptr();
-            let stride = kv.stride;
-            for block in (0..queries.longest()).step_by(VALUE_BLOCK) {
-                let end = |row: usize| (block + VALUE_BLOCK).min(visible(row));
-                let output = |row: usize| (o.add(row * hd), s.add(row * padded));
-                // Two queries at a time share each value vector loaded, as
-                // far as both see; then each alone to its own end.
+        }
+    }
+
+    /// Adds each row's `weights[t] · value[t]`, keys in order, to its row of
+    /// `out` (zeroed). The tile's queries take a block of values in turn
+    /// while it is in L1; two queries at a time share each value vector
+    /// loaded, as far as both see, then each goes on alone to its own end.
+    ///
+    /// # Safety
+    /// [`check`] accepted the tile and `kv`, `weights` holds a padded row per
+    /// query and `out` a row of `hd` per query.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weigh_values(tile: Tile<'_>, kv: KeyValues<'_>, weights: *const f32, out: *mut f32) {
+        let Tile { hd, padded, .. } = tile;
+        let stride = kv.stride;
+        // SAFETY: the caller's bounds: row r's values for keys t < visible(r).
+        unsafe {
+            let values = kv.values.as_ptr().add(kv.offset);
+            let row_of = |row: usize| (out.add(row * hd), weights.add(row * padded));
+            for block in (0..tile.queries.longest()).step_by(VALUE_BLOCK) {
+                let end = |row: usize| (block + VALUE_BLOCK).min(tile.visible(row));
                 let mut row = 0;
-                while row < totals.len() {
-                    if row + 1 < totals.len() {
+                while row < tile.rows() {
+                    if row + 1 < tile.rows() {
                         let common = end(row).min(end(row + 1));
                         if common > block {
                             let span = (block, common, stride);
-                            accumulate_two(output(row), output(row + 1), values, span, hd);
+                            accumulate_two(row_of(row), row_of(row + 1), values, span, hd);
                         }
                         for row in [row, row + 1] {
-                            let (out, weights) = output(row);
+                            let (out, weights) = row_of(row);
                             let span = (common.max(block), end(row), stride);
                             accumulate_one(out, weights, values, span, hd);
                         }
                         row += 2;
                     } else {
-                        let (out, weights) = output(row);
+                        let (out, weights) = row_of(row);
                         accumulate_one(out, weights, values, (block, end(row), stride), hd);
                         row += 1;
                     }
                 }
             }
-        }
-        for (out, &total) in out.chunks_exact_mut(hd).zip(totals.iter()) {
-            out.iter_mut().for_each(|o| *o /= total);
         }
     }
 
