@@ -365,6 +365,38 @@ fn padding_kv_cache_and_observation_keep_their_contracts() {
     let step: Vec<f32> = step.unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert!(max_diff(&step, &last_logits(&model, std::slice::from_ref(&long))[0]) < 1e-4);
 
+    // Without a reservation the cache grows as it fills and keeps what it
+    // held; a refused forward leaves it as it was.
+    let mut grown = model.new_cache();
+    for chunk in [&long[..5], &long[5..8]] {
+        model
+            .forward(&[chunk.to_vec()], Some(&mut grown), None, Logits::Last)
+            .unwrap();
+    }
+    let refused = vec![VOCAB as u32 + 5];
+    assert!(
+        model
+            .forward(&[refused], Some(&mut grown), None, Logits::Last)
+            .is_err()
+    );
+    assert_eq!(grown.len(), 8);
+    let mut grown_step = None;
+    for &t in &long[8..] {
+        grown_step = Some(
+            model
+                .forward(&[vec![t]], Some(&mut grown), None, Logits::Last)
+                .unwrap(),
+        );
+    }
+    assert!(grown.capacity() >= long.len());
+    let grown_step: Vec<f32> = grown_step
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert!(max_diff(&grown_step, &step) < 1e-4);
+
     // Every distinct linear input is observed, padding never.
     let mut observer = StatsObserver::new(Statistics::Histograms { per_channel: true });
     model

@@ -26,10 +26,10 @@ use crate::error::{Error, Result};
 
 /// Where one sequence's keys and values lie: the key of kv head `g` at
 /// position `t` starts at `g * head_step + t * stride` in `keys` (and its value
-/// at the same index in `values`). A KV cache is position-major
-/// (`head_step = head_dim`, `stride = kv_heads · head_dim`); the keys of a
-/// forward without a cache are head-major tensors (`head_step = keys ·
-/// head_dim`, `stride = head_dim`). The key and value of a position sit at the
+/// at the same index in `values`). A KV cache is head-major with room for
+/// `capacity` positions per head (`head_step = capacity · head_dim`, `stride
+/// = head_dim`), and so are the keys of a forward without a cache
+/// (`head_step = keys · head_dim`). The key and value of a position sit at the
 /// same index whatever the layout, so every layout gives the same bits.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct SequenceKv<'a> {

@@ -133,9 +133,8 @@ struct DecodeLayer<'m> {
 
 impl DecodeLayer<'_> {
     /// Stores position `pos`'s keys and values, given position-major (every
-    /// head's `head_dim` values in turn, as the projections and the tensor
-    /// forward's cache hold them), into the head-major cache of `capacity`
-    /// positions per head.
+    /// head's `head_dim` values in turn, as the projections give them), into
+    /// the head-major cache of `capacity` positions per head.
     fn store(
         &mut self,
         pos: usize,
@@ -285,14 +284,12 @@ impl<'m> Decoder<'m> {
             )));
         }
         self.model.check_cache(cache)?;
-        let (hd, row) = (cache.head_dim, cache.kv_heads * cache.head_dim);
-        for (layer, cached) in self.layers.iter_mut().zip(&cache.layers) {
-            let positions = cached
-                .keys
-                .chunks_exact(row)
-                .zip(cached.values.chunks_exact(row));
-            for (pos, (keys, values)) in positions.take(cache.len).enumerate() {
-                layer.store(pos, self.capacity, hd, keys, values);
+        let run = self.capacity * cache.head_dim;
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            for head in 0..cache.kv_heads {
+                let (keys, values) = cache.head(i, head);
+                layer.keys[head * run..][..keys.len()].copy_from_slice(keys);
+                layer.values[head * run..][..values.len()].copy_from_slice(values);
             }
         }
         self.len = cache.len;

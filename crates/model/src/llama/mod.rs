@@ -86,40 +86,29 @@ pub enum Logits {
 }
 
 /// Keys and values of one sequence's positions seen so far, per layer,
-/// position-major (`[positions, kv_heads · head_dim]`, the layout the INT8
-/// [`Decoder`] keeps too). A position's keys are appended in place:
-/// [`KvCache::reserve`] sizes the buffers once for a sequence's whole
-/// reservation, so decoding a long sequence never copies what is cached
-/// (without a reservation they grow as a `Vec` does, by doubling).
+/// head-major (`[kv_heads, capacity, head_dim]`, the layout the INT8
+/// [`Decoder`] keeps too): a decode step's attention reads each key/value
+/// head's keys, then its values, as one contiguous run. A position's keys are
+/// written in place: [`KvCache::reserve`] sizes the buffers once for a
+/// sequence's whole reservation, so decoding a long sequence never copies
+/// what is cached (without a reservation the capacity doubles as it runs
+/// out, copying once per doubling).
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     layers: Vec<CachedLayer>,
     len: usize,
+    /// Positions each head's run holds room for.
+    capacity: usize,
     kv_heads: usize,
     head_dim: usize,
 }
 
-/// One layer's cached keys and values, `[len, kv_heads · head_dim]` each.
-#[derive(Debug, Default)]
+/// One layer's cached keys and values, `[kv_heads, capacity, head_dim]`
+/// each; positions from the cache's `len` on hold nothing committed.
+#[derive(Debug, Clone, Default)]
 struct CachedLayer {
     keys: Vec<f32>,
     values: Vec<f32>,
-}
-
-/// A clone keeps the reservation (a `Vec`'s clone would drop it): a sequence
-/// forked from a cache grows as the original would.
-impl Clone for CachedLayer {
-    fn clone(&self) -> Self {
-        let copy = |v: &Vec<f32>| {
-            let mut out = Vec::with_capacity(v.capacity());
-            out.extend_from_slice(v);
-            out
-        };
-        Self {
-            keys: copy(&self.keys),
-            values: copy(&self.values),
-        }
-    }
 }
 
 impl KvCache {
@@ -131,26 +120,41 @@ impl KvCache {
     /// Makes room for `positions` positions in all (cached ones included),
     /// so that growing to them allocates nothing more.
     pub fn reserve(&mut self, positions: usize) {
-        let values = positions.saturating_sub(self.len) * self.kv_heads * self.head_dim;
-        for layer in &mut self.layers {
-            layer.keys.reserve(values);
-            layer.values.reserve(values);
+        if positions > self.capacity {
+            self.grow_to(positions);
         }
     }
 
     /// Positions the cache holds room for without reallocating.
     pub fn capacity(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| {
-                l.keys.capacity().min(l.values.capacity()) / (self.kv_heads * self.head_dim).max(1)
-            })
-            .min()
-            .unwrap_or(0)
+        self.capacity
     }
 
-    /// Appends to layer `layer` the keys and values of sequence `sequence`
-    /// of `k`, `v: [b, kv_heads, seq, head_dim]`, transposed to rows.
+    /// Moves every layer into buffers of `capacity` positions per head,
+    /// each head's run copied whole (a forward under way may have written
+    /// past `len` in some layers).
+    fn grow_to(&mut self, capacity: usize) {
+        let (old, hd) = (self.capacity, self.head_dim);
+        for layer in &mut self.layers {
+            for buffer in [&mut layer.keys, &mut layer.values] {
+                let mut grown = vec![0f32; self.kv_heads * capacity * hd];
+                if old > 0 {
+                    for (from, to) in buffer
+                        .chunks_exact(old * hd)
+                        .zip(grown.chunks_exact_mut(capacity * hd))
+                    {
+                        to[..old * hd].copy_from_slice(from);
+                    }
+                }
+                *buffer = grown;
+            }
+        }
+        self.capacity = capacity;
+    }
+
+    /// Writes into layer `layer`, at the positions after the committed
+    /// ones, the keys and values of sequence `sequence` of `k`, `v: [b,
+    /// kv_heads, seq, head_dim]`: each head's `seq` rows are one run in both.
     fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor, sequence: usize) -> Result<()> {
         let (b, kv_heads, seq, hd) = k.dims4()?;
         if (kv_heads, hd) != (self.kv_heads, self.head_dim)
@@ -165,28 +169,22 @@ impl KvCache {
                 self.head_dim
             )));
         }
+        let needed = self.len + seq;
+        if needed > self.capacity {
+            self.grow_to(needed.max(2 * self.capacity));
+        }
+        let (at, capacity) = (self.len * hd, self.capacity * hd);
         let cached = &mut self.layers[layer];
         for (tensor, target) in [(k, &mut cached.keys), (v, &mut cached.values)] {
             let tensor = tensor.contiguous()?;
             let (storage, layout) = tensor.storage_and_layout();
             let all = attention::values(&storage, layout, tensor.elem_count())?;
             let of_sequence = &all[sequence * kv_heads * seq * hd..][..kv_heads * seq * hd];
-            for t in 0..seq {
-                for head in of_sequence.chunks_exact(seq * hd) {
-                    target.extend_from_slice(&head[t * hd..(t + 1) * hd]);
-                }
+            for (head, rows) in of_sequence.chunks_exact(seq * hd).enumerate() {
+                target[head * capacity + at..][..seq * hd].copy_from_slice(rows);
             }
         }
         Ok(())
-    }
-
-    /// Drops what a failed forward appended past the committed positions.
-    fn forget_uncommitted(&mut self) {
-        let values = self.len * self.kv_heads * self.head_dim;
-        for layer in &mut self.layers {
-            layer.keys.truncate(values);
-            layer.values.truncate(values);
-        }
     }
 
     /// The cached keys and values of `layer` as attention reads them, the
@@ -196,10 +194,22 @@ impl KvCache {
         attention::SequenceKv {
             keys: &cached.keys,
             values: &cached.values,
-            head_step: self.head_dim,
-            stride: self.kv_heads * self.head_dim,
+            head_step: self.capacity * self.head_dim,
+            stride: self.head_dim,
             start,
         }
+    }
+
+    /// Layer `layer`'s keys and values of key/value head `head`, the
+    /// committed positions' rows in turn.
+    pub(super) fn head(&self, layer: usize, head: usize) -> (&[f32], &[f32]) {
+        let cached = &self.layers[layer];
+        let run = head * self.capacity * self.head_dim..;
+        let committed = self.len * self.head_dim;
+        (
+            &cached.keys[run.clone()][..committed],
+            &cached.values[run][..committed],
+        )
     }
 
     /// Whether nothing is cached.
@@ -724,6 +734,7 @@ impl Llama {
         KvCache {
             layers: vec![CachedLayer::default(); self.layers.len()],
             len: 0,
+            capacity: 0,
             kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
         }
@@ -776,11 +787,9 @@ impl Llama {
                 None => attention::causal_over_tensors(q, k, v, &lengths),
             },
         );
-        if let Some(kv) = cache {
-            match x {
-                Ok(_) => kv.len += seq,
-                Err(_) => kv.forget_uncommitted(),
-            }
+        // A failed forward's keys lie past `len`, where nothing reads them.
+        if let (Some(kv), Ok(_)) = (cache, &x) {
+            kv.len += seq;
         }
         self.logits_of(x?, &lengths, logits)
     }
@@ -1039,13 +1048,11 @@ impl Llama {
                 attention::causal(q, &views, kv_heads, &lengths)
             },
         );
-        for cache in caches.iter_mut() {
-            match x {
-                Ok(_) => cache.len += 1,
-                Err(_) => cache.forget_uncommitted(),
-            }
-        }
+        // A failed step's keys lie past `len`, where nothing reads them.
         let x = x?;
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+        }
         self.lm_head.forward(&x.reshape((n, c.hidden_size))?)
     }
 
