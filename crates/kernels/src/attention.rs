@@ -26,8 +26,8 @@
 //! row of `visible` floats (32 KiB at 8 192 keys) that stays in the cache;
 //! no matrix of scores over a whole prompt's queries exists, only a tile's
 //! rows. Keys are read from memory once per tile in blocks of eight, values
-//! once per tile in blocks that stay in L1: a tile of 8 positions of
-//! SmolLM2's 3-head groups reads the cache an eighth as often as a position
+//! once per tile in blocks that stay in L1: a tile of 4 positions of
+//! SmolLM2's 3-head groups reads the cache a quarter as often as a position
 //! at a time, which is what a long prefill spends its time on.
 
 use std::cell::RefCell;
