@@ -1,9 +1,9 @@
 //! GPTQ's solver: preparing a layer input's inverse Hessian factor
 //! (`Gptq::new`: the dampened Cholesky factorization and a triangular
 //! inverse) and rounding a layer's weights with it (`Gptq::round`), on the
-//! input widths of SmolLM2 (576, and 1 536 for `down_proj`) and of
-//! Llama-3.2-1B (2 048). The Hessians are Gram matrices of correlated
-//! inputs, as a layer's are.
+//! input widths of SmolLM2 (576, and 1 536 for `down_proj`), of
+//! Llama-3.2-1B (2 048) and of Llama-3-8B (4 096). The Hessians are Gram
+//! matrices of correlated inputs, as a layer's are.
 //!
 //! Throughput counts multiply-adds: `n³ / 3` each for the factorization and
 //! the inverse, `out · n² / 2` for the rounding's updates.
@@ -44,8 +44,8 @@ fn bench_gptq(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(11);
     let options = GptqOptions::default();
     // (input width, output rows): SmolLM2's gate/up and down_proj, the 1B
-    // shape's q_proj.
-    for (n, out) in [(576, 1536), (1536, 576), (2048, 2048)] {
+    // shape's q_proj, Llama-3-8B's k_proj.
+    for (n, out) in [(576, 1536), (1536, 576), (2048, 2048), (4096, 1024)] {
         let h = hessian(n, 2 * n, &mut rng);
         let cube = (n * n * n) as u64;
         group.throughput(Throughput::Elements(2 * cube / 3));

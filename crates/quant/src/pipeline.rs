@@ -755,9 +755,9 @@ fn round_group(
     options: &GptqOptions,
 ) -> Result<BTreeMap<String, Int8Weight>> {
     // Every input's solve is its own, so inputs run side by side on the
-    // rayon pool (a factorization is serial; the layers of one input and
-    // the rows of one layer are parallel too), and the result does not
-    // depend on the thread count.
+    // rayon pool (as do the blocks of one factorization, the layers of one
+    // input and the rows of one layer), and the result does not depend on
+    // the thread count.
     let linears = model.linears();
     let rounded = grams
         .par_iter()
