@@ -21,6 +21,8 @@
 //! instruction where a product and an addition took two, made it faster
 //! again (BENCHMARKS.md, "GPTQ's time").
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
 
 /// Rows per chunk of an observation whose f32 sums are rounded to fixed point
@@ -156,7 +158,8 @@ impl Gram {
     /// Adds `values` with a chosen kernel tier; errors if the CPU lacks it.
     /// Tests use this to compare tiers. A refused observation leaves the
     /// matrix unchanged. Nothing the size of the matrix is allocated: sums
-    /// are added in place, a panel of rows at a time.
+    /// are added in place, a panel of rows at a time, the panels side by
+    /// side on the rayon pool.
     pub fn observe_with(&mut self, tier: GramTier, values: &[f32]) -> Result<()> {
         if !tier.is_supported() {
             return Err(Error::UnsupportedTier(format!("{tier:?}")));
@@ -178,36 +181,25 @@ impl Gram {
         // subtracting them restores every entry), recomputing the chunks.
         let scale = 2f64.powi(self.exponent);
         let padded = width.next_multiple_of(PANEL);
-        let (mut packed, mut strip) = (Vec::new(), Vec::new());
+        let mut packed = Vec::new();
         let chunks = || values.chunks(CHUNK_ROWS * width);
         for (done, chunk) in chunks().enumerate() {
             pack(chunk, width, padded, &mut packed);
-            let add = Direction::Add;
-            let Err(entry) = apply_chunk(
-                tier,
-                &packed,
-                width,
-                &mut self.upper,
-                scale,
-                &mut strip,
-                add,
-            ) else {
+            let upper = &mut self.upper;
+            let applied = apply_chunk(tier, &packed, width, upper, scale, Direction::Add, None);
+            let Some(entry) = first_refused(width, &applied) else {
                 continue;
             };
             for (c, chunk) in chunks().take(done + 1).enumerate() {
                 pack(chunk, width, padded, &mut packed);
-                let added = if c == done { entry } else { self.upper.len() };
-                let upper = &mut self.upper[..added];
-                apply_chunk(
-                    tier,
-                    &packed,
-                    width,
-                    upper,
-                    scale,
-                    &mut strip,
-                    Direction::Take,
-                )
-                .expect("taking back what was added cannot overflow");
+                let limits = (c == done).then_some(applied.as_slice());
+                let taken =
+                    apply_chunk(tier, &packed, width, upper, scale, Direction::Take, limits);
+                let all_taken = match limits {
+                    Some(added) => taken == added,
+                    None => first_refused(width, &taken).is_none(),
+                };
+                assert!(all_taken, "taking back what was added cannot overflow");
             }
             let (i, j) = upper_entry(width, entry);
             return Err(self.overflow(i, j));
@@ -399,65 +391,116 @@ enum Direction {
     Take,
 }
 
-/// Adds one chunk (`packed` by [`pack`]) to `upper`, or takes it back out:
-/// for each panel of [`PANEL`] rows of the matrix, the tiles' sums on or
-/// above the diagonal into `strip` (that panel's part of the upper
-/// triangle), then scaled, rounded and added as integers. `upper` may be a
-/// first part of the triangle (taking back an observation cut short).
-/// `Err(index)`: the entry at `index` could not be added; those before it
-/// were.
+/// Adds one chunk (`packed` by [`pack`]) to `upper`, or takes it back out,
+/// a panel of [`PANEL`] matrix rows at a time: the panel's sums on or above
+/// the diagonal ([`panel_sums`]), then scaled, rounded and applied as
+/// integers. Panels are disjoint runs of the triangle, so they run side by
+/// side on the rayon pool; each entry's value does not depend on which
+/// thread computed it. `limits` applies only the first `limits[p]` entries
+/// of panel `p` (taking back an observation cut short). Returns the entries
+/// each panel applied: a panel short of its length stopped at an entry that
+/// could not be applied, and applied none after it.
 fn apply_chunk(
     tier: GramTier,
     packed: &[f32],
     width: usize,
     upper: &mut [i128],
     scale: f64,
-    strip: &mut Vec<f32>,
     direction: Direction,
-) -> std::result::Result<(), usize> {
-    match tier {
-        GramTier::Portable => chunk_portable(packed, width, upper, scale, strip, direction),
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked `tier.is_supported()`.
-        GramTier::Avx2 => unsafe { chunk_avx2(packed, width, upper, scale, strip, direction) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        GramTier::Avx512 => unsafe { chunk_avx512(packed, width, upper, scale, strip, direction) },
-        #[cfg(not(target_arch = "x86_64"))]
-        GramTier::Avx2 | GramTier::Avx512 => unreachable!("rejected by is_supported"),
+    limits: Option<&[usize]>,
+) -> Vec<usize> {
+    let mut panels = Vec::with_capacity(width.div_ceil(PANEL));
+    let mut rest = upper;
+    for pi in 0..width.div_ceil(PANEL) {
+        let (panel, after) = rest.split_at_mut(panel_len(width, pi));
+        panels.push(panel);
+        rest = after;
     }
+    panels
+        .into_par_iter()
+        .enumerate()
+        .map_init(Vec::new, |strip, (pi, entries)| {
+            let limit = limits.map_or(entries.len(), |l| l[pi]);
+            let entries = &mut entries[..limit];
+            if entries.is_empty() {
+                return 0;
+            }
+            let panel = Panel {
+                packed,
+                width,
+                index: pi,
+                scale,
+                direction,
+            };
+            match tier {
+                GramTier::Portable => panel_portable(&panel, entries, strip),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the caller checked `tier.is_supported()`.
+                GramTier::Avx2 => unsafe { panel_avx2(&panel, entries, strip) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                GramTier::Avx512 => unsafe { panel_avx512(&panel, entries, strip) },
+                #[cfg(not(target_arch = "x86_64"))]
+                GramTier::Avx2 | GramTier::Avx512 => unreachable!("rejected by is_supported"),
+            }
+        })
+        .collect()
 }
 
-/// The kernel behind [`apply_chunk`]: a panel of [`PANEL`] matrix rows at
-/// a time ([`panel_sums`]), each panel's integers applied to `upper` before
-/// the next. `inline(always)` so each tier compiles its own copy (the
-/// rounding too: without SSE4.1 it is a library call).
-#[inline(always)]
-fn chunk_kernel<const ROWS: usize, const PANELS: usize>(
-    packed: &[f32],
-    width: usize,
-    upper: &mut [i128],
-    scale: f64,
-    strip: &mut Vec<f32>,
-    direction: Direction,
-) -> std::result::Result<(), usize> {
-    let rows = packed.len() / width.next_multiple_of(PANEL);
-    for pi in 0..width.div_ceil(PANEL) {
-        let base = upper_index(width, pi * PANEL, pi * PANEL);
-        if base >= upper.len() {
-            break;
+/// Entries of the triangle in panel `pi`'s rows.
+fn panel_len(width: usize, pi: usize) -> usize {
+    let (first, last) = (pi * PANEL, ((pi + 1) * PANEL).min(width));
+    upper_index(width, last, last) - upper_index(width, first, first)
+}
+
+/// The first entry of the triangle that [`apply_chunk`] could not apply,
+/// from the entries each panel applied; `None` when it applied them all.
+fn first_refused(width: usize, applied: &[usize]) -> Option<usize> {
+    let mut base = 0;
+    for (pi, &done) in applied.iter().enumerate() {
+        let len = panel_len(width, pi);
+        if done < len {
+            return Some(base + done);
         }
-        let sums = panel_sums::<ROWS, PANELS>(packed, rows, width, pi, strip);
-        for (at, (entry, &sum)) in upper[base..].iter_mut().zip(sums.iter()).enumerate() {
-            let fixed = to_fixed(f64::from(sum) * scale);
-            let applied = fixed.and_then(|fixed| match direction {
-                Direction::Add => entry.checked_add(fixed),
-                Direction::Take => entry.checked_sub(fixed),
-            });
-            *entry = applied.ok_or(base + at)?;
+        base += len;
+    }
+    None
+}
+
+/// One panel's part of a chunk for [`panel_kernel`].
+struct Panel<'a> {
+    packed: &'a [f32],
+    width: usize,
+    index: usize,
+    scale: f64,
+    direction: Direction,
+}
+
+/// The kernel behind [`apply_chunk`] for one panel: its sums, each turned
+/// into an integer and applied to its entry in order, up to the first that
+/// cannot be. Returns the entries applied. `inline(always)` so each tier
+/// compiles its own copy (the rounding too: without SSE4.1 it is a library
+/// call).
+#[inline(always)]
+fn panel_kernel<const ROWS: usize, const PANELS: usize>(
+    panel: &Panel<'_>,
+    entries: &mut [i128],
+    strip: &mut Vec<f32>,
+) -> usize {
+    let rows = panel.packed.len() / panel.width.next_multiple_of(PANEL);
+    let sums = panel_sums::<ROWS, PANELS>(panel.packed, rows, panel.width, panel.index, strip);
+    for (at, (entry, &sum)) in entries.iter_mut().zip(sums.iter()).enumerate() {
+        let fixed = to_fixed(f64::from(sum) * panel.scale);
+        let applied = fixed.and_then(|fixed| match panel.direction {
+            Direction::Add => entry.checked_add(fixed),
+            Direction::Take => entry.checked_sub(fixed),
+        });
+        match applied {
+            Some(value) => *entry = value,
+            None => return at,
         }
     }
-    Ok(())
+    entries.len()
 }
 
 /// The sums of matrix rows `pi · PANEL ..` (one panel, cut at the width)
@@ -481,20 +524,23 @@ fn panel_sums<'a, const ROWS: usize, const PANELS: usize>(
     let base = upper_index(width, first, first);
     strip.resize(upper_index(width, last, last) - base, 0.0);
     let panel = |p: usize| &packed[p * rows * PANEL..(p + 1) * rows * PANEL];
-    for offset in (0..last - first).step_by(ROWS) {
-        let i0 = first + offset;
-        let mut pj = pi;
-        while pj < panels {
-            if pj + PANELS <= panels {
+    // Panels `pj` outermost: each is read from memory once and serves every
+    // tile of rows from L2 (rows outermost read the whole packed chunk,
+    // 16 MB for a 4 096-wide one, once per tile).
+    let mut pj = pi;
+    while pj < panels {
+        let whole = pj + PANELS <= panels;
+        for offset in (0..last - first).step_by(ROWS) {
+            let i0 = first + offset;
+            if whole {
                 let sums = tile::<ROWS, PANELS>(panel(pi), offset, &packed[pj * rows * PANEL..]);
                 hand_over(&sums, i0, pj, width, base, strip);
-                pj += PANELS;
             } else {
                 let sums = tile::<ROWS, 1>(panel(pi), offset, panel(pj));
                 hand_over(&sums, i0, pj, width, base, strip);
-                pj += 1;
             }
         }
+        pj += if whole { PANELS } else { 1 };
     }
     strip
 }
@@ -554,44 +600,23 @@ fn hand_over<const ROWS: usize, const PANELS: usize>(
 /// target without an FMA instruction (baseline x86-64) each fused
 /// multiply-add is a call to libm's `fmaf`: slow, and only run where the
 /// CPU has no AVX2; aarch64 has the instruction.
-fn chunk_portable(
-    packed: &[f32],
-    width: usize,
-    upper: &mut [i128],
-    scale: f64,
-    strip: &mut Vec<f32>,
-    direction: Direction,
-) -> std::result::Result<(), usize> {
-    chunk_kernel::<4, 1>(packed, width, upper, scale, strip, direction)
+fn panel_portable(panel: &Panel<'_>, entries: &mut [i128], strip: &mut Vec<f32>) -> usize {
+    panel_kernel::<4, 1>(panel, entries, strip)
 }
 
 /// Tiles of 4 rows × one panel: 8 of AVX2's 16 registers hold the sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn chunk_avx2(
-    packed: &[f32],
-    width: usize,
-    upper: &mut [i128],
-    scale: f64,
-    strip: &mut Vec<f32>,
-    direction: Direction,
-) -> std::result::Result<(), usize> {
-    chunk_kernel::<4, 1>(packed, width, upper, scale, strip, direction)
+fn panel_avx2(panel: &Panel<'_>, entries: &mut [i128], strip: &mut Vec<f32>) -> usize {
+    panel_kernel::<4, 1>(panel, entries, strip)
 }
 
 /// Tiles of 4 rows × two panels: 8 of AVX-512's 32 registers hold the sums.
 /// (LLVM keeps an 8-row tile in memory, not registers: 8× slower.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn chunk_avx512(
-    packed: &[f32],
-    width: usize,
-    upper: &mut [i128],
-    scale: f64,
-    strip: &mut Vec<f32>,
-    direction: Direction,
-) -> std::result::Result<(), usize> {
-    chunk_kernel::<4, 2>(packed, width, upper, scale, strip, direction)
+fn panel_avx512(panel: &Panel<'_>, entries: &mut [i128], strip: &mut Vec<f32>) -> usize {
+    panel_kernel::<4, 2>(panel, entries, strip)
 }
 
 #[cfg(test)]
@@ -649,6 +674,27 @@ mod tests {
                     Err(e) => panic!("{e}"),
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_integers_do_not_depend_on_the_thread_count() {
+        let (rows, width) = (CHUNK_ROWS + 300, 70);
+        let v = values(rows, width, 3);
+        let exponent = Gram::exponent_for(4.0, rows as u64).unwrap();
+        let on = |threads| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut gram = Gram::new(width, exponent).unwrap();
+            pool.install(|| gram.observe(&v)).unwrap();
+            gram
+        };
+        let one = on(1);
+        assert_eq!(one.upper(), reference(&v, width, exponent));
+        for threads in [2, 3] {
+            assert_eq!(on(threads), one, "{threads} threads");
         }
     }
 
@@ -714,23 +760,35 @@ mod tests {
         );
         assert!(matches!(gram.observe(&[1.0]), Err(Error::Shape(_))));
         assert_eq!(gram, before);
-        // A value far out of range in the last of three chunks, past the
-        // first panel: the chunks before it and the entries of its chunk
-        // before the first bad one were added, and are taken back.
+        // A value far out of range in the last of three chunks: the chunks
+        // before it, the entries of its chunk before the first bad one and
+        // the panels after it (run side by side) were added, and are taken
+        // back. First in the first panel; then, with the row's first panel
+        // of values zero, in the second of three, between two that were
+        // added whole.
         let width = 40;
         let rows = 2 * CHUNK_ROWS + 88;
-        let mut v = values(rows, width, 5);
-        v[(rows - 1) * width + 35] = 1e18;
-        for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
-            if !tier.is_supported() {
-                continue;
+        let mut first_panel = values(rows, width, 5);
+        first_panel[(rows - 1) * width + 35] = 1e18;
+        let mut middle_panel = first_panel.clone();
+        middle_panel[(rows - 1) * width..(rows - 1) * width + PANEL].fill(0.0);
+        middle_panel[(rows - 1) * width + 20] = 1e18;
+        for (v, entry) in [
+            (first_panel, "entry (0, 35)"),
+            (middle_panel, "entry (16, 20)"),
+        ] {
+            for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
+                if !tier.is_supported() {
+                    continue;
+                }
+                let exponent = Gram::exponent_for(4.0, rows as u64).unwrap();
+                let mut gram = Gram::new(width, exponent).unwrap();
+                gram.observe(&v[..100 * width]).unwrap();
+                let before = gram.clone();
+                let e = gram.observe_with(tier, &v).unwrap_err();
+                assert!(e.to_string().contains(entry), "{e}");
+                assert_eq!(gram, before, "{tier:?}");
             }
-            let mut gram = Gram::new(width, Gram::exponent_for(4.0, rows as u64).unwrap()).unwrap();
-            gram.observe(&v[..100 * width]).unwrap();
-            let before = gram.clone();
-            let e = gram.observe_with(tier, &v).unwrap_err();
-            assert!(e.to_string().contains("entry (0, 35)"), "{e}");
-            assert_eq!(gram, before, "{tier:?}");
         }
         // Merging past i128 is refused too.
         let mut big = Gram::from_parts(1, 0, 1, vec![i128::MAX - 1]).unwrap();
