@@ -13,7 +13,13 @@ vLLM's fastest INT8 format needs), and reports:
 - whether every worker count wrote the same artifact bytes;
 - the artifact's INT8 decode speed (`qforge generate --prompt-ids`, 128 prompt tokens, 64
   generated) and the rate at which it reads its linear weights, to set beside the
-  machine's read bandwidth (`cargo bench -p qforge-kernels --bench gemm -- memory`).
+  machine's read bandwidth (`cargo bench -p qforge-kernels --bench gemm -- memory`);
+- for the first worker count, `qforge export --format compressed-tensors` (time, peak
+  memory, bytes) and the verdict of the independent reader,
+  scripts/check_compressed_tensors.py (a rejected export stops the script).
+
+Needs numpy and safetensors: run it with the test venv's Python (`.venv/bin/python`,
+made by scripts/test.sh).
 
 With --calibrate-only it runs `qforge calibrate` instead (the activation pass alone: what
 a model too slow to quantize whole here still shows of time and memory).
@@ -30,9 +36,12 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import threading
 import time
 from pathlib import Path
+
+import check_compressed_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 QFORGE = os.environ.get("QFORGE", str(ROOT / "target/release/qforge"))
@@ -112,6 +121,20 @@ def calibrate(args, model, data):
               f"| {r['peak_anon_gib']:.2f} GiB |")
 
 
+def export(artifact, out):
+    """`qforge export --format compressed-tensors` of the artifact, timed, and its
+    verdict from the independent reader (scripts/check_compressed_tensors.py)."""
+    shutil.rmtree(out, ignore_errors=True)
+    wall, rss, anon, _ = run_measured([QFORGE, "export", "--model", str(artifact), "--format",
+                                       "compressed-tensors", "-o", str(out), "--json"])
+    started = time.monotonic()
+    summary = check_compressed_tensors.check(out, artifact)
+    return {"export_s": round(wall, 1), "export_peak_anon_gib": round(anon, 2),
+            "export_bytes": summary["file_bytes"],
+            "export_quantized_layers": summary["quantized_layers"],
+            "reader_s": round(time.monotonic() - started, 1)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama3.2-1b")
@@ -163,6 +186,8 @@ def main():
         row["decode_tokens_per_s"] = round(decode["decode_tokens_per_s"], 2)
         row["weight_read_gb_per_s"] = round(
             decode["decode_tokens_per_s"] * decode["linear_weight_bytes"] / 1e9, 1)
+        if not rows:
+            row.update(export(out, args.workdir / f"{args.shape}-compressed-tensors"))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     result = {"shape": args.shape, "samples": args.samples, "seq_len": args.seq_len,
@@ -181,6 +206,11 @@ def main():
               f"| {r['peak_anon_gib']:.2f} GiB | {r['fp_layers']} of {r['total_layers']} "
               f"| {r['decode_tokens_per_s']:.1f} tok/s | {r['weight_read_gb_per_s']:.1f} GB/s |")
     print(f"artifacts identical across worker counts: {result['identical']}")
+    first = rows[0]
+    print(f"compressed-tensors export of the {first['workers']}-worker artifact: "
+          f"{first['export_bytes'] / 1e9:.2f} GB in {first['export_s']:.0f} s, peak anonymous "
+          f"{first['export_peak_anon_gib']:.2f} GiB; the independent reader accepted its "
+          f"{first['export_quantized_layers']} int8 layers in {first['reader_s']:.0f} s")
 
 
 if __name__ == "__main__":

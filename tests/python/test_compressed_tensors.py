@@ -1,19 +1,24 @@
-"""An independent reader of qforge's compressed-tensors export (Python `safetensors`
-+ numpy, no torch, no qforge code): `qforge quantize` SmolLM2 with static, dynamic
-and full-precision layers, `qforge export --format compressed-tensors`, then check
-what vLLM reads — the quantization_config, every tensor's name, dtype and shape, no
-zero points — and that the dequantized weights equal the native artifact's.
+"""qforge's compressed-tensors export read by an independent reader
+(`scripts/check_compressed_tensors.py`: Python `safetensors` + numpy, no torch, no
+qforge code): `qforge quantize` SmolLM2 with static, dynamic and full-precision
+layers, `qforge export --format compressed-tensors`, then check what vLLM reads — the
+quantization_config, every tensor's name, dtype and shape, no zero points — and that
+the dequantized weights equal the native artifact's.
 """
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
+import pytest
+from safetensors.numpy import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from check_compressed_tensors import ExportError, check  # noqa: E402
 QFORGE = os.environ.get("QFORGE", str(ROOT / "target/release/qforge"))
 FP_POINT = "model.layers.0.mlp.down_proj"
 
@@ -46,31 +51,18 @@ def test_export_reads_back_as_w8a8(tmp_path):
     static = [g for g in groups if g["input_activations"]["strategy"] == "tensor"]
     dynamic = [g for g in groups if g["input_activations"]["strategy"] == "token"]
     assert len(static) == 1 and len(dynamic) == 0  # lm_head, the only dynamic layer, is ignored
-    for g in groups:
-        w = g["weights"]
-        assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["dynamic"]) == \
-            (8, "int", True, "channel", False)
-    assert static[0]["input_activations"]["dynamic"] is False
     targets = static[0]["targets"]
     layers = config["num_hidden_layers"]
     assert len(targets) == 7 * layers - 1  # every linear but lm_head and the FP down_proj
 
+    # The reader vLLM's side of the format needs: every target's tensors, and
+    # dequantized weights equal to the native artifact's.
+    summary = check(tmp_path / "ct", tmp_path / "artifact")
+    assert summary["quantized_layers"] == len(targets)
+    assert summary["static_layers"] == len(targets)
+
     tensors = load_file(str(tmp_path / "ct/model.safetensors"))
-    native = load_file(str(tmp_path / "artifact/model.safetensors"))
-    assert not any("zero_point" in name for name in tensors)
     assert "lm_head.weight" not in tensors  # tied: vLLM reuses the embedding
-    for name in targets:
-        weight, scale = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
-        input_scale = tensors[f"{name}.input_scale"]
-        assert weight.dtype == np.int8 and weight.ndim == 2, name
-        assert scale.dtype == np.float32 and scale.shape == (weight.shape[0], 1), name
-        assert input_scale.dtype == np.float32 and input_scale.shape == (1,), name
-        assert input_scale[0] > 0 and np.all(scale > 0), name
-        # Symmetric per-channel: every row uses its whole range on one side.
-        assert np.all(np.abs(weight.astype(np.int32)).max(axis=1) >= 63), name
-        dequantized = weight.astype(np.float32) * scale
-        ours = native[f"{name}.weight"].astype(np.float32) * native[f"{name}.weight_scale"]
-        np.testing.assert_array_equal(dequantized, ours)
     assert tensors[f"{FP_POINT}.weight"].dtype == np.float32
     assert f"{FP_POINT}.weight_scale" not in tensors
     hidden = config["hidden_size"]
@@ -79,3 +71,20 @@ def test_export_reads_back_as_w8a8(tmp_path):
 
     verified = qforge("verify", "ct", cwd=tmp_path)
     assert verified["files"] == 4
+
+    # The reader refuses what vLLM would read wrongly: one row's scale off by
+    # a factor of two, and weights declared asymmetric.
+    name = targets[3]
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    (tampered / "config.json").write_text((tmp_path / "ct/config.json").read_text())
+    tensors[f"{name}.weight_scale"] = tensors[f"{name}.weight_scale"].copy()
+    tensors[f"{name}.weight_scale"][5, 0] *= 2
+    save_file(tensors, str(tampered / "model.safetensors"))
+    with pytest.raises(ExportError, match=f"{name}: dequantized weights differ"):
+        check(tampered, tmp_path / "artifact")
+    first_group = next(iter(config["quantization_config"]["config_groups"].values()))
+    first_group["weights"]["symmetric"] = False
+    (tampered / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="weights"):
+        check(tampered, tmp_path / "artifact")
