@@ -477,7 +477,7 @@ fn solve_stride(n: usize) -> usize {
 const SOLVE_BLOCK: usize = 32;
 
 /// In-place Cholesky factorization `A = L Lᵀ` of the lower triangle of `a`
-/// (row-major `n × n`; the upper triangle is ignored and left as is), a
+/// (`n × n`, rows `stride` apart; the upper triangle is ignored), a
 /// block of [`SOLVE_BLOCK`] columns at a time: first the block on the
 /// diagonal, then every block of rows below it side by side on the rayon
 /// pool. A row block's entries in these columns need only its own earlier
