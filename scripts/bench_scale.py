@@ -7,6 +7,8 @@ The model and its token-id calibration data come from scripts/make_synthetic_mod
 vLLM's fastest INT8 format needs), and reports:
 
 - wall time, and each pass's time as qforge prints it;
+- a timeline: every progress line qforge writes, with the time and the memory then
+  (echoed as the run goes, and kept in the JSON);
 - peak memory, sampled from /proc every 100 ms: the whole resident set, and its anonymous
   part (the process's own memory, without the pages of the memory-mapped weight files,
   which the kernel can drop and re-read);
@@ -69,11 +71,15 @@ def status_kib(pid, field):
 
 
 def run_measured(args):
-    """Runs `args`; returns (wall seconds, peak VmRSS GiB, peak RssAnon GiB, stdout)."""
+    """Runs `args`; returns (wall seconds, peak VmRSS GiB, peak RssAnon GiB, stdout,
+    timeline). The timeline holds each line qforge writes to stderr (its progress) with
+    the seconds since the start and the resident and anonymous memory then; each is also
+    echoed, so that a long run can be followed. The peaks are sampled every 100 ms."""
     started = time.monotonic()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peaks = {"VmRSS": 0, "RssAnon": 0}
     stop = threading.Event()
+    gib = 1 << 20
 
     def sample():
         while not stop.is_set():
@@ -83,16 +89,28 @@ def run_measured(args):
                     peaks[field] = max(peaks[field], value)
             stop.wait(0.1)
 
+    output = []
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
     sampler = threading.Thread(target=sample, daemon=True)
+    reader.start()
     sampler.start()
-    stdout, stderr = proc.communicate()
+    timeline = []
+    for line in proc.stderr:
+        at = {"s": round(time.monotonic() - started, 1),
+              "rss_gib": round((status_kib(proc.pid, "VmRSS") or 0) / gib, 2),
+              "anon_gib": round((status_kib(proc.pid, "RssAnon") or 0) / gib, 2),
+              "line": line.rstrip()}
+        timeline.append(at)
+        print(f"  [{at['s']:7.1f} s, {at['anon_gib']:5.2f} GiB anonymous] {at['line']}",
+              file=sys.stderr, flush=True)
+    proc.wait()
+    reader.join()
     stop.set()
     sampler.join()
     wall = time.monotonic() - started
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(args)} failed ({proc.returncode}):\n{stderr}")
-    gib = 1 << 20
-    return wall, peaks["VmRSS"] / gib, peaks["RssAnon"] / gib, stdout
+        sys.exit(f"{' '.join(args)} failed ({proc.returncode})")
+    return wall, peaks["VmRSS"] / gib, peaks["RssAnon"] / gib, output[0], timeline
 
 
 def calibrate(args, model, data):
@@ -102,7 +120,7 @@ def calibrate(args, model, data):
         command = [QFORGE, "calibrate", "--model", str(model), "--data", str(data),
                    "--samples", str(args.samples), "--seq-len", str(args.seq_len),
                    "--workers", str(workers), "-o", str(out), "--json"]
-        wall, rss, anon, stdout = run_measured(command)
+        wall, rss, anon, stdout, _ = run_measured(command)
         summary = json.loads(stdout)
         rows.append({"workers": workers, "wall_s": round(wall, 1),
                      "pass_s": round(summary["seconds"], 1),
@@ -125,7 +143,7 @@ def export(artifact, out):
     """`qforge export --format compressed-tensors` of the artifact, timed, and its
     verdict from the independent reader (scripts/check_compressed_tensors.py)."""
     shutil.rmtree(out, ignore_errors=True)
-    wall, rss, anon, _ = run_measured([QFORGE, "export", "--model", str(artifact), "--format",
+    wall, rss, anon, _, _ = run_measured([QFORGE, "export", "--model", str(artifact), "--format",
                                        "compressed-tensors", "-o", str(out), "--json"])
     started = time.monotonic()
     summary = check_compressed_tensors.check(out, artifact)
@@ -161,7 +179,7 @@ def main():
         command = [QFORGE, "quantize", "--model", str(model), "--data", str(data),
                    "--samples", str(args.samples), "--seq-len", str(args.seq_len),
                    *args.recipe.split(), "--workers", str(workers), "-o", str(out), "--json"]
-        wall, rss, anon, stdout = run_measured(command)
+        wall, rss, anon, stdout, timeline = run_measured(command)
         report = json.loads(stdout)
         recorded = json.loads((out / "report.json").read_text())
         passes = [(p["pass"], p["seconds"]) for p in recorded["calibration"]["passes"]]
@@ -177,6 +195,7 @@ def main():
             "perplexity_change": report["after"]["perplexity_increase"]
             if report.get("after") else None,
             "artifact_sha256": digest,
+            "timeline": timeline,
         }
         prompt = json.loads(data.read_text().splitlines()[0])["token_ids"][:128]
         generated = subprocess.run(
@@ -189,7 +208,7 @@ def main():
         if not rows:
             row.update(export(out, args.workdir / f"{args.shape}-compressed-tensors"))
         rows.append(row)
-        print(json.dumps(row), file=sys.stderr)
+        print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), file=sys.stderr)
     result = {"shape": args.shape, "samples": args.samples, "seq_len": args.seq_len,
               "recipe": args.recipe, "identical": len(digests) == 1, "runs": rows}
     (ROOT / "target").mkdir(exist_ok=True)

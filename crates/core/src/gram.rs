@@ -276,8 +276,9 @@ impl Gram {
     }
 
     /// The matrix as f64, `width × width`, row-major and symmetric: each
-    /// integer divided by `2^exponent` (rounded to the nearest f64).
-    pub fn to_matrix(&self) -> Vec<f64> {
+    /// integer divided by `2^exponent` (rounded to the nearest f64). The
+    /// integers are freed on return, not kept beside their f64 copy.
+    pub fn into_matrix(self) -> Vec<f64> {
         let n = self.width;
         let unscale = 2f64.powi(-self.exponent);
         let mut out = vec![0.0; n * n];
@@ -733,7 +734,7 @@ mod tests {
         assert_eq!(a.rows(), total as u64);
         // The matrix is the Gram matrix up to the f32 sums' rounding: about
         // √1024 · 2⁻²⁴ ≈ 2e-6 of the products' sizes over a chunk.
-        let m = a.to_matrix();
+        let m = a.clone().into_matrix();
         let (i, j) = (2, 9);
         let products = || {
             v.chunks_exact(width)

@@ -27,6 +27,7 @@
 //! CPU whose GEMM cannot take 8, see `Int8Linear::from_quantized`).
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -209,72 +210,134 @@ fn precision_of(points: &BTreeMap<String, LayerPrecision>, point: &str) -> Resul
     })
 }
 
-/// Tensors to write, by name: dtype, shape and little-endian bytes.
-#[derive(Default)]
-struct TensorsOut(BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>);
+/// A tensor [`write_safetensors`] writes: its dtype and shape up front (the
+/// header needs every tensor's size), its bytes only when its turn comes,
+/// so that a file larger than memory (an 8B model's artifact) is never held
+/// whole.
+pub trait TensorSource {
+    /// The stored dtype.
+    fn dtype(&self) -> Dtype;
+    /// The stored shape.
+    fn shape(&self) -> &[usize];
+    /// Writes the tensor's little-endian bytes, `shape`'s product times the
+    /// dtype's size of them, to `out`. A tensor that cannot be made fails
+    /// as an I/O error carrying its cause.
+    fn write_to(&self, out: &mut dyn Write) -> std::io::Result<()>;
+}
 
-impl TensorsOut {
-    fn f32(&mut self, name: String, tensor: &Tensor) -> Result<()> {
+impl TensorSource for safetensors::tensor::TensorView<'_> {
+    fn dtype(&self) -> Dtype {
+        safetensors::tensor::TensorView::dtype(self)
+    }
+
+    fn shape(&self) -> &[usize] {
+        safetensors::tensor::TensorView::shape(self)
+    }
+
+    fn write_to(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        out.write_all(self.data())
+    }
+}
+
+/// Writes `tensor`'s values as little-endian f32, a chunk at a time: a
+/// tensor's bytes are never all in memory at once.
+fn write_f32(tensor: &Tensor, out: &mut dyn Write) -> std::io::Result<()> {
+    let chunk = crate::spill::CHUNK / 4;
+    let flat = tensor.flatten_all().map_err(std::io::Error::other)?;
+    let count = flat.elem_count();
+    for start in (0..count).step_by(chunk) {
+        let values = flat
+            .narrow(0, start, chunk.min(count - start))
+            .and_then(|part| part.to_dtype(DType::F32)?.to_vec1::<f32>())
+            .map_err(std::io::Error::other)?;
+        crate::spill::write_f32(&values, out)?;
+    }
+    Ok(())
+}
+
+/// Makes a tensor's bytes and writes them out.
+type MakeBytes<'a> = Box<dyn Fn(&mut dyn Write) -> std::io::Result<()> + 'a>;
+
+/// An artifact tensor, made when it is written.
+struct Pending<'a> {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    make: MakeBytes<'a>,
+}
+
+impl TensorSource for Pending<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn write_to(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        (self.make)(out)
+    }
+}
+
+/// Tensors to write, by name.
+#[derive(Default)]
+struct TensorsOut<'a>(BTreeMap<String, Pending<'a>>);
+
+impl<'a> TensorsOut<'a> {
+    fn add(
+        &mut self,
+        name: String,
+        (dtype, shape): (Dtype, Vec<usize>),
+        make: impl Fn(&mut dyn Write) -> std::io::Result<()> + 'a,
+    ) {
+        let make = Box::new(make);
+        self.0.insert(name, Pending { dtype, shape, make });
+    }
+
+    fn f32(&mut self, name: String, tensor: Tensor) {
         let shape = tensor.dims().to_vec();
-        let values = tensor
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        self.0.insert(
-            name,
-            (
-                Dtype::F32,
-                shape,
-                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ),
-        );
-        Ok(())
+        self.add(name, (Dtype::F32, shape), move |out| {
+            write_f32(&tensor, out)
+        });
     }
 
     /// A linear layer of the full-precision model, written in `precision`.
-    fn linear(&mut self, name: &str, layer: &Linear, precision: LayerPrecision) -> Result<()> {
-        let (weight, bias) = layer.full_precision()?;
+    fn linear(&mut self, name: &str, layer: &'a Linear, precision: LayerPrecision) -> Result<()> {
         let (out, inp) = layer.shape();
         match precision {
-            LayerPrecision::Fp => self.f32(format!("{name}.weight"), &weight)?,
+            LayerPrecision::Fp => self.add(
+                format!("{name}.weight"),
+                (Dtype::F32, vec![out, inp]),
+                |w| {
+                    let (weight, _) = layer.full_precision().map_err(std::io::Error::other)?;
+                    write_f32(&weight, w)
+                },
+            ),
             LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. } => {
-                let int8 = layer.int8_weight()?;
-                let (values, scales) = (&int8.values, &int8.scales);
-                self.0.insert(
-                    format!("{name}.weight"),
-                    (
-                        Dtype::I8,
-                        vec![out, inp],
-                        values.iter().map(|v| v.to_le_bytes()[0]).collect(),
-                    ),
-                );
-                self.0.insert(
+                self.add(format!("{name}.weight"), (Dtype::I8, vec![out, inp]), |w| {
+                    let int8 = layer.int8_weight().map_err(std::io::Error::other)?;
+                    crate::spill::write_i8(&int8.values, w)
+                });
+                self.add(
                     format!("{name}.weight_scale"),
-                    (
-                        Dtype::F32,
-                        vec![out, 1],
-                        scales.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    ),
+                    (Dtype::F32, vec![out, 1]),
+                    |w| {
+                        let int8 = layer.int8_weight().map_err(std::io::Error::other)?;
+                        let bytes: Vec<u8> =
+                            int8.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        w.write_all(&bytes)
+                    },
                 );
             }
         }
-        if let Some(bias) = bias {
-            self.f32(format!("{name}.bias"), &bias)?;
+        if let Some(bias) = layer.full_precision()?.1 {
+            self.f32(format!("{name}.bias"), bias);
         }
         Ok(())
     }
 
     fn write(self, path: &Path) -> Result<()> {
-        let views = self
-            .0
-            .iter()
-            .map(|(name, (dtype, shape, bytes))| {
-                safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
-                    .map(|view| (name.clone(), view))
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
-        write_safetensors(path, views)
+        write_safetensors(path, self.0.into_iter().collect())
     }
 }
 
@@ -286,12 +349,9 @@ impl TensorsOut {
 /// `model.safetensors` 0600 and every other file 0644. qforge writes into a
 /// staging directory renamed into place whole, so it needs no temporary.
 /// The bytes are `serialize_to_file`'s: the same tensor order (alignment,
-/// then name), the same header padded with spaces to 8 bytes.
-pub fn write_safetensors(
-    path: &Path,
-    mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)>,
-) -> Result<()> {
-    use std::io::Write;
+/// then name), the same header padded with spaces to 8 bytes. Each tensor's
+/// bytes are made as they are written ([`TensorSource`]).
+pub fn write_safetensors(path: &Path, mut tensors: Vec<(String, impl TensorSource)>) -> Result<()> {
     let malformed =
         |e: safetensors::SafeTensorError| Error::Format(format!("{}: {e}", path.display()));
     tensors.sort_by(|(left_name, left), (right_name, right)| {
@@ -302,31 +362,61 @@ pub fn write_safetensors(
     });
     let mut offset = 0;
     let mut infos = Vec::with_capacity(tensors.len());
-    for (name, view) in &tensors {
-        let end = offset + view.data().len();
+    for (name, tensor) in &tensors {
+        let end = offset + tensor.shape().iter().product::<usize>() * tensor.dtype().bitsize() / 8;
         infos.push((
             name.clone(),
             safetensors::tensor::TensorInfo {
-                dtype: view.dtype(),
-                shape: view.shape().to_vec(),
+                dtype: tensor.dtype(),
+                shape: tensor.shape().to_vec(),
                 data_offsets: (offset, end),
             },
         ));
         offset = end;
     }
-    let metadata = safetensors::tensor::Metadata::new(None, infos).map_err(malformed)?;
+    let metadata = safetensors::tensor::Metadata::new(None, infos.clone()).map_err(malformed)?;
     let mut header = serde_json::to_vec(&metadata).expect("a safetensors header serializes");
     header.resize(header.len().next_multiple_of(8), b' ');
-    let write = || -> std::io::Result<()> {
-        let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
-        out.write_all(&(header.len() as u64).to_le_bytes())?;
-        out.write_all(&header)?;
-        for (_, view) in &tensors {
-            out.write_all(view.data())?;
-        }
-        out.flush()
+    let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    let mut out = Counted {
+        inner: std::io::BufWriter::with_capacity(1 << 20, file),
+        written: 0,
     };
-    write().map_err(|e| Error::io(path, e))
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .and_then(|()| out.write_all(&header))
+        .map_err(|e| Error::io(path, e))?;
+    let start = out.written;
+    for ((name, tensor), (_, info)) in tensors.iter().zip(&infos) {
+        tensor.write_to(&mut out).map_err(|e| Error::io(path, e))?;
+        let (begin, end) = info.data_offsets;
+        if out.written - start != end {
+            return Err(Error::Format(format!(
+                "{}: {name} gave {} bytes where its shape needs {}",
+                path.display(),
+                out.written - start - begin,
+                end - begin
+            )));
+        }
+    }
+    out.flush().map_err(|e| Error::io(path, e))
+}
+
+/// A writer that counts the bytes through it.
+struct Counted<W> {
+    inner: W,
+    written: usize,
+}
+
+impl<W: Write> Write for Counted<W> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(bytes)?;
+        self.written += n;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
@@ -400,7 +490,7 @@ pub fn write_language_model(
     check_points(points, linears.iter().map(|(_, point, _)| point.as_str()))?;
     let mut tensors = TensorsOut::default();
     for (name, tensor) in lm.model.other_tensors() {
-        tensors.f32(name, tensor)?;
+        tensors.f32(name, tensor.clone());
     }
     for (name, point, layer) in &linears {
         tensors.linear(name, layer, precision_of(points, point)?)?;

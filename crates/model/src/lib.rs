@@ -28,10 +28,11 @@ pub mod precision;
 pub mod profile;
 pub mod rollouts;
 pub mod sensitivity;
+mod spill;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
-pub use linear::{Int8Weight, Linear};
+pub use linear::{Int8Values, Int8Weight, Linear};
 pub use llama::{
     Decoder, HiddenState, KvCache, Llama, LlamaConfig, Logits, Residency, RotatedInput,
 };

@@ -581,13 +581,40 @@ impl std::fmt::Display for Comparison {
 }
 
 /// A reference model's log-probabilities on a text, computed once so that
-/// many models can be compared with it ([`compare_to`]).
+/// many models can be compared with it ([`compare_to`]). They are kept in a
+/// temporary file (see the `spill` module), one chunk read back at a time:
+/// for a 128 256-token vocabulary they are 1 GB per 4 096 tokens.
 pub struct ReferenceLogProbs {
-    chunks: Vec<(Tensor, Vec<u32>)>,
+    chunks: Vec<SpilledLogProbs>,
     ctx: usize,
     tokens: usize,
     /// Per chunk, when kept: the hidden states entering every layer.
     states: Vec<Vec<HiddenState>>,
+}
+
+/// One chunk's log-probabilities, `[rows, vocab]` f32, in a spilled file.
+struct SpilledLogProbs {
+    values: std::sync::Arc<memmap2::Mmap>,
+    shape: (usize, usize),
+}
+
+impl SpilledLogProbs {
+    fn new(log_probs: &Tensor) -> Result<Self> {
+        let shape = log_probs.dims2()?;
+        let values = log_probs.flatten_all()?.to_vec1::<f32>()?;
+        let values = crate::spill::spill(|out| crate::spill::write_f32(&values, out))?;
+        Ok(Self { values, shape })
+    }
+
+    /// The log-probabilities, as they were.
+    fn read(&self) -> Result<Tensor> {
+        let values = crate::spill::read_f32(&self.values);
+        Ok(Tensor::from_vec(
+            values,
+            self.shape,
+            &candle_core::Device::Cpu,
+        )?)
+    }
 }
 
 impl ReferenceLogProbs {
@@ -595,7 +622,7 @@ impl ReferenceLogProbs {
     pub fn new(reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Self> {
         Ok(Self {
             chunks: (0..chunk_count(tokens.len(), ctx)?)
-                .map(|c| chunk_log_probs(reference, tokens, ctx, c))
+                .map(|c| SpilledLogProbs::new(&chunk_log_probs(reference, tokens, ctx, c)?.0))
                 .collect::<Result<_>>()?,
             ctx,
             tokens: tokens.len(),
@@ -612,7 +639,7 @@ impl ReferenceLogProbs {
         for c in 0..chunk_count(tokens.len(), ctx)? {
             let chunk = &tokens[c * ctx..(c + 1) * ctx];
             let (logits, kept) = reference.forward_keeping(&[chunk.to_vec()], Logits::All)?;
-            chunks.push(scored_log_probs(&logits, chunk)?);
+            chunks.push(SpilledLogProbs::new(&scored_log_probs(&logits, chunk)?.0)?);
             states.push(kept);
         }
         Ok(Self {
@@ -688,9 +715,9 @@ fn compare_chunks(
         )));
     }
     let (mut nll, mut ref_nll, mut kl, mut agree, mut count) = (0.0, 0.0, 0.0, 0usize, 0usize);
-    for (c, (rp, _)) in reference.chunks.iter().enumerate() {
+    for (c, spilled) in reference.chunks.iter().enumerate() {
         let (ours, targets) = chunk(c)?;
-        let lp = &ours;
+        let (lp, rp) = (&ours, &spilled.read()?);
         // KL(P_ref ‖ P_model) = Σ p_ref (log p_ref − log p_model), per row.
         let row_kl = (rp.exp()? * (rp - lp)?)?.sum(D::Minus1)?.to_vec1::<f32>()?;
         let our_top = lp.argmax(D::Minus1)?.to_vec1::<u32>()?;

@@ -23,9 +23,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|at| 0.9f64.powi((at / width).abs_diff(at % width) as i32))
         .collect();
     let started = Instant::now();
-    let solver = Gptq::new(&hessian, width, &GptqOptions::default())?;
+    let solver = Gptq::new(hessian, width, &GptqOptions::default())?;
     let factor = started.elapsed().as_secs_f64();
-    drop(hessian);
     let weight: Vec<f32> = (0..rows * width)
         .map(|at| ((at * 7_919) % 1_000) as f32 * 1e-4 - 0.05)
         .collect();

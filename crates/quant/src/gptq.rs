@@ -180,11 +180,11 @@ macro_rules! tiered {
 impl Gptq {
     /// Prepares GPTQ for layers whose input has the Hessian `hessian`
     /// (`inputs × inputs`, row-major, symmetric).
-    pub fn new(hessian: &[f64], inputs: usize, options: &GptqOptions) -> Result<Self> {
+    pub fn new(hessian: Vec<f64>, inputs: usize, options: &GptqOptions) -> Result<Self> {
         Self::new_on(Tier::detect(), hessian, inputs, options)
     }
 
-    fn new_on(tier: Tier, hessian: &[f64], inputs: usize, options: &GptqOptions) -> Result<Self> {
+    fn new_on(tier: Tier, hessian: Vec<f64>, inputs: usize, options: &GptqOptions) -> Result<Self> {
         if inputs == 0 || hessian.len() != inputs * inputs {
             return Err(Error::Gptq(format!(
                 "a {}-entry Hessian for {inputs} inputs",
@@ -198,7 +198,7 @@ impl Gptq {
         }
         // Inputs never seen (zero diagonal) carry no information: their
         // weights are rounded to nearest and take no part in the solve.
-        let order = column_order(hessian, inputs, options.act_order);
+        let order = column_order(&hessian, inputs, options.act_order);
         let factor = inverse_factor(tier, hessian, inputs, &order, options.dampening)?;
         let block_size = options.block_size.max(1);
         Ok(Self {
@@ -231,7 +231,10 @@ impl Gptq {
             .zip(weight.par_chunks(ROW_GROUP * n))
             .zip(scales.par_chunks(ROW_GROUP))
             .for_each(|((q, w), s)| round_rows(self.tier, self, w, s, q));
-        Ok(Int8Weight { values, scales })
+        Ok(Int8Weight {
+            values: values.into(),
+            scales,
+        })
     }
 }
 
@@ -395,7 +398,7 @@ fn column_order(hessian: &[f64], n: usize, act_order: bool) -> Vec<usize> {
 /// products of two rows computed in register tiles.
 fn inverse_factor(
     tier: Tier,
-    hessian: &[f64],
+    hessian: Vec<f64>,
     n: usize,
     order: &[usize],
     dampening: f64,
@@ -434,6 +437,9 @@ fn inverse_factor(
                 }
             }
         });
+    // The factorization works on its own copy: the Hessian's memory (1.64 GB
+    // at 14 336 wide) is not held through it.
+    drop(hessian);
     cholesky_lower(tier, &mut reversed, n, stride)?;
     // R = reverse(L), so U = R⁻¹ = reverse(L⁻¹):
     // U[i][j] = L⁻¹[n−1−i][n−1−j] = Y[n−1−j][n−1−i] with Y = (L⁻¹)ᵀ.
@@ -813,7 +819,7 @@ mod tests {
                 ..GptqOptions::default()
             },
         ] {
-            let g = Gptq::new(&h, n, &options)
+            let g = Gptq::new(h.clone(), n, &options)
                 .unwrap()
                 .round(&weight, out)
                 .unwrap();
@@ -826,7 +832,7 @@ mod tests {
                 "{options:?}: GPTQ {gptq_error} vs nearest {rtn_error}"
             );
             // Deterministic.
-            let again = Gptq::new(&h, n, &options).unwrap();
+            let again = Gptq::new(h.clone(), n, &options).unwrap();
             assert_eq!(again.round(&weight, out).unwrap(), g);
         }
     }
@@ -894,11 +900,11 @@ mod tests {
                     act_order,
                     ..GptqOptions::default()
                 };
-                let g = Gptq::new(&h, n, &options).unwrap();
+                let g = Gptq::new(h.clone(), n, &options).unwrap();
                 let rounded = g.round(&weight, out).unwrap();
                 assert_eq!(
                     rounded.values,
-                    column_by_column(&g, &weight, out),
+                    column_by_column(&g, &weight, out).into(),
                     "{out}×{n}, block {block}, act order {act_order}"
                 );
             }
@@ -916,18 +922,21 @@ mod tests {
         // An input never seen (zero row and column) changes nothing either.
         h[4 * n + 4] = 0.0;
         let options = GptqOptions::default();
-        let g = Gptq::new(&h, n, &options)
+        let g = Gptq::new(h.clone(), n, &options)
             .unwrap()
             .round(&weight, out)
             .unwrap();
         let (rtn, scales) = quantize_rows_symmetric(&weight, n, WEIGHT_QMAX);
-        assert_eq!((g.values, g.scales), (rtn, scales));
+        assert_eq!((g.values, g.scales), (rtn.into(), scales));
         let nothing_seen = vec![0.0; n * n];
-        let g = Gptq::new(&nothing_seen, n, &options)
+        let g = Gptq::new(nothing_seen, n, &options)
             .unwrap()
             .round(&weight, out)
             .unwrap();
-        assert_eq!(g.values, quantize_rows_symmetric(&weight, n, WEIGHT_QMAX).0);
+        assert_eq!(
+            g.values,
+            quantize_rows_symmetric(&weight, n, WEIGHT_QMAX).0.into()
+        );
     }
 
     #[test]
@@ -936,7 +945,7 @@ mod tests {
         let n = 2 * SOLVE_BLOCK + 5;
         let (_, h) = correlated_inputs(50, n, 5);
         let order: Vec<usize> = (0..n).collect();
-        let u = inverse_factor(Tier::detect(), &h, n, &order, 0.01).unwrap();
+        let u = inverse_factor(Tier::detect(), h.clone(), n, &order, 0.01).unwrap();
         let damp = 0.01 * (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
         // (Uᵀ U) (H + damp I) = I.
         for i in 0..n {
@@ -967,7 +976,7 @@ mod tests {
             ..GptqOptions::default()
         };
         let on = |tier| {
-            let g = Gptq::new_on(tier, &h, n, &options).unwrap();
+            let g = Gptq::new_on(tier, h.clone(), n, &options).unwrap();
             (g.factor(), g.round(&weight, out).unwrap())
         };
         let baseline = on(Tier::Baseline);
@@ -996,7 +1005,7 @@ mod tests {
                 .build()
                 .unwrap();
             pool.install(|| {
-                let g = Gptq::new(&h, n, &GptqOptions::default()).unwrap();
+                let g = Gptq::new(h.clone(), n, &GptqOptions::default()).unwrap();
                 (g.factor(), g.round(&weight, out).unwrap())
             })
         };
@@ -1015,15 +1024,15 @@ mod tests {
     #[test]
     fn bad_inputs_are_errors() {
         let options = GptqOptions::default();
-        assert!(Gptq::new(&[1.0; 3], 2, &options).is_err());
-        let nan = [f64::NAN, 0.0, 0.0, 1.0];
-        assert!(Gptq::new(&nan, 2, &options).is_err());
-        let identity = Gptq::new(&[1.0, 0.0, 0.0, 1.0], 2, &options).unwrap();
+        assert!(Gptq::new(vec![1.0; 3], 2, &options).is_err());
+        let nan = vec![f64::NAN, 0.0, 0.0, 1.0];
+        assert!(Gptq::new(nan, 2, &options).is_err());
+        let identity = Gptq::new(vec![1.0, 0.0, 0.0, 1.0], 2, &options).unwrap();
         assert!(identity.round(&[1.0; 3], 2).is_err());
         assert!(identity.round(&[1.0, f32::NAN, 0.0, 0.0], 2).is_err());
         // Not positive definite even when dampened.
-        let indefinite = [1.0, 10.0, 10.0, 1.0];
-        let e = Gptq::new(&indefinite, 2, &options).unwrap_err();
+        let indefinite = vec![1.0, 10.0, 10.0, 1.0];
+        let e = Gptq::new(indefinite, 2, &options).unwrap_err();
         assert!(e.to_string().contains("dampening"), "{e}");
     }
 }

@@ -259,7 +259,11 @@ fn weight_change(
             ))
         })?;
         change.int8_weights += values.len() as u64;
-        change.changed += old.iter().zip(values).filter(|(a, b)| a != b).count() as u64;
+        change.changed += old
+            .iter()
+            .zip(values.iter())
+            .filter(|(a, b)| a != b)
+            .count() as u64;
     }
     Ok(change)
 }

@@ -462,9 +462,13 @@ impl Llama {
         let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             source.linear(name, bias, (out, inp))
         };
-        let embed_tokens = source
-            .tensor("model.embed_tokens.weight")?
-            .to_dtype(DType::F32)?;
+        // bf16 and f16 embeddings stay as stored and each looked-up row is
+        // widened (exactly): Llama-3-8B's table is 1.05 GB so, not 2.1 GB.
+        let embed_tokens = source.tensor("model.embed_tokens.weight")?;
+        let embed_tokens = match embed_tokens.dtype() {
+            DType::BF16 | DType::F16 => embed_tokens,
+            _ => embed_tokens.to_dtype(DType::F32)?,
+        };
         if embed_tokens.dims() != [c.vocab_size, d] {
             return Err(Error::Shape(format!(
                 "model.embed_tokens.weight is {:?}, expected [{}, {d}]",
@@ -975,6 +979,7 @@ impl Llama {
         let x = self
             .embed_tokens
             .index_select(&ids.flatten_all()?, 0)?
+            .to_dtype(DType::F32)?
             .reshape((b, seq, self.config.hidden_size))?;
         Ok(Embedded {
             x,
@@ -1015,6 +1020,7 @@ impl Llama {
         let x = self
             .embed_tokens
             .index_select(&ids, 0)?
+            .to_dtype(DType::F32)?
             .reshape((n, 1, c.hidden_size))?;
         let positions: Vec<u32> = caches.iter().map(|k| k.len as u32).collect();
         let positions = Tensor::from_vec(positions, n, &Device::Cpu)?;

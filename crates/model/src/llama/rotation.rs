@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use qforge_kernels::Hadamard;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -256,6 +256,7 @@ impl Llama {
         let (vocab, hidden) = model.embed_tokens.dims2()?;
         let mut rows = model
             .embed_tokens
+            .to_dtype(DType::F32)?
             .broadcast_mul(&Tensor::from_slice(&signs, (1, hidden), &Device::Cpu)?)?
             .flatten_all()?
             .to_vec1::<f32>()?;
