@@ -178,10 +178,11 @@ def main():
         out = args.workdir / f"{args.shape}-q{workers}"
         command = [QFORGE, "quantize", "--model", str(model), "--data", str(data),
                    "--samples", str(args.samples), "--seq-len", str(args.seq_len),
-                   *args.recipe.split(), "--workers", str(workers), "-o", str(out), "--json"]
-        wall, rss, anon, stdout, timeline = run_measured(command)
-        report = json.loads(stdout)
+                   *args.recipe.split(), "--workers", str(workers), "-o", str(out)]
+        # Without --json, which would silence the progress the timeline records.
+        wall, rss, anon, _, timeline = run_measured(command)
         recorded = json.loads((out / "report.json").read_text())
+        report = recorded["decision"]
         passes = [(p["pass"], p["seconds"]) for p in recorded["calibration"]["passes"]]
         gptq = recorded.get("gptq") or {}
         digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()

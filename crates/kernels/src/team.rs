@@ -139,7 +139,7 @@ impl Team {
         }
         let wait = WaitForHelpers {
             shared,
-            helpers: self.helpers.len(),
+            helpers: &self.helpers,
         };
         job(0);
         drop(wait);
@@ -169,16 +169,24 @@ unsafe impl<T: Send> Sync for SendPtr<T> {}
 /// Waits, also while unwinding, until every helper has finished the job.
 struct WaitForHelpers<'a> {
     shared: &'a Shared,
-    helpers: usize,
+    helpers: &'a [JoinHandle<()>],
 }
 
 impl Drop for WaitForHelpers<'_> {
     fn drop(&mut self) {
         let mut spins = 0u32;
-        while self.shared.finished.load(Ordering::Acquire) < self.helpers {
+        while self.shared.finished.load(Ordering::Acquire) < self.helpers.len() {
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) {
-                // A helper may have been descheduled: let it run.
+                // A helper may have been descheduled: let it run. One that
+                // parked without seeing the job (which the protocol rules
+                // out, but an emulator once broke) is woken again: a hang
+                // costs more than a spare unpark.
+                for (handle, parked) in self.helpers.iter().zip(&self.shared.parked) {
+                    if parked.load(Ordering::SeqCst) {
+                        handle.thread().unpark();
+                    }
+                }
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -213,6 +221,14 @@ fn helper(shared: &Shared, index: usize) {
                 // Announce first, then look again: `run` bumps the epoch
                 // before it reads `parked`, so one of the two sees the other.
                 shared.parked[index].store(true, Ordering::SeqCst);
+                // The language's model already orders a SeqCst store before a
+                // SeqCst load, and so does Armv8 hardware; qemu-aarch64 on an
+                // x86-64 host does not (it emits a release store and an
+                // acquire load, which x86 lets pass each other). There this
+                // helper parked unseen and the test suite hung. A full fence
+                // is an `mfence` there, and costs nothing that matters on a
+                // path that is about to sleep.
+                std::sync::atomic::fence(Ordering::SeqCst);
                 if shared.epoch.load(Ordering::SeqCst) == seen {
                     std::thread::park();
                 }

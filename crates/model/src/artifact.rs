@@ -809,4 +809,29 @@ mod tests {
             safetensors::serialize(views, None).unwrap()
         );
     }
+
+    #[test]
+    fn a_tensor_that_makes_other_than_its_size_is_an_error_and_so_is_a_failed_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let mut short = TensorsOut::default();
+        short.add("w".into(), (Dtype::F32, vec![2, 2]), |out| {
+            out.write_all(&[0; 12])
+        });
+        let e = short.write(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("w gave 12 bytes where its shape needs 16"),
+            "{e}"
+        );
+
+        let mut failing = TensorsOut::default();
+        failing.add("w".into(), (Dtype::I8, vec![3]), |_| {
+            Err(std::io::Error::other("no int8 rounding for w"))
+        });
+        let e = failing.write(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains("no int8 rounding for w"),
+            "{e}"
+        );
+    }
 }
