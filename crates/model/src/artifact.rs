@@ -330,8 +330,9 @@ impl<'a> TensorsOut<'a> {
                 );
             }
         }
-        if let Some(bias) = layer.full_precision()?.1 {
-            self.f32(format!("{name}.bias"), bias);
+        // The bias alone: the weight is widened only when it is written.
+        if let Some(bias) = layer.bias()? {
+            self.f32(format!("{name}.bias"), bias.clone());
         }
         Ok(())
     }

@@ -368,7 +368,7 @@ impl Linear {
     }
 
     /// The bias, `[out]` (f32), of a full-precision layer.
-    fn bias(&self) -> Result<Option<&Tensor>> {
+    pub(crate) fn bias(&self) -> Result<Option<&Tensor>> {
         match self {
             Linear::Fp { bias, .. } | Linear::Stored { bias, .. } => Ok(bias.as_ref()),
             Linear::Int8(_) => Err(Self::already_int8()),
