@@ -527,7 +527,12 @@ fn chunk_log_probs(
 fn scored_log_probs(logits: &Tensor, chunk: &[u32]) -> Result<(Tensor, Vec<u32>)> {
     let (ctx, first) = (chunk.len(), chunk.len() / 2);
     let scored = logits.get(0)?.narrow(0, first, ctx - 1 - first)?;
-    Ok((log_softmax(&scored)?, chunk[first + 1..].to_vec()))
+    Ok((log_softmax(&scored)?, scored_targets(chunk).to_vec()))
+}
+
+/// The tokens a chunk's scored positions predict (see [`scored_log_probs`]).
+fn scored_targets(chunk: &[u32]) -> &[u32] {
+    &chunk[chunk.len() / 2 + 1..]
 }
 
 /// Perplexity of `model` on `tokens` (see [`Perplexity`]).
@@ -649,6 +654,38 @@ impl ReferenceLogProbs {
             states,
         })
     }
+
+    /// The reference's own perplexity on `tokens` (the text it was run on),
+    /// from the kept log-probabilities: bit for bit what [`perplexity`] and
+    /// [`compare_to`] report for it, without running it again.
+    pub fn perplexity(&self, tokens: &[u32]) -> Result<f64> {
+        self.check_tokens(tokens)?;
+        let mut nll = 0.0f64;
+        let mut count = 0usize;
+        for (c, spilled) in self.chunks.iter().enumerate() {
+            let values = crate::spill::read_f32(&spilled.values);
+            let chunk = &tokens[c * self.ctx..(c + 1) * self.ctx];
+            let vocab = spilled.shape.1;
+            for (row, &t) in values.chunks_exact(vocab).zip(scored_targets(chunk)) {
+                nll -= f64::from(row[t as usize]);
+                count += 1;
+            }
+        }
+        Ok((nll / count as f64).exp())
+    }
+
+    /// Refuses `tokens` other than the text the reference was run on (by
+    /// count: the caller holds the text).
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if tokens.len() != self.tokens {
+            return Err(Error::Shape(format!(
+                "the reference was run on {} tokens, the model on {}",
+                self.tokens,
+                tokens.len()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Compares `model` against `reference` on `tokens`.
@@ -707,13 +744,7 @@ fn compare_chunks(
     tokens: &[u32],
     chunk: impl Fn(usize) -> Result<(Tensor, Vec<u32>)>,
 ) -> Result<Comparison> {
-    if tokens.len() != reference.tokens {
-        return Err(Error::Shape(format!(
-            "the reference was run on {} tokens, the model on {}",
-            reference.tokens,
-            tokens.len()
-        )));
-    }
+    reference.check_tokens(tokens)?;
     let (mut nll, mut ref_nll, mut kl, mut agree, mut count) = (0.0, 0.0, 0.0, 0usize, 0usize);
     for (c, spilled) in reference.chunks.iter().enumerate() {
         let (ours, targets) = chunk(c)?;

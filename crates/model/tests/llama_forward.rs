@@ -890,6 +890,10 @@ fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() 
     }
 
     let reference = ReferenceLogProbs::keeping_states(&model, &tokens, tokens.len()).unwrap();
+    // The reference's perplexity, read from what it kept, is the one a
+    // forward of it gives, bit for bit.
+    let forward = qforge_model::lm::perplexity(&model, &tokens, tokens.len()).unwrap();
+    assert_eq!(reference.perplexity(&tokens).unwrap(), forward.perplexity);
     for point in ["model.layers.1.mlp.down_proj", "lm_head"] {
         let changed = model
             .with_linears(|p, layer| {
@@ -907,11 +911,13 @@ fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() 
             .unwrap();
         assert_eq!(bits(&resumed), bits(&own), "{point}");
         assert_ne!(bits(&own), bits(&whole), "{point} changed nothing");
+        let whole = compare_to(&changed, &reference, &tokens).unwrap();
         assert_eq!(
             compare_from(&changed, &reference, &tokens, layer).unwrap(),
-            compare_to(&changed, &reference, &tokens).unwrap(),
+            whole,
             "{point}"
         );
+        assert_eq!(whole.reference_perplexity, forward.perplexity, "{point}");
     }
     assert_eq!(
         Llama::layer_of("model.layers.12.self_attn.q_proj"),

@@ -200,41 +200,36 @@ const REPORTED_CALIBRATORS: [Calibrator; 5] = [
     Calibrator::Sigma { k: 3.0 },
 ];
 
-/// The guard: the FP reference measured once, configurations measured
-/// against it.
-struct Guard<'a> {
-    /// What gets quantized.
-    model: FpModel<'a>,
+/// The full-precision reference's behaviour on the held-out data: its
+/// actions, or its log-probabilities and perplexity. Measured once per run
+/// and shared by every guard that judges a quantization of it (each method
+/// of a search, and the decision): at Llama-3-8B's size one forward over the
+/// held-out text takes minutes.
+pub struct Reference<'a> {
     held_out: &'a HeldOut,
-    recipe: &'a QuantRecipe,
-    reference_actions: Vec<Action>,
-    reference_log_probs: Option<ReferenceLogProbs>,
-    reference_perplexity: f64,
+    actions: Vec<Action>,
+    log_probs: Option<ReferenceLogProbs>,
+    perplexity: f64,
 }
 
-impl<'a> Guard<'a> {
-    fn new(
-        model: FpModel<'a>,
-        reference: FpModel<'a>,
-        held_out: &'a HeldOut,
-        recipe: &'a QuantRecipe,
-    ) -> Result<Self> {
-        let mut guard = Self {
-            model,
+impl<'a> Reference<'a> {
+    /// Runs `reference` over `held_out` (language models in chunks of
+    /// `ctx` tokens).
+    pub fn new(reference: FpModel<'_>, held_out: &'a HeldOut, ctx: usize) -> Result<Self> {
+        let mut measured = Self {
             held_out,
-            recipe,
-            reference_actions: Vec::new(),
-            reference_log_probs: None,
-            reference_perplexity: f64::NAN,
+            actions: Vec::new(),
+            log_probs: None,
+            perplexity: f64::NAN,
         };
-        match (model, reference, held_out) {
-            (FpModel::Policy(_), FpModel::Policy(p), HeldOut::Observations(obs)) => {
-                guard.reference_actions = p.act(obs)?;
+        match (reference, held_out) {
+            (FpModel::Policy(p), HeldOut::Observations(obs)) => {
+                measured.actions = p.act(obs)?;
             }
-            (FpModel::Language(_), FpModel::Language(m), HeldOut::Tokens(tokens)) => {
-                let reference = ReferenceLogProbs::new(m, tokens, recipe.guard.ctx)?;
-                guard.reference_perplexity = compare_to(m, &reference, tokens)?.perplexity;
-                guard.reference_log_probs = Some(reference);
+            (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
+                let log_probs = ReferenceLogProbs::new(m, tokens, ctx)?;
+                measured.perplexity = log_probs.perplexity(tokens)?;
+                measured.log_probs = Some(log_probs);
             }
             _ => {
                 return Err(Error::HeldOut(
@@ -242,7 +237,39 @@ impl<'a> Guard<'a> {
                 ));
             }
         }
-        Ok(guard)
+        Ok(measured)
+    }
+}
+
+/// The guard: configurations of `model` measured against the reference.
+struct Guard<'a> {
+    /// What gets quantized.
+    model: FpModel<'a>,
+    reference: &'a Reference<'a>,
+    recipe: &'a QuantRecipe,
+}
+
+impl<'a> Guard<'a> {
+    fn new(
+        model: FpModel<'a>,
+        reference: &'a Reference<'a>,
+        recipe: &'a QuantRecipe,
+    ) -> Result<Self> {
+        let fits = matches!(
+            (model, reference.held_out),
+            (FpModel::Policy(_), HeldOut::Observations(_))
+                | (FpModel::Language(_), HeldOut::Tokens(_))
+        );
+        if !fits {
+            return Err(Error::HeldOut(
+                "a policy's reference cannot judge a language model, nor the reverse".into(),
+            ));
+        }
+        Ok(Self {
+            model,
+            reference,
+            recipe,
+        })
     }
 
     fn reference(&self) -> GuardMetrics {
@@ -257,7 +284,7 @@ impl<'a> Guard<'a> {
             },
             FpModel::Language(_) => GuardMetrics {
                 agreement: None,
-                perplexity: Some(self.reference_perplexity),
+                perplexity: Some(self.reference.perplexity),
                 perplexity_increase: Some(0.0),
                 kl_divergence: Some(0.0),
                 top1_agreement: Some(1.0),
@@ -269,11 +296,11 @@ impl<'a> Guard<'a> {
     /// Measures `points`.
     fn measure(&self, points: &BTreeMap<String, LayerPrecision>) -> Result<GuardMetrics> {
         let convert = |point: &str, layer: &Linear| in_precision(points, point, layer);
-        match (self.model, self.held_out) {
+        match (self.model, self.reference.held_out) {
             (FpModel::Policy(p), HeldOut::Observations(obs)) => {
                 let quantized = p.with_linears(convert)?;
                 let actions = quantized.act(obs)?;
-                let agreement = p.agreement(&actions, &self.reference_actions);
+                let agreement = p.agreement(&actions, &self.reference.actions);
                 Ok(GuardMetrics {
                     agreement: Some(agreement),
                     perplexity: None,
@@ -285,9 +312,9 @@ impl<'a> Guard<'a> {
             }
             (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
                 let quantized = m.with_linears(convert)?;
-                let reference = self.reference_log_probs.as_ref().expect("set for LLMs");
+                let reference = self.reference.log_probs.as_ref().expect("set for LLMs");
                 let c = compare_to(&quantized, reference, tokens)?;
-                let increase = c.perplexity / self.reference_perplexity - 1.0;
+                let increase = c.perplexity / self.reference.perplexity - 1.0;
                 Ok(GuardMetrics {
                     agreement: None,
                     perplexity: Some(c.perplexity),
@@ -383,18 +410,22 @@ fn kl_sensitivity(
 }
 
 /// Quantizes `model` with `stats` (its own statistics) under `recipe`,
-/// checking each candidate on `held_out` against `reference`: the same
-/// model, or the original of a transformed (smoothed) `model`. `progress`
-/// hears about every evaluation.
+/// checking each candidate against `reference`: the same model's, or the
+/// original's of a transformed (smoothed) `model`. `probed` is what
+/// [`probe`] measured of the same model, statistics and recipe, if it ran
+/// (the plan is not measured again). `progress` hears about every
+/// evaluation.
 pub fn quantize(
     model: FpModel<'_>,
-    reference: FpModel<'_>,
+    reference: &Reference<'_>,
     stats: &Stats,
-    held_out: &HeldOut,
     recipe: &QuantRecipe,
+    probed: Option<GuardMetrics>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Decision> {
     recipe.validate()?;
+    let guard = Guard::new(model, reference, recipe)?;
+    let held_out = reference.held_out;
     let linears = model.linears();
     let layers_of = layers_by_point(&linears);
     let total_layers = linears.len();
@@ -412,8 +443,10 @@ pub fn quantize(
     let mut noise = Noise::rank_sqnr(model, held_out, &plan.static_scales)?;
     // The recipe's plan first: when the guard accepts it, no ladder (and no
     // costly KL ranking) is needed.
-    let guard = Guard::new(model, reference, held_out, recipe)?;
-    let before = guard.measure(&plan.precisions())?;
+    let before = match probed {
+        Some(before) => before,
+        None => guard.measure(&plan.precisions())?,
+    };
     if let (FpModel::Language(m), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
     {
         noise.rank_kl(m, tokens, &plan.rungs, progress)?;
@@ -471,16 +504,16 @@ pub fn quantize(
 /// sensitivity ranking, no ladder).
 pub fn probe(
     model: FpModel<'_>,
-    reference: FpModel<'_>,
+    reference: &Reference<'_>,
     stats: &Stats,
-    held_out: &HeldOut,
     recipe: &QuantRecipe,
 ) -> Result<GuardMetrics> {
     recipe.validate()?;
+    let guard = Guard::new(model, reference, recipe)?;
     let layers_of = layers_by_point(&model.linears());
     let static_allowed = stats.provenance.coverage() >= recipe.calibration.min_coverage;
     let plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut Vec::new())?;
-    Guard::new(model, reference, held_out, recipe)?.measure(&plan.precisions())
+    guard.measure(&plan.precisions())
 }
 
 /// The linear layers fed by each observation point (a fused group).

@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::gptq::{Gptq, GptqOptions};
-use crate::guard::{Decision, FpModel, HeldOut, describe, probe, quantize};
+use crate::guard::{Decision, FpModel, GuardMetrics, HeldOut, Reference, describe, probe, quantize};
 use crate::held_out::held_out;
 use crate::recipe::ActivationScheme;
 use crate::recipe::{Method, QuantRecipe};
@@ -138,13 +138,19 @@ impl<'a> Pipeline<'a> {
         // The held-out data are read before any pass runs, so that data the
         // guard cannot use are refused before hours of calibration.
         let original = session.load_model()?.clone();
-        let held = self.held_out(&session, &original, inputs, listener)?;
+        let (held, held_description) = self.held_out(&session, &original, inputs, listener)?;
         // The Hessian passes cut the model's inputs by their widths, so the
         // count of passes is known before the first one runs.
         let groups = self.hessian_groups(&mut session)?;
         let count = self.pass_count(&groups);
         let prepared = self.prepare(&mut session, &groups, 0, count, listener)?;
-        self.finish(session, original, prepared, held, listener)
+        let reference = self.reference(&original, &held, listener)?;
+        let judged = Judged {
+            reference: &reference,
+            probed: None,
+            held_description,
+        };
+        self.finish(session, original, prepared, judged, listener)
     }
 
     /// The method search: every candidate recipe's passes and the guard's
@@ -180,7 +186,10 @@ impl<'a> Pipeline<'a> {
             .map(|(_, stage)| stage.pass_count(groups_of(stage)))
             .sum();
         let original = session.load_model()?.clone();
-        let held = self.held_out(&session, &original, inputs, listener)?;
+        let (held, held_description) = self.held_out(&session, &original, inputs, listener)?;
+        // Measured after the first method's passes, so that a cluster's
+        // workers start calibrating at once.
+        let mut reference = None;
         let mut trials: Vec<MethodTrial> = Vec::new();
         let mut best: Option<(usize, Prepared)> = None;
         let mut done = 0;
@@ -190,11 +199,14 @@ impl<'a> Pipeline<'a> {
             let stage_groups = groups_of(stage);
             let prepared = stage.prepare(&mut session, stage_groups, done, count, listener)?;
             done += stage.pass_count(stage_groups);
+            if reference.is_none() {
+                reference = Some(self.reference(&original, &held, listener)?);
+            }
+            let reference = reference.as_ref().expect("measured above");
             let before = probe(
                 fp_model(&prepared.model),
-                fp_model(&original),
+                reference,
                 &prepared.stats,
-                &held.0,
                 &stage.recipe,
             )?;
             listener.message(&format!(
@@ -238,7 +250,12 @@ impl<'a> Pipeline<'a> {
             "no method met the guard's budget before fallback; the one that came closest, then the fallback"
         };
         listener.message(&format!("method: {} ({reason})", method.name()));
-        let mut quantized = stage.finish(session, original, prepared, held, listener)?;
+        let judged = Judged {
+            reference: reference.as_ref().expect("measured with the first method"),
+            probed: Some(trials[chosen].before.clone()),
+            held_description,
+        };
+        let mut quantized = stage.finish(session, original, prepared, judged, listener)?;
         quantized.report.method = Some(MethodSearch {
             chosen: method.name().into(),
             reason: reason.into(),
@@ -408,21 +425,33 @@ impl<'a> Pipeline<'a> {
         })
     }
 
+    /// The full-precision `original`'s behaviour on the held-out data, which
+    /// every guard of this run measures against.
+    fn reference<'h>(
+        &self,
+        original: &Model,
+        held: &'h HeldOut,
+        listener: &mut dyn Listener,
+    ) -> Result<Reference<'h>> {
+        listener.message("guard: running the full-precision model on the held-out data");
+        Reference::new(fp_model(original), held, self.recipe.guard.ctx)
+    }
+
     /// The guard's decision on a prepared model, and the report.
     fn finish(
         &self,
         session: Session,
         original: Model,
         prepared: Prepared,
-        (held, held_description): (HeldOut, String),
+        judged: Judged<'_>,
         listener: &mut dyn Listener,
     ) -> Result<Quantized> {
         let decision = quantize(
             fp_model(&prepared.model),
-            fp_model(&original),
+            judged.reference,
             &prepared.stats,
-            &held,
             &self.recipe,
+            judged.probed,
             &mut |line| listener.message(line),
         )?;
         let mut report = self.report(&session, &original, &prepared.records, decision);
@@ -434,7 +463,7 @@ impl<'a> Pipeline<'a> {
             transforms: prepared.transforms,
             stats: prepared.stats,
             report,
-            held_out: held_description,
+            held_out: judged.held_description,
         })
     }
 
@@ -641,6 +670,16 @@ struct Prepared {
     records: Vec<(&'static str, RunSummary)>,
     gptq: Option<GptqRecord>,
     smoothing: Option<SmoothingRecord>,
+}
+
+/// What the guard judges a prepared model against.
+struct Judged<'a> {
+    /// The original model on the held-out data.
+    reference: &'a Reference<'a>,
+    /// The method search's measurement of the prepared model's plan.
+    probed: Option<GuardMetrics>,
+    /// What the held-out data are, for the report.
+    held_description: String,
 }
 
 /// What GPTQ's passes share with the calibration passes before them.
