@@ -59,6 +59,15 @@ def make_model(shape, workdir, samples, held_out, seq_len):
     return model, data
 
 
+def file_sha256(path):
+    """SHA-256 of a file, read a block at a time (an 8B artifact is 9 GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def status_kib(pid, field):
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -126,7 +135,7 @@ def calibrate(args, model, data):
                      "pass_s": round(summary["seconds"], 1),
                      "tokens_per_s": round(summary["rows_per_s"], 1),
                      "peak_rss_gib": round(rss, 2), "peak_anon_gib": round(anon, 2),
-                     "qstats_sha256": hashlib.sha256(out.read_bytes()).hexdigest()})
+                     "qstats_sha256": file_sha256(out)})
         print(json.dumps(rows[-1]), file=sys.stderr)
     (ROOT / f"target/bench-scale-{args.shape}-calibrate.json").write_text(
         json.dumps({"shape": args.shape, "samples": args.samples, "seq_len": args.seq_len,
@@ -185,7 +194,7 @@ def main():
         report = recorded["decision"]
         passes = [(p["pass"], p["seconds"]) for p in recorded["calibration"]["passes"]]
         gptq = recorded.get("gptq") or {}
-        digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+        digest = file_sha256(out / "model.safetensors")
         digests.add(digest)
         row = {
             "workers": workers, "wall_s": round(wall, 1), "peak_rss_gib": round(rss, 2),
