@@ -115,7 +115,7 @@ pub fn calibrate<'py>(
     samples = None, seq_len = None, batch_size = None, seed = None, stratify = None,
     min_coverage = None, activations = None, calibrator = None, ignore = Vec::new(),
     fp_lm_head = false, smoothquant = false, alpha = None, hadamard = None, gptq = false,
-    gptq_act_order = false, max_perplexity_increase = None, min_agreement = None,
+    gptq_act_order = false, sequential = false, max_perplexity_increase = None, min_agreement = None,
     max_fp_fraction = None, ctx = None,
 ))]
 #[allow(clippy::too_many_arguments)] // Python's keywords, one per CLI flag.
@@ -144,6 +144,7 @@ pub fn quantize<'py>(
     hadamard: Option<String>,
     gptq: bool,
     gptq_act_order: bool,
+    sequential: bool,
     max_perplexity_increase: Option<f64>,
     min_agreement: Option<f64>,
     max_fp_fraction: Option<f64>,
@@ -176,6 +177,7 @@ pub fn quantize<'py>(
         hadamard,
         gptq,
         gptq_act_order,
+        sequential,
         max_perplexity_increase,
         min_agreement,
         max_fp_fraction,

@@ -94,3 +94,42 @@ def test_token_ids_quantize_exactly_on_any_worker_count_and_export(tmp_path):
     name = "model.layers.3.mlp.down_proj.weight"
     assert exported[name].dtype == np.int8 and exported[name].shape == (128, 384)
     assert np.array_equal(exported[name], native[name])
+
+
+def test_sequential_gptq_propagates_its_rounding_exactly_on_any_worker_count(tmp_path):
+    """--sequential: one Hessian pass per layer input after the activation pass, each
+    running the layers rounded before it with their rounding. The first input's Hessian
+    (layer 0's q/k/v, summed by the activation pass) is the full-precision model's, so
+    its rounding is plain GPTQ's; every later layer's rounding differs from it. Two workers
+    resuming each pass from the hidden states the one before kept write the one-worker
+    artifact's bytes, and a cluster, whose workers do not hold the rounded layers, is
+    refused before anything runs."""
+    model = make_model(tmp_path)
+    args = ["quantize", "--model", str(model), "--data", "ids.jsonl", "--samples", "24",
+            "--seq-len", "64", "--activations", "static"]
+    for out, extra in (("s1", ["--sequential", "--workers", "1"]),
+                       ("s2", ["--sequential", "--workers", "2"]),
+                       ("plain", ["--gptq", "--workers", "1"])):
+        assert qforge(*args, *extra, "-o", out, cwd=tmp_path)["accepted"]
+    passes = [p["pass"] for p in
+              json.loads((tmp_path / "s1/report.json").read_text())["calibration"]["passes"]]
+    # 4 layers × 4 inputs (q/k/v, o, gate/up, down) and lm_head.
+    assert passes == ["activation+hessian"] + ["hessian"] * 16, passes
+    assert (tmp_path / "s1/model.safetensors").read_bytes() == \
+        (tmp_path / "s2/model.safetensors").read_bytes()
+
+    sequential = load_file(str(tmp_path / "s1/model.safetensors"))
+    plain = load_file(str(tmp_path / "plain/model.safetensors"))
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        assert np.array_equal(sequential[name], plain[name]), name
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight"):
+        assert sequential[name].dtype == np.int8
+        assert not np.array_equal(sequential[name], plain[name]), name
+
+    refused = run(*args, "--sequential", "--cluster", "redis://127.0.0.1:9", "-o", "cluster",
+                  cwd=tmp_path)
+    assert refused.returncode != 0
+    assert "embedded workers" in refused.stderr, refused.stderr
+    assert not (tmp_path / "cluster").exists()

@@ -19,7 +19,9 @@ pub mod values;
 
 pub use data::{Dataset, EpisodeContent, Record, load_jsonl};
 pub use error::{Error, Result};
-pub use observe::{HIDDEN_STATE_BUDGET, HiddenStates, Job, forward_samples, observe_batch};
+pub use observe::{
+    HIDDEN_STATE_BUDGET, HiddenStates, Job, RoundedLayers, forward_samples, observe_batch,
+};
 pub use plan::{Batch, HessianPass, Pass, Plan, Recipe, Sample, Stratify, Stratum, plan};
 pub use session::{Session, Weights, episode_tokens};
 pub use transform::{

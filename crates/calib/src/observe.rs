@@ -1,10 +1,10 @@
 //! Observing one batch: the map step of a pass.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
-use qforge_core::{BatchId, Digest, Provenance, Stats};
-use qforge_model::{HiddenState, Llama, Model, Observer, StatsObserver};
+use qforge_core::{BatchId, Digest, DigestBuilder, Provenance, Stats};
+use qforge_model::{HiddenState, Linear, Llama, Model, Observer, StatsObserver};
 
 use crate::error::{Error, Result};
 use crate::plan::{Batch, Pass, Recipe, Sample};
@@ -50,7 +50,10 @@ impl Job {
 ///
 /// A language model's Hessian pass resumes each batch from a hidden state
 /// that `hidden` kept from an earlier pass over the same model and batch,
-/// where it has one, and keeps the states this pass reached.
+/// where it has one, and keeps the states this pass reached. A state is
+/// resumed only where every layer before it ran as in this pass: with GPTQ
+/// propagating its rounding, a state an earlier pass computed through
+/// layers since rounded is not.
 pub fn observe_batch(
     target: &Model,
     batch: &Batch,
@@ -62,11 +65,12 @@ pub fn observe_batch(
         (Model::Language(lm), Some(first)) => {
             let sequences = token_sequences(&batch.samples)?;
             let key = (job.model, batch.id);
-            let resume = hidden.deepest(&key, first);
+            let below = RoundedBelow::of(&job.recipe.pass);
+            let resume = hidden.deepest(&key, first, &below);
             let kept = lm
                 .model
                 .observe_resuming(&sequences, &mut observer, resume.as_ref())?;
-            hidden.keep(key, kept);
+            hidden.keep(key, kept, &below);
         }
         _ => forward_samples(target, &batch.samples, &mut observer)?,
     }
@@ -108,6 +112,39 @@ fn first_observed_layer(pass: &Pass) -> Option<usize> {
 /// model (Llama-3-8B).
 pub const HIDDEN_STATE_BUDGET: usize = 2 << 30;
 
+/// Which of a pass's layers run rounded ([`crate::HessianPass::rounded`]),
+/// summed up per depth: the digest of the roundings of the layers before
+/// decoder layer `l` is what a hidden state entering `l` depends on beside
+/// the model.
+struct RoundedBelow<'a> {
+    rounded: Option<&'a BTreeMap<String, Digest>>,
+}
+
+impl<'a> RoundedBelow<'a> {
+    fn of(pass: &'a Pass) -> Self {
+        Self {
+            rounded: match pass {
+                Pass::Hessian(hessian) => Some(&hessian.rounded),
+                _ => None,
+            },
+        }
+    }
+
+    /// The digest of the roundings of every layer before decoder layer
+    /// `layer` (`lm_head` follows them all).
+    fn at(&self, layer: usize) -> Digest {
+        let mut digest = DigestBuilder::default();
+        digest.update(b"qforge.rounded-below.v1");
+        for (name, rounding) in self.rounded.into_iter().flatten() {
+            if Llama::layer_of(name).is_some_and(|l| l < layer) {
+                digest.update(name.as_bytes());
+                digest.update(&rounding.0);
+            }
+        }
+        digest.finish()
+    }
+}
+
 /// Hidden states kept between the observing passes of one process, per
 /// model (after its transforms) and batch: a pass that observes deep layers
 /// only (GPTQ's Hessian passes after the first) resumes each batch from the
@@ -119,30 +156,51 @@ pub const HIDDEN_STATE_BUDGET: usize = 2 << 30;
 /// dead one, or the budget was full) starts from the embedding.
 #[derive(Default)]
 pub struct HiddenStates {
-    held: Mutex<HashMap<(Digest, BatchId), Vec<HiddenState>>>,
+    held: Mutex<HashMap<(Digest, BatchId), Vec<KeptState>>>,
+}
+
+/// A kept hidden state, with the digest of the roundings of the layers
+/// before it ([`RoundedBelow`]).
+struct KeptState {
+    state: HiddenState,
+    rounded_below: Digest,
 }
 
 impl HiddenStates {
     /// The deepest state kept for `key` that enters layer `layer` or one
-    /// before it.
-    fn deepest(&self, key: &(Digest, BatchId), layer: usize) -> Option<HiddenState> {
+    /// before it, through the layers as `below` rounds them.
+    fn deepest(
+        &self,
+        key: &(Digest, BatchId),
+        layer: usize,
+        below: &RoundedBelow<'_>,
+    ) -> Option<HiddenState> {
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         held.get(key)?
             .iter()
-            .filter(|state| state.layer <= layer)
-            .max_by_key(|state| state.layer)
-            .cloned()
+            .filter(|kept| {
+                kept.state.layer <= layer && kept.rounded_below == below.at(kept.state.layer)
+            })
+            .max_by_key(|kept| kept.state.layer)
+            .map(|kept| kept.state.clone())
     }
 
-    /// Keeps `states` for `key` in place of what was kept, if the budget
-    /// allows. States of other models are dropped: a process runs one pass
-    /// at a time, so a pass of another model (a method the search tried
-    /// before, a run served before) will not resume from them.
-    fn keep(&self, key: (Digest, BatchId), states: Vec<HiddenState>) {
+    /// Keeps `states` (reached through the layers as `below` rounds them)
+    /// for `key` in place of what was kept, if the budget allows. States of
+    /// other models are dropped: a process runs one pass at a time, so a
+    /// pass of another model (a method the search tried before, a run
+    /// served before) will not resume from them.
+    fn keep(&self, key: (Digest, BatchId), states: Vec<HiddenState>, below: &RoundedBelow<'_>) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         held.retain(|(model, batch), _| *model == key.0 && *batch != key.1);
-        let bytes =
-            |states: &Vec<HiddenState>| states.iter().map(HiddenState::bytes).sum::<usize>();
+        let bytes = |states: &Vec<KeptState>| states.iter().map(|k| k.state.bytes()).sum::<usize>();
+        let states: Vec<KeptState> = states
+            .into_iter()
+            .map(|state| KeptState {
+                rounded_below: below.at(state.layer),
+                state,
+            })
+            .collect();
         let used: usize = held.values().map(bytes).sum();
         if used + bytes(&states) <= HIDDEN_STATE_BUDGET {
             held.insert(key, states);
@@ -185,4 +243,148 @@ pub fn forward_samples(
         }
     }
     Ok(())
+}
+
+/// GPTQ's rounding of the layers it rounded so far, as the passes that
+/// propagate it run them ([`crate::HessianPass::rounded`]), built once in
+/// the process that rounded them. A pass's target looks its rounded layers
+/// up here ([`crate::Session::pass_target`]); a process without them (a
+/// cluster's worker) cannot run such a pass.
+#[derive(Default)]
+pub struct RoundedLayers {
+    held: Mutex<BTreeMap<String, (Digest, Linear)>>,
+}
+
+impl RoundedLayers {
+    /// Holds `layer`, layer `name` computing with the rounding whose digest
+    /// is `rounding`.
+    pub fn insert(&self, name: String, rounding: Digest, layer: Linear) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.insert(name, (rounding, layer));
+    }
+
+    /// The layers `rounded` names, each as its rounding there says.
+    pub(crate) fn layers(
+        &self,
+        rounded: &BTreeMap<String, Digest>,
+    ) -> Result<BTreeMap<String, Linear>> {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        rounded
+            .iter()
+            .map(|(name, rounding)| match held.get(name) {
+                Some((digest, layer)) if digest == rounding => Ok((name.clone(), layer.clone())),
+                _ => Err(Error::Data(format!(
+                    "the pass runs {name} as GPTQ rounded it (sha256 {rounding}), a rounding this process does not hold: passes that propagate GPTQ's rounding run in the process that rounded (embedded workers)"
+                ))),
+            })
+            .collect()
+    }
+
+    /// Drops every layer (the passes that run them are over).
+    pub fn clear(&self) {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::plan::HessianPass;
+
+    /// A Hessian pass over one input, running the layers `rounded` names
+    /// rounded.
+    fn job(point: &str, rounded: &BTreeMap<String, Digest>) -> Job {
+        let pass = Pass::Hessian(HessianPass {
+            points: BTreeMap::from([(point.to_owned(), -20)]),
+            rounded: rounded.clone(),
+        });
+        Job {
+            model: Digest::of(b"smollm2"),
+            data: Digest::of(b"data"),
+            recipe: Recipe {
+                pass,
+                ..Recipe::default()
+            },
+            planned: 1,
+            transforms: Vec::new(),
+        }
+    }
+
+    /// With GPTQ propagating its rounding, a pass resumes a hidden state
+    /// only where every layer before it ran as the pass runs it: a pass
+    /// observing layer 1 after layer 0 was rounded gets from the states an
+    /// earlier pass kept (entering layers 0 and 1, both at full precision)
+    /// the statistics it gets from the embedding, which differ from the
+    /// full-precision model's.
+    #[test]
+    fn a_pass_resumes_only_states_reached_through_the_layers_as_it_runs_them() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/smollm2-135m-instruct-q4_1.gguf");
+        let model = qforge_model::open(&path).expect("scripts/fetch-models.sh fetches SmolLM2");
+        let tokens: Vec<u32> = (0..24).map(|i| 100 + 37 * i).collect();
+        let batch = Batch {
+            id: BatchId {
+                index: 0,
+                content: Digest::of(b"batch"),
+            },
+            samples: vec![
+                Sample::Tokens(tokens[..16].to_vec()),
+                Sample::Tokens(tokens),
+            ],
+        };
+        let hidden = HiddenStates::default();
+        let none = BTreeMap::new();
+        let first = job("model.layers.0.mlp.down_proj", &none);
+        observe_batch(&model, &batch, &first, &hidden).unwrap();
+
+        let rounded_layers = RoundedLayers::default();
+        let mut rounded = BTreeMap::new();
+        for (name, _, layer) in model.linears() {
+            if Llama::layer_of(&name) == Some(0) {
+                let int8 = layer.int8_weight().unwrap().into_owned();
+                let digest = int8.digest();
+                rounded_layers.insert(
+                    name.clone(),
+                    digest,
+                    layer.with_rounded_weight(int8).unwrap(),
+                );
+                rounded.insert(name, digest);
+            }
+        }
+        let layer_1 = "model.layers.1.self_attn.q_proj";
+        let propagated = job(layer_1, &rounded);
+        let target = model
+            .with_layers(&rounded_layers.layers(&rounded).unwrap())
+            .unwrap();
+        let key = (propagated.model, batch.id);
+        let below = RoundedBelow::of(&propagated.recipe.pass);
+        let resumed_from = hidden.deepest(&key, 1, &below).map(|state| state.layer);
+
+        let resumed = observe_batch(&target, &batch, &propagated, &hidden).unwrap();
+        let fresh = observe_batch(&target, &batch, &propagated, &HiddenStates::default()).unwrap();
+        // (Not assert_eq: the statistics print as megabytes.)
+        assert!(resumed == fresh, "a resumed pass observed other inputs");
+        let full_precision = observe_batch(
+            &model,
+            &batch,
+            &job(layer_1, &none),
+            &HiddenStates::default(),
+        )
+        .unwrap();
+        assert!(
+            resumed.tensors != full_precision.tensors,
+            "the rounding of layer 0 changed nothing"
+        );
+        assert_eq!(
+            resumed_from,
+            Some(0),
+            "the state entering layer 1 ran layer 0 unrounded"
+        );
+
+        // A process that did not round the layers cannot run the pass.
+        let err = RoundedLayers::default().layers(&rounded).unwrap_err();
+        assert!(err.to_string().contains("does not hold"), "{err}");
+    }
 }

@@ -50,6 +50,13 @@ pub enum Pass {
 pub struct HessianPass {
     /// Observation point → exponent.
     pub points: BTreeMap<String, i32>,
+    /// Linear layers the pass runs with GPTQ's rounding of them (dequantized)
+    /// instead of their full-precision weights, each with the digest of its
+    /// rounding ([`qforge_model::Int8Weight::digest`]): GPTQ propagating its
+    /// rounding into the inputs of the layers it rounds next. Empty: the
+    /// pass observes the full-precision model.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rounded: BTreeMap<String, Digest>,
 }
 
 impl Pass {

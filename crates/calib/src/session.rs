@@ -10,8 +10,8 @@ use qforge_model::{Format, Model, TextSide};
 
 use crate::data::{Dataset, EpisodeContent, Record, fits_width, load_jsonl};
 use crate::error::{Error, Result};
-use crate::observe::{HiddenStates, Job};
-use crate::plan::{Plan, Recipe, plan};
+use crate::observe::{HiddenStates, Job, RoundedLayers};
+use crate::plan::{Pass, Plan, Recipe, plan};
 use crate::transform::{Transform, apply_all, transformed_digest};
 
 /// Whether a session loads the model's weights.
@@ -44,6 +44,9 @@ pub struct Session {
     pub plan: Plan,
     /// Hidden states this process's passes keep for the next ones.
     pub hidden_states: Arc<HiddenStates>,
+    /// The layers GPTQ rounded in this process, for the passes that run
+    /// them rounded.
+    pub rounded: RoundedLayers,
 }
 
 impl Session {
@@ -95,6 +98,7 @@ impl Session {
             recipe: recipe.clone(),
             plan,
             hidden_states: Arc::default(),
+            rounded: RoundedLayers::default(),
         })
     }
 
@@ -132,6 +136,19 @@ impl Session {
             Error::Data("this session planned without loading the model's weights".into())
         })?;
         apply_all(model, transforms)
+    }
+
+    /// The model the pass `job` observes: the loaded one after its
+    /// transforms, with the layers it runs rounded
+    /// ([`crate::HessianPass::rounded`]) as this process rounded them.
+    pub fn pass_target(&self, job: &Job) -> Result<Model> {
+        let model = self.target(&job.transforms)?;
+        match &job.recipe.pass {
+            Pass::Hessian(hessian) if !hessian.rounded.is_empty() => {
+                Ok(model.with_layers(&self.rounded.layers(&hessian.rounded)?)?)
+            }
+            _ => Ok(model),
+        }
     }
 
     /// The default name of a run over this session: the first 12 hex digits

@@ -240,6 +240,13 @@ impl Serialize for Digest {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for Digest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let hex = String::deserialize(d)?;
+        Digest::from_hex(&hex).map_err(serde::de::Error::custom)
+    }
+}
+
 /// Stable identity of a calibration batch: its index in the plan and a hash of
 /// its content. Two batches are the same batch iff both agree, so a retried or
 /// speculatively re-run batch is recognised and a reordered data set is not.

@@ -86,6 +86,12 @@ pub trait Executor {
         Ok(())
     }
 
+    /// Whether the workers run in this process, and so see what it holds
+    /// beyond the job (GPTQ's rounded layers, for `gptq.sequential`).
+    fn runs_in_process(&self) -> bool {
+        false
+    }
+
     /// How many workers ran the pass `summary` records: by default those
     /// that reported.
     fn workers(&self, summary: &RunSummary) -> usize {
@@ -126,7 +132,7 @@ impl Executor for EmbeddedExecutor {
         options: &RunOptions,
         events: &mut dyn FnMut(PassEvent),
     ) -> Result<RunSummary> {
-        let backend = Embedded::new(session.target(&job.transforms)?, job.clone(), self.threads)
+        let backend = Embedded::new(session.pass_target(job)?, job.clone(), self.threads)
             .with_hidden_states(session.hidden_states.clone());
         events(PassEvent::Opened {
             run: None,
@@ -136,6 +142,10 @@ impl Executor for EmbeddedExecutor {
             events(PassEvent::Progress(p))
         })
     }
+    fn runs_in_process(&self) -> bool {
+        true
+    }
+
     /// Every thread, whether or not a batch reached it.
     fn workers(&self, _summary: &RunSummary) -> usize {
         self.threads

@@ -59,6 +59,10 @@ pub enum StoredWeight {
     /// at every use: a bf16 Llama-3-8B holds none of its 16 GB of linear
     /// weights in the process's own memory.
     Mapped(Arc<MappedTensor>),
+    /// The int8 values and scales a rounding (GPTQ) chose, dequantized at
+    /// every use: what the calibration passes after it observe when GPTQ
+    /// propagates its rounding (`Linear::with_rounded_weight`).
+    Rounded(Arc<Int8Weight>),
 }
 
 /// One tensor of memory-mapped safetensors shards.
@@ -127,6 +131,17 @@ impl StoredWeight {
                 .shards
                 .load(&mapped.name, &Device::Cpu)?
                 .to_dtype(DType::F32)?,
+            // Exact: an int8 value times an f32 scale is the f32 product.
+            StoredWeight::Rounded(int8) => {
+                let (rows, cols) = int8.shape();
+                let values: Vec<f32> = int8
+                    .values
+                    .chunks_exact(cols)
+                    .zip(&int8.scales)
+                    .flat_map(|(row, &scale)| row.iter().map(move |&v| f32::from(v) * scale))
+                    .collect();
+                Tensor::from_vec(values, (rows, cols), &Device::Cpu)?
+            }
         })
     }
 
@@ -135,6 +150,10 @@ impl StoredWeight {
         match self {
             StoredWeight::Blocks(blocks) => blocks.shape().dims().to_vec(),
             StoredWeight::Mapped(mapped) => vec![mapped.shape.0, mapped.shape.1],
+            StoredWeight::Rounded(int8) => {
+                let (rows, cols) = int8.shape();
+                vec![rows, cols]
+            }
         }
     }
 
@@ -145,6 +164,7 @@ impl StoredWeight {
                 (d[0], d[1])
             }
             StoredWeight::Mapped(mapped) => mapped.shape,
+            StoredWeight::Rounded(int8) => int8.shape(),
         }
     }
 
@@ -154,6 +174,7 @@ impl StoredWeight {
             StoredWeight::Mapped(mapped) => {
                 mapped.shape.0 * mapped.shape.1 * mapped.dtype.size_in_bytes()
             }
+            StoredWeight::Rounded(int8) => int8.values.len() + 4 * int8.scales.len(),
         }
     }
 }
@@ -169,6 +190,28 @@ pub struct Int8Weight {
 }
 
 impl Int8Weight {
+    /// `(out, in)`.
+    pub fn shape(&self) -> (usize, usize) {
+        let rows = self.scales.len();
+        (rows, self.values.len().checked_div(rows).unwrap_or(0))
+    }
+
+    /// SHA-256 of the values and scales: names this rounding in the jobs of
+    /// the passes that run with it.
+    pub fn digest(&self) -> qforge_core::Digest {
+        let mut digest = qforge_core::DigestBuilder::default();
+        digest.update(b"qforge.int8-weight.v1");
+        digest.update(&(self.scales.len() as u64).to_le_bytes());
+        for scale in &self.scales {
+            digest.update(&scale.to_le_bytes());
+        }
+        for chunk in self.values.chunks(crate::spill::CHUNK) {
+            let bytes: Vec<u8> = chunk.iter().map(|v| v.to_le_bytes()[0]).collect();
+            digest.update(&bytes);
+        }
+        digest.finish()
+    }
+
     /// The same weight with its values moved out of the process's memory
     /// into an unnamed file in `dir`, mapped read-only (see the `spill`
     /// module): a model's int8 rounding (7.5 GB for Llama-3-8B) then lives
@@ -321,6 +364,43 @@ impl Linear {
     /// The layer with `int8` as the values it quantizes to (full-precision
     /// layers only). Its full-precision forward is unchanged.
     pub fn with_int8_weight(&self, int8: Int8Weight) -> Result<Linear> {
+        self.check_int8(&int8)?;
+        let int8 = Some(Arc::new(int8));
+        match self {
+            Linear::Fp { weight, bias, .. } => Ok(Linear::Fp {
+                weight: weight.clone(),
+                bias: bias.clone(),
+                int8,
+            }),
+            Linear::Stored { weight, bias, .. } => Ok(Linear::Stored {
+                weight: weight.clone(),
+                bias: bias.clone(),
+                int8,
+            }),
+            Linear::Int8(_) => Err(Self::already_int8()),
+        }
+    }
+
+    /// The layer computing with `int8` (its weight as a rounding chose it,
+    /// dequantized at every use) in place of its full-precision weight, and
+    /// quantizing to `int8`: what the calibration passes after GPTQ's
+    /// rounding of this layer observe when it propagates its rounding.
+    pub fn with_rounded_weight(&self, int8: Int8Weight) -> Result<Linear> {
+        self.check_int8(&int8)?;
+        let bias = match self {
+            Linear::Fp { bias, .. } | Linear::Stored { bias, .. } => bias.clone(),
+            Linear::Int8(_) => return Err(Self::already_int8()),
+        };
+        let int8 = Arc::new(int8);
+        Ok(Linear::Stored {
+            weight: StoredWeight::Rounded(int8.clone()),
+            bias,
+            int8: Some(int8),
+        })
+    }
+
+    /// Checks that `int8` fits this layer's shape and range.
+    fn check_int8(&self, int8: &Int8Weight) -> Result<()> {
         let (out, inp) = self.shape();
         let qmax = WEIGHT_QMAX.unsigned_abs();
         if int8.values.len() != out * inp || int8.scales.len() != out {
@@ -337,20 +417,7 @@ impl Linear {
                 "int8 weights beyond ±{qmax} or scales that are not positive and finite"
             )));
         }
-        let int8 = Some(Arc::new(int8));
-        match self {
-            Linear::Fp { weight, bias, .. } => Ok(Linear::Fp {
-                weight: weight.clone(),
-                bias: bias.clone(),
-                int8,
-            }),
-            Linear::Stored { weight, bias, .. } => Ok(Linear::Stored {
-                weight: weight.clone(),
-                bias: bias.clone(),
-                int8,
-            }),
-            Linear::Int8(_) => Err(Self::already_int8()),
-        }
+        Ok(())
     }
 
     fn already_int8() -> Error {

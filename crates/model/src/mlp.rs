@@ -475,6 +475,23 @@ impl MlpPolicy {
         })
     }
 
+    /// The same policy with the layers `layers` names (`layers.{i}`)
+    /// replaced by those given.
+    pub fn with_layers(
+        &self,
+        layers: &std::collections::BTreeMap<String, crate::linear::Linear>,
+    ) -> Result<Self> {
+        if let Some(unknown) = layers
+            .keys()
+            .find(|n| !self.linears().iter().any(|(name, _, _)| name == *n))
+        {
+            return Err(Error::Shape(format!(
+                "{unknown} is not a layer of this policy"
+            )));
+        }
+        self.with_linears(|name, layer| Ok(layers.get(name).unwrap_or(layer).clone()))
+    }
+
     /// The same policy with its first layer's input divided by `factors`
     /// (one per observation feature) and the first layer's weight columns
     /// multiplied by them: the same function, up to rounding, whose first

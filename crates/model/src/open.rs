@@ -213,6 +213,19 @@ impl Model {
         })
     }
 
+    /// The same model with the linear layers `layers` names replaced by
+    /// those given.
+    pub fn with_layers(&self, layers: &BTreeMap<String, Linear>) -> Result<Model> {
+        Ok(match self {
+            Model::Language(lm) => Model::Language(Box::new(LanguageModel {
+                model: lm.model.with_layers(layers)?,
+                text: lm.text.clone(),
+                source: lm.source.clone(),
+            })),
+            Model::Policy(policy) => Model::Policy(Box::new(policy.with_layers(layers)?)),
+        })
+    }
+
     /// The language model, or an error naming `path` as a policy.
     pub fn into_language(self, path: &Path) -> Result<LanguageModel> {
         match self {

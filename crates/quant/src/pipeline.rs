@@ -26,7 +26,9 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::gptq::{Gptq, GptqOptions};
-use crate::guard::{Decision, FpModel, GuardMetrics, HeldOut, Reference, describe, probe, quantize};
+use crate::guard::{
+    Decision, FpModel, GuardMetrics, HeldOut, Reference, describe, probe, quantize,
+};
 use crate::held_out::held_out;
 use crate::recipe::ActivationScheme;
 use crate::recipe::{Method, QuantRecipe};
@@ -91,6 +93,12 @@ impl<'a> Pipeline<'a> {
     /// `recipe` (validated here), with its passes run on `executor`.
     pub fn new(recipe: QuantRecipe, executor: &'a dyn Executor) -> Result<Self> {
         recipe.validate()?;
+        if recipe.gptq.sequential && !executor.runs_in_process() {
+            return Err(Error::Recipe(format!(
+                "gptq.sequential runs each pass with the layers rounded before it, which exist only in this process: it runs on embedded workers (--workers N), not on {} workers",
+                executor.name()
+            )));
+        }
         Ok(Self { recipe, executor })
     }
 
@@ -297,8 +305,12 @@ impl<'a> Pipeline<'a> {
     /// GPTQ's groups of the session's model under this recipe's memory
     /// budget.
     fn hessian_groups_for(&self, session: &mut Session) -> Result<Vec<Vec<(String, usize)>>> {
+        let model = session.load_model()?;
+        if self.recipe.gptq.sequential {
+            return Ok(layer_inputs(model).into_iter().map(|i| vec![i]).collect());
+        }
         let budget = self.recipe.gptq.hessian_memory_mib as u64 * (1 << 20);
-        Ok(hessian_groups(session.load_model()?, budget))
+        Ok(hessian_groups(model, budget))
     }
 
     /// The guard's held-out data and what they are.
@@ -474,7 +486,9 @@ impl<'a> Pipeline<'a> {
     /// and the seconds spent solving. An input whose pass covered too few
     /// batches, or whose activations could not be summed (NaN, ±∞, beyond
     /// the fixed-point range), keeps rounding to nearest (with a warning);
-    /// the guard judges the result either way.
+    /// the guard judges the result either way. With `gptq.sequential`, each
+    /// pass runs the layers rounded before it with their rounding (a layer
+    /// left to nearest runs at full precision there).
     fn gptq(
         &self,
         rounding: &Rounding<'_>,
@@ -493,11 +507,16 @@ impl<'a> Pipeline<'a> {
         let mut weights = BTreeMap::new();
         let mut solving = 0.0;
         let mut hessians = Some(first);
+        // The layers the next passes run rounded, by their rounding's digest.
+        let mut propagated = BTreeMap::new();
         for (i, group) in groups.iter().enumerate() {
             let hessians = match hessians.take() {
                 Some(first) => first,
                 None => {
-                    let pass = hessian_pass(group, rounding.exponent);
+                    let pass = HessianPass {
+                        rounded: propagated.clone(),
+                        ..hessian_pass(group, rounding.exponent)
+                    };
                     let recipe = qforge_calib::Recipe {
                         pass: Pass::Hessian(pass.clone()),
                         ..rounding.first.clone()
@@ -533,10 +552,25 @@ impl<'a> Pipeline<'a> {
                 "gptq: {} layers rounded in {seconds:.2} s",
                 rounded.len()
             ));
+            if g.sequential {
+                let linears = model.linears();
+                for (name, int8) in &rounded {
+                    let (_, _, layer) = linears
+                        .iter()
+                        .find(|(n, _, _)| n == name)
+                        .expect("round_group rounds the model's layers");
+                    let digest = int8.digest();
+                    let layer = layer.with_rounded_weight(int8.clone())?;
+                    rounding.session.rounded.insert(name.clone(), digest, layer);
+                    propagated.insert(name.clone(), digest);
+                }
+            }
             weights.extend(rounded);
         }
-        // No later pass resumes from them: free the memory for the guard.
+        // No later pass resumes from them or runs them: free the memory for
+        // the guard.
         rounding.session.hidden_states.clear();
+        rounding.session.rounded.clear();
         Ok((weights, solving))
     }
 
@@ -755,7 +789,19 @@ fn hessian_pass(group: &[(String, usize)], exponent: i32) -> HessianPass {
             .iter()
             .map(|(point, _)| (point.clone(), exponent))
             .collect(),
+        rounded: BTreeMap::new(),
     }
+}
+
+/// The model's linear inputs (observation point, width) in forward order.
+fn layer_inputs(model: &Model) -> Vec<(String, usize)> {
+    let mut inputs: Vec<(String, usize)> = Vec::new();
+    for (_, point, layer) in model.linears() {
+        if !inputs.iter().any(|(p, _)| *p == point) {
+            inputs.push((point, layer.shape().1));
+        }
+    }
+    inputs
 }
 
 /// The model's linear inputs (observation point, width) in forward order,
@@ -763,12 +809,7 @@ fn hessian_pass(group: &[(String, usize)], exponent: i32) -> HessianPass {
 /// triangle) fit in `budget` bytes; an input larger than the budget is a
 /// group of its own.
 pub fn hessian_groups(model: &Model, budget: u64) -> Vec<Vec<(String, usize)>> {
-    let mut inputs: Vec<(String, usize)> = Vec::new();
-    for (_, point, layer) in model.linears() {
-        if !inputs.iter().any(|(p, _)| *p == point) {
-            inputs.push((point, layer.shape().1));
-        }
-    }
+    let inputs = layer_inputs(model);
     let bytes = |width: usize| 16 * (width * (width + 1) / 2) as u64;
     let mut groups: Vec<Vec<(String, usize)>> = Vec::new();
     let mut used = 0;

@@ -372,6 +372,16 @@ pub struct GptqSection {
     /// the forward again up to its last layer, so fewer passes are faster:
     /// 25.5 s against 43.4 s there.
     pub hessian_memory_mib: usize,
+    /// Propagate the rounding (GPTQ's sequential order, Frantar et al. 2022,
+    /// the "true-sequential" option of its reference code): one pass per
+    /// layer input, each observing the model with every layer rounded so far
+    /// computing with its rounded weights, so that a layer's rounding
+    /// compensates the error of those before it. Off: every pass observes
+    /// the full-precision model. Each pass resumes from the hidden states
+    /// the one before it kept, so the passes together still run the model
+    /// about once; the rounded layers live in the coordinating process, so
+    /// it runs on embedded workers only.
+    pub sequential: bool,
 }
 
 impl Default for GptqSection {
@@ -382,6 +392,7 @@ impl Default for GptqSection {
             dampening: 0.01,
             act_order: false,
             hessian_memory_mib: 1024,
+            sequential: false,
         }
     }
 }
@@ -474,6 +485,10 @@ impl QuantRecipe {
             (
                 self.gptq.hessian_memory_mib >= 1,
                 "gptq.hessian_memory_mib must be at least 1",
+            ),
+            (
+                self.gptq.enabled || !self.gptq.sequential,
+                "gptq.sequential orders GPTQ's rounding: it needs gptq.enabled",
             ),
         ];
         if let Some((_, message)) = checks.iter().find(|(ok, _)| !ok) {
@@ -658,6 +673,11 @@ pub struct Overrides {
     /// (implies --gptq).
     #[cfg_attr(feature = "clap", arg(long))]
     pub gptq_act_order: bool,
+    /// [gptq] sequential: each layer input's Hessian observed through the
+    /// layers rounded before it, one pass per input (implies --gptq;
+    /// embedded workers only).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub sequential: bool,
     /// [guard] largest relative perplexity increase (0.03 = +3 %).
     #[cfg_attr(feature = "clap", arg(long))]
     pub max_perplexity_increase: Option<f64>,
@@ -698,8 +718,9 @@ impl QuantRecipe {
         if let Some(list) = &o.hadamard {
             self.rotation = RotationSection::parse(list, self.rotation.seed)?;
         }
-        self.gptq.enabled |= o.gptq || o.gptq_act_order;
+        self.gptq.enabled |= o.gptq || o.gptq_act_order || o.sequential;
         self.gptq.act_order |= o.gptq_act_order;
+        self.gptq.sequential |= o.sequential;
         let g = &mut self.guard;
         g.max_perplexity_increase = o
             .max_perplexity_increase
@@ -822,5 +843,7 @@ mod tests {
         assert!(calibrator.to_string().contains("kl"), "{calibrator}");
         let range = QuantRecipe::from_toml("[guard]\nmax_fp_fraction = 1.5").unwrap_err();
         assert!(range.to_string().contains("max_fp_fraction"), "{range}");
+        let order = QuantRecipe::from_toml("[gptq]\nsequential = true").unwrap_err();
+        assert!(order.to_string().contains("gptq.enabled"), "{order}");
     }
 }

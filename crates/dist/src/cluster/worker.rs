@@ -373,8 +373,8 @@ impl Session {
             )));
         }
         let target = calibration
-            .target(&spec.transforms)
-            .map_err(|e| Error::Cluster(format!("run {run}: cannot apply its transforms: {e}")))?;
+            .pass_target(&job)
+            .map_err(|e| Error::Cluster(format!("run {run}: cannot build its model: {e}")))?;
         let fingerprint = match fingerprint {
             Some(known) => known,
             None => target.fingerprint()?.to_hex(),

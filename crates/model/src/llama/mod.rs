@@ -573,6 +573,18 @@ impl Llama {
         })
     }
 
+    /// The same model with the linear layers `layers` names (as
+    /// [`Llama::linears`] names them) replaced by those given.
+    pub fn with_layers(&self, layers: &BTreeMap<String, Linear>) -> Result<Llama> {
+        let names: Vec<String> = self.linears().into_iter().map(|(n, _, _)| n).collect();
+        if let Some(unknown) = layers.keys().find(|n| !names.contains(n)) {
+            return Err(Error::Shape(format!(
+                "{unknown} is not a linear layer of this model"
+            )));
+        }
+        self.map_linears(|name, _, layer| Ok(layers.get(name).unwrap_or(layer).clone()))
+    }
+
     /// Every linear layer replaced by `convert(name, point, layer)`, the
     /// decoder layers on the rayon pool's threads (each layer's conversion
     /// is independent of the others', so the result does not depend on the
