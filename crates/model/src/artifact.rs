@@ -26,9 +26,12 @@
 //! values and scales are prepacked as they are (narrowed to 7 bits only on a
 //! CPU whose GEMM cannot take 8, see `Int8Linear::from_quantized`).
 
+use std::borrow::Cow;
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::Path;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -314,17 +317,36 @@ impl<'a> TensorsOut<'a> {
                 },
             ),
             LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. } => {
-                self.add(format!("{name}.weight"), (Dtype::I8, vec![out, inp]), |w| {
-                    let int8 = layer.int8_weight().map_err(std::io::Error::other)?;
-                    crate::spill::write_i8(&int8.values, w)
-                });
+                // A layer rounded to nearest is rounded when its values are
+                // written (the name sorts them first); its scales are kept
+                // for their own tensor instead of rounding it again.
+                let scales = Rc::new(OnceCell::new());
+                let kept = scales.clone();
+                self.add(
+                    format!("{name}.weight"),
+                    (Dtype::I8, vec![out, inp]),
+                    move |w| {
+                        let int8 = layer.int8_weight().map_err(std::io::Error::other)?;
+                        crate::spill::write_i8(&int8.values, w)?;
+                        let _ = kept.set(int8.scales.clone());
+                        Ok(())
+                    },
+                );
                 self.add(
                     format!("{name}.weight_scale"),
                     (Dtype::F32, vec![out, 1]),
-                    |w| {
-                        let int8 = layer.int8_weight().map_err(std::io::Error::other)?;
-                        let bytes: Vec<u8> =
-                            int8.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    move |w| {
+                        let scales = match scales.get() {
+                            Some(scales) => Cow::Borrowed(scales),
+                            None => Cow::Owned(
+                                layer
+                                    .int8_weight()
+                                    .map_err(std::io::Error::other)?
+                                    .scales
+                                    .clone(),
+                            ),
+                        };
+                        let bytes: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
                         w.write_all(&bytes)
                     },
                 );
