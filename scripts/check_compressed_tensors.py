@@ -11,16 +11,20 @@ weight dequantizes to the native artifact's:
   group is static, no zero point; each row of weights reaches at least 63 in magnitude
   (symmetric per channel: a row's largest weight maps near ±127);
 - `weight × weight_scale` equals the native artifact's, bit for bit;
-- every `ignore`d layer but a tied `lm_head` is present in floating point.
+- every `ignore`d layer but a tied `lm_head` is present in floating point;
+- every other tensor (embedding, norms, full-precision layers) is in `torch_dtype`
+  (`bfloat16` or `float32`) and holds the native artifact's values, rounded to nearest
+  (ties to even) when bf16; a `lm_head` the artifact stores in int8, dequantized.
 
-Tensors are read one at a time, so an 8 GB export needs memory for its largest tensor,
-not for the file.
+Tensors are read one at a time, int8 ones whole and floating-point ones a block at a
+time, so an 8 GB export needs memory for its largest int8 tensor, not for the file.
 
 Usage: scripts/check_compressed_tensors.py EXPORT_DIR NATIVE_ARTIFACT_DIR
 Prints a JSON summary; exits 1 with the first failed check.
 """
 
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -35,6 +39,64 @@ class ExportError(Exception):
 def require(condition, message):
     if not condition:
         raise ExportError(message)
+
+
+# Floating-point tensors are compared this many values at a time.
+BLOCK = 1 << 24
+
+
+class RawTensors:
+    """A safetensors file's tensors read straight from its header and bytes:
+    numpy has no bfloat16, so `safetensors.numpy` cannot read one."""
+
+    def __init__(self, path):
+        self.path = path
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            self.header = json.loads(f.read(length))
+        self.header.pop("__metadata__", None)
+        self.data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length)
+
+    def dtype(self, name):
+        return self.header[name]["dtype"]
+
+    def floats(self, name):
+        """The tensor's values as flat float32, in blocks of BLOCK."""
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        raw = self.data[begin:end]
+        if info["dtype"] == "BF16":
+            values = raw.view(np.uint16)
+        elif info["dtype"] == "F32":
+            values = raw.view(np.float32)
+        else:
+            raise ExportError(f"{name}: {info['dtype']} where a float tensor belongs")
+        for start in range(0, len(values), BLOCK):
+            block = values[start:start + BLOCK]
+            if info["dtype"] == "BF16":
+                block = (block.astype(np.uint32) << 16).view(np.float32)
+            yield block
+
+
+def round_to_bf16(values):
+    """float32 values rounded to the nearest bfloat16, ties to even, as float32."""
+    bits = values.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+def check_float(name, dtype, export, native):
+    """An unquantized tensor of the export: in the checkpoint's dtype, with the native
+    artifact's values."""
+    require(export.dtype(name) == dtype, f"{name}: {export.dtype(name)} in a {dtype} checkpoint")
+    require(name in native.header, f"{name}: not in the native artifact")
+    ours = native.floats(name)
+    for block in export.floats(name):
+        expected = next(ours)
+        if dtype == "BF16":
+            expected = round_to_bf16(expected)
+        require(np.array_equal(block, expected),
+                f"{name}: values differ from the native artifact's")
 
 
 def check_groups(quantization):
@@ -85,6 +147,9 @@ def check(export_dir, native_dir):
     groups = check_groups(config["quantization_config"])
     summary = {"quantized_layers": 0, "static_layers": 0, "int8_bytes": 0,
                "file_bytes": (export_dir / "model.safetensors").stat().st_size}
+    dtypes = {"bfloat16": "BF16", "float32": "F32"}
+    require(config.get("torch_dtype") in dtypes, f"torch_dtype {config.get('torch_dtype')}")
+    dtype = dtypes[config["torch_dtype"]]
     with safe_open(export_dir / "model.safetensors", framework="numpy") as export, \
             safe_open(native_dir / "model.safetensors", framework="numpy") as native:
         names = set(export.keys())
@@ -98,10 +163,34 @@ def check(export_dir, native_dir):
             if name == "lm_head" and config.get("tie_word_embeddings"):
                 require("lm_head.weight" not in names, "a tied lm_head is written")
                 continue
-            require(export.get_tensor(f"{name}.weight").dtype.kind == "f",
-                    f"{name}: ignored but not floating point")
+            require(f"{name}.weight" in names, f"{name}: ignored but not written")
+    raw_export = RawTensors(export_dir / "model.safetensors")
+    raw_native = RawTensors(native_dir / "model.safetensors")
+    quantized = {f"{name}.{part}" for targets, _ in groups for name in targets
+                 for part in ("weight", "weight_scale", "input_scale")}
+    for name in sorted(names - quantized):
+        if name == "lm_head.weight" and raw_native.dtype(name) == "I8":
+            check_dequantized_lm_head(dtype, raw_export, native_dir)
+        else:
+            check_float(name, dtype, raw_export, raw_native)
+        summary["float_tensors"] = summary.get("float_tensors", 0) + 1
     summary["ignored"] = config["quantization_config"]["ignore"]
+    summary["torch_dtype"] = config["torch_dtype"]
     return summary
+
+
+def check_dequantized_lm_head(dtype, export, native_dir):
+    """lm_head, which the artifact stores in int8: the export holds it dequantized."""
+    with safe_open(native_dir / "model.safetensors", framework="numpy") as native:
+        values = native.get_tensor("lm_head.weight").astype(np.float32) \
+            * native.get_tensor("lm_head.weight_scale")
+    require(export.dtype("lm_head.weight") == dtype,
+            f"lm_head.weight: {export.dtype('lm_head.weight')} in a {dtype} checkpoint")
+    expected = values.reshape(-1)
+    if dtype == "BF16":
+        expected = round_to_bf16(expected)
+    got = np.concatenate(list(export.floats("lm_head.weight")))
+    require(np.array_equal(got, expected), "lm_head.weight: not the artifact's dequantized")
 
 
 def main():

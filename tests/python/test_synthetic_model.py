@@ -14,9 +14,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from check_compressed_tensors import check  # noqa: E402
 QFORGE = os.environ.get("QFORGE", str(ROOT / "target/release/qforge"))
 
 
@@ -84,16 +87,25 @@ def test_token_ids_quantize_exactly_on_any_worker_count_and_export(tmp_path):
     text = run("generate", "--model", "w1", "--prompt", "Hello", cwd=tmp_path)
     assert text.returncode == 2 and "tokenizer.json does not exist" in text.stderr
 
-    qforge("export", "--model", "w1", "--format", "compressed-tensors", "-o", "ct", cwd=tmp_path)
+    # bf16 shards that nothing rescaled (no smoothing, no rotation): the checkpoint is
+    # bf16 like its source, its embedding and norms the source's values exactly.
+    exported = qforge("export", "--model", "w1", "--format", "compressed-tensors", "-o", "ct",
+                      cwd=tmp_path)
+    assert exported["dtype"] == "bfloat16"
     config = json.loads((tmp_path / "ct/config.json").read_text())
     assert config["quantization_config"]["format"] == "int-quantized"
     assert config["rope_scaling"]["rope_type"] == "llama3"
     assert not (tmp_path / "ct/tokenizer.json").exists()
-    exported = load_file(str(tmp_path / "ct/model.safetensors"))
-    native = load_file(str(tmp_path / "w1/model.safetensors"))
+    summary = check(tmp_path / "ct", tmp_path / "w1")
+    assert summary["torch_dtype"] == "bfloat16"
+    # The embedding, 2 norms per layer, the final norm and lm_head.
+    assert summary["float_tensors"] == 1 + 2 * config["num_hidden_layers"] + 1 + 1
     name = "model.layers.3.mlp.down_proj.weight"
-    assert exported[name].dtype == np.int8 and exported[name].shape == (128, 384)
-    assert np.array_equal(exported[name], native[name])
+    with safe_open(tmp_path / "ct/model.safetensors", framework="numpy") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+        weight = f.get_tensor(name)
+    assert weight.dtype == np.int8 and weight.shape == (128, 384)
+    assert np.array_equal(weight, load_file(str(tmp_path / "w1/model.safetensors"))[name])
 
 
 def test_sequential_gptq_propagates_its_rounding_exactly_on_any_worker_count(tmp_path):

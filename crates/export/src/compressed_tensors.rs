@@ -9,13 +9,21 @@
 //! guard left in full precision — whole fused groups, since the native
 //! artifact decides per layer input. Tensors: `NAME.weight` int8 `[out,
 //! in]`, `NAME.weight_scale` f32 `[out, 1]`, `NAME.input_scale` f32 `[1]`
-//! for static inputs, no zero points; everything else f32. Smoothing factors
-//! are already folded into the norms and weights of the artifact.
+//! for static inputs, no zero points. Smoothing factors are already folded
+//! into the norms and weights of the artifact.
+//!
+//! Everything else (embedding, norms, the layers left in full precision) is
+//! written in the checkpoint's dtype, its `torch_dtype`: bf16 when every one
+//! of those tensors holds bf16 values exactly (a bf16 source nothing
+//! rescaled: a Llama-3-8B checkpoint is then 9.1 GB, not 11.2 GB in f32),
+//! else f32. vLLM runs a model in 16 bits either way, so bf16 loses nothing
+//! there.
 //!
 //! `lm_head`: dropped when the source tied it to the embedding (vLLM ties it
-//! again); otherwise written in f32 — dequantized from int8 when the
-//! artifact quantized it, since the artifact keeps no other copy (the
-//! export's manifest says so).
+//! again); otherwise written in the checkpoint's dtype — dequantized from
+//! int8 when the artifact quantized it, since the artifact keeps no other
+//! copy (the export's manifest says so), and then rounded to nearest when
+//! the dtype is bf16.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -35,8 +43,11 @@ pub struct CompressedTensors {
     pub quantized_layers: usize,
     /// Layers in `ignore` (FP), `lm_head` included.
     pub ignored: Vec<String>,
-    /// How `lm_head` was written: `tied`, `f32`, or `dequantized from int8`.
+    /// How `lm_head` was written: `tied`, `copied`, or `dequantized from
+    /// int8`.
     pub lm_head: &'static str,
+    /// The checkpoint's `torch_dtype`: `bfloat16` or `float32`.
+    pub dtype: &'static str,
 }
 
 /// A tensor to write: dtype, shape, little-endian bytes (borrowed from the
@@ -51,6 +62,56 @@ fn read_json(path: &Path) -> Result<Value> {
 
 fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
     values.into_iter().flat_map(f32::to_le_bytes).collect()
+}
+
+/// Whether every little-endian f32 of `bytes` is a bf16 exactly: its low 16
+/// bits are zero.
+fn holds_bf16(bytes: &[u8]) -> bool {
+    bytes.chunks_exact(4).all(|b| b[0] == 0 && b[1] == 0)
+}
+
+/// Little-endian f32 `bytes` as little-endian bf16, rounded to nearest,
+/// ties to even; a value [`holds_bf16`] keeps its value. The artifact's
+/// values are finite and far below where rounding would overflow.
+fn to_bf16(bytes: &[u8]) -> Vec<u8> {
+    bytes
+        .chunks_exact(4)
+        .flat_map(|b| {
+            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let rounded = bits + 0x7fff + ((bits >> 16) & 1);
+            ((rounded >> 16) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+/// The full-precision tensors of `out`: every f32 one but the scales, which
+/// compressed-tensors keeps in f32.
+fn full_precision<'a, 'b>(
+    out: &'b mut BTreeMap<String, TensorOut<'a>>,
+) -> impl Iterator<Item = (&'b String, &'b mut TensorOut<'a>)> {
+    out.iter_mut()
+        .filter(|(name, (dtype, _, _))| *dtype == Dtype::F32 && !name.ends_with("_scale"))
+}
+
+/// Writes `out`'s full-precision tensors in bf16 when each holds bf16 values
+/// exactly, `rounded` (a tensor whose values are bf16 by no design, the
+/// dequantized lm_head) aside, which is then rounded. Returns the
+/// checkpoint's `torch_dtype`.
+fn narrow_to_bf16(
+    out: &mut BTreeMap<String, TensorOut<'_>>,
+    rounded: Option<&str>,
+) -> &'static str {
+    let exact = full_precision(out)
+        .filter(|(name, _)| Some(name.as_str()) != rounded)
+        .all(|(_, (_, _, bytes))| holds_bf16(bytes));
+    if !exact {
+        return "float32";
+    }
+    for (_, (dtype, _, bytes)) in full_precision(out) {
+        *bytes = Cow::Owned(to_bf16(bytes));
+        *dtype = Dtype::BF16;
+    }
+    "bfloat16"
 }
 
 /// The artifact's `model.safetensors`, memory-mapped: a language model's
@@ -191,7 +252,7 @@ fn lm_head<'a>(
     };
     let weight = tensor("lm_head.weight")?;
     let (bytes, how) = match weight.dtype() {
-        Dtype::F32 => (Cow::Borrowed(weight.data()), "f32"),
+        Dtype::F32 => (Cow::Borrowed(weight.data()), "copied"),
         Dtype::I8 => {
             let scales = tensor("lm_head.weight_scale")?;
             let cols = weight.shape()[1];
@@ -292,14 +353,88 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
     let mut targets = Targets::sort(&llama, &config.points, &mut out)?;
     targets.ignored.push("lm_head".to_owned());
     let lm_head = lm_head(tied, &source, &weights_path, &mut out)?;
+    let dtype = narrow_to_bf16(
+        &mut out,
+        (lm_head == "dequantized from int8").then_some("lm_head.weight"),
+    );
 
     hf["quantization_config"] = targets.quantization_config();
-    hf["torch_dtype"] = "float32".into();
+    hf["torch_dtype"] = dtype.into();
     write_tensors(&out, dest)?;
     write_config_and_tokenizer(&hf, artifact, dest)?;
     Ok(CompressedTensors {
         quantized_layers: targets.static_inputs.len() + targets.dynamic_inputs.len(),
         ignored: targets.ignored,
         lm_head,
+        dtype,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16_values(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(2)
+            .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+            .collect()
+    }
+
+    #[test]
+    fn bf16_values_narrow_exactly_and_others_round_to_nearest_even() {
+        let exact = [1.0f32, -0.0, 3.140625, -2f32.powi(-70), 65280.0];
+        assert!(holds_bf16(&f32_bytes(exact)));
+        assert_eq!(bf16_values(&to_bf16(&f32_bytes(exact))), exact);
+
+        let step = 2f32.powi(-7); // one bf16 ulp at 1.0
+        let inexact = [
+            1.0 + step * 0.5,                  // a tie: to 1.0, whose last bit is even
+            1.0 + step * 1.5,                  // a tie: to 1 + 2 ulps, even
+            1.0 + step * 0.5 + 2f32.powi(-20), // above the tie: up
+            -(1.0 + step * 0.25),              // below it: down, in magnitude
+        ];
+        assert!(!holds_bf16(&f32_bytes(inexact)));
+        assert_eq!(
+            bf16_values(&to_bf16(&f32_bytes(inexact))),
+            [1.0, 1.0 + 2.0 * step, 1.0 + step, -1.0]
+        );
+    }
+
+    #[test]
+    fn the_checkpoint_is_bf16_only_when_every_full_precision_tensor_holds_bf16() {
+        let tensor = |values: &[f32]| {
+            (
+                Dtype::F32,
+                vec![values.len()],
+                Cow::Owned(f32_bytes(values.iter().copied())),
+            )
+        };
+        let mut out: BTreeMap<String, TensorOut<'_>> = BTreeMap::new();
+        out.insert("model.norm.weight".into(), tensor(&[1.0, 0.5]));
+        out.insert("lm_head.weight".into(), tensor(&[0.1, 0.2]));
+        // Scales stay f32 whatever they hold.
+        out.insert("a.weight_scale".into(), tensor(&[0.1]));
+        out.insert("a.input_scale".into(), tensor(&[0.3]));
+
+        let mut rounded = out.clone();
+        assert_eq!(
+            narrow_to_bf16(&mut rounded, Some("lm_head.weight")),
+            "bfloat16"
+        );
+        let dtypes: Vec<Dtype> = rounded.values().map(|(dtype, _, _)| *dtype).collect();
+        // In name order: a.input_scale, a.weight_scale, lm_head, norm.
+        assert_eq!(dtypes, [Dtype::F32, Dtype::F32, Dtype::BF16, Dtype::BF16]);
+        // 0.1 is 0x3dcc_cccd and 0.2 is 0x3e4c_cccd: both round up.
+        assert_eq!(
+            bf16_values(&rounded["lm_head.weight"].2),
+            [f32::from_bits(0x3dcd_0000), f32::from_bits(0x3e4d_0000)]
+        );
+        assert_eq!(bf16_values(&rounded["model.norm.weight"].2), [1.0, 0.5]);
+
+        // lm_head copied from the artifact counts: 0.1 is no bf16.
+        let mut kept = out.clone();
+        assert_eq!(narrow_to_bf16(&mut kept, None), "float32");
+        assert_eq!(kept, out);
+    }
 }

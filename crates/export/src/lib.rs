@@ -62,6 +62,8 @@ pub enum Exported {
         ignore: Vec<String>,
         /// How `lm_head` was written.
         lm_head: &'static str,
+        /// The checkpoint's `torch_dtype`.
+        dtype: &'static str,
     },
     /// See [`OnnxExport`].
     Onnx {
@@ -97,6 +99,7 @@ pub fn export(artifact: &Path, target: Target, dest: &Path) -> Result<ExportRepo
                     quantized_layers: result.quantized_layers,
                     ignore: result.ignored,
                     lm_head: result.lm_head,
+                    dtype: result.dtype,
                 }
             }
             Target::Onnx { f32 } => onnx(artifact, &source, f32, staging)?,
@@ -159,9 +162,10 @@ impl fmt::Display for ExportReport {
                 quantized_layers,
                 ignore,
                 lm_head,
+                dtype,
             } => write!(
                 f,
-                "wrote {dest} (compressed-tensors): {quantized_layers} int8 layers, {} left unquantized (lm_head {lm_head})",
+                "wrote {dest} (compressed-tensors, {dtype}): {quantized_layers} int8 layers, {} left unquantized (lm_head {lm_head})",
                 ignore.len()
             ),
             Exported::Onnx {

@@ -34,7 +34,7 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
 }
 
 /// The export's tensors as the peer takes them: int8 weights times their
-/// per-row scales, f32 as stored; scales themselves left out.
+/// per-row scales, f32 and bf16 as stored; scales themselves left out.
 fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -46,6 +46,11 @@ fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
         let shape = view.shape().to_vec();
         let values = match view.dtype() {
             Dtype::F32 => floats(view.data()),
+            Dtype::BF16 => view
+                .data()
+                .chunks_exact(2)
+                .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+                .collect(),
             Dtype::I8 => {
                 let scale_name = name.replace(".weight", ".weight_scale");
                 let scales = floats(st.tensor(&scale_name).unwrap().data());
@@ -136,7 +141,8 @@ fn a_residual_rotated_model_exports_and_runs_on_candle_transformers() {
         })
         .collect();
     let (summary, _) = export_and_compare(&lm, &points, "residual");
-    assert_eq!(summary.lm_head, "f32");
+    assert_eq!(summary.lm_head, "copied");
+    assert_eq!(summary.dtype, "float32");
     assert_eq!(summary.ignored, ["lm_head".to_owned()]);
 }
 
