@@ -84,34 +84,47 @@ fn to_bf16(bytes: &[u8]) -> Vec<u8> {
         .collect()
 }
 
-/// The full-precision tensors of `out`: every f32 one but the scales, which
+/// Little-endian bf16 `bytes` widened to little-endian f32 (exactly).
+fn bf16_to_f32(bytes: &[u8]) -> Vec<u8> {
+    bytes
+        .chunks_exact(2)
+        .flat_map(|b| [0, 0, b[0], b[1]])
+        .collect()
+}
+
+/// The full-precision tensors of `out` (the artifact stores them in f32 or
+/// bf16): every one but the int8 weights and the scales, which
 /// compressed-tensors keeps in f32.
 fn full_precision<'a, 'b>(
     out: &'b mut BTreeMap<String, TensorOut<'a>>,
 ) -> impl Iterator<Item = (&'b String, &'b mut TensorOut<'a>)> {
-    out.iter_mut()
-        .filter(|(name, (dtype, _, _))| *dtype == Dtype::F32 && !name.ends_with("_scale"))
+    out.iter_mut().filter(|(name, (dtype, _, _))| {
+        matches!(dtype, Dtype::F32 | Dtype::BF16) && !name.ends_with("_scale")
+    })
 }
 
-/// Writes `out`'s full-precision tensors in bf16 when each holds bf16 values
-/// exactly, `rounded` (a tensor whose values are bf16 by no design, the
-/// dequantized lm_head) aside, which is then rounded. Returns the
-/// checkpoint's `torch_dtype`.
-fn narrow_to_bf16(
+/// Writes `out`'s full-precision tensors in one dtype, which it returns as
+/// the checkpoint's `torch_dtype`: bf16 when each holds bf16 values exactly,
+/// `rounded` (a tensor whose values are bf16 by no design, the dequantized
+/// lm_head) aside, which is then rounded; else f32, bf16 ones widened.
+fn to_checkpoint_dtype(
     out: &mut BTreeMap<String, TensorOut<'_>>,
     rounded: Option<&str>,
 ) -> &'static str {
     let exact = full_precision(out)
         .filter(|(name, _)| Some(name.as_str()) != rounded)
-        .all(|(_, (_, _, bytes))| holds_bf16(bytes));
-    if !exact {
-        return "float32";
-    }
+        .all(|(_, (dtype, _, bytes))| *dtype == Dtype::BF16 || holds_bf16(bytes));
+    let target = if exact { Dtype::BF16 } else { Dtype::F32 };
     for (_, (dtype, _, bytes)) in full_precision(out) {
-        *bytes = Cow::Owned(to_bf16(bytes));
-        *dtype = Dtype::BF16;
+        if *dtype != target {
+            *bytes = Cow::Owned(match target {
+                Dtype::BF16 => to_bf16(bytes),
+                _ => bf16_to_f32(bytes),
+            });
+            *dtype = target;
+        }
     }
-    "bfloat16"
+    if exact { "bfloat16" } else { "float32" }
 }
 
 /// The artifact's `model.safetensors`, memory-mapped: a language model's
@@ -353,7 +366,7 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
     let mut targets = Targets::sort(&llama, &config.points, &mut out)?;
     targets.ignored.push("lm_head".to_owned());
     let lm_head = lm_head(tied, &source, &weights_path, &mut out)?;
-    let dtype = narrow_to_bf16(
+    let dtype = to_checkpoint_dtype(
         &mut out,
         (lm_head == "dequantized from int8").then_some("lm_head.weight"),
     );
@@ -375,10 +388,7 @@ mod tests {
     use super::*;
 
     fn bf16_values(bytes: &[u8]) -> Vec<f32> {
-        bytes
-            .chunks_exact(2)
-            .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
-            .collect()
+        qforge_model::linear::bf16_values(bytes).collect()
     }
 
     #[test]
@@ -413,18 +423,37 @@ mod tests {
         let mut out: BTreeMap<String, TensorOut<'_>> = BTreeMap::new();
         out.insert("model.norm.weight".into(), tensor(&[1.0, 0.5]));
         out.insert("lm_head.weight".into(), tensor(&[0.1, 0.2]));
+        // An embedding the artifact stores in bf16: 3.0 and -0.75.
+        let embedding = Cow::Owned(vec![0x40, 0x40, 0x40, 0xbf]);
+        out.insert(
+            "model.embed_tokens.weight".into(),
+            (Dtype::BF16, vec![2], embedding),
+        );
         // Scales stay f32 whatever they hold.
         out.insert("a.weight_scale".into(), tensor(&[0.1]));
         out.insert("a.input_scale".into(), tensor(&[0.3]));
 
         let mut rounded = out.clone();
         assert_eq!(
-            narrow_to_bf16(&mut rounded, Some("lm_head.weight")),
+            to_checkpoint_dtype(&mut rounded, Some("lm_head.weight")),
             "bfloat16"
         );
         let dtypes: Vec<Dtype> = rounded.values().map(|(dtype, _, _)| *dtype).collect();
-        // In name order: a.input_scale, a.weight_scale, lm_head, norm.
-        assert_eq!(dtypes, [Dtype::F32, Dtype::F32, Dtype::BF16, Dtype::BF16]);
+        // In name order: a.input_scale, a.weight_scale, lm_head, embedding, norm.
+        assert_eq!(
+            dtypes,
+            [
+                Dtype::F32,
+                Dtype::F32,
+                Dtype::BF16,
+                Dtype::BF16,
+                Dtype::BF16
+            ]
+        );
+        assert_eq!(
+            rounded["model.embed_tokens.weight"],
+            out["model.embed_tokens.weight"]
+        );
         // 0.1 is 0x3dcc_cccd and 0.2 is 0x3e4c_cccd: both round up.
         assert_eq!(
             bf16_values(&rounded["lm_head.weight"].2),
@@ -432,9 +461,16 @@ mod tests {
         );
         assert_eq!(bf16_values(&rounded["model.norm.weight"].2), [1.0, 0.5]);
 
-        // lm_head copied from the artifact counts: 0.1 is no bf16.
-        let mut kept = out.clone();
-        assert_eq!(narrow_to_bf16(&mut kept, None), "float32");
-        assert_eq!(kept, out);
+        // lm_head copied from the artifact counts: 0.1 is no bf16. The
+        // checkpoint is f32, the bf16 embedding widened into it.
+        let mut widened = out.clone();
+        assert_eq!(to_checkpoint_dtype(&mut widened, None), "float32");
+        let embedding = widened.remove("model.embed_tokens.weight").unwrap();
+        assert_eq!(
+            embedding,
+            (Dtype::F32, vec![2], Cow::Owned(f32_bytes([3.0, -0.75])))
+        );
+        out.remove("model.embed_tokens.weight");
+        assert_eq!(widened, out);
     }
 }

@@ -188,6 +188,12 @@ impl Graph {
                 self.floats(&weight, &[out, inp], &floats_of(view.data()));
                 Ok(false)
             }
+            // The artifact keeps a bf16 policy's full-precision weights in bf16.
+            (LayerPrecision::Fp, Dtype::BF16) => {
+                let values: Vec<f32> = qforge_model::linear::bf16_values(view.data()).collect();
+                self.floats(&weight, &[out, inp], &values);
+                Ok(false)
+            }
             (LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. }, Dtype::I8) => {
                 let values: Vec<i8> = view.data().iter().map(|&b| b as i8).collect();
                 let scales = floats_of(weights.tensor(&format!("{name}.weight_scale"))?.data());

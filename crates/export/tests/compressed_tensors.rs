@@ -46,11 +46,7 @@ fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
         let shape = view.shape().to_vec();
         let values = match view.dtype() {
             Dtype::F32 => floats(view.data()),
-            Dtype::BF16 => view
-                .data()
-                .chunks_exact(2)
-                .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
-                .collect(),
+            Dtype::BF16 => qforge_model::linear::bf16_values(view.data()).collect(),
             Dtype::I8 => {
                 let scale_name = name.replace(".weight", ".weight_scale");
                 let scales = floats(st.tensor(&scale_name).unwrap().data());

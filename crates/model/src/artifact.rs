@@ -9,7 +9,9 @@
 //!   of a fused group of linear layers: q/k/v share one, gate/up share one);
 //! * `model.safetensors`: for an INT8 layer `NAME.weight` (I8, `[out, in]`)
 //!   and `NAME.weight_scale` (F32, `[out, 1]`); for a full-precision layer
-//!   `NAME.weight` (F32); biases, embeddings and norms in F32. Names are Hugging
+//!   `NAME.weight`; biases and norms in F32. A full-precision weight or
+//!   embedding is stored in BF16 when the model holds it in bf16 (a bf16
+//!   source's values that nothing rescaled), else in F32. Names are Hugging
 //!   Face's and the int8 layout is compressed-tensors' (symmetric
 //!   per-channel, no zero points), so an export rewrites metadata rather than
 //!   requantizing;
@@ -242,9 +244,20 @@ impl TensorSource for safetensors::tensor::TensorView<'_> {
     }
 }
 
-/// Writes `tensor`'s values as little-endian f32, a chunk at a time: a
-/// tensor's bytes are never all in memory at once.
-fn write_f32(tensor: &Tensor, out: &mut dyn Write) -> std::io::Result<()> {
+/// The dtype the artifact stores a full-precision tensor held in `held`
+/// in: bf16 stays bf16 (a bf16 source's embedding, and its weights that
+/// nothing rescaled), everything else is f32, which holds it exactly.
+fn stored_dtype(held: DType) -> Dtype {
+    match held {
+        DType::BF16 => Dtype::BF16,
+        _ => Dtype::F32,
+    }
+}
+
+/// Writes `tensor`'s values as little-endian `dtype` (f32, or bf16 for a
+/// tensor whose values are all bf16), a chunk at a time: a tensor's bytes
+/// are never all in memory at once.
+fn write_floats(tensor: &Tensor, dtype: Dtype, out: &mut dyn Write) -> std::io::Result<()> {
     let chunk = crate::spill::CHUNK / 4;
     let flat = tensor.flatten_all().map_err(std::io::Error::other)?;
     let count = flat.elem_count();
@@ -253,7 +266,10 @@ fn write_f32(tensor: &Tensor, out: &mut dyn Write) -> std::io::Result<()> {
             .narrow(0, start, chunk.min(count - start))
             .and_then(|part| part.to_dtype(DType::F32)?.to_vec1::<f32>())
             .map_err(std::io::Error::other)?;
-        crate::spill::write_f32(&values, out)?;
+        match dtype {
+            Dtype::BF16 => crate::spill::write_bf16(&values, out)?,
+            _ => crate::spill::write_f32(&values, out)?,
+        }
     }
     Ok(())
 }
@@ -297,10 +313,11 @@ impl<'a> TensorsOut<'a> {
         self.0.insert(name, Pending { dtype, shape, make });
     }
 
-    fn f32(&mut self, name: String, tensor: Tensor) {
-        let shape = tensor.dims().to_vec();
-        self.add(name, (Dtype::F32, shape), move |out| {
-            write_f32(&tensor, out)
+    /// A full-precision tensor, in [`stored_dtype`].
+    fn float(&mut self, name: String, tensor: Tensor) {
+        let (dtype, shape) = (stored_dtype(tensor.dtype()), tensor.dims().to_vec());
+        self.add(name, (dtype, shape), move |out| {
+            write_floats(&tensor, dtype, out)
         });
     }
 
@@ -308,14 +325,17 @@ impl<'a> TensorsOut<'a> {
     fn linear(&mut self, name: &str, layer: &'a Linear, precision: LayerPrecision) -> Result<()> {
         let (out, inp) = layer.shape();
         match precision {
-            LayerPrecision::Fp => self.add(
-                format!("{name}.weight"),
-                (Dtype::F32, vec![out, inp]),
-                |w| {
-                    let (weight, _) = layer.full_precision().map_err(std::io::Error::other)?;
-                    write_f32(&weight, w)
-                },
-            ),
+            LayerPrecision::Fp => {
+                let dtype = stored_dtype(layer.full_precision_dtype());
+                self.add(
+                    format!("{name}.weight"),
+                    (dtype, vec![out, inp]),
+                    move |w| {
+                        let (weight, _) = layer.full_precision().map_err(std::io::Error::other)?;
+                        write_floats(&weight, dtype, w)
+                    },
+                )
+            }
             LayerPrecision::Int8Dynamic | LayerPrecision::Int8Static { .. } => {
                 // A layer rounded to nearest is rounded when its values are
                 // written (the name sorts them first); its scales are kept
@@ -354,7 +374,7 @@ impl<'a> TensorsOut<'a> {
         }
         // The bias alone: the weight is widened only when it is written.
         if let Some(bias) = layer.bias()? {
-            self.f32(format!("{name}.bias"), bias.clone());
+            self.float(format!("{name}.bias"), bias.clone());
         }
         Ok(())
     }
@@ -513,7 +533,7 @@ pub fn write_language_model(
     check_points(points, linears.iter().map(|(_, point, _)| point.as_str()))?;
     let mut tensors = TensorsOut::default();
     for (name, tensor) in lm.model.other_tensors() {
-        tensors.f32(name, tensor.clone());
+        tensors.float(name, tensor.clone());
     }
     for (name, point, layer) in &linears {
         tensors.linear(name, layer, precision_of(points, point)?)?;
@@ -639,6 +659,40 @@ impl ArtifactTensors {
         Ok(values)
     }
 
+    /// A full-precision tensor in the dtype it is stored in (f32, or bf16
+    /// for one that was bf16 when written), checked finite.
+    fn float_tensor(&self, name: &str) -> Result<Tensor> {
+        let view = self.view(name)?;
+        let data = view.data();
+        let (dtype, finite) = match view.dtype() {
+            Dtype::F32 => (
+                DType::F32,
+                check_finite(
+                    name,
+                    data.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+            ),
+            Dtype::BF16 => (
+                DType::BF16,
+                check_finite(name, crate::linear::bf16_values(data)),
+            ),
+            other => {
+                return Err(Error::Format(format!(
+                    "{}: {name} is {other:?}; artifacts store full-precision tensors in F32 or BF16",
+                    self.path.display()
+                )));
+            }
+        };
+        finite.map_err(|e| e.in_file(&self.path))?;
+        Ok(Tensor::from_raw_buffer(
+            data,
+            dtype,
+            view.shape(),
+            &Device::Cpu,
+        )?)
+    }
+
     fn linear_layer(&self, name: &str, bias: bool, (out, inp): (usize, usize)) -> Result<Linear> {
         let point = self
             .point_of
@@ -652,10 +706,17 @@ impl ArtifactTensors {
         let weight_name = format!("{name}.weight");
         match precision_of(&self.points, point)?.activations() {
             None => {
-                let weight = self.f32_values(&weight_name, &[out, inp])?;
+                let weight = self.float_tensor(&weight_name)?;
+                if weight.dims() != [out, inp] {
+                    return Err(Error::Format(format!(
+                        "{}: {weight_name} is {:?}, expected [{out}, {inp}]",
+                        self.path.display(),
+                        weight.dims()
+                    )));
+                }
                 Linear::fp(
                     name,
-                    Tensor::from_vec(weight, (out, inp), &Device::Cpu)?,
+                    weight,
                     bias.map(|b| Tensor::from_vec(b, out, &Device::Cpu))
                         .transpose()?,
                     (out, inp),
@@ -694,29 +755,7 @@ impl ArtifactTensors {
 
 impl WeightSource for ArtifactTensors {
     fn tensor(&self, name: &str) -> Result<Tensor> {
-        let view = self.view(name)?;
-        let dtype = match view.dtype() {
-            Dtype::F32 => DType::F32,
-            other => {
-                return Err(Error::Format(format!(
-                    "{}: {name} is {other:?}; artifacts store these tensors in F32",
-                    self.path.display()
-                )));
-            }
-        };
-        check_finite(
-            name,
-            view.data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        )
-        .map_err(|e| e.in_file(&self.path))?;
-        Ok(Tensor::from_raw_buffer(
-            view.data(),
-            dtype,
-            view.shape(),
-            &Device::Cpu,
-        )?)
+        self.float_tensor(name)
     }
 
     fn has(&self, name: &str) -> bool {

@@ -111,6 +111,14 @@ impl MappedTensor {
     }
 }
 
+/// Little-endian bf16 `bytes` widened to f32: a bf16 is the upper half of
+/// an f32, so exactly.
+pub fn bf16_values(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes
+        .chunks_exact(2)
+        .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+}
+
 impl StoredWeight {
     /// The weight widened to f32.
     fn to_f32(&self) -> Result<Tensor> {
@@ -120,11 +128,7 @@ impl StoredWeight {
             // mapping, with no bf16 copy on the way.
             StoredWeight::Mapped(mapped) if mapped.dtype == DType::BF16 => {
                 let view = mapped.shards.get(&mapped.name)?;
-                let values: Vec<f32> = view
-                    .data()
-                    .chunks_exact(2)
-                    .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
-                    .collect();
+                let values: Vec<f32> = bf16_values(view.data()).collect();
                 Tensor::from_vec(values, mapped.shape, &Device::Cpu)?
             }
             StoredWeight::Mapped(mapped) => mapped
@@ -465,6 +469,21 @@ impl Linear {
             Linear::Fp { weight, bias, .. } => Ok((weight.to_dtype(DType::F32)?, bias.clone())),
             Linear::Stored { weight, bias, .. } => Ok((weight.to_f32()?, bias.clone())),
             Linear::Int8(_) => Err(Self::already_int8()),
+        }
+    }
+
+    /// The dtype a full-precision layer's weight is held in: bf16 when its
+    /// source stored bf16 and nothing changed it since (its f32 values from
+    /// [`Linear::full_precision`] are then bf16 exactly), else f32, which
+    /// holds every other source's values exactly.
+    pub fn full_precision_dtype(&self) -> DType {
+        match self {
+            Linear::Fp { weight, .. } if weight.dtype() == DType::BF16 => DType::BF16,
+            Linear::Stored {
+                weight: StoredWeight::Mapped(mapped),
+                ..
+            } if mapped.dtype == DType::BF16 => DType::BF16,
+            _ => DType::F32,
         }
     }
 

@@ -61,6 +61,27 @@ pub(crate) fn write_f32(values: &[f32], out: &mut dyn Write) -> std::io::Result<
     Ok(())
 }
 
+/// Writes `values`, each a bf16 widened to f32, as little-endian bf16 (its
+/// upper 16 bits), a chunk at a time; a value that is no bf16 is an error,
+/// never truncated.
+pub(crate) fn write_bf16(values: &[f32], out: &mut dyn Write) -> std::io::Result<()> {
+    let mut bytes = Vec::with_capacity(2 * (CHUNK / 2).min(values.len()));
+    for chunk in values.chunks(CHUNK / 2) {
+        bytes.clear();
+        for v in chunk {
+            let bits = v.to_bits();
+            if bits & 0xffff != 0 {
+                return Err(std::io::Error::other(format!(
+                    "{v} is no bf16 value; only a bf16 tensor is written as bf16"
+                )));
+            }
+            bytes.extend(((bits >> 16) as u16).to_le_bytes());
+        }
+        out.write_all(&bytes)?;
+    }
+    Ok(())
+}
+
 /// Writes `values` as bytes, a chunk at a time.
 pub(crate) fn write_i8(values: &[i8], out: &mut dyn Write) -> std::io::Result<()> {
     values.chunks(CHUNK).try_for_each(|chunk| {

@@ -2,11 +2,13 @@
 //! against candle-transformers' Llama (a peer with its own code), and the
 //! forward's own contracts: padding, KV cache, observation.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::llama as peer;
+use qforge_model::artifact::{LayerPrecision, load_language_model, write_language_model};
+use qforge_model::manifest::write_manifest;
 use qforge_model::{Llama, Logits, Observer, RotatedInput, Statistics, StatsObserver};
 
 const VOCAB: usize = 96;
@@ -248,9 +250,8 @@ fn matches_candle_transformers_llama_on_a_hf_directory() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-#[test]
-fn bf16_weights_stay_mapped_and_match_the_peer_and_their_f32_widening() {
-    let dir = tiny_model("bf16");
+/// The tensors of the model in `dir`, rewritten in bf16.
+fn narrow_to_bf16(dir: &Path) -> HashMap<String, Tensor> {
     let path = dir.join("model.safetensors");
     let tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
     let bf16: HashMap<String, Tensor> = tensors
@@ -258,6 +259,13 @@ fn bf16_weights_stay_mapped_and_match_the_peer_and_their_f32_widening() {
         .map(|(name, t)| (name, t.to_dtype(DType::BF16).unwrap()))
         .collect();
     candle_core::safetensors::save(&bf16, &path).unwrap();
+    bf16
+}
+
+#[test]
+fn bf16_weights_stay_mapped_and_match_the_peer_and_their_f32_widening() {
+    let dir = tiny_model("bf16");
+    let bf16 = narrow_to_bf16(&dir);
     let ours = Llama::from_hf_dir(&dir).unwrap();
     // The same values widened to f32 and held in memory: widening at each
     // use from the file's mapping computes exactly what they do.
@@ -291,6 +299,73 @@ fn bf16_weights_stay_mapped_and_match_the_peer_and_their_f32_widening() {
     let expected = peer_last_logits(&dir, &tokens);
     let got = &last_logits(&ours, std::slice::from_ref(&tokens))[0];
     assert!(max_diff(got, &expected) < 1e-4);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A bf16 model's artifact keeps what is bf16 in bf16 (the embedding, a
+/// full-precision layer, the tied lm_head left in full precision) and loads
+/// back as the model that was written, logit for logit; a layer a transform
+/// rescales is f32 again.
+#[test]
+fn a_bf16_models_artifact_keeps_bf16_and_loads_back_as_written() {
+    let dir = tiny_model("bf16-artifact");
+    narrow_to_bf16(&dir);
+    let mut lm = qforge_model::LanguageModel::load(&dir).unwrap();
+    let smoothed = "model.layers.1.mlp.down_proj";
+    lm.model = lm
+        .model
+        .with_linears(|point, layer| {
+            if point == smoothed {
+                layer.scale_inputs(&vec![0.5; FFN])
+            } else {
+                Ok(layer.clone())
+            }
+        })
+        .unwrap();
+    let fp = ["model.layers.0.mlp.down_proj", smoothed, "lm_head"];
+    let points: BTreeMap<String, LayerPrecision> = lm
+        .model
+        .linears()
+        .iter()
+        .map(|(_, point, _)| {
+            let precision = if fp.contains(&point.as_str()) {
+                LayerPrecision::Fp
+            } else {
+                LayerPrecision::Int8Dynamic
+            };
+            (point.clone(), precision)
+        })
+        .collect();
+    let quantized = lm
+        .model
+        .with_linears(|point, layer| points[point].apply(layer))
+        .unwrap();
+    let artifact = tempfile::tempdir().unwrap();
+    write_language_model(artifact.path(), &lm, &points).unwrap();
+    write_manifest(artifact.path(), serde_json::json!({"test": true})).unwrap();
+
+    let bytes = std::fs::read(artifact.path().join("model.safetensors")).unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let dtype = |name: &str| stored.tensor(name).unwrap().dtype();
+    use safetensors::Dtype;
+    assert_eq!(dtype("model.embed_tokens.weight"), Dtype::BF16);
+    assert_eq!(dtype("lm_head.weight"), Dtype::BF16);
+    assert_eq!(dtype("model.layers.0.mlp.down_proj.weight"), Dtype::BF16);
+    assert_eq!(dtype(&format!("{smoothed}.weight")), Dtype::F32);
+    assert_eq!(dtype("model.norm.weight"), Dtype::F32);
+    assert_eq!(dtype("model.layers.0.mlp.up_proj.weight"), Dtype::I8);
+
+    let loaded = load_language_model(artifact.path()).unwrap();
+    let batch = [(0..19).map(|i| (i * 5 % 96) as u32).collect::<Vec<u32>>()];
+    let logits = |m: &Llama| {
+        m.forward(&batch, None, None, Logits::All)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(logits(&loaded.model), logits(&quantized));
     std::fs::remove_dir_all(dir).unwrap();
 }
 
