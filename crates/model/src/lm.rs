@@ -535,21 +535,44 @@ fn scored_targets(chunk: &[u32]) -> &[u32] {
     &chunk[chunk.len() / 2 + 1..]
 }
 
+/// The negative log-likelihood of the scored targets, summed in the order
+/// they come. Every perplexity qforge reports is summed here, so the same
+/// log-probabilities give the same perplexity to the last bit.
+#[derive(Default)]
+struct Nll {
+    sum: f64,
+    count: usize,
+}
+
+impl Nll {
+    /// Adds the log-probabilities `log_probs` (`[targets, vocab]`) give
+    /// their `targets`; returns the values, flat.
+    fn add(&mut self, log_probs: &Tensor, targets: &[u32]) -> Result<Vec<f32>> {
+        let vocab = log_probs.dims2()?.1;
+        let values = log_probs.flatten_all()?.to_vec1::<f32>()?;
+        for (row, &t) in values.chunks_exact(vocab).zip(targets) {
+            self.sum -= f64::from(row[t as usize]);
+            self.count += 1;
+        }
+        Ok(values)
+    }
+
+    fn perplexity(&self) -> f64 {
+        (self.sum / self.count as f64).exp()
+    }
+}
+
 /// Perplexity of `model` on `tokens` (see [`Perplexity`]).
 pub fn perplexity(model: &Llama, tokens: &[u32], ctx: usize) -> Result<Perplexity> {
     let chunks = chunk_count(tokens.len(), ctx)?;
-    let (mut nll, mut count) = (0.0f64, 0usize);
+    let mut nll = Nll::default();
     for c in 0..chunks {
         let (log_probs, targets) = chunk_log_probs(model, tokens, ctx, c)?;
-        let rows = log_probs.to_vec2::<f32>()?;
-        for (row, &t) in rows.iter().zip(&targets) {
-            nll -= f64::from(row[t as usize]);
-            count += 1;
-        }
+        nll.add(&log_probs, &targets)?;
     }
     Ok(Perplexity {
-        perplexity: (nll / count as f64).exp(),
-        tokens: count,
+        perplexity: nll.perplexity(),
+        tokens: nll.count,
         chunks,
         ctx,
     })
@@ -593,6 +616,8 @@ pub struct ReferenceLogProbs {
     chunks: Vec<SpilledLogProbs>,
     ctx: usize,
     tokens: usize,
+    /// The reference's own perplexity on the text.
+    perplexity: f64,
     /// Per chunk, when kept: the hidden states entering every layer.
     states: Vec<Vec<HiddenState>>,
 }
@@ -604,9 +629,11 @@ struct SpilledLogProbs {
 }
 
 impl SpilledLogProbs {
-    fn new(log_probs: &Tensor) -> Result<Self> {
+    /// Spills a chunk's `log_probs`, adding what they give their `targets`
+    /// to `nll`.
+    fn new(log_probs: &Tensor, targets: &[u32], nll: &mut Nll) -> Result<Self> {
         let shape = log_probs.dims2()?;
-        let values = log_probs.flatten_all()?.to_vec1::<f32>()?;
+        let values = nll.add(log_probs, targets)?;
         let values = crate::spill::spill(|out| crate::spill::write_f32(&values, out))?;
         Ok(Self { values, shape })
     }
@@ -625,12 +652,18 @@ impl SpilledLogProbs {
 impl ReferenceLogProbs {
     /// Runs `reference` over `tokens` in chunks of `ctx`.
     pub fn new(reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Self> {
+        let mut nll = Nll::default();
+        let chunks = (0..chunk_count(tokens.len(), ctx)?)
+            .map(|c| {
+                let (log_probs, targets) = chunk_log_probs(reference, tokens, ctx, c)?;
+                SpilledLogProbs::new(&log_probs, &targets, &mut nll)
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
-            chunks: (0..chunk_count(tokens.len(), ctx)?)
-                .map(|c| SpilledLogProbs::new(&chunk_log_probs(reference, tokens, ctx, c)?.0))
-                .collect::<Result<_>>()?,
+            chunks,
             ctx,
             tokens: tokens.len(),
+            perplexity: nll.perplexity(),
             states: Vec::new(),
         })
     }
@@ -640,38 +673,28 @@ impl ReferenceLogProbs {
     /// only from some layer on is compared from there ([`compare_from`]).
     /// They take `(layers + 1) × tokens × hidden` floats.
     pub fn keeping_states(reference: &Llama, tokens: &[u32], ctx: usize) -> Result<Self> {
-        let (mut chunks, mut states) = (Vec::new(), Vec::new());
+        let (mut chunks, mut states, mut nll) = (Vec::new(), Vec::new(), Nll::default());
         for c in 0..chunk_count(tokens.len(), ctx)? {
             let chunk = &tokens[c * ctx..(c + 1) * ctx];
             let (logits, kept) = reference.forward_keeping(&[chunk.to_vec()], Logits::All)?;
-            chunks.push(SpilledLogProbs::new(&scored_log_probs(&logits, chunk)?.0)?);
+            let (log_probs, targets) = scored_log_probs(&logits, chunk)?;
+            chunks.push(SpilledLogProbs::new(&log_probs, &targets, &mut nll)?);
             states.push(kept);
         }
         Ok(Self {
             chunks,
             ctx,
             tokens: tokens.len(),
+            perplexity: nll.perplexity(),
             states,
         })
     }
 
-    /// The reference's own perplexity on `tokens` (the text it was run on),
-    /// from the kept log-probabilities: bit for bit what [`perplexity`] and
-    /// [`compare_to`] report for it, without running it again.
-    pub fn perplexity(&self, tokens: &[u32]) -> Result<f64> {
-        self.check_tokens(tokens)?;
-        let mut nll = 0.0f64;
-        let mut count = 0usize;
-        for (c, spilled) in self.chunks.iter().enumerate() {
-            let values = crate::spill::read_f32(&spilled.values);
-            let chunk = &tokens[c * self.ctx..(c + 1) * self.ctx];
-            let vocab = spilled.shape.1;
-            for (row, &t) in values.chunks_exact(vocab).zip(scored_targets(chunk)) {
-                nll -= f64::from(row[t as usize]);
-                count += 1;
-            }
-        }
-        Ok((nll / count as f64).exp())
+    /// The reference's own perplexity on the text it was run on, summed as
+    /// it was run: bit for bit what [`perplexity`] and [`compare_to`] report
+    /// for it.
+    pub fn perplexity(&self) -> f64 {
+        self.perplexity
     }
 
     /// Refuses `tokens` other than the text the reference was run on (by
@@ -745,7 +768,7 @@ fn compare_chunks(
     chunk: impl Fn(usize) -> Result<(Tensor, Vec<u32>)>,
 ) -> Result<Comparison> {
     reference.check_tokens(tokens)?;
-    let (mut nll, mut ref_nll, mut kl, mut agree, mut count) = (0.0, 0.0, 0.0, 0usize, 0usize);
+    let (mut nll, mut kl, mut agree) = (Nll::default(), 0.0, 0usize);
     for (c, spilled) in reference.chunks.iter().enumerate() {
         let (ours, targets) = chunk(c)?;
         let (lp, rp) = (&ours, &spilled.read()?);
@@ -753,22 +776,19 @@ fn compare_chunks(
         let row_kl = (rp.exp()? * (rp - lp)?)?.sum(D::Minus1)?.to_vec1::<f32>()?;
         let our_top = lp.argmax(D::Minus1)?.to_vec1::<u32>()?;
         let ref_top = rp.argmax(D::Minus1)?.to_vec1::<u32>()?;
-        let (lp, rp) = (lp.to_vec2::<f32>()?, rp.to_vec2::<f32>()?);
-        for (i, &t) in targets.iter().enumerate() {
-            nll -= f64::from(lp[i][t as usize]);
-            ref_nll -= f64::from(rp[i][t as usize]);
+        nll.add(lp, &targets)?;
+        for i in 0..targets.len() {
             kl += f64::from(row_kl[i]);
             agree += usize::from(our_top[i] == ref_top[i]);
-            count += 1;
         }
     }
-    let n = count as f64;
+    let n = nll.count as f64;
     Ok(Comparison {
-        perplexity: (nll / n).exp(),
-        reference_perplexity: (ref_nll / n).exp(),
+        perplexity: nll.perplexity(),
+        reference_perplexity: reference.perplexity,
         kl_divergence: kl / n,
         top1_agreement: agree as f64 / n,
-        tokens: count,
+        tokens: nll.count,
     })
 }
 

@@ -207,37 +207,33 @@ const REPORTED_CALIBRATORS: [Calibrator; 5] = [
 /// held-out text takes minutes.
 pub struct Reference<'a> {
     held_out: &'a HeldOut,
-    actions: Vec<Action>,
-    log_probs: Option<ReferenceLogProbs>,
-    perplexity: f64,
+    measured: Measured,
+}
+
+/// What the full-precision model did on the held-out data, by kind of model.
+enum Measured {
+    /// A policy's actions, one per observation.
+    Actions(Vec<Action>),
+    /// A language model's log-probabilities over the held-out tokens.
+    LogProbs(ReferenceLogProbs),
 }
 
 impl<'a> Reference<'a> {
     /// Runs `reference` over `held_out` (language models in chunks of
     /// `ctx` tokens).
     pub fn new(reference: FpModel<'_>, held_out: &'a HeldOut, ctx: usize) -> Result<Self> {
-        let mut measured = Self {
-            held_out,
-            actions: Vec::new(),
-            log_probs: None,
-            perplexity: f64::NAN,
-        };
-        match (reference, held_out) {
-            (FpModel::Policy(p), HeldOut::Observations(obs)) => {
-                measured.actions = p.act(obs)?;
-            }
+        let measured = match (reference, held_out) {
+            (FpModel::Policy(p), HeldOut::Observations(obs)) => Measured::Actions(p.act(obs)?),
             (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
-                let log_probs = ReferenceLogProbs::new(m, tokens, ctx)?;
-                measured.perplexity = log_probs.perplexity(tokens)?;
-                measured.log_probs = Some(log_probs);
+                Measured::LogProbs(ReferenceLogProbs::new(m, tokens, ctx)?)
             }
             _ => {
                 return Err(Error::HeldOut(
                     "policies are checked on observations, language models on text".into(),
                 ));
             }
-        }
-        Ok(measured)
+        };
+        Ok(Self { held_out, measured })
     }
 }
 
@@ -273,8 +269,8 @@ impl<'a> Guard<'a> {
     }
 
     fn reference(&self) -> GuardMetrics {
-        match self.model {
-            FpModel::Policy(_) => GuardMetrics {
+        match &self.reference.measured {
+            Measured::Actions(_) => GuardMetrics {
                 agreement: Some(1.0),
                 perplexity: None,
                 perplexity_increase: None,
@@ -282,9 +278,9 @@ impl<'a> Guard<'a> {
                 top1_agreement: None,
                 passes: true,
             },
-            FpModel::Language(_) => GuardMetrics {
+            Measured::LogProbs(log_probs) => GuardMetrics {
                 agreement: None,
-                perplexity: Some(self.reference.perplexity),
+                perplexity: Some(log_probs.perplexity()),
                 perplexity_increase: Some(0.0),
                 kl_divergence: Some(0.0),
                 top1_agreement: Some(1.0),
@@ -296,11 +292,15 @@ impl<'a> Guard<'a> {
     /// Measures `points`.
     fn measure(&self, points: &BTreeMap<String, LayerPrecision>) -> Result<GuardMetrics> {
         let convert = |point: &str, layer: &Linear| in_precision(points, point, layer);
-        match (self.model, self.reference.held_out) {
-            (FpModel::Policy(p), HeldOut::Observations(obs)) => {
+        match (
+            self.model,
+            self.reference.held_out,
+            &self.reference.measured,
+        ) {
+            (FpModel::Policy(p), HeldOut::Observations(obs), Measured::Actions(reference)) => {
                 let quantized = p.with_linears(convert)?;
                 let actions = quantized.act(obs)?;
-                let agreement = p.agreement(&actions, &self.reference.actions);
+                let agreement = p.agreement(&actions, reference);
                 Ok(GuardMetrics {
                     agreement: Some(agreement),
                     perplexity: None,
@@ -310,11 +310,10 @@ impl<'a> Guard<'a> {
                     passes: agreement >= self.recipe.guard.min_agreement,
                 })
             }
-            (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
+            (FpModel::Language(m), HeldOut::Tokens(tokens), Measured::LogProbs(log_probs)) => {
                 let quantized = m.with_linears(convert)?;
-                let reference = self.reference.log_probs.as_ref().expect("set for LLMs");
-                let c = compare_to(&quantized, reference, tokens)?;
-                let increase = c.perplexity / self.reference.perplexity - 1.0;
+                let c = compare_to(&quantized, log_probs, tokens)?;
+                let increase = c.perplexity / c.reference_perplexity - 1.0;
                 Ok(GuardMetrics {
                     agreement: None,
                     perplexity: Some(c.perplexity),
