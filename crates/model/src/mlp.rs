@@ -455,13 +455,15 @@ impl MlpPolicy {
         })
     }
 
-    /// The same policy with the int8 values `weights` (by layer name,
-    /// `layers.{i}`) chosen for those layers; see [`Linear::with_int8_weight`].
-    pub fn with_int8_weights(
+    /// The same policy with each layer `replacements` names (`layers.{i}`)
+    /// replaced by `replace(layer, its replacement)`; a name that is no
+    /// layer of this policy is an error.
+    pub fn with_replaced<T>(
         &self,
-        weights: &std::collections::BTreeMap<String, crate::linear::Int8Weight>,
+        replacements: &std::collections::BTreeMap<String, T>,
+        replace: impl Fn(&Linear, &T) -> Result<Linear>,
     ) -> Result<Self> {
-        if let Some(unknown) = weights
+        if let Some(unknown) = replacements
             .keys()
             .find(|n| !self.linears().iter().any(|(name, _, _)| name == *n))
         {
@@ -469,27 +471,10 @@ impl MlpPolicy {
                 "{unknown} is not a layer of this policy"
             )));
         }
-        self.with_linears(|name, layer| match weights.get(name) {
-            Some(w) => layer.with_int8_weight(w.clone()),
+        self.with_linears(|name, layer| match replacements.get(name) {
+            Some(replacement) => replace(layer, replacement),
             None => Ok(layer.clone()),
         })
-    }
-
-    /// The same policy with the layers `layers` names (`layers.{i}`)
-    /// replaced by those given.
-    pub fn with_layers(
-        &self,
-        layers: &std::collections::BTreeMap<String, crate::linear::Linear>,
-    ) -> Result<Self> {
-        if let Some(unknown) = layers
-            .keys()
-            .find(|n| !self.linears().iter().any(|(name, _, _)| name == *n))
-        {
-            return Err(Error::Shape(format!(
-                "{unknown} is not a layer of this policy"
-            )));
-        }
-        self.with_linears(|name, layer| Ok(layers.get(name).unwrap_or(layer).clone()))
     }
 
     /// The same policy with its first layer's input divided by `factors`

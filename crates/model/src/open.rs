@@ -203,26 +203,32 @@ impl Model {
     /// The same model with the int8 values `weights` (by layer name) chosen
     /// for those layers ([`Linear::with_int8_weight`]).
     pub fn with_int8_weights(&self, weights: &BTreeMap<String, Int8Weight>) -> Result<Model> {
-        Ok(match self {
-            Model::Language(lm) => Model::Language(Box::new(LanguageModel {
-                model: lm.model.with_int8_weights(weights)?,
-                text: lm.text.clone(),
-                source: lm.source.clone(),
-            })),
-            Model::Policy(policy) => Model::Policy(Box::new(policy.with_int8_weights(weights)?)),
+        self.with_replaced(weights, |layer, weight| {
+            layer.with_int8_weight(weight.clone())
         })
     }
 
     /// The same model with the linear layers `layers` names replaced by
     /// those given.
     pub fn with_layers(&self, layers: &BTreeMap<String, Linear>) -> Result<Model> {
+        self.with_replaced(layers, |_, layer| Ok(layer.clone()))
+    }
+
+    /// See [`Llama::with_replaced`].
+    fn with_replaced<T: Sync>(
+        &self,
+        replacements: &BTreeMap<String, T>,
+        replace: impl Fn(&Linear, &T) -> Result<Linear> + Sync,
+    ) -> Result<Model> {
         Ok(match self {
             Model::Language(lm) => Model::Language(Box::new(LanguageModel {
-                model: lm.model.with_layers(layers)?,
+                model: lm.model.with_replaced(replacements, replace)?,
                 text: lm.text.clone(),
                 source: lm.source.clone(),
             })),
-            Model::Policy(policy) => Model::Policy(Box::new(policy.with_layers(layers)?)),
+            Model::Policy(policy) => {
+                Model::Policy(Box::new(policy.with_replaced(replacements, replace)?))
+            }
         })
     }
 

@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::linear::{Int8Weight, Linear, MappedTensor, StoredWeight};
+use crate::linear::{Linear, MappedTensor, StoredWeight};
 use crate::observe::Observer;
 
 /// One decoder layer.
@@ -557,32 +557,25 @@ impl Llama {
         self.map_linears(|_, point, layer| convert(point, layer))
     }
 
-    /// The same model with the int8 values `weights` (by layer name, as
-    /// [`Llama::linears`] names them) chosen for those layers; see
-    /// [`Linear::with_int8_weight`].
-    pub fn with_int8_weights(&self, weights: &BTreeMap<String, Int8Weight>) -> Result<Llama> {
+    /// The same model with each linear layer `replacements` names (as
+    /// [`Llama::linears`] names them) replaced by `replace(layer, its
+    /// replacement)`, on the rayon pool's threads; a name that is no layer
+    /// of this model is an error.
+    pub fn with_replaced<T: Sync>(
+        &self,
+        replacements: &BTreeMap<String, T>,
+        replace: impl Fn(&Linear, &T) -> Result<Linear> + Sync,
+    ) -> Result<Llama> {
         let names: Vec<String> = self.linears().into_iter().map(|(n, _, _)| n).collect();
-        if let Some(unknown) = weights.keys().find(|n| !names.contains(n)) {
+        if let Some(unknown) = replacements.keys().find(|n| !names.contains(n)) {
             return Err(Error::Shape(format!(
                 "{unknown} is not a linear layer of this model"
             )));
         }
-        self.map_linears(|name, _, layer| match weights.get(name) {
-            Some(w) => layer.with_int8_weight(w.clone()),
+        self.map_linears(|name, _, layer| match replacements.get(name) {
+            Some(replacement) => replace(layer, replacement),
             None => Ok(layer.clone()),
         })
-    }
-
-    /// The same model with the linear layers `layers` names (as
-    /// [`Llama::linears`] names them) replaced by those given.
-    pub fn with_layers(&self, layers: &BTreeMap<String, Linear>) -> Result<Llama> {
-        let names: Vec<String> = self.linears().into_iter().map(|(n, _, _)| n).collect();
-        if let Some(unknown) = layers.keys().find(|n| !names.contains(n)) {
-            return Err(Error::Shape(format!(
-                "{unknown} is not a linear layer of this model"
-            )));
-        }
-        self.map_linears(|name, _, layer| Ok(layers.get(name).unwrap_or(layer).clone()))
     }
 
     /// Every linear layer replaced by `convert(name, point, layer)`, the
