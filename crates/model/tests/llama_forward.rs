@@ -894,6 +894,79 @@ fn an_observing_pass_resumed_from_a_kept_hidden_state_sees_what_the_whole_forwar
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// Records the points it is offered, in order, and is finished once it was
+/// offered `last`.
+struct UpTo {
+    last: &'static str,
+    offered: Vec<String>,
+}
+
+impl Observer for UpTo {
+    fn observe(&mut self, point: &str, _rows: &[f32], _width: usize) -> qforge_model::Result<()> {
+        if self.offered.last().map(String::as_str) != Some(point) {
+            self.offered.push(point.to_owned());
+        }
+        Ok(())
+    }
+
+    fn finished(&self) -> bool {
+        self.offered.iter().any(|p| p == self.last)
+    }
+}
+
+/// A pass finished at an input inside a layer stops there (the rest of the
+/// layer would compute what no one observes); one finished at `down_proj`'s
+/// input runs its layer to the end, to keep the state entering the next
+/// layer for the pass that observes it.
+#[test]
+fn an_observing_pass_stops_inside_a_layer_unless_it_ends_at_down_proj() {
+    let dir = tiny_model("stop");
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    let batch = two_ragged_sequences();
+    let layers =
+        |kept: &[qforge_model::HiddenState]| kept.iter().map(|s| s.layer).collect::<Vec<_>>();
+
+    let mut attention = UpTo {
+        last: "model.layers.0.self_attn.o_proj",
+        offered: Vec::new(),
+    };
+    let kept = model
+        .observe_resuming(&batch, &mut attention, None)
+        .unwrap();
+    assert_eq!(
+        attention.offered,
+        [
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.o_proj"
+        ]
+    );
+    assert_eq!(layers(&kept), [0]);
+
+    let mut mlp = UpTo {
+        last: "model.layers.0.mlp.down_proj",
+        offered: Vec::new(),
+    };
+    let kept = model.observe_resuming(&batch, &mut mlp, None).unwrap();
+    assert_eq!(mlp.offered.len(), 4);
+    assert_eq!(layers(&kept), [0, 1]);
+    // What it kept is the state entering layer 1: a pass resumed from it
+    // sees layer 1 as the whole forward does.
+    let mut whole = LayerCapture {
+        layer: 1,
+        rows: Vec::new(),
+    };
+    model.observe(&batch, &mut whole).unwrap();
+    let mut resumed = LayerCapture {
+        layer: 1,
+        rows: Vec::new(),
+    };
+    model
+        .observe_resuming(&batch, &mut resumed, Some(&kept[1]))
+        .unwrap();
+    assert_eq!(resumed.rows, whole.rows);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// The activation pass with the first group's Hessians records, in one
 /// forward, what the activation pass and the Hessian pass record apart: the
 /// same histograms of every input and the same Gram integers of the listed

@@ -911,9 +911,11 @@ impl Llama {
 
     /// Runs the decoder over `batch` only to hand every distinct linear input
     /// to `observer`, as [`Llama::forward`] does, without logits. It stops
-    /// after the first layer at which the observer is
-    /// [finished](Observer::finished), so a pass that wants the inputs of the
-    /// first layers only does not pay for the rest.
+    /// once the observer is [finished](Observer::finished): at once inside
+    /// a layer, or at the end of the layer when the last input it wanted was
+    /// `down_proj`'s. A pass that wants the inputs of the first layers only
+    /// does not pay for the rest, nor a pass that wants a layer's q/k/v
+    /// input for that layer's attention and MLP.
     pub fn observe(&self, batch: &[Vec<u32>], observer: &mut dyn Observer) -> Result<()> {
         self.observe_resuming(batch, observer, None).map(drop)
     }
@@ -924,8 +926,9 @@ impl Llama {
     /// observes layers 20–23 after one that observed 16–19 runs only those.
     /// The layers run compute exactly what they compute from the embedding
     /// (the same operations on the same values). Returns the hidden states
-    /// entering the last layer run and the one after it (or the last two
-    /// run, when it ran to the end), for the next pass to resume from.
+    /// entering the last two layers it started (the layer after the last
+    /// one counts when it stopped at that layer's end, and the final norm
+    /// when it ran to the end), for the next pass to resume from.
     pub fn observe_resuming(
         &self,
         batch: &[Vec<u32>],
@@ -1137,6 +1140,9 @@ impl Llama {
                 &h,
                 lengths,
             )?;
+            if span.stops_inside_layer(&observer) {
+                return Ok(x);
+            }
             let q = self.heads(&layer.q_proj.forward(&h)?, c.num_heads)?;
             let k = self.heads(&layer.k_proj.forward(&h)?, c.num_kv_heads)?;
             let v = self.heads(&layer.v_proj.forward(&h)?, c.num_kv_heads)?;
@@ -1150,6 +1156,9 @@ impl Llama {
                 &attended,
                 lengths,
             )?;
+            if span.stops_inside_layer(&observer) {
+                return Ok(x);
+            }
             x = (x + layer.o_proj.forward(&attended)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.post_attention_norm, eps)?;
             let h = self.rotate_input(RotatedInput::Mlp, h)?;
@@ -1159,6 +1168,9 @@ impl Llama {
                 &h,
                 lengths,
             )?;
+            if span.stops_inside_layer(&observer) {
+                return Ok(x);
+            }
             let gated = self.rotate_input(
                 RotatedInput::MlpProduct,
                 (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
@@ -1171,7 +1183,7 @@ impl Llama {
                 lengths,
             )?;
             x = (x + layer.down_proj.forward(&gated)?)?;
-            if span.stop_when_finished && observer.as_ref().is_some_and(|o| o.finished()) {
+            if span.stop_when_finished && finished(&observer) {
                 span.keep(i + 1, &x);
                 // What follows is never observed: the hidden state is all an
                 // observing pass gets.
@@ -1205,17 +1217,34 @@ impl Llama {
 struct Span<'a> {
     /// The first layer run (the stack's input enters it).
     first: usize,
-    /// Stop after the first layer at which the observer is finished.
+    /// Stop as soon as the observer is finished: at once when it finishes
+    /// at an input before `down_proj`'s, whose layer need not run further;
+    /// after the layer when it finishes at `down_proj`'s input, so that the
+    /// state entering the next layer is kept for the pass that observes it.
     stop_when_finished: bool,
     /// Receives the hidden states entering the last two layers run (or, when
-    /// it stops early, entering the last one run and the one after it).
+    /// it stops after a whole layer, entering that layer and the one after
+    /// it).
     kept: Option<&'a mut Vec<HiddenState>>,
     /// Keep the states entering every layer run and the one after the
     /// last, not only the last two.
     keep_every: bool,
 }
 
+/// Whether `observer` (if any) has seen all it wants.
+fn finished(observer: &Option<&mut dyn Observer>) -> bool {
+    observer.as_ref().is_some_and(|o| o.finished())
+}
+
 impl Span<'_> {
+    /// Whether the stack stops inside a layer, now that `observer` saw the
+    /// layer's inputs up to the current one: what follows in that layer is
+    /// observed by no one, and a state past it is kept only at the layer's
+    /// end (see [`Span::stop_when_finished`]).
+    fn stops_inside_layer(&self, observer: &Option<&mut dyn Observer>) -> bool {
+        self.stop_when_finished && finished(observer)
+    }
+
     /// Keeps `x`, entering layer `layer` (as one of the last two, unless
     /// every state is kept).
     fn keep(&mut self, layer: usize, x: &Tensor) {
