@@ -207,6 +207,17 @@ fn last_logits(model: &Llama, batch: &[Vec<u32>]) -> Vec<Vec<f32>> {
         .unwrap()
 }
 
+/// Every position's logits of `batch`, flat.
+fn all_logits(model: &Llama, batch: &[Vec<u32>]) -> Vec<f32> {
+    model
+        .forward(batch, None, None, Logits::All)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 /// The largest logit difference between one INT8 decoder step and the
 /// tensor forward's step on `cache`, both continuing with `token`.
 fn step_difference(
@@ -277,15 +288,7 @@ fn bf16_weights_stay_mapped_and_match_the_peer_and_their_f32_widening() {
     candle_core::safetensors::save(&widened, widened_dir.join("model.safetensors")).unwrap();
     let resident = Llama::from_hf_dir(&widened_dir).unwrap();
     let batch = [(0..17).map(|i| (i * 7 % 96) as u32).collect::<Vec<u32>>()];
-    let logits = |m: &Llama| {
-        m.forward(&batch, None, None, Logits::All)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-    };
-    assert_eq!(logits(&ours), logits(&resident));
+    assert_eq!(all_logits(&ours, &batch), all_logits(&resident, &batch));
     std::fs::remove_dir_all(widened_dir).unwrap();
     // Decoder linears stay 2 bytes a weight, and so does the tied lm_head:
     // the embedding stays bf16 too.
@@ -357,15 +360,10 @@ fn a_bf16_models_artifact_keeps_bf16_and_loads_back_as_written() {
 
     let loaded = load_language_model(artifact.path()).unwrap();
     let batch = [(0..19).map(|i| (i * 5 % 96) as u32).collect::<Vec<u32>>()];
-    let logits = |m: &Llama| {
-        m.forward(&batch, None, None, Logits::All)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-    };
-    assert_eq!(logits(&loaded.model), logits(&quantized));
+    assert_eq!(
+        all_logits(&loaded.model, &batch),
+        all_logits(&quantized, &batch)
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
 
