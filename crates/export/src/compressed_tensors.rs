@@ -246,9 +246,10 @@ impl Targets {
 }
 
 /// `lm_head.weight`, always in `ignore` (vLLM keeps it unquantized): left
-/// out when the source tied it (vLLM ties it again), else added to `out` in
-/// f32, dequantized when the artifact stores it as int8 (it keeps no other
-/// copy). Returns how it was written, for the manifest.
+/// out when the source tied it (vLLM ties it again), else added to `out` as
+/// the artifact stores it (f32 or bf16), or in f32 dequantized when the
+/// artifact stores it as int8 (it keeps no other copy). Returns how it was
+/// written, for the manifest.
 fn lm_head<'a>(
     tied: bool,
     source: &SafeTensors<'a>,
@@ -264,8 +265,10 @@ fn lm_head<'a>(
             .map_err(|e| Error::Inconsistent(format!("{}: {name}: {e}", weights_path.display())))
     };
     let weight = tensor("lm_head.weight")?;
-    let (bytes, how) = match weight.dtype() {
-        Dtype::F32 => (Cow::Borrowed(weight.data()), "copied"),
+    let (dtype, bytes, how) = match weight.dtype() {
+        // In full precision: as the artifact stores it (bf16 for a bf16
+        // source's, see `artifact`).
+        dtype @ (Dtype::F32 | Dtype::BF16) => (dtype, Cow::Borrowed(weight.data()), "copied"),
         Dtype::I8 => {
             let scales = tensor("lm_head.weight_scale")?;
             let cols = weight.shape()[1];
@@ -279,7 +282,11 @@ fn lm_head<'a>(
                 .chunks_exact(cols)
                 .zip(&scales)
                 .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v as i8) * s));
-            (Cow::Owned(f32_bytes(values)), "dequantized from int8")
+            (
+                Dtype::F32,
+                Cow::Owned(f32_bytes(values)),
+                "dequantized from int8",
+            )
         }
         other => {
             return Err(Error::Inconsistent(format!(
@@ -290,7 +297,7 @@ fn lm_head<'a>(
     };
     out.insert(
         "lm_head.weight".into(),
-        (Dtype::F32, weight.shape().to_vec(), bytes),
+        (dtype, weight.shape().to_vec(), bytes),
     );
     Ok(how)
 }
@@ -409,6 +416,24 @@ mod tests {
             bf16_values(&to_bf16(&f32_bytes(inexact))),
             [1.0, 1.0 + 2.0 * step, 1.0 + step, -1.0]
         );
+    }
+
+    /// An untied lm_head the artifact keeps in full precision is copied in
+    /// the dtype the artifact stores it in: bf16 for a bf16 source's.
+    #[test]
+    fn a_bf16_lm_head_is_copied_as_bf16() {
+        let values = [0x3f80u16, 0xbf40, 0x4040, 0x0000]; // 1.0, -0.75, 3.0, 0.0
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(Dtype::BF16, vec![2, 2], &bytes).unwrap();
+        let file = safetensors::serialize([("lm_head.weight", view)], None).unwrap();
+        let source = SafeTensors::deserialize(&file).unwrap();
+        let mut out = BTreeMap::new();
+        let how = lm_head(false, &source, Path::new("model.safetensors"), &mut out).unwrap();
+        assert_eq!(how, "copied");
+        assert_eq!(to_checkpoint_dtype(&mut out, None), "bfloat16");
+        let (dtype, shape, copied) = &out["lm_head.weight"];
+        assert_eq!((*dtype, shape.as_slice()), (Dtype::BF16, [2, 2].as_slice()));
+        assert_eq!(copied.as_ref(), bytes.as_slice());
     }
 
     #[test]
