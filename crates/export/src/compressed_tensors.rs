@@ -84,14 +84,6 @@ fn to_bf16(bytes: &[u8]) -> Vec<u8> {
         .collect()
 }
 
-/// Little-endian bf16 `bytes` widened to little-endian f32 (exactly).
-fn bf16_to_f32(bytes: &[u8]) -> Vec<u8> {
-    bytes
-        .chunks_exact(2)
-        .flat_map(|b| [0, 0, b[0], b[1]])
-        .collect()
-}
-
 /// The full-precision tensors of `out` (the artifact stores them in f32 or
 /// bf16): every one but the int8 weights and the scales, which
 /// compressed-tensors keeps in f32.
@@ -119,7 +111,7 @@ fn to_checkpoint_dtype(
         if *dtype != target {
             *bytes = Cow::Owned(match target {
                 Dtype::BF16 => to_bf16(bytes),
-                _ => bf16_to_f32(bytes),
+                _ => f32_bytes(qforge_model::linear::bf16_values(bytes)),
             });
             *dtype = target;
         }
