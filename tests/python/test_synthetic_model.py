@@ -7,10 +7,13 @@ refused with a message that names what is missing; and the export read back by a
 independent reader.
 """
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,47 @@ def qforge(*args, cwd):
     out = run(*args, "--json", cwd=cwd)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def spawn(*args, log):
+    """qforge in the background, its stderr written to `log` (in the log's folder)."""
+    with open(log, "w") as stderr:
+        return subprocess.Popen([QFORGE, *args], cwd=log.parent, stdout=subprocess.DEVNULL,
+                                stderr=stderr)
+
+
+@contextlib.contextmanager
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port, without persistence; its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while subprocess.run(["redis-cli", "-u", url, "PING"], capture_output=True,
+                             text=True).stdout.strip() != "PONG":
+            assert server.poll() is None and time.monotonic() < deadline, "redis-server"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.kill()
+        server.wait()
+
+
+def redis_get(url, key):
+    out = subprocess.run(["redis-cli", "-u", url, "--raw", "GET", key], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    return out or None
+
+
+def redis_keys(url, pattern):
+    out = subprocess.run(["redis-cli", "-u", url, "--raw", "KEYS", pattern],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
 
 
 def int8_weights(artifact):
@@ -121,11 +165,13 @@ def test_sequential_gptq_propagates_its_rounding_exactly_on_any_worker_count(tmp
     (layer 0's q/k/v, summed by the activation pass) is the full-precision model's, so
     its rounding is plain GPTQ's; every later layer's rounding differs from it. Two workers
     resuming each pass from the hidden states the one before kept write the one-worker
-    artifact's bytes, and a cluster, whose workers do not hold the rounded layers, is
-    refused before anything runs."""
+    artifact's bytes. So does a cluster of three worker processes, one SIGKILLed in a
+    pass that runs rounded layers: every worker fetches GPTQ's roundings from Redis, and
+    the batches whose hidden states died with it are computed again from the embedding."""
     model = make_model(tmp_path)
+    # Batches of 2: enough of them that every worker of the cluster below holds some.
     args = ["quantize", "--model", str(model), "--data", "ids.jsonl", "--samples", "24",
-            "--seq-len", "64", "--activations", "static"]
+            "--seq-len", "64", "--batch-size", "2", "--activations", "static"]
     for out, extra in (("s1", ["--sequential", "--workers", "1"]),
                        ("s2", ["--sequential", "--workers", "2"]),
                        ("plain", ["--gptq", "--workers", "1"])):
@@ -147,8 +193,37 @@ def test_sequential_gptq_propagates_its_rounding_exactly_on_any_worker_count(tmp
         assert sequential[name].dtype == np.int8
         assert not np.array_equal(sequential[name], plain[name]), name
 
-    refused = run(*args, "--sequential", "--cluster", "redis://127.0.0.1:9", "-o", "cluster",
-                  cwd=tmp_path)
-    assert refused.returncode != 0
-    assert "embedded workers" in refused.stderr, refused.stderr
-    assert not (tmp_path / "cluster").exists()
+    with redis_server(tmp_path) as url:
+        cluster = ["--cluster", url, "--run", "seq", "--heartbeat-ms", "100",
+                   "--heartbeat-timeout-ms", "500"]
+        coordinator = spawn(*args, "--sequential", *cluster, "-o", "cluster",
+                            log=tmp_path / "coordinator.log")
+        workers = {name: spawn("worker", "--cluster", url, "--run", "seq", "--name", name,
+                               "--wait", "120", log=tmp_path / f"{name}.log")
+                   for name in ("victim", "a", "b")}
+        try:
+            # Killed while it observes a batch of a pass after the first, which runs
+            # layers GPTQ rounded.
+            deadline = time.monotonic() + 600
+            while True:
+                active = redis_get(url, "qforge:active")
+                if active not in (None, "seq") and \
+                        redis_get(url, f"qforge:{{{active}}}:hb:victim") not in (None, "-"):
+                    break
+                assert coordinator.poll() is None and time.monotonic() < deadline, \
+                    "the victim never held a task of a pass after the first"
+                time.sleep(0.005)
+            workers.pop("victim").kill()
+            log = (tmp_path / "coordinator.log").read_text
+            assert coordinator.wait(timeout=600) == 0, log()
+            for name, worker in workers.items():
+                assert worker.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()
+                followed = (tmp_path / f"{name}.log").read_text()
+                assert "roundings for run seq.pass" in followed, followed
+            # The coordinator deleted the roundings once the last pass was done.
+            assert redis_keys(url, "qforge:{seq}:rounding:*") == []
+        finally:
+            for process in [coordinator, *workers.values()]:
+                process.kill()
+    assert (tmp_path / "cluster/model.safetensors").read_bytes() == \
+        (tmp_path / "s1/model.safetensors").read_bytes()

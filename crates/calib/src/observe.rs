@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use qforge_core::{BatchId, Digest, DigestBuilder, Provenance, Stats};
-use qforge_model::{HiddenState, Linear, Llama, Model, Observer, StatsObserver};
+use qforge_model::{HiddenState, Int8Weight, Linear, Llama, Model, Observer, StatsObserver};
 
 use crate::error::{Error, Result};
 use crate::plan::{Batch, Pass, Recipe, Sample};
@@ -246,43 +246,77 @@ pub fn forward_samples(
 }
 
 /// GPTQ's rounding of the layers it rounded so far, as the passes that
-/// propagate it run them ([`crate::HessianPass::rounded`]), built once in
-/// the process that rounded them. A pass's target looks its rounded layers
-/// up here ([`crate::Session::pass_target`]); a process without them (a
-/// cluster's worker) cannot run such a pass.
+/// propagate it run them ([`crate::HessianPass::rounded`]): the int8
+/// weights by layer name, each with its digest. The process that rounded
+/// holds them from the start; a cluster's worker fetches each from Redis
+/// (verified against the digest the pass names) before it joins the pass.
+/// A pass's target swaps them into its model ([`crate::Session::pass_target`]).
 #[derive(Default)]
 pub struct RoundedLayers {
-    held: Mutex<BTreeMap<String, (Digest, Linear)>>,
+    held: Mutex<BTreeMap<String, (Digest, Int8Weight)>>,
 }
 
 impl RoundedLayers {
-    /// Holds `layer`, layer `name` computing with the rounding whose digest
-    /// is `rounding`.
-    pub fn insert(&self, name: String, rounding: Digest, layer: Linear) {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.insert(name, (rounding, layer));
+    /// Holds `int8`, the rounding of layer `name` whose digest is `rounding`.
+    pub fn insert(&self, name: String, rounding: Digest, int8: Int8Weight) {
+        self.lock().insert(name, (rounding, int8));
     }
 
-    /// The layers `rounded` names, each as its rounding there says.
-    pub(crate) fn layers(
-        &self,
-        rounded: &BTreeMap<String, Digest>,
-    ) -> Result<BTreeMap<String, Linear>> {
-        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+    /// The rounding of layer `name` whose digest is `rounding`, if held.
+    pub fn get(&self, name: &str, rounding: &Digest) -> Option<Int8Weight> {
+        match self.lock().get(name) {
+            Some((digest, int8)) if digest == rounding => Some(int8.clone()),
+            _ => None,
+        }
+    }
+
+    /// The layers of `rounded` whose rounding is not held here.
+    pub fn missing(&self, rounded: &BTreeMap<String, Digest>) -> Vec<(String, Digest)> {
+        let held = self.lock();
         rounded
             .iter()
-            .map(|(name, rounding)| match held.get(name) {
-                Some((digest, layer)) if digest == rounding => Ok((name.clone(), layer.clone())),
-                _ => Err(Error::Data(format!(
-                    "the pass runs {name} as GPTQ rounded it (sha256 {rounding}), a rounding this process does not hold: passes that propagate GPTQ's rounding run in the process that rounded (embedded workers)"
-                ))),
+            .filter(|(name, rounding)| held.get(*name).is_none_or(|(d, _)| d != *rounding))
+            .map(|(name, rounding)| (name.clone(), *rounding))
+            .collect()
+    }
+
+    /// The layers `rounded` names, each `model`'s layer computing with the
+    /// rounding there said.
+    pub(crate) fn layers(
+        &self,
+        model: &Model,
+        rounded: &BTreeMap<String, Digest>,
+    ) -> Result<BTreeMap<String, Linear>> {
+        let linears = model.linears();
+        rounded
+            .iter()
+            .map(|(name, rounding)| {
+                let int8 = self.get(name, rounding).ok_or_else(|| {
+                    Error::Data(format!(
+                        "the pass runs {name} as GPTQ rounded it (sha256 {rounding}), a rounding this process does not hold"
+                    ))
+                })?;
+                let (_, _, layer) = linears.iter().find(|(n, _, _)| n == name).ok_or_else(|| {
+                    Error::Data(format!("the pass rounds {name}, which the model does not have"))
+                })?;
+                Ok((name.clone(), layer.with_rounded_weight(int8)?))
             })
             .collect()
     }
 
-    /// Drops every layer (the passes that run them are over).
+    /// Drops the roundings `rounded` does not name.
+    pub fn retain(&self, rounded: &BTreeMap<String, Digest>) {
+        self.lock()
+            .retain(|name, (digest, _)| rounded.get(name) == Some(digest));
+    }
+
+    /// Drops every rounding (the passes that run them are over).
     pub fn clear(&self) {
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.lock().clear();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (Digest, Int8Weight)>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -345,18 +379,14 @@ mod tests {
             if Llama::layer_of(&name) == Some(0) {
                 let int8 = layer.int8_weight().unwrap().into_owned();
                 let digest = int8.digest();
-                rounded_layers.insert(
-                    name.clone(),
-                    digest,
-                    layer.with_rounded_weight(int8).unwrap(),
-                );
+                rounded_layers.insert(name.clone(), digest, int8);
                 rounded.insert(name, digest);
             }
         }
         let layer_1 = "model.layers.1.self_attn.q_proj";
         let propagated = job(layer_1, &rounded);
         let target = model
-            .with_layers(&rounded_layers.layers(&rounded).unwrap())
+            .with_layers(&rounded_layers.layers(&model, &rounded).unwrap())
             .unwrap();
         let key = (propagated.model, batch.id);
         let below = RoundedBelow::of(&propagated.recipe.pass);
@@ -383,8 +413,12 @@ mod tests {
             "the state entering layer 1 ran layer 0 unrounded"
         );
 
-        // A process that did not round the layers cannot run the pass.
-        let err = RoundedLayers::default().layers(&rounded).unwrap_err();
+        // A process that holds none of the roundings cannot run the pass,
+        // and says which it misses.
+        let nothing = RoundedLayers::default();
+        assert_eq!(nothing.missing(&rounded).len(), rounded.len());
+        assert!(rounded_layers.missing(&rounded).is_empty());
+        let err = nothing.layers(&model, &rounded).unwrap_err();
         assert!(err.to_string().contains("does not hold"), "{err}");
     }
 }

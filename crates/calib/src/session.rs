@@ -44,8 +44,7 @@ pub struct Session {
     pub plan: Plan,
     /// Hidden states this process's passes keep for the next ones.
     pub hidden_states: Arc<HiddenStates>,
-    /// The layers GPTQ rounded in this process, for the passes that run
-    /// them rounded.
+    /// GPTQ's roundings this process holds, for the passes that run them.
     pub rounded: RoundedLayers,
 }
 
@@ -140,12 +139,13 @@ impl Session {
 
     /// The model the pass `job` observes: the loaded one after its
     /// transforms, with the layers it runs rounded
-    /// ([`crate::HessianPass::rounded`]) as this process rounded them.
+    /// ([`crate::HessianPass::rounded`]) with the roundings it holds.
     pub fn pass_target(&self, job: &Job) -> Result<Model> {
         let model = self.target(&job.transforms)?;
         match &job.recipe.pass {
             Pass::Hessian(hessian) if !hessian.rounded.is_empty() => {
-                Ok(model.with_layers(&self.rounded.layers(&hessian.rounded)?)?)
+                let rounded = self.rounded.layers(&model, &hessian.rounded)?;
+                Ok(model.with_layers(&rounded)?)
             }
             _ => Ok(model),
         }

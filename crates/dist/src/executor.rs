@@ -5,13 +5,16 @@
 //! Redis executor publishes each pass as a run that `qforge worker`
 //! processes serve, chaining the runs so the workers follow every pass.
 
+use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use qforge_calib::{Job, Session, Weights};
+use qforge_calib::{Job, Pass, Session, Weights};
+use qforge_core::Digest;
 
 use crate::backend::Embedded;
-use crate::cluster::{ClusterOptions, RedisAddress, RedisBackend, RunSpec};
+use crate::cluster::link::Link;
+use crate::cluster::{ClusterOptions, RedisAddress, RedisBackend, RunKeys, RunSpec, rounding};
 use crate::coordinator::{RunOptions, run};
 use crate::error::{Error, Result};
 use crate::record::{Progress, RunSummary};
@@ -86,12 +89,6 @@ pub trait Executor {
         Ok(())
     }
 
-    /// Whether the workers run in this process, and so see what it holds
-    /// beyond the job (GPTQ's rounded layers, for `gptq.sequential`).
-    fn runs_in_process(&self) -> bool {
-        false
-    }
-
     /// How many workers ran the pass `summary` records: by default those
     /// that reported.
     fn workers(&self, summary: &RunSummary) -> usize {
@@ -142,10 +139,6 @@ impl Executor for EmbeddedExecutor {
             events(PassEvent::Progress(p))
         })
     }
-    fn runs_in_process(&self) -> bool {
-        true
-    }
-
     /// Every thread, whether or not a batch reached it.
     fn workers(&self, _summary: &RunSummary) -> usize {
         self.threads
@@ -203,6 +196,14 @@ impl ClusterSettings {
     }
 }
 
+/// The roundings pass `job` runs with, if it runs any (`gptq.sequential`).
+fn rounded_by(job: &Job) -> Option<&BTreeMap<String, Digest>> {
+    match &job.recipe.pass {
+        Pass::Hessian(hessian) if !hessian.rounded.is_empty() => Some(&hessian.rounded),
+        _ => None,
+    }
+}
+
 /// A Redis server that `qforge worker` processes serve. Pass 1 of run `R`
 /// runs as run `R`, pass k > 1 as `R.passk`; each pass's spec names the
 /// next, and its workers follow.
@@ -226,6 +227,7 @@ impl RedisExecutor {
     fn spec(&self, session: &Session, job: &Job, position: PassPosition) -> Result<RunSpec> {
         self.settings.validate()?;
         let mut spec = RunSpec::new(&self.pass_run(session, position.index), session, job)?;
+        spec.pipeline = self.pass_run(session, 1);
         spec.next_pass =
             (position.index < position.count).then(|| self.pass_run(session, position.index + 1));
         let s = &self.settings;
@@ -276,6 +278,14 @@ impl Executor for RedisExecutor {
     ) -> Result<RunSummary> {
         let spec = self.spec(session, job, position)?;
         let run_name = spec.run.clone();
+        // GPTQ's roundings this pass runs with are in Redis before any
+        // worker can join it.
+        let rounded = rounded_by(job);
+        let pipeline = RunKeys::new(&spec.pipeline)?;
+        if let Some(rounded) = rounded {
+            let mut link = Link::open(&self.redis, self.settings.outage_limit)?;
+            rounding::publish(&mut link, &pipeline, rounded, &session.rounded)?;
+        }
         let backend = RedisBackend::open(spec, &self.cluster_options())?;
         events(PassEvent::Opened {
             run: Some(run_name),
@@ -285,6 +295,12 @@ impl Executor for RedisExecutor {
             events(PassEvent::Progress(p))
         });
         backend.finish(summary.is_ok())?;
+        if let Some(rounded) =
+            rounded.filter(|_| summary.is_ok() && position.index == position.count)
+        {
+            let mut link = Link::open(&self.redis, self.settings.outage_limit)?;
+            rounding::release(&mut link, &pipeline, rounded)?;
+        }
         summary
     }
 

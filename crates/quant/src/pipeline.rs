@@ -93,12 +93,6 @@ impl<'a> Pipeline<'a> {
     /// `recipe` (validated here), with its passes run on `executor`.
     pub fn new(recipe: QuantRecipe, executor: &'a dyn Executor) -> Result<Self> {
         recipe.validate()?;
-        if recipe.gptq.sequential && !executor.runs_in_process() {
-            return Err(Error::Recipe(format!(
-                "gptq.sequential runs each pass with the layers rounded before it, which exist only in this process: it runs on embedded workers (--workers N), not on {} workers",
-                executor.name()
-            )));
-        }
         Ok(Self { recipe, executor })
     }
 
@@ -553,15 +547,13 @@ impl<'a> Pipeline<'a> {
                 rounded.len()
             ));
             if g.sequential {
-                let linears = model.linears();
+                // Spilled: each clone shares the mapped values.
                 for (name, int8) in &rounded {
-                    let (_, _, layer) = linears
-                        .iter()
-                        .find(|(n, _, _)| n == name)
-                        .expect("round_group rounds the model's layers");
                     let digest = int8.digest();
-                    let layer = layer.with_rounded_weight(int8.clone())?;
-                    rounding.session.rounded.insert(name.clone(), digest, layer);
+                    rounding
+                        .session
+                        .rounded
+                        .insert(name.clone(), digest, int8.clone());
                     propagated.insert(name.clone(), digest);
                 }
             }

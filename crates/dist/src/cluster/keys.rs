@@ -1,5 +1,6 @@
 //! Key names of a run.
 
+use qforge_core::Digest;
 use redis::streams::StreamId;
 
 use crate::error::{Error, Result};
@@ -73,6 +74,11 @@ impl RunKeys {
     }
     pub(crate) fn speculation_claim(&self, entry: &str) -> String {
         self.key(&format!("spec:{entry}"))
+    }
+    /// Where a pipeline's run holds the GPTQ rounding whose digest is
+    /// `rounding`.
+    pub(crate) fn rounding(&self, rounding: &Digest) -> String {
+        self.key(&format!("rounding:{}", rounding.to_hex()))
     }
 
     /// Keys that describe the run as a whole (not per worker or per entry).

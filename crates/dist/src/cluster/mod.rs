@@ -21,6 +21,7 @@
 //! | `qforge:{R}:reference`      | string | the fingerprint workers must match                 |
 //! | `qforge:{R}:speculative`    | string | batches re-executed speculatively (counter)        |
 //! | `qforge:{R}:spec:{entry}`   | string | who re-executes a task speculatively (TTL)         |
+//! | `qforge:{P}:rounding:{d}`   | string | GPTQ's rounding with digest `d`, for pipeline `P`  |
 //!
 //! # Protocol
 //!
@@ -48,10 +49,27 @@
 //! every unresolved batch still has a queued or pending task and re-enqueues
 //! the ones that vanished, so a lost write costs a recomputation, never a
 //! missing or doubled batch.
+//!
+//! # Roundings
+//!
+//! With `gptq.sequential`, each pass runs the layers GPTQ rounded before it
+//! with their rounding, which only the coordinator computed. Before such a
+//! pass opens, the coordinator publishes every rounding it names that Redis
+//! does not hold yet, under the pipeline's run `P` (the spec's `pipeline`),
+//! keyed by digest: each once, for every pass after it. A worker fetches the
+//! ones it lacks before it joins, and checks each against the digest the
+//! pass names. A batch's hidden states stay with the worker that computed
+//! them; a worker handed a batch whose states it does not hold computes it
+//! from the embedding through the rounded layers, which gives the same bits.
+//! The coordinator deletes the roundings when the pipeline's last pass
+//! succeeds; a pipeline that stops early leaves them to expire after a day,
+//! as its runs' keys do (a resumed coordinator rounds the same layers again
+//! and finds them).
 
 mod keys;
-mod link;
+pub(crate) mod link;
 mod redis_backend;
+pub(crate) mod rounding;
 mod spec;
 mod worker;
 

@@ -27,6 +27,10 @@ pub struct RunSpec {
     pub version: u32,
     /// The run's name.
     pub run: String,
+    /// The pipeline's run (its first pass's; a single pass's is its own),
+    /// under whose hash tag lie the keys every pass of the pipeline reads:
+    /// GPTQ's roundings, for `gptq.sequential`.
+    pub pipeline: String,
     /// The model.
     pub model: FileRef,
     /// The calibration data.
@@ -61,8 +65,8 @@ impl RunSpec {
     pub const FORMAT: &'static str = "qforge-run";
     /// The version this build writes and reads (2: transforms and the next
     /// pass; 3: tasks of several batches, whose entries name `batches` and
-    /// `ids`).
-    pub const VERSION: u32 = 3;
+    /// `ids`; 4: the pipeline's run, where GPTQ's roundings are).
+    pub const VERSION: u32 = 4;
 
     /// The spec of `job` over the plan of `session`, with the default
     /// settings: heartbeat every 500 ms, dead after 2 s, no mixed hardware,
@@ -73,6 +77,7 @@ impl RunSpec {
             format: Self::FORMAT.into(),
             version: Self::VERSION,
             run: run.into(),
+            pipeline: run.into(),
             model: FileRef {
                 path: absolute(&session.model_path)?,
                 sha256: session.model_digest.to_hex(),

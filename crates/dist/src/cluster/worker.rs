@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use qforge_calib::{Batch, HiddenStates, Job, Session as Calibration, Weights};
+use qforge_calib::{Batch, HiddenStates, Job, Pass, Session as Calibration, Weights};
 use qforge_core::codec::encode;
 use qforge_core::{MergePolicy, Stats};
 use qforge_model::Model;
@@ -18,6 +18,7 @@ use serde_json::json;
 
 use super::keys::{ACTIVE, GROUP, RunKeys, joined, named_batches};
 use super::link::{Link, RedisAddress};
+use super::rounding;
 use super::spec::RunSpec;
 use crate::backend::{Failure, observe_guarded};
 use crate::error::{Error, Result};
@@ -182,6 +183,16 @@ pub fn serve_with(
             }
             _ => (compute.open(&spec)?, None),
         };
+        if let Pass::Hessian(hessian) = &spec.recipe.pass {
+            let pipeline = RunKeys::new(&spec.pipeline)?;
+            let fetched =
+                rounding::fetch(&mut link, &pipeline, &hessian.rounded, &calibration.rounded)?;
+            if fetched > 0 {
+                log(&format!(
+                    "fetched {fetched} of GPTQ's roundings for run {run}"
+                ));
+            }
+        }
         let mut session = Session::join(options, spec, calibration, fingerprint, log)?;
         let ending = session.serve(&mut link, &*compute, &mut report, log)?;
         finished = Some(run);
@@ -209,7 +220,9 @@ pub fn serve_with(
 /// Waits for a running run: the named one, or the active one (not `skip`,
 /// the run just served). `None` when a named run is already over, and, when
 /// `following` (the run the previous pass named), even for a worker that
-/// serves forever.
+/// serves forever. A followed pass that is already done is followed into
+/// the pass it names: a worker slower to arrive than its peers were to
+/// finish stays with the pipeline.
 fn wait_for_run(
     link: &mut Link,
     options: &WorkerOptions,
@@ -220,9 +233,10 @@ fn wait_for_run(
 ) -> Result<Option<RunSpec>> {
     let started = Instant::now();
     let mut announced = false;
+    let mut named = named.map(str::to_owned);
     loop {
-        let run = match named {
-            Some(run) => Some(run.to_owned()),
+        let run = match &named {
+            Some(run) => Some(run.clone()),
             None => link
                 .call(|c| redis::cmd("GET").arg(ACTIVE).query::<Option<String>>(c))?
                 .filter(|r| Some(r.as_str()) != skip),
@@ -238,22 +252,17 @@ fn wait_for_run(
                     .query(c)
             })?;
             match (spec, state.as_deref()) {
-                (Some(json), Some("running")) => {
-                    let spec: RunSpec = serde_json::from_str(&json).map_err(|e| {
-                        Error::Cluster(format!(
-                            "run {run} has a spec this build cannot read ({e}); use the coordinator's qforge version"
-                        ))
-                    })?;
-                    if spec.format != RunSpec::FORMAT || spec.version != RunSpec::VERSION {
-                        return Err(Error::Cluster(format!(
-                            "run {run} uses spec {} v{}; this build reads {} v{}",
-                            spec.format,
-                            spec.version,
-                            RunSpec::FORMAT,
-                            RunSpec::VERSION
-                        )));
-                    }
-                    return Ok(Some(spec));
+                (Some(json), Some("running")) => return readable(&run, &json).map(Some),
+                (Some(json), Some("done")) if following => {
+                    let Some(next) = readable(&run, &json)?.next_pass else {
+                        log(&format!("run {run} is done; nothing to do"));
+                        return Ok(None);
+                    };
+                    log(&format!(
+                        "run {run} is done before this worker joined; following the pipeline into run {next}"
+                    ));
+                    named = Some(next);
+                    continue;
                 }
                 (Some(_), Some(state)) if named.is_some() && (following || !options.forever) => {
                     log(&format!("run {run} is {state}; nothing to do"));
@@ -275,6 +284,25 @@ fn wait_for_run(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The spec `json` of run `run`, if this build reads it.
+fn readable(run: &str, json: &str) -> Result<RunSpec> {
+    let spec: RunSpec = serde_json::from_str(json).map_err(|e| {
+        Error::Cluster(format!(
+            "run {run} has a spec this build cannot read ({e}); use the coordinator's qforge version"
+        ))
+    })?;
+    if spec.format != RunSpec::FORMAT || spec.version != RunSpec::VERSION {
+        return Err(Error::Cluster(format!(
+            "run {run} uses spec {} v{}; this build reads {} v{}",
+            spec.format,
+            spec.version,
+            RunSpec::FORMAT,
+            RunSpec::VERSION
+        )));
+    }
+    Ok(spec)
 }
 
 /// How a worker left a run.
