@@ -117,16 +117,13 @@ pub const HIDDEN_STATE_BUDGET: usize = 2 << 30;
 /// decoder layer `l` is what a hidden state entering `l` depends on beside
 /// the model.
 struct RoundedBelow<'a> {
-    rounded: Option<&'a BTreeMap<String, Digest>>,
+    rounded: &'a BTreeMap<String, Digest>,
 }
 
 impl<'a> RoundedBelow<'a> {
     fn of(pass: &'a Pass) -> Self {
         Self {
-            rounded: match pass {
-                Pass::Hessian(hessian) => Some(&hessian.rounded),
-                _ => None,
-            },
+            rounded: pass.rounded(),
         }
     }
 
@@ -135,7 +132,7 @@ impl<'a> RoundedBelow<'a> {
     fn at(&self, layer: usize) -> Digest {
         let mut digest = DigestBuilder::default();
         digest.update(b"qforge.rounded-below.v1");
-        for (name, rounding) in self.rounded.into_iter().flatten() {
+        for (name, rounding) in self.rounded {
             if Llama::layer_of(name).is_some_and(|l| l < layer) {
                 digest.update(name.as_bytes());
                 digest.update(&rounding.0);

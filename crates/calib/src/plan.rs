@@ -70,6 +70,17 @@ impl Pass {
         }
     }
 
+    /// The layers the pass runs with GPTQ's rounding of them, by the
+    /// rounding's digest ([`HessianPass::rounded`]); empty for a pass that
+    /// observes the full-precision model.
+    pub fn rounded(&self) -> &BTreeMap<String, Digest> {
+        static NONE: BTreeMap<String, Digest> = BTreeMap::new();
+        match self {
+            Pass::Hessian(hessian) => &hessian.rounded,
+            _ => &NONE,
+        }
+    }
+
     /// What an observer records for this pass.
     pub fn statistics(&self) -> Statistics {
         match self {

@@ -11,7 +11,7 @@ use qforge_model::{Format, Model, TextSide};
 use crate::data::{Dataset, EpisodeContent, Record, fits_width, load_jsonl};
 use crate::error::{Error, Result};
 use crate::observe::{HiddenStates, Job, RoundedLayers};
-use crate::plan::{Pass, Plan, Recipe, plan};
+use crate::plan::{Plan, Recipe, plan};
 use crate::transform::{Transform, apply_all, transformed_digest};
 
 /// Whether a session loads the model's weights.
@@ -142,13 +142,11 @@ impl Session {
     /// ([`crate::HessianPass::rounded`]) with the roundings it holds.
     pub fn pass_target(&self, job: &Job) -> Result<Model> {
         let model = self.target(&job.transforms)?;
-        match &job.recipe.pass {
-            Pass::Hessian(hessian) if !hessian.rounded.is_empty() => {
-                let rounded = self.rounded.layers(&model, &hessian.rounded)?;
-                Ok(model.with_layers(&rounded)?)
-            }
-            _ => Ok(model),
+        let rounded = job.recipe.pass.rounded();
+        if rounded.is_empty() {
+            return Ok(model);
         }
+        Ok(model.with_layers(&self.rounded.layers(&model, rounded)?)?)
     }
 
     /// The default name of a run over this session: the first 12 hex digits

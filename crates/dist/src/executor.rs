@@ -5,16 +5,13 @@
 //! Redis executor publishes each pass as a run that `qforge worker`
 //! processes serve, chaining the runs so the workers follow every pass.
 
-use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use qforge_calib::{Job, Pass, Session, Weights};
-use qforge_core::Digest;
+use qforge_calib::{Job, Session, Weights};
 
 use crate::backend::Embedded;
-use crate::cluster::link::Link;
-use crate::cluster::{ClusterOptions, RedisAddress, RedisBackend, RunKeys, RunSpec, rounding};
+use crate::cluster::{ClusterOptions, RedisAddress, RedisBackend, RunSpec};
 use crate::coordinator::{RunOptions, run};
 use crate::error::{Error, Result};
 use crate::record::{Progress, RunSummary};
@@ -196,14 +193,6 @@ impl ClusterSettings {
     }
 }
 
-/// The roundings pass `job` runs with, if it runs any (`gptq.sequential`).
-fn rounded_by(job: &Job) -> Option<&BTreeMap<String, Digest>> {
-    match &job.recipe.pass {
-        Pass::Hessian(hessian) if !hessian.rounded.is_empty() => Some(&hessian.rounded),
-        _ => None,
-    }
-}
-
 /// A Redis server that `qforge worker` processes serve. Pass 1 of run `R`
 /// runs as run `R`, pass k > 1 as `R.passk`; each pass's spec names the
 /// next, and its workers follow.
@@ -278,15 +267,7 @@ impl Executor for RedisExecutor {
     ) -> Result<RunSummary> {
         let spec = self.spec(session, job, position)?;
         let run_name = spec.run.clone();
-        // GPTQ's roundings this pass runs with are in Redis before any
-        // worker can join it.
-        let rounded = rounded_by(job);
-        let pipeline = RunKeys::new(&spec.pipeline)?;
-        if let Some(rounded) = rounded {
-            let mut link = Link::open(&self.redis, self.settings.outage_limit)?;
-            rounding::publish(&mut link, &pipeline, rounded, &session.rounded)?;
-        }
-        let backend = RedisBackend::open(spec, &self.cluster_options())?;
+        let backend = RedisBackend::open(spec, &self.cluster_options(), &session.rounded)?;
         events(PassEvent::Opened {
             run: Some(run_name),
             batches: session.plan.batches.len(),
@@ -295,12 +276,6 @@ impl Executor for RedisExecutor {
             events(PassEvent::Progress(p))
         });
         backend.finish(summary.is_ok())?;
-        if let Some(rounded) =
-            rounded.filter(|_| summary.is_ok() && position.index == position.count)
-        {
-            let mut link = Link::open(&self.redis, self.settings.outage_limit)?;
-            rounding::release(&mut link, &pipeline, rounded)?;
-        }
         summary
     }
 

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use qforge_calib::{Job, Plan, Recipe, Session, Weights, load_jsonl};
+use qforge_calib::{Job, Plan, Recipe, RoundedLayers, Session, Weights, load_jsonl};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{
     ClusterOptions, Compute, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
@@ -140,6 +140,7 @@ fn run_session_on(
             outage_limit: Duration::from_secs(10),
             batches_per_task: per_task,
         },
+        &RoundedLayers::default(),
     )?;
     std::thread::scope(|scope| {
         for w in 0..workers {
@@ -688,6 +689,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
                 outage_limit: Duration::from_secs(10),
                 batches_per_task: None,
             },
+            &RoundedLayers::default(),
         )
         .unwrap();
         let worker = |name: &str| WorkerOptions {
@@ -934,6 +936,7 @@ fn open_run(
             outage_limit: Duration::from_secs(10),
             batches_per_task: per_task,
         },
+        &RoundedLayers::default(),
     )
     .unwrap()
 }

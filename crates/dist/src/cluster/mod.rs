@@ -67,9 +67,9 @@
 //! and finds them).
 
 mod keys;
-pub(crate) mod link;
+mod link;
 mod redis_backend;
-pub(crate) mod rounding;
+mod rounding;
 mod spec;
 mod worker;
 

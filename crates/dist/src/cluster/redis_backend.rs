@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
-use qforge_calib::Plan;
+use qforge_calib::{Plan, RoundedLayers};
 use qforge_core::Stats;
 use qforge_core::codec::decode;
 use redis::Value;
@@ -15,6 +15,7 @@ use redis::streams::{
 
 use super::keys::{ACTIVE, GROUP, RunKeys, entry_id, joined, named_batches};
 use super::link::{Link, RedisAddress};
+use super::rounding;
 use super::spec::RunSpec;
 use crate::backend::{Backend, Failure, Next, Outcome};
 use crate::error::{Error, Result};
@@ -108,12 +109,25 @@ pub struct RedisBackend {
 }
 
 impl RedisBackend {
-    /// Connects, takes the coordinator role of `spec.run` (waiting out a
-    /// crashed predecessor's lease) and publishes the spec. Unless resuming,
+    /// Connects, publishes the roundings the pass runs with (from
+    /// `roundings`, the coordinator's; see the module's "Roundings"), takes
+    /// the coordinator role of `spec.run` (waiting out a crashed
+    /// predecessor's lease) and publishes the spec. Unless resuming,
     /// whatever an earlier run of that name left is cleared.
-    pub fn open(spec: RunSpec, options: &ClusterOptions) -> Result<Self> {
+    pub fn open(
+        spec: RunSpec,
+        options: &ClusterOptions,
+        roundings: &RoundedLayers,
+    ) -> Result<Self> {
         let keys = RunKeys::new(&spec.run)?;
         let mut link = Link::open(&options.redis, options.outage_limit)?;
+        // In Redis before any worker can join the pass.
+        rounding::publish(
+            &mut link,
+            &RunKeys::new(&spec.pipeline)?,
+            spec.recipe.pass.rounded(),
+            roundings,
+        )?;
         let token = format!("{}-{}", std::process::id(), now_ms());
         let lease = spec.heartbeat_timeout_ms;
         let waited = Instant::now();
@@ -235,6 +249,7 @@ impl RedisBackend {
 
     /// Marks the run finished (`done` or `failed`) so workers leave, releases
     /// the coordinator lease and lets the run's keys expire after a day.
+    /// After the pipeline's last pass succeeds, deletes its roundings.
     pub fn finish(&self, succeeded: bool) -> Result<()> {
         let mut link = self.link.borrow_mut();
         let keys = &self.keys;
@@ -257,6 +272,10 @@ impl RedisBackend {
         let active: Option<String> = link.call(|c| redis::cmd("GET").arg(ACTIVE).query(c))?;
         if active.as_deref() == Some(keys.run()) {
             link.call(|c| redis::cmd("DEL").arg(ACTIVE).query::<i64>(c))?;
+        }
+        if succeeded && self.spec.next_pass.is_none() {
+            let pipeline = RunKeys::new(&self.spec.pipeline)?;
+            rounding::release(&mut link, &pipeline, self.spec.recipe.pass.rounded())?;
         }
         Ok(())
     }

@@ -25,7 +25,7 @@ const EXPIRY_S: u64 = 24 * 3600;
 /// Makes Redis hold every rounding `rounded` names under the pipeline's
 /// keys, publishing each it lacks from `held` (the coordinator's), and
 /// gives them all another day before they expire.
-pub(crate) fn publish(
+pub(super) fn publish(
     link: &mut Link,
     pipeline: &RunKeys,
     rounded: &BTreeMap<String, Digest>,
@@ -56,7 +56,7 @@ pub(crate) fn publish(
 }
 
 /// Deletes the roundings `rounded` names (the pipeline's last pass is over).
-pub(crate) fn release(
+pub(super) fn release(
     link: &mut Link,
     pipeline: &RunKeys,
     rounded: &BTreeMap<String, Digest>,
@@ -74,7 +74,7 @@ pub(crate) fn release(
 /// lacks, each checked against its digest and moved to a mapped file as
 /// the coordinator's are; drops the roundings `rounded` no longer names.
 /// Returns how many it fetched.
-pub(crate) fn fetch(
+pub(super) fn fetch(
     link: &mut Link,
     pipeline: &RunKeys,
     rounded: &BTreeMap<String, Digest>,

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use qforge_calib::{Batch, HiddenStates, Job, Pass, Session as Calibration, Weights};
+use qforge_calib::{Batch, HiddenStates, Job, Session as Calibration, Weights};
 use qforge_core::codec::encode;
 use qforge_core::{MergePolicy, Stats};
 use qforge_model::Model;
@@ -183,15 +183,17 @@ pub fn serve_with(
             }
             _ => (compute.open(&spec)?, None),
         };
-        if let Pass::Hessian(hessian) = &spec.recipe.pass {
-            let pipeline = RunKeys::new(&spec.pipeline)?;
-            let fetched =
-                rounding::fetch(&mut link, &pipeline, &hessian.rounded, &calibration.rounded)?;
-            if fetched > 0 {
-                log(&format!(
-                    "fetched {fetched} of GPTQ's roundings for run {run}"
-                ));
-            }
+        let pipeline = RunKeys::new(&spec.pipeline)?;
+        let fetched = rounding::fetch(
+            &mut link,
+            &pipeline,
+            spec.recipe.pass.rounded(),
+            &calibration.rounded,
+        )?;
+        if fetched > 0 {
+            log(&format!(
+                "fetched {fetched} of GPTQ's roundings for run {run}"
+            ));
         }
         let mut session = Session::join(options, spec, calibration, fingerprint, log)?;
         let ending = session.serve(&mut link, &*compute, &mut report, log)?;
