@@ -9,12 +9,15 @@
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
+use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use qforge_calib::{Job, Plan, Recipe, RoundedLayers, Session, Weights, load_jsonl};
+use qforge_calib::{
+    HessianPass, Job, Pass, Plan, Recipe, RoundedLayers, Session, Weights, load_jsonl,
+};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{
     ClusterOptions, Compute, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
@@ -913,6 +916,168 @@ fn a_worker_folds_a_dead_workers_task_into_the_one_it_is_running() {
     assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
     assert_eq!(summary.workers["fold-live"].merged, 19);
     assert_eq!(summary.duplicates, 0);
+}
+
+#[test]
+fn a_task_goes_to_the_live_worker_holding_its_hidden_states_and_back_when_it_waits() {
+    let Some(server) = RedisServer::start("hand", None) else {
+        return;
+    };
+    // A Hessian pass: the kind that resumes kept hidden states, so its
+    // workers hand tasks to the worker that holds them.
+    let session = session();
+    let target = session.model.clone().unwrap();
+    let (_, point, _) = target.linears().into_iter().next().unwrap();
+    let recipe = Recipe {
+        pass: Pass::Hessian(HessianPass {
+            points: BTreeMap::from([(point, -20)]),
+            rounded: BTreeMap::new(),
+        }),
+        ..session.recipe.clone()
+    };
+    let job = session.job(&recipe, &[]);
+    let plan = session.plan.clone();
+    let backend = open_run(&server, "hand", &job, BY_BATCH);
+    // The record of an earlier pass: batches 0 and 1 were observed by
+    // "keeper", alive in this pass (its heartbeat names no task) but never
+    // serving; the others by "gone", which has no heartbeat here.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_connection().unwrap();
+    for (b, batch) in plan.batches.iter().enumerate() {
+        let holder = if b < 2 { "keeper" } else { "gone" };
+        redis::cmd("HSET")
+            .arg("qforge:{hand}:holders")
+            .arg(batch.id.to_string())
+            .arg(holder)
+            .query::<i64>(&mut connection)
+            .unwrap();
+    }
+    redis::cmd("SET")
+        .arg("qforge:{hand}:hb:keeper")
+        .arg("-")
+        .arg("PX")
+        .arg(120_000)
+        .query::<()>(&mut connection)
+        .unwrap();
+    let (job_ref, plan_ref) = (&job, &plan);
+    let (summary, report) = std::thread::scope(|scope| {
+        let coordinator = scope.spawn(move || {
+            let summary = run(
+                job_ref,
+                plan_ref,
+                &backend,
+                &RunOptions::default(),
+                &mut |_| {},
+            );
+            backend.finish(summary.is_ok()).unwrap();
+            summary
+        });
+        let report = serve(&worker_of(&server, "hand", "reader"), &mut |_| {}).unwrap();
+        (coordinator.join().unwrap().unwrap(), report)
+    });
+    // Batch 0's task went to the keeper; batch 1's stayed, as the keeper
+    // had a task waiting already; the rest stayed, as "gone" is not in the
+    // pass. The reader took batch 0's task back once it had waited past
+    // the heartbeat timeout.
+    assert_eq!(report.handed, 1);
+    assert_eq!(report.reclaimed, 1);
+    assert_eq!(summary.workers["reader"].merged, 19);
+    assert_eq!(summary.duplicates, 0);
+    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
+}
+
+#[test]
+fn a_worker_arriving_at_a_finished_pass_follows_the_pipeline_into_the_next() {
+    let Some(server) = RedisServer::start("follow", None) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    // A pipeline of three passes: flw, flw.pass2, flw.pass3.
+    let runs = ["flw", "flw.pass2", "flw.pass3"];
+    let open_pass = |index: usize| {
+        let mut spec = RunSpec::new(runs[index], &session(), &job).unwrap();
+        spec.pipeline = runs[0].into();
+        spec.next_pass = runs.get(index + 1).map(|r| (*r).to_owned());
+        spec.speculation = 1.0;
+        spec.heartbeat_ms = 100;
+        spec.heartbeat_timeout_ms = 600;
+        RedisBackend::open(
+            spec,
+            &ClusterOptions {
+                redis: address(&server),
+                resume: false,
+                outage_limit: Duration::from_secs(10),
+                batches_per_task: BY_BATCH,
+            },
+            &RoundedLayers::default(),
+        )
+        .unwrap()
+    };
+    let client = redis::Client::open(server.url()).unwrap();
+    // Until pass `index` has `least` registered workers.
+    let await_workers = |index: usize, least: i64| {
+        let mut connection = client.get_connection().unwrap();
+        let key = format!("qforge:{{{}}}:workers", runs[index]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while redis::cmd("HLEN")
+            .arg(&key)
+            .query::<i64>(&mut connection)
+            .unwrap()
+            < least
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{key} never had {least} workers"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let pass_2_done = std::sync::atomic::AtomicBool::new(false);
+    let mut late_log = Vec::new();
+    let backend = open_pass(0);
+    let (summaries, late) = std::thread::scope(|scope| {
+        scope.spawn(|| serve(&worker_of(&server, "flw", "prompt"), &mut |_| {}).unwrap());
+        // "late" serves the first pass, then stalls before following the
+        // pipeline until the second pass is over.
+        let late = scope.spawn(|| {
+            serve(&worker_of(&server, "flw", "late"), &mut |line: &str| {
+                if line.ends_with("run flw.pass2") {
+                    while !pass_2_done.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                late_log.push(line.to_owned());
+            })
+        });
+        let mut summaries = Vec::new();
+        let mut backend = Some(backend);
+        for index in 0..runs.len() {
+            let backend = backend.take().unwrap_or_else(|| open_pass(index));
+            // Both workers in the first and last pass; the second has only
+            // "prompt".
+            if index != 1 {
+                await_workers(index, 2);
+            }
+            let summary = run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {});
+            backend.finish(summary.is_ok()).unwrap();
+            if index == 1 {
+                pass_2_done.store(true, Ordering::SeqCst);
+            }
+            summaries.push(summary.unwrap());
+        }
+        (summaries, late.join().unwrap().unwrap())
+    });
+    assert_eq!(late.runs, 2, "{late_log:?}");
+    assert!(
+        late_log.iter().any(|line| line
+            == "run flw.pass2 is done before this worker joined; following the pipeline into run flw.pass3"),
+        "{late_log:?}"
+    );
+    assert!(!summaries[1].workers.contains_key("late"));
+    let clean = clean_bytes(&target, &job, &plan);
+    for summary in &summaries {
+        assert_eq!(encode(&summary.stats), clean);
+    }
 }
 
 /// Opens run `name` on `server` as its coordinator, with fast heartbeats,

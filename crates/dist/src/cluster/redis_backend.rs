@@ -247,9 +247,11 @@ impl RedisBackend {
         &self.keys
     }
 
-    /// Marks the run finished (`done` or `failed`) so workers leave, releases
-    /// the coordinator lease and lets the run's keys expire after a day.
-    /// After the pipeline's last pass succeeds, deletes its roundings.
+    /// Marks the run finished (`done` or `failed`) so workers leave, deletes
+    /// its task queue (waking the workers blocked on it), releases the
+    /// coordinator lease and lets the run's keys expire after a day.
+    /// After the pipeline's last pass succeeds, deletes its roundings and
+    /// the record of who holds which batch's hidden states.
     pub fn finish(&self, succeeded: bool) -> Result<()> {
         let mut link = self.link.borrow_mut();
         let keys = &self.keys;
@@ -262,6 +264,12 @@ impl RedisBackend {
                 .ignore()
                 .cmd("DEL")
                 .arg(keys.coordinator())
+                .ignore()
+                // Wakes the workers blocked reading the queue: they see the
+                // state at once, not at their next check, and a pipeline's
+                // next pass does not wait for them.
+                .cmd("DEL")
+                .arg(keys.tasks())
                 .ignore();
             for key in keys.run_wide() {
                 pipe.cmd("EXPIRE").arg(key).arg(24 * 3600).ignore();
@@ -276,6 +284,7 @@ impl RedisBackend {
         if succeeded && self.spec.next_pass.is_none() {
             let pipeline = RunKeys::new(&self.spec.pipeline)?;
             rounding::release(&mut link, &pipeline, self.spec.recipe.pass.rounded())?;
+            link.call(|c| redis::cmd("DEL").arg(pipeline.holders()).query::<i64>(c))?;
         }
         Ok(())
     }
