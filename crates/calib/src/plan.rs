@@ -81,14 +81,6 @@ impl Pass {
         }
     }
 
-    /// Whether the pass keeps each batch's hidden states and resumes from
-    /// the deepest one kept ([`crate::HiddenStates`]): a Hessian pass,
-    /// which observes only some layers' inputs. The other passes observe
-    /// every layer from the embedding.
-    pub fn resumes_hidden_states(&self) -> bool {
-        matches!(self, Pass::Hessian(_))
-    }
-
     /// What an observer records for this pass.
     pub fn statistics(&self) -> Statistics {
         match self {

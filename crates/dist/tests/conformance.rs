@@ -9,15 +9,12 @@
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
-use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use qforge_calib::{
-    HessianPass, Job, Pass, Plan, Recipe, RoundedLayers, Session, Weights, load_jsonl,
-};
+use qforge_calib::{Job, Plan, Recipe, RoundedLayers, Session, Weights, load_jsonl};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{
     ClusterOptions, Compute, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
@@ -684,17 +681,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         spec.allow_mixed_hardware = allow;
         spec.heartbeat_ms = 100;
         spec.heartbeat_timeout_ms = 600;
-        let backend = RedisBackend::open(
-            spec,
-            &ClusterOptions {
-                redis: address(&server),
-                resume: false,
-                outage_limit: Duration::from_secs(10),
-                batches_per_task: None,
-            },
-            &RoundedLayers::default(),
-        )
-        .unwrap();
+        let backend = open_spec(&server, spec, None);
         let worker = |name: &str| WorkerOptions {
             redis: address(&server),
             run: Some(run_name.clone()),
@@ -919,74 +906,6 @@ fn a_worker_folds_a_dead_workers_task_into_the_one_it_is_running() {
 }
 
 #[test]
-fn a_task_goes_to_the_live_worker_holding_its_hidden_states_and_back_when_it_waits() {
-    let Some(server) = RedisServer::start("hand", None) else {
-        return;
-    };
-    // A Hessian pass: the kind that resumes kept hidden states, so its
-    // workers hand tasks to the worker that holds them.
-    let session = session();
-    let target = session.model.clone().unwrap();
-    let (_, point, _) = target.linears().into_iter().next().unwrap();
-    let recipe = Recipe {
-        pass: Pass::Hessian(HessianPass {
-            points: BTreeMap::from([(point, -20)]),
-            rounded: BTreeMap::new(),
-        }),
-        ..session.recipe.clone()
-    };
-    let job = session.job(&recipe, &[]);
-    let plan = session.plan.clone();
-    let backend = open_run(&server, "hand", &job, BY_BATCH);
-    // The record of an earlier pass: batches 0 and 1 were observed by
-    // "keeper", alive in this pass (its heartbeat names no task) but never
-    // serving; the others by "gone", which has no heartbeat here.
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut connection = client.get_connection().unwrap();
-    for (b, batch) in plan.batches.iter().enumerate() {
-        let holder = if b < 2 { "keeper" } else { "gone" };
-        redis::cmd("HSET")
-            .arg("qforge:{hand}:holders")
-            .arg(batch.id.to_string())
-            .arg(holder)
-            .query::<i64>(&mut connection)
-            .unwrap();
-    }
-    redis::cmd("SET")
-        .arg("qforge:{hand}:hb:keeper")
-        .arg("-")
-        .arg("PX")
-        .arg(120_000)
-        .query::<()>(&mut connection)
-        .unwrap();
-    let (job_ref, plan_ref) = (&job, &plan);
-    let (summary, report) = std::thread::scope(|scope| {
-        let coordinator = scope.spawn(move || {
-            let summary = run(
-                job_ref,
-                plan_ref,
-                &backend,
-                &RunOptions::default(),
-                &mut |_| {},
-            );
-            backend.finish(summary.is_ok()).unwrap();
-            summary
-        });
-        let report = serve(&worker_of(&server, "hand", "reader"), &mut |_| {}).unwrap();
-        (coordinator.join().unwrap().unwrap(), report)
-    });
-    // Batch 0's task went to the keeper; batch 1's stayed, as the keeper
-    // had a task waiting already; the rest stayed, as "gone" is not in the
-    // pass. The reader took batch 0's task back once it had waited past
-    // the heartbeat timeout.
-    assert_eq!(report.handed, 1);
-    assert_eq!(report.reclaimed, 1);
-    assert_eq!(summary.workers["reader"].merged, 19);
-    assert_eq!(summary.duplicates, 0);
-    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
-}
-
-#[test]
 fn a_worker_arriving_at_a_finished_pass_follows_the_pipeline_into_the_next() {
     let Some(server) = RedisServer::start("follow", None) else {
         return;
@@ -995,23 +914,10 @@ fn a_worker_arriving_at_a_finished_pass_follows_the_pipeline_into_the_next() {
     // A pipeline of three passes: flw, flw.pass2, flw.pass3.
     let runs = ["flw", "flw.pass2", "flw.pass3"];
     let open_pass = |index: usize| {
-        let mut spec = RunSpec::new(runs[index], &session(), &job).unwrap();
+        let mut spec = fast_spec(runs[index], &job);
         spec.pipeline = runs[0].into();
         spec.next_pass = runs.get(index + 1).map(|r| (*r).to_owned());
-        spec.speculation = 1.0;
-        spec.heartbeat_ms = 100;
-        spec.heartbeat_timeout_ms = 600;
-        RedisBackend::open(
-            spec,
-            &ClusterOptions {
-                redis: address(&server),
-                resume: false,
-                outage_limit: Duration::from_secs(10),
-                batches_per_task: BY_BATCH,
-            },
-            &RoundedLayers::default(),
-        )
-        .unwrap()
+        open_spec(&server, spec, BY_BATCH)
     };
     let client = redis::Client::open(server.url()).unwrap();
     // Until pass `index` has `least` registered workers.
@@ -1089,10 +995,22 @@ fn open_run(
     job: &Job,
     per_task: Option<NonZeroUsize>,
 ) -> RedisBackend {
+    open_spec(server, fast_spec(name, job), per_task)
+}
+
+/// The spec of run `name` over `job`, with fast heartbeats and no
+/// speculation.
+fn fast_spec(name: &str, job: &Job) -> RunSpec {
     let mut spec = RunSpec::new(name, &session(), job).unwrap();
     spec.speculation = 1.0;
     spec.heartbeat_ms = 100;
     spec.heartbeat_timeout_ms = 600;
+    spec
+}
+
+/// Opens `spec` on `server` as its coordinator, with `per_task` batches per
+/// task (`None`: sized by the coordinator).
+fn open_spec(server: &RedisServer, spec: RunSpec, per_task: Option<NonZeroUsize>) -> RedisBackend {
     RedisBackend::open(
         spec,
         &ClusterOptions {

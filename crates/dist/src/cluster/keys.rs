@@ -81,14 +81,8 @@ impl RunKeys {
         self.key(&format!("rounding:{}", rounding.to_hex()))
     }
 
-    /// Where a pipeline's run records, per batch id, the worker that last
-    /// observed the batch and so holds its hidden states.
-    pub(crate) fn holders(&self) -> String {
-        self.key("holders")
-    }
-
     /// Keys that describe the run as a whole (not per worker or per entry).
-    pub(crate) fn run_wide(&self) -> [String; 9] {
+    pub(crate) fn run_wide(&self) -> [String; 8] {
         [
             self.spec(),
             self.state(),
@@ -98,7 +92,6 @@ impl RunKeys {
             self.workers(),
             self.reference(),
             self.speculative(),
-            self.holders(),
         ]
     }
 }

@@ -22,7 +22,6 @@
 //! | `qforge:{R}:speculative`    | string | batches re-executed speculatively (counter)        |
 //! | `qforge:{R}:spec:{entry}`   | string | who re-executes a task speculatively (TTL)         |
 //! | `qforge:{P}:rounding:{d}`   | string | GPTQ's rounding with digest `d`, for pipeline `P`  |
-//! | `qforge:{P}:holders`        | hash   | batch id → the worker holding its hidden states    |
 //!
 //! # Protocol
 //!
@@ -62,23 +61,11 @@
 //! does not hold yet, under the pipeline's run `P` (the spec's `pipeline`),
 //! keyed by digest: each once, for every pass after it. A worker fetches the
 //! ones it lacks before it joins, and checks each against the digest the
-//! pass names.
-//!
-//! A batch's hidden states stay with the worker that computed them, and in
-//! a pass that resumes them (a Hessian pass) its task follows them: each
-//! worker records in `holders` the batches whose results it published, and
-//! a worker that reads a task whose batches another worker holds moves it
-//! to that worker's pending list (`XCLAIM … JUSTID`, which does not count
-//! as a delivery) if that worker's heartbeat is in the pass and it has no
-//! task waiting already. A worker serves the tasks handed to it before it
-//! reads the queue. A handed task that waits past the heartbeat timeout is
-//! taken like a dead worker's, again without counting a delivery. A worker
-//! that runs a batch whose states it does not hold (its holder is dead, busy
-//! or not yet in the pass) resumes the deepest state of it that it kept from
-//! an earlier pass, or runs it from the embedding, through the rounded
-//! layers: the same bits either way.
-//! The coordinator deletes the roundings and `holders` when the pipeline's
-//! last pass succeeds; a pipeline that stops early leaves them to expire after a day,
+//! pass names. A batch's hidden states stay with the worker that computed
+//! them; a worker handed a batch whose states it does not hold computes it
+//! from the embedding through the rounded layers, which gives the same bits.
+//! The coordinator deletes the roundings when the pipeline's last pass
+//! succeeds; a pipeline that stops early leaves them to expire after a day,
 //! as its runs' keys do (a resumed coordinator rounds the same layers again
 //! and finds them).
 

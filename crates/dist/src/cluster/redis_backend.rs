@@ -250,8 +250,7 @@ impl RedisBackend {
     /// Marks the run finished (`done` or `failed`) so workers leave, deletes
     /// its task queue (waking the workers blocked on it), releases the
     /// coordinator lease and lets the run's keys expire after a day.
-    /// After the pipeline's last pass succeeds, deletes its roundings and
-    /// the record of who holds which batch's hidden states.
+    /// After the pipeline's last pass succeeds, deletes its roundings.
     pub fn finish(&self, succeeded: bool) -> Result<()> {
         let mut link = self.link.borrow_mut();
         let keys = &self.keys;
@@ -284,7 +283,6 @@ impl RedisBackend {
         if succeeded && self.spec.next_pass.is_none() {
             let pipeline = RunKeys::new(&self.spec.pipeline)?;
             rounding::release(&mut link, &pipeline, self.spec.recipe.pass.rounded())?;
-            link.call(|c| redis::cmd("DEL").arg(pipeline.holders()).query::<i64>(c))?;
         }
         Ok(())
     }

@@ -63,12 +63,8 @@ pub struct WorkerReport {
     pub batches: usize,
     /// Tasks re-executed speculatively.
     pub speculative: usize,
-    /// Tasks taken over from dead workers (or from a live one's backlog
-    /// that waited past the heartbeat timeout).
+    /// Tasks taken over from dead workers.
     pub reclaimed: usize,
-    /// Tasks handed to the live worker that holds their batches' hidden
-    /// states (see the module's "Roundings").
-    pub handed: usize,
     /// Batches whose observation failed.
     pub failed: usize,
 }
@@ -327,8 +323,6 @@ enum Ending {
 /// One worker in one run.
 struct Session {
     keys: RunKeys,
-    /// The keys of the pipeline's run (the spec's `pipeline`).
-    pipeline: RunKeys,
     spec: RunSpec,
     calibration: Calibration,
     prepared: Prepared,
@@ -434,7 +428,6 @@ impl Session {
         ));
         Ok(Self {
             keys: RunKeys::new(&run)?,
-            pipeline: RunKeys::new(&spec.pipeline)?,
             spec,
             calibration,
             prepared: Prepared { target, job },
@@ -506,12 +499,7 @@ impl Session {
         let (stop, stopped) = mpsc::channel::<()>();
         let heartbeat = self.start_heartbeat(current.clone(), stopped)?;
         // `report` counts every run this worker served; the log line is this run's.
-        let before = (
-            report.batches,
-            report.speculative,
-            report.reclaimed,
-            report.handed,
-        );
+        let before = (report.batches, report.speculative, report.reclaimed);
         let served = self.work(link, compute, &current, report);
         drop(stop);
         let _ = heartbeat.join();
@@ -523,12 +511,11 @@ impl Session {
         let ending = served?;
         match ending {
             Ending::Finished { .. } => log(&format!(
-                "run {} finished; this worker observed {} batch(es) of it ({} speculative tasks, {} reclaimed, {} handed to the worker holding their hidden states)",
+                "run {} finished; this worker observed {} batch(es) of it ({} speculative tasks, {} reclaimed)",
                 self.spec.run,
                 report.batches - before.0,
                 report.speculative - before.1,
-                report.reclaimed - before.2,
-                report.handed - before.3
+                report.reclaimed - before.2
             )),
             Ending::Abandoned => log(&format!(
                 "run {} lost its coordinator and another run is active; moving on",
@@ -617,17 +604,9 @@ impl Session {
                     continue;
                 }
             }
-            if let Some(entry) = self.handed_to_me(link)? {
-                self.execute(link, compute, current, &entry, false, report)?;
-                continue;
-            }
             match self.next_task(link)? {
                 Queue::Task(entry) => {
-                    if self.hand_over(link, &entry)? {
-                        report.handed += 1;
-                    } else {
-                        self.execute(link, compute, current, &entry, false, report)?;
-                    }
+                    self.execute(link, compute, current, &entry, false, report)?
                 }
                 Queue::Gone => queue_gone = true,
                 Queue::Empty => {
@@ -703,142 +682,34 @@ impl Session {
         let beats: Vec<Option<String>> =
             link.call(|c| redis::cmd("MGET").arg(&beats[..]).query(c))?;
         for (holder, beat) in holders.consumers.iter().zip(beats) {
-            let named = beat.as_deref().map(observing).unwrap_or_default();
+            // The heartbeat names the tasks its worker holds ("-": none; a
+            // speculative copy, which it does not hold, marked "~").
+            let named: Vec<&str> = beat
+                .as_deref()
+                .map(|held| {
+                    held.split(',')
+                        .filter(|id| *id != "-" && !id.starts_with('~'))
+                        .collect()
+                })
+                .unwrap_or_default();
             if beat.is_some() && holder.pending <= named.len() {
                 continue;
             }
-            let alive = beat.is_some();
-            if let Some(entry) = self.claim_from(link, &holder.name, &named, alive, report)? {
+            if let Some(entry) = self.claim_from(link, &holder.name, &named, report)? {
                 return Ok(Some(entry));
             }
         }
         Ok(None)
     }
 
-    /// The oldest task another worker handed to this one
-    /// ([`Session::hand_over`]), which waits in this worker's pending list;
-    /// only passes that resume hidden states hand tasks over.
-    fn handed_to_me(&self, link: &mut Link) -> Result<Option<StreamId>> {
-        if !self.spec.recipe.pass.resumes_hidden_states() {
-            return Ok(None);
-        }
-        let tasks = self.keys.tasks();
-        let mine: StreamPendingCountReply = link.call(|c| {
-            match redis::cmd("XPENDING")
-                .arg(&tasks)
-                .arg(GROUP)
-                .arg("-")
-                .arg("+")
-                .arg(1)
-                .arg(&self.name)
-                .query(c)
-            {
-                Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
-                other => other,
-            }
-        })?;
-        let Some(pending) = mine.ids.into_iter().next() else {
-            return Ok(None);
-        };
-        self.entry(link, &pending.id)
-    }
-
-    /// The task entry `id` of the stream, if it is still there; one that
-    /// is not (trimmed with the run's results) is acknowledged, as nothing
-    /// can run it.
-    fn entry(&self, link: &mut Link, id: &str) -> Result<Option<StreamId>> {
-        let tasks = self.keys.tasks();
-        let range: StreamRangeReply =
-            link.call(|c| redis::cmd("XRANGE").arg(&tasks).arg(id).arg(id).query(c))?;
-        let entry = range.ids.into_iter().next();
-        if entry.is_none() {
-            link.call(|c| {
-                redis::cmd("XACK")
-                    .arg(&tasks)
-                    .arg(GROUP)
-                    .arg(id)
-                    .query::<i64>(c)
-            })?;
-        }
-        Ok(entry)
-    }
-
-    /// Hands task `entry`, just read, to the worker that holds most of its
-    /// batches' hidden states (the pipeline's `holders`), if that is
-    /// another worker, alive in this run and with no task waiting for it
-    /// already; that worker resumes the batches where this one would run
-    /// them from the embedding. The task moves to the holder's pending list
-    /// without counting as a delivery. Whether it was handed over.
-    fn hand_over(&self, link: &mut Link, entry: &StreamId) -> Result<bool> {
-        if !self.spec.recipe.pass.resumes_hidden_states() {
-            return Ok(false);
-        }
-        let ids = entry.get::<String>("ids").unwrap_or_default();
-        let ids: Vec<&str> = ids.split(',').collect();
-        let holders: Vec<Option<String>> = link.call(|c| {
-            redis::cmd("HMGET")
-                .arg(self.pipeline.holders())
-                .arg(&ids[..])
-                .query(c)
-        })?;
-        let Some(holder) = most_common(holders.into_iter().flatten()) else {
-            return Ok(false);
-        };
-        if holder == self.name {
-            return Ok(false);
-        }
-        let beat: Option<String> =
-            link.call(|c| redis::cmd("GET").arg(self.keys.heartbeat(&holder)).query(c))?;
-        let Some(beat) = beat else {
-            return Ok(false); // not (or no longer) in this pass
-        };
-        let tasks = self.keys.tasks();
-        let pending: StreamPendingReply =
-            link.call(
-                |c| match redis::cmd("XPENDING").arg(&tasks).arg(GROUP).query(c) {
-                    Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingReply::default()),
-                    other => other,
-                },
-            )?;
-        let StreamPendingReply::Data(pending) = pending else {
-            return Ok(false); // the run is over
-        };
-        let waiting = pending
-            .consumers
-            .iter()
-            .find(|c| c.name == holder)
-            .map_or(0, |c| c.pending);
-        if waiting > observing(&beat).len() {
-            return Ok(false); // it has a task waiting already
-        }
-        let moved: Vec<String> = link.call(|c| {
-            match redis::cmd("XCLAIM")
-                .arg(&tasks)
-                .arg(GROUP)
-                .arg(&holder)
-                .arg(0)
-                .arg(&entry.id)
-                .arg("JUSTID")
-                .query(c)
-            {
-                Err(e) if e.code() == Some("NOGROUP") => Ok(Vec::new()),
-                other => other,
-            }
-        })?;
-        Ok(!moved.is_empty())
-    }
-
     /// Claims a task of `holder` pending past the timeout that its heartbeat
     /// does not name (`named`); one that dead workers were handed too often
-    /// is published as failed instead. A task waiting in an `alive`
-    /// holder's backlog ([`Session::hand_over`]) moves without counting as
-    /// a delivery: nobody died running it.
+    /// is published as failed instead.
     fn claim_from(
         &self,
         link: &mut Link,
         holder: &str,
         named: &[&str],
-        alive: bool,
         report: &mut WorkerReport,
     ) -> Result<Option<StreamId>> {
         let timeout = self.spec.heartbeat_timeout_ms;
@@ -864,29 +735,6 @@ impl Session {
                 continue; // alive and still on it
             }
             // XCLAIM with the idle floor: of several idle workers, one wins.
-            if alive {
-                let moved: Vec<String> = link.call(|c| {
-                    match redis::cmd("XCLAIM")
-                        .arg(&tasks)
-                        .arg(GROUP)
-                        .arg(&self.name)
-                        .arg(timeout)
-                        .arg(&pending.id)
-                        .arg("JUSTID")
-                        .query(c)
-                    {
-                        Err(e) if e.code() == Some("NOGROUP") => Ok(Vec::new()),
-                        other => other,
-                    }
-                })?;
-                if moved.is_empty() {
-                    continue;
-                }
-                match self.entry(link, &pending.id)? {
-                    Some(entry) => return Ok(Some(entry)),
-                    None => continue,
-                }
-            }
             let claimed: StreamClaimReply = link.call(|c| {
                 match redis::cmd("XCLAIM")
                     .arg(&tasks)
@@ -1191,39 +1039,6 @@ impl Session {
         })
     }
 
-    /// Records this worker as the holder of the hidden states of the
-    /// batches `answers` observed, for the pipeline's next pass to hand
-    /// their tasks here ([`Session::hand_over`]). Before the results are
-    /// published, so the next pass, which opens once they are merged,
-    /// finds the record. Only a pass that keeps states and has a next does.
-    fn record_holdings(&self, link: &mut Link, answers: &[Answer]) -> Result<()> {
-        if !self.spec.recipe.pass.resumes_hidden_states() || self.spec.next_pass.is_none() {
-            return Ok(());
-        }
-        let observed: Vec<&str> = answers
-            .iter()
-            .filter(|a| a.observed.is_ok())
-            .flat_map(|a| a.ids.split(','))
-            .collect();
-        if observed.is_empty() {
-            return Ok(());
-        }
-        let holders = self.pipeline.holders();
-        link.call(|c| {
-            let mut pipe = redis::pipe();
-            let record = pipe.cmd("HSET").arg(&holders);
-            for id in &observed {
-                record.arg(*id).arg(&self.name);
-            }
-            pipe.ignore()
-                .cmd("EXPIRE")
-                .arg(&holders)
-                .arg(24 * 3600)
-                .ignore()
-                .query::<()>(c)
-        })
-    }
-
     /// Appends the results of the tasks `held`, then acknowledges them: in
     /// this order, a crash in between leaves pending tasks whose rerun is a
     /// duplicate the merge drops, never a lost result.
@@ -1234,7 +1049,6 @@ impl Session {
         answers: &[Answer],
         speculative: bool,
     ) -> Result<()> {
-        self.record_holdings(link, answers)?;
         let results = self.keys.results();
         link.call(|c| {
             let mut pipe = redis::pipe();
@@ -1276,28 +1090,6 @@ impl Session {
         })?;
         Ok(())
     }
-}
-
-/// The tasks a heartbeat names as being observed: its value lists them
-/// ("-": none; a speculative copy, which the worker does not hold, is
-/// marked "~").
-fn observing(beat: &str) -> Vec<&str> {
-    beat.split(',')
-        .filter(|id| *id != "-" && !id.starts_with('~'))
-        .collect()
-}
-
-/// The value `values` hold most often (the first of equals), if any.
-fn most_common(values: impl IntoIterator<Item = String>) -> Option<String> {
-    let mut counts: Vec<(String, usize)> = Vec::new();
-    for value in values {
-        match counts.iter_mut().find(|(v, _)| *v == value) {
-            Some((_, n)) => *n += 1,
-            None => counts.push((value, 1)),
-        }
-    }
-    let most = counts.iter().map(|(_, n)| *n).max()?;
-    counts.into_iter().find(|(_, n)| *n == most).map(|(v, _)| v)
 }
 
 /// The first 16 characters of a fingerprint, escaped: the run's reference
