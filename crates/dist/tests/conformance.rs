@@ -697,16 +697,6 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         };
         let client = redis::Client::open(server.url()).unwrap();
         let mut connection = client.get_connection().unwrap();
-        let wait_for = |connection: &mut redis::Connection, command: &str, key: &str, least| {
-            while redis::cmd(command)
-                .arg(key)
-                .query::<i64>(connection)
-                .unwrap()
-                < least
-            {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        };
         let reference_key = format!("qforge:{{{run_name}}}:reference");
         let workers_key = format!("qforge:{{{run_name}}}:workers");
         let summary = std::thread::scope(|scope| {
@@ -721,13 +711,13 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
             } else {
                 let reference = scope.spawn(|| serve_as("reference", &target));
                 // The odd worker joins once the first has set the reference.
-                wait_for(&mut connection, "EXISTS", &reference_key, 1);
+                await_count(&mut connection, "EXISTS", &reference_key, 1);
                 Some(reference)
             };
             let odd = scope.spawn(|| serve_as("odd", &perturbed));
             // Tasks are enqueued by `run`, once every worker has registered.
             let registered = if allow { 1 } else { 2 };
-            wait_for(&mut connection, "HLEN", &workers_key, registered);
+            await_count(&mut connection, "HLEN", &workers_key, registered);
             let summary = run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {});
             backend.finish(summary.is_ok()).unwrap();
             if let Some(reference) = reference {
@@ -922,21 +912,8 @@ fn a_worker_arriving_at_a_finished_pass_follows_the_pipeline_into_the_next() {
     let client = redis::Client::open(server.url()).unwrap();
     // Until pass `index` has `least` registered workers.
     let await_workers = |index: usize, least: i64| {
-        let mut connection = client.get_connection().unwrap();
         let key = format!("qforge:{{{}}}:workers", runs[index]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while redis::cmd("HLEN")
-            .arg(&key)
-            .query::<i64>(&mut connection)
-            .unwrap()
-            < least
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{key} never had {least} workers"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        await_count(&mut client.get_connection().unwrap(), "HLEN", &key, least);
     };
     let pass_2_done = std::sync::atomic::AtomicBool::new(false);
     let mut late_log = Vec::new();
@@ -983,6 +960,24 @@ fn a_worker_arriving_at_a_finished_pass_follows_the_pipeline_into_the_next() {
     let clean = clean_bytes(&target, &job, &plan);
     for summary in &summaries {
         assert_eq!(encode(&summary.stats), clean);
+    }
+}
+
+/// Waits until `command` (a count: `HLEN`, `EXISTS`, …) of `key` reaches
+/// `least`, for a minute at most.
+fn await_count(connection: &mut redis::Connection, command: &str, key: &str, least: i64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while redis::cmd(command)
+        .arg(key)
+        .query::<i64>(connection)
+        .unwrap()
+        < least
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{command} {key} never reached {least}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
