@@ -12,6 +12,9 @@ step() { printf '\n==> %s\n' "$*"; }
 if [ -n "${CI:-}" ]; then
     export CARGO_INCREMENTAL=0
 fi
+# What a run takes at its peak: target/ about 3 GB, the venv 0.3 GB, the Python
+# tests' scratch 0.9 GB. Shown first, so a run that fills the disk says so.
+df -h . "${TMPDIR:-/tmp}"
 
 step "python venv with test peers (tests/python/requirements.txt)"
 if [ ! -x .venv/bin/python ]; then
@@ -50,6 +53,10 @@ step "aarch64: the kernels' tiers under qemu-aarch64 (scripts/test-aarch64.sh --
 # one with every extension; scripts/test-aarch64.sh without --kernels also runs the
 # aarch64 `qforge` (CartPole through act and serve, SmolLM2's perplexity).
 scripts/test-aarch64.sh --kernels
+if [ -n "${CI:-}" ]; then
+    # Nothing after reads the cross build (0.6 GB); CI's disk is shared.
+    rm -rf target/aarch64
+fi
 
 step "the Python package (python/): its extension module"
 # The module a wheel of python/ holds (maturin builds the same crate), built with the
@@ -64,5 +71,7 @@ ln -sf ../debug/libqforge.so target/python/qforge.abi3.so
 # `cargo test` built target/debug/qforge with the test profile (optimised, debug
 # assertions on), so the cross-checks reuse it instead of a second, release build.
 step "python cross-checks against ONNX Runtime, and the Python package against the CLI"
+# Scratch directories kept only for failed tests: pytest's default keeps the last
+# three runs' whole, 0.7 GB each (a SmolLM2 export), on CI's shared disk.
 QFORGE="$PWD/target/debug/qforge" PYTHONPATH="$PWD/target/python" \
-    .venv/bin/python -m pytest -q --durations=8 tests/python
+    .venv/bin/python -m pytest -q --durations=8 -o tmp_path_retention_policy=failed tests/python
