@@ -168,12 +168,12 @@ impl BackendArgs {
         };
         settings.validate()?;
         Ok(match &self.cluster {
-            Some(url) => Box::new(RedisExecutor {
-                redis: self.password.address(url)?,
+            Some(url) => Box::new(RedisExecutor::new(
+                self.password.address(url)?,
                 run,
                 resume,
                 settings,
-            }),
+            )),
             None => Box::new(
                 self.workers
                     .map_or_else(EmbeddedExecutor::per_core, |threads| EmbeddedExecutor {

@@ -17,7 +17,8 @@ use std::time::Duration;
 use qforge_calib::{Job, Plan, Recipe, RoundedLayers, Session, Weights, load_jsonl};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{
-    ClusterOptions, Compute, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
+    ClusterOptions, Compute, Pace, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve,
+    serve_with,
 };
 use qforge_dist::{
     Backend, CheckpointStore, Embedded, Error, Failure, Next, Outcome, RunOptions, RunSummary, run,
@@ -807,6 +808,59 @@ impl Compute for Slow {
         std::thread::sleep(self.0);
         qforge_calib::observe_batch(target, batch, job, hidden_states)
             .map_err(|e| Failure::Data(e.to_string()))
+    }
+}
+
+/// A run paced from an earlier pass sizes its tasks from its first; one
+/// without a pace hands out one batch a task until it has measured both
+/// times, by which point a short run has handed out all of its batches.
+#[test]
+fn a_paced_run_sizes_its_first_tasks_from_the_pace() {
+    let Some(server) = RedisServer::start("paced", None) else {
+        return;
+    };
+    let (_, job, plan) = setup();
+    let pending: Vec<usize> = (0..plan.batches.len()).collect();
+    // A result takes the coordinator 1 000 batches' time: tasks as large as
+    // two each for the one worker allow (19 / 2).
+    let pace = Pace {
+        merge_seconds: 1.0,
+        batch_seconds: 0.001,
+        workers: 1,
+    };
+    for (name, pace, expected) in [
+        ("unpaced", None, vec![1; 19]),
+        ("paced", Some(pace), vec![1, 9, 9]),
+    ] {
+        let mut backend = open_run(&server, name, &job, None);
+        if let Some(pace) = pace {
+            backend = backend.paced(pace);
+        }
+        let mut sizes = std::thread::scope(|scope| {
+            scope.spawn(|| serve(&worker_of(&server, name, "w"), &mut |_| {}).unwrap());
+            let mut sizes = Vec::new();
+            let mut left = plan.batches.len();
+            backend
+                .run(&plan, &pending, &mut |outcome| {
+                    let Outcome::Done { batches, .. } = outcome else {
+                        panic!("{name}: a task failed: {outcome:?}");
+                    };
+                    sizes.push(batches.len());
+                    left -= batches.len();
+                    Ok(if left == 0 {
+                        Next::Stop
+                    } else {
+                        Next::Continue
+                    })
+                })
+                .unwrap();
+            backend.finish(true).unwrap();
+            sizes
+        });
+        sizes.sort_unstable();
+        assert_eq!(sizes, expected, "{name}: batches per result");
+        let measured = backend.pace().expect("both times measured");
+        assert!(measured.merge_seconds > 0.0 && measured.batch_seconds > 0.0);
     }
 }
 

@@ -78,6 +78,6 @@ mod worker;
 
 pub use keys::RunKeys;
 pub use link::RedisAddress;
-pub use redis_backend::{ClusterOptions, RedisBackend};
+pub use redis_backend::{ClusterOptions, Pace, RedisBackend};
 pub use spec::{FileRef, RunSpec};
 pub use worker::{Compute, ModelForward, WorkerOptions, WorkerReport, hostname, serve, serve_with};

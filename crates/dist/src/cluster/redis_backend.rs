@@ -57,6 +57,18 @@ const MAX_BATCHES_PER_TASK: usize = 64;
 /// Weight of the newest measurement in the running means that size tasks.
 const SMOOTHING: f64 = 0.2;
 
+/// What a pass measured of its tasks: a later pass of the same kind sizes
+/// its tasks from it at once (see [`RedisBackend::paced`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pace {
+    /// The coordinator's mean seconds per result.
+    pub merge_seconds: f64,
+    /// The workers' mean seconds per batch.
+    pub batch_seconds: f64,
+    /// Workers that delivered results in it.
+    pub workers: usize,
+}
+
 /// What the backend keeps between calls.
 #[derive(Default)]
 struct Bookkeeping {
@@ -76,6 +88,13 @@ struct Bookkeeping {
     merge_seconds: Option<f64>,
     /// Running mean of the workers' seconds per batch.
     batch_seconds: Option<f64>,
+    /// Whether the live workers counted are still those of the [`Pace`]
+    /// the run started from: no worker has joined it yet.
+    workers_from_pace: bool,
+    /// The workers whose results were read. A pass shorter than the
+    /// heartbeat count's period counts its workers only at its start,
+    /// before any has joined.
+    reporting: BTreeSet<String>,
 }
 
 impl Bookkeeping {
@@ -98,6 +117,11 @@ impl Bookkeeping {
 /// half the time (`2 × workers × time per result / time per batch`, at
 /// most [`MAX_BATCHES_PER_TASK`]), and no more than lets every worker have
 /// two tasks of what is left of the plan.
+///
+/// Until both times are measured, a task holds one batch. A pipeline's
+/// passes are short (SmolLM2 `--sequential`: 16 batches a pass), so most of
+/// a pass would go by unsized; [`Self::paced`] starts a pass from the times
+/// an earlier pass of its kind measured.
 pub struct RedisBackend {
     link: RefCell<Link>,
     keys: RunKeys,
@@ -209,6 +233,30 @@ impl RedisBackend {
             token,
             alive: Cell::new(0),
             book: RefCell::new(Bookkeeping::default()),
+        })
+    }
+
+    /// Sizes tasks from `pace` (an earlier pass's) until this run measures
+    /// its own, counting its workers until the first of this run joins.
+    pub fn paced(self, pace: Pace) -> Self {
+        {
+            let mut book = self.book.borrow_mut();
+            book.merge_seconds = Some(pace.merge_seconds);
+            book.batch_seconds = Some(pace.batch_seconds);
+            book.workers_from_pace = true;
+        }
+        self.alive.set(pace.workers);
+        self
+    }
+
+    /// What this run measured of its tasks so far, once it has measured
+    /// both times.
+    pub fn pace(&self) -> Option<Pace> {
+        let book = self.book.borrow();
+        Some(Pace {
+            merge_seconds: book.merge_seconds?,
+            batch_seconds: book.batch_seconds?,
+            workers: book.reporting.len(),
         })
     }
 
@@ -529,6 +577,7 @@ impl RedisBackend {
             }
         };
         stats.provenance.mixed_hardware |= mixed;
+        self.book.borrow_mut().reporting.insert(worker.clone());
         let elapsed = Duration::from_micros(entry.get::<u64>("elapsed_us").unwrap_or(0));
         Bookkeeping::smooth(
             &mut self.book.borrow_mut().batch_seconds,
@@ -593,7 +642,15 @@ impl Backend for RedisBackend {
                         self.keys.run()
                     )));
                 }
-                self.alive.set(self.count_alive(&mut link)?);
+                let counted = self.count_alive(&mut link)?;
+                let mut book = self.book.borrow_mut();
+                // A pass's workers join after it opens: until one has,
+                // the count of the pass it was paced from stands.
+                if counted > 0 || !book.workers_from_pace {
+                    book.workers_from_pace = false;
+                    self.alive.set(counted);
+                }
+                drop(book);
                 self.reconcile(&mut link, plan, &open, drained)?;
             }
             self.issue(&mut link, plan, &mut backlog, &mut open)?;
