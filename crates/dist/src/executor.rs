@@ -344,22 +344,19 @@ mod tests {
 
     use super::pass_kind;
 
-    fn hessian(points: &[&str], exponent: i32) -> Pass {
+    fn hessian(points: &[&str]) -> Pass {
         Pass::Hessian(HessianPass {
-            points: points.iter().map(|p| (p.to_string(), exponent)).collect(),
+            points: points.iter().map(|p| (p.to_string(), -20)).collect(),
             rounded: BTreeMap::new(),
         })
     }
 
     #[test]
     fn passes_of_one_kind_at_any_depth_share_their_kind() {
-        let down = |layer: usize| hessian(&[&format!("model.layers.{layer}.mlp.down_proj")], -20);
+        let down = |layer: usize| hessian(&[&format!("model.layers.{layer}.mlp.down_proj")]);
         assert_eq!(pass_kind(&down(3)), pass_kind(&down(117)));
         assert_eq!(pass_kind(&down(3)), "hessian model.layers.#.mlp.down_proj");
-        let gate_up = hessian(
-            &["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"],
-            -20,
-        );
+        let gate_up = hessian(&["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"]);
         assert_ne!(pass_kind(&gate_up), pass_kind(&down(3)));
         assert_ne!(pass_kind(&Pass::Activation), pass_kind(&Pass::Smoothing));
     }
