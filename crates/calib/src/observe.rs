@@ -67,9 +67,15 @@ pub fn observe_batch(
             let key = (job.model, batch.id);
             let below = RoundedBelow::of(&job.recipe.pass);
             let resume = hidden.deepest(&key, first, &below);
-            let kept = lm
-                .model
-                .observe_resuming(&sequences, &mut observer, resume.as_ref())?;
+            // A pass running GPTQ's roundings is one of a pipeline that
+            // rounds each layer it observes before the next pass.
+            let rounds_observed = !job.recipe.pass.rounded().is_empty();
+            let kept = lm.model.observe_resuming(
+                &sequences,
+                &mut observer,
+                resume.as_ref(),
+                rounds_observed,
+            )?;
             hidden.keep(key, kept, &below);
         }
         _ => forward_samples(target, &batch.samples, &mut observer)?,

@@ -872,11 +872,13 @@ fn an_observing_pass_resumed_from_a_kept_hidden_state_sees_what_the_whole_forwar
 
     // A pass over layer 0 stops there and keeps the states entering layers 0 and 1.
     let mut first = capture(0);
-    let kept = model.observe_resuming(&batch, &mut first, None).unwrap();
+    let kept = model
+        .observe_resuming(&batch, &mut first, None, false)
+        .unwrap();
     assert_eq!(kept.iter().map(|s| s.layer).collect::<Vec<_>>(), [0, 1]);
     let mut resumed = capture(1);
     let again = model
-        .observe_resuming(&batch, &mut resumed, Some(&kept[1]))
+        .observe_resuming(&batch, &mut resumed, Some(&kept[1]), false)
         .unwrap();
     assert_eq!(resumed.rows, whole.rows);
     // Run to the end from layer 1, it keeps the states entering layers 1 and 2 (the
@@ -886,7 +888,7 @@ fn an_observing_pass_resumed_from_a_kept_hidden_state_sees_what_the_whole_forwar
     // A state of another batch's shape is refused, not misread.
     let other = vec![vec![1u32, 2, 3]];
     let err = model
-        .observe_resuming(&other, &mut capture(1), Some(&kept[1]))
+        .observe_resuming(&other, &mut capture(1), Some(&kept[1]), false)
         .unwrap_err();
     assert!(err.to_string().contains("hidden state"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
@@ -917,7 +919,7 @@ impl Observer for UpTo {
 /// input runs its layer to the end, to keep the state entering the next
 /// layer for the pass that observes it.
 #[test]
-fn an_observing_pass_stops_inside_a_layer_unless_it_ends_at_down_proj() {
+fn an_observing_pass_stops_inside_a_layer_and_ends_it_only_for_a_state_still_valid() {
     let dir = tiny_model("stop");
     let model = Llama::from_hf_dir(&dir).unwrap();
     let batch = two_ragged_sequences();
@@ -929,7 +931,7 @@ fn an_observing_pass_stops_inside_a_layer_unless_it_ends_at_down_proj() {
         offered: Vec::new(),
     };
     let kept = model
-        .observe_resuming(&batch, &mut attention, None)
+        .observe_resuming(&batch, &mut attention, None, false)
         .unwrap();
     assert_eq!(
         attention.offered,
@@ -944,9 +946,23 @@ fn an_observing_pass_stops_inside_a_layer_unless_it_ends_at_down_proj() {
         last: "model.layers.0.mlp.down_proj",
         offered: Vec::new(),
     };
-    let kept = model.observe_resuming(&batch, &mut mlp, None).unwrap();
+    let kept = model
+        .observe_resuming(&batch, &mut mlp, None, false)
+        .unwrap();
     assert_eq!(mlp.offered.len(), 4);
     assert_eq!(layers(&kept), [0, 1]);
+    // A pass whose layers are rounded before the next pass (GPTQ propagating
+    // its rounding) stops at down_proj's input too: the state entering
+    // layer 1 would be stale.
+    let mut rounding = UpTo {
+        last: "model.layers.0.mlp.down_proj",
+        offered: Vec::new(),
+    };
+    let stopped = model
+        .observe_resuming(&batch, &mut rounding, None, true)
+        .unwrap();
+    assert_eq!(rounding.offered, mlp.offered);
+    assert_eq!(layers(&stopped), [0]);
     // What it kept is the state entering layer 1: a pass resumed from it
     // sees layer 1 as the whole forward does.
     let mut whole = LayerCapture {
@@ -959,7 +975,7 @@ fn an_observing_pass_stops_inside_a_layer_unless_it_ends_at_down_proj() {
         rows: Vec::new(),
     };
     model
-        .observe_resuming(&batch, &mut resumed, Some(&kept[1]))
+        .observe_resuming(&batch, &mut resumed, Some(&kept[1]), false)
         .unwrap();
     assert_eq!(resumed.rows, whole.rows);
     std::fs::remove_dir_all(dir).unwrap();

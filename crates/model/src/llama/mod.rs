@@ -917,7 +917,8 @@ impl Llama {
     /// does not pay for the rest, nor a pass that wants a layer's q/k/v
     /// input for that layer's attention and MLP.
     pub fn observe(&self, batch: &[Vec<u32>], observer: &mut dyn Observer) -> Result<()> {
-        self.observe_resuming(batch, observer, None).map(drop)
+        self.observe_resuming(batch, observer, None, false)
+            .map(drop)
     }
 
     /// [`Llama::observe`], starting from `resume` (a hidden state an earlier
@@ -929,11 +930,18 @@ impl Llama {
     /// entering the last two layers it started (the layer after the last
     /// one counts when it stopped at that layer's end, and the final norm
     /// when it ran to the end), for the next pass to resume from.
+    ///
+    /// `rounds_observed`: the caller rounds the layers this pass observes
+    /// before a later pass runs past them (GPTQ propagating its rounding).
+    /// A state past them would then be stale, so a pass whose last input is
+    /// `down_proj`'s stops there as at any other input, and `down_proj`
+    /// does not run.
     pub fn observe_resuming(
         &self,
         batch: &[Vec<u32>],
         observer: &mut dyn Observer,
         resume: Option<&HiddenState>,
+        rounds_observed: bool,
     ) -> Result<Vec<HiddenState>> {
         let Embedded {
             x,
@@ -954,6 +962,7 @@ impl Llama {
             Span {
                 first,
                 stop_when_finished: true,
+                rounds_observed,
                 kept: Some(&mut kept),
                 keep_every: false,
             },
@@ -1182,6 +1191,9 @@ impl Llama {
                 &gated,
                 lengths,
             )?;
+            if span.rounds_observed && span.stops_inside_layer(&observer) {
+                return Ok(x);
+            }
             x = (x + layer.down_proj.forward(&gated)?)?;
             if span.stop_when_finished && finished(&observer) {
                 span.keep(i + 1, &x);
@@ -1220,8 +1232,13 @@ struct Span<'a> {
     /// Stop as soon as the observer is finished: at once when it finishes
     /// at an input before `down_proj`'s, whose layer need not run further;
     /// after the layer when it finishes at `down_proj`'s input, so that the
-    /// state entering the next layer is kept for the pass that observes it.
+    /// state entering the next layer is kept for the pass that observes it
+    /// (unless [`Span::rounds_observed`]).
     stop_when_finished: bool,
+    /// The layers observed are rounded before any pass runs past them (GPTQ
+    /// propagating its rounding), so the state entering the next layer
+    /// would be stale: finishing at `down_proj`'s input stops there too.
+    rounds_observed: bool,
     /// Receives the hidden states entering the last two layers run (or, when
     /// it stops after a whole layer, entering that layer and the one after
     /// it).
