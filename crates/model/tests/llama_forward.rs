@@ -923,46 +923,40 @@ fn an_observing_pass_stops_inside_a_layer_and_ends_it_only_for_a_state_still_val
     let dir = tiny_model("stop");
     let model = Llama::from_hf_dir(&dir).unwrap();
     let batch = two_ragged_sequences();
-    let layers =
-        |kept: &[qforge_model::HiddenState]| kept.iter().map(|s| s.layer).collect::<Vec<_>>();
-
-    let mut attention = UpTo {
-        last: "model.layers.0.self_attn.o_proj",
-        offered: Vec::new(),
+    // The inputs a pass ending at `last` is offered, and the layers whose
+    // entering states it keeps.
+    let up_to = |last: &'static str, rounds_observed: bool| {
+        let mut observer = UpTo {
+            last,
+            offered: Vec::new(),
+        };
+        let kept = model
+            .observe_resuming(&batch, &mut observer, None, rounds_observed)
+            .unwrap();
+        let layers: Vec<usize> = kept.iter().map(|s| s.layer).collect();
+        (observer.offered, layers, kept)
     };
-    let kept = model
-        .observe_resuming(&batch, &mut attention, None, false)
-        .unwrap();
+
+    let (offered, layers, _) = up_to("model.layers.0.self_attn.o_proj", false);
     assert_eq!(
-        attention.offered,
+        offered,
         [
             "model.layers.0.self_attn.q_proj",
             "model.layers.0.self_attn.o_proj"
         ]
     );
-    assert_eq!(layers(&kept), [0]);
+    assert_eq!(layers, [0]);
 
-    let mut mlp = UpTo {
-        last: "model.layers.0.mlp.down_proj",
-        offered: Vec::new(),
-    };
-    let kept = model
-        .observe_resuming(&batch, &mut mlp, None, false)
-        .unwrap();
-    assert_eq!(mlp.offered.len(), 4);
-    assert_eq!(layers(&kept), [0, 1]);
+    let (mlp, layers, kept) = up_to("model.layers.0.mlp.down_proj", false);
+    assert_eq!(mlp.len(), 4);
+    assert_eq!(layers, [0, 1]);
     // A pass whose layers are rounded before the next pass (GPTQ propagating
     // its rounding) stops at down_proj's input too: the state entering
     // layer 1 would be stale.
-    let mut rounding = UpTo {
-        last: "model.layers.0.mlp.down_proj",
-        offered: Vec::new(),
-    };
-    let stopped = model
-        .observe_resuming(&batch, &mut rounding, None, true)
-        .unwrap();
-    assert_eq!(rounding.offered, mlp.offered);
-    assert_eq!(layers(&stopped), [0]);
+    let (rounding, layers, _) = up_to("model.layers.0.mlp.down_proj", true);
+    assert_eq!(rounding, mlp);
+    assert_eq!(layers, [0]);
+
     // What it kept is the state entering layer 1: a pass resumed from it
     // sees layer 1 as the whole forward does.
     let mut whole = LayerCapture {
