@@ -62,8 +62,10 @@
 //! keyed by digest: each once, for every pass after it. A worker fetches the
 //! ones it lacks before it joins, and checks each against the digest the
 //! pass names. A batch's hidden states stay with the worker that computed
-//! them; a worker handed a batch whose states it does not hold computes it
-//! from the embedding through the rounded layers, which gives the same bits.
+//! them, and a task goes to whichever worker reads it: a worker resumes the
+//! deepest state of the batch it kept that is still valid (computed through
+//! the layers as this pass rounds them), or runs it from the embedding,
+//! through the rounded layers; the same bits either way.
 //! The coordinator deletes the roundings when the pipeline's last pass
 //! succeeds; a pipeline that stops early leaves them to expire after a day,
 //! as its runs' keys do (a resumed coordinator rounds the same layers again

@@ -633,7 +633,7 @@ impl Session {
             }
             match self.next_task(link)? {
                 Queue::Task(entry) => {
-                    self.execute(link, compute, current, &entry, false, report)?
+                    self.execute(link, compute, current, &entry, false, report)?;
                 }
                 Queue::Gone => queue_gone = true,
                 Queue::Empty => {
