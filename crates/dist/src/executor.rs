@@ -208,6 +208,10 @@ pub struct RedisExecutor {
     /// `--sequential` pipeline runs one pass of each kind per layer, and a
     /// pass too short to measure its own would run one batch a task.
     paces: RefCell<BTreeMap<String, Pace>>,
+    /// The worker whose result last covered each batch, over the passes
+    /// run so far: each pass routes a batch's tasks to the worker holding
+    /// its hidden states.
+    holders: RefCell<BTreeMap<usize, String>>,
 }
 
 impl RedisExecutor {
@@ -226,6 +230,7 @@ impl RedisExecutor {
             resume,
             settings,
             paces: RefCell::default(),
+            holders: RefCell::default(),
         }
     }
 
@@ -290,6 +295,9 @@ impl Executor for RedisExecutor {
         if let Some(&pace) = self.paces.borrow().get(&kind) {
             backend = backend.paced(pace);
         }
+        if !self.holders.borrow().is_empty() {
+            backend = backend.routed(self.holders.take());
+        }
         events(PassEvent::Opened {
             run: Some(run_name),
             batches: session.plan.batches.len(),
@@ -301,6 +309,7 @@ impl Executor for RedisExecutor {
         if let Some(pace) = backend.pace() {
             self.paces.borrow_mut().insert(kind, pace);
         }
+        *self.holders.borrow_mut() = backend.holders();
         summary
     }
 

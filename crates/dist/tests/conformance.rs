@@ -9,6 +9,7 @@
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
+use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -947,6 +948,97 @@ fn a_worker_folds_a_dead_workers_task_into_the_one_it_is_running() {
     assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
     assert_eq!(summary.workers["fold-live"].merged, 19);
     assert_eq!(summary.duplicates, 0);
+}
+
+/// A routed run sends each batch's tasks to the stream of the worker that
+/// holds its hidden states. Here the odd batches' holder serves, slowly;
+/// the even batches' holder, a ghost, takes one task and dies without a
+/// heartbeat. The live worker steals the ghost's unread tasks, the
+/// coordinator takes back the one it held once it has been pending past the
+/// timeout, and the run writes the single-worker bytes, every batch now
+/// held by the live worker.
+#[test]
+fn a_routed_run_survives_a_holder_that_dies_holding_its_tasks() {
+    let Some(server) = RedisServer::start("routed", None) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let holders: BTreeMap<usize, String> = (0..plan.batches.len())
+        .map(|b| (b, if b % 2 == 0 { "ghost" } else { "live" }.to_owned()))
+        .collect();
+    let backend = open_run(&server, "routed", &job, BY_BATCH).routed(holders);
+    let client = redis::Client::open(server.url()).unwrap();
+    let (job_ref, plan_ref, client_ref) = (&job, &plan, &client);
+    let (summary, routed_to_live, backend, ghost) = std::thread::scope(|scope| {
+        let coordinator = scope.spawn(move || {
+            let summary = run(
+                job_ref,
+                plan_ref,
+                &backend,
+                &RunOptions::default(),
+                &mut |_| {},
+            );
+            let routed_to_live: i64 = redis::cmd("XLEN")
+                .arg("qforge:{routed}:tasks:live")
+                .query(&mut client_ref.get_connection().unwrap())
+                .unwrap();
+            backend.finish(summary.is_ok()).unwrap();
+            (summary, routed_to_live, backend)
+        });
+        // The ghost reads one task of its stream as soon as it exists.
+        let mut connection = client.get_connection().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let ghost = loop {
+            let read = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("workers")
+                .arg("ghost")
+                .arg("COUNT")
+                .arg(1)
+                .arg("STREAMS")
+                .arg("qforge:{routed}:tasks:ghost")
+                .arg(">")
+                .query::<Option<redis::streams::StreamReadReply>>(&mut connection);
+            match read {
+                Ok(Some(reply)) => break Ok(reply.keys[0].ids.len()),
+                Ok(None) | Err(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                other => break Err(format!("{other:?}")),
+            }
+        };
+        // 50 ms a batch: the ghost reads its task long before the live
+        // worker is through its own nine.
+        serve_with(
+            &worker_of(&server, "routed", "live"),
+            &mut Slow(Duration::from_millis(50)),
+            &mut |_| {},
+        )
+        .unwrap();
+        let (summary, routed_to_live, backend) = coordinator.join().unwrap();
+        (summary.unwrap(), routed_to_live, backend, ghost)
+    });
+    assert_eq!(ghost, Ok(1), "the ghost held a task");
+    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
+    assert_eq!(summary.workers["live"].merged, 19);
+    assert_eq!(summary.duplicates, 0);
+    assert_eq!(
+        routed_to_live, 9,
+        "the odd batches' tasks went to their holder"
+    );
+    assert!(
+        backend
+            .warnings()
+            .iter()
+            .any(|w| w == "took back 1 task(s) from workers that died holding them"),
+        "{:?}",
+        backend.warnings()
+    );
+    let held = backend.holders();
+    assert!(
+        held.len() == 19 && held.values().all(|w| w == "live"),
+        "{held:?}"
+    );
 }
 
 #[test]

@@ -21,16 +21,7 @@ impl RunKeys {
     /// Keys of run `run`. Run names are 1–64 characters of `[A-Za-z0-9._-]`
     /// (braces would break the hash tag).
     pub fn new(run: &str) -> Result<Self> {
-        let valid = !run.is_empty()
-            && run.len() <= 64
-            && run
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-        if !valid {
-            return Err(Error::Cluster(format!(
-                "invalid run name {run:?}: use 1-64 characters of letters, digits, '.', '_' and '-'"
-            )));
-        }
+        check_name("run", run)?;
         Ok(Self {
             run: run.to_owned(),
         })
@@ -57,6 +48,14 @@ impl RunKeys {
     pub(crate) fn tasks(&self) -> String {
         self.key("tasks")
     }
+    /// The task stream of the batches whose hidden states `worker` holds.
+    pub(crate) fn routed_tasks(&self, worker: &str) -> String {
+        self.key(&format!("tasks:{worker}"))
+    }
+    /// The workers that have a routed task stream (a set).
+    pub(crate) fn routes(&self) -> String {
+        self.key("routes")
+    }
     pub(crate) fn results(&self) -> String {
         self.key("results")
     }
@@ -82,17 +81,36 @@ impl RunKeys {
     }
 
     /// Keys that describe the run as a whole (not per worker or per entry).
-    pub(crate) fn run_wide(&self) -> [String; 8] {
+    pub(crate) fn run_wide(&self) -> [String; 9] {
         [
             self.spec(),
             self.state(),
             self.coordinator(),
             self.tasks(),
+            self.routes(),
             self.results(),
             self.workers(),
             self.reference(),
             self.speculative(),
         ]
+    }
+}
+
+/// Checks a run's or worker's name (`what`): 1–64 characters of
+/// `[A-Za-z0-9._-]`. Both are parts of keys, and a worker's name is also
+/// part of the task names its heartbeat lists (see [`routed_label`]).
+pub(crate) fn check_name(what: &str, name: &str) -> Result<()> {
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::Cluster(format!(
+            "invalid {what} name {name:?}: use 1-64 characters of letters, digits, '.', '_' and '-'"
+        )))
     }
 }
 
@@ -119,6 +137,13 @@ pub(crate) fn joined<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -
         .map(|item| item.to_string())
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// How a worker's heartbeat names a task it holds from the routed stream of
+/// `owner`: entry ids of two streams may coincide, so they are qualified
+/// (a shared-stream task is named by its id alone).
+pub(crate) fn routed_label(owner: &str, id: &str) -> String {
+    format!("{owner}/{id}")
 }
 
 /// A stream entry id `ms-seq`, ordered as Redis orders them.

@@ -15,12 +15,14 @@
 //! | `qforge:{R}:state`          | string | `running`, `done` or `failed`                      |
 //! | `qforge:{R}:coordinator`    | string | the live coordinator's token (TTL)                 |
 //! | `qforge:{R}:tasks`          | stream | one entry per task (batches, ids); group `workers` |
+//! | `qforge:{R}:tasks:{worker}` | stream | tasks routed to a worker (see "Routing"), as above |
+//! | `qforge:{R}:routes`         | set    | the workers with a routed task stream              |
 //! | `qforge:{R}:results`        | stream | a task's merged `.qstats`, or a batch's error      |
 //! | `qforge:{R}:hb:{worker}`    | string | heartbeat (TTL), naming the tasks held             |
 //! | `qforge:{R}:workers`        | hash   | worker → build, kernel tier, fingerprint, admitted |
 //! | `qforge:{R}:reference`      | string | the fingerprint workers must match                 |
 //! | `qforge:{R}:speculative`    | string | batches re-executed speculatively (counter)        |
-//! | `qforge:{R}:spec:{entry}`   | string | who re-executes a task speculatively (TTL)         |
+//! | `qforge:{R}:spec:{task}`    | string | who re-executes a task speculatively (TTL)         |
 //! | `qforge:{P}:rounding:{d}`   | string | GPTQ's rounding with digest `d`, for pipeline `P`  |
 //!
 //! # Protocol
@@ -49,7 +51,7 @@
 //! every unresolved batch still has a queued or pending task and re-enqueues
 //! the ones that vanished, so a lost write costs a recomputation, never a
 //! missing or doubled batch. When the run ends the coordinator deletes the
-//! task stream, which wakes the workers blocked reading it: they see the
+//! task streams, which wakes the workers blocked reading them: they see the
 //! state at once, so a pipeline's next pass does not wait for their next
 //! check (every 250 ms).
 //!
@@ -62,14 +64,37 @@
 //! keyed by digest: each once, for every pass after it. A worker fetches the
 //! ones it lacks before it joins, and checks each against the digest the
 //! pass names. A batch's hidden states stay with the worker that computed
-//! them, and a task goes to whichever worker reads it: a worker resumes the
-//! deepest state of the batch it kept that is still valid (computed through
-//! the layers as this pass rounds them), or runs it from the embedding,
-//! through the rounded layers; the same bits either way.
+//! them: a worker resumes the deepest state of the batch it kept that is
+//! still valid (computed through the layers as this pass rounds them), or
+//! runs it from the embedding, through the rounded layers; the same bits
+//! either way, but not the same time, so a pipeline routes each batch back
+//! to the worker that ran it last.
 //! The coordinator deletes the roundings when the pipeline's last pass
 //! succeeds; a pipeline that stops early leaves them to expire after a day,
 //! as its runs' keys do (a resumed coordinator rounds the same layers again
 //! and finds them).
+//!
+//! # Routing
+//!
+//! Every pass of a pipeline after its first knows, from the results of the
+//! passes before, which worker last ran each batch: its holder
+//! ([`RedisBackend::routed`]). The coordinator gives each holder a task
+//! stream of its own (`tasks:{worker}`, listed in `routes`) and enqueues a
+//! batch there while its holder lives (presumed for one heartbeat timeout
+//! after the pass opens, as workers join after it), else on the stream of
+//! another live holder in turn; a worker that joins the pass late gets a
+//! stream at the coordinator's next check. A worker reads its own stream,
+//! then the shared one, then steals: from the routed stream with the most
+//! unread tasks, if its owner has no heartbeat or a backlog worth the
+//! layers the thief reruns, or from an owner stuck so long on its current
+//! task that its oldest unread one is overdue. Only then does it wait on
+//! its own stream. Its heartbeat names a
+//! routed task as `{owner}/{id}` (ids of two streams may coincide). Workers
+//! reclaim from the shared stream only; the coordinator, at each check,
+//! takes back the tasks that dead workers hold on routed streams and
+//! enqueues their batches on the shared stream, where the count of
+//! deliveries that fails a batch killing every worker applies. Speculation
+//! and reconciliation cover every stream.
 
 mod keys;
 mod link;

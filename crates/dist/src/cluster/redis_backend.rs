@@ -13,7 +13,7 @@ use redis::streams::{
     StreamId, StreamInfoGroupsReply, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
 };
 
-use super::keys::{ACTIVE, GROUP, RunKeys, entry_id, joined, named_batches};
+use super::keys::{ACTIVE, GROUP, RunKeys, entry_id, joined, named_batches, routed_label};
 use super::link::{Link, RedisAddress};
 use super::rounding;
 use super::spec::RunSpec;
@@ -95,6 +95,12 @@ struct Bookkeeping {
     /// heartbeat count's period counts its workers only at its start,
     /// before any has joined.
     reporting: BTreeSet<String>,
+    /// The worker whose result last covered each batch: it holds the
+    /// batch's hidden states (seeded from the pass before, see
+    /// [`RedisBackend::routed`]).
+    holders: BTreeMap<usize, String>,
+    /// Tasks taken back from dead workers' routed streams.
+    reassigned: usize,
 }
 
 impl Bookkeeping {
@@ -130,6 +136,50 @@ pub struct RedisBackend {
     token: String,
     alive: Cell<usize>,
     book: RefCell<Bookkeeping>,
+    routing: RefCell<Routing>,
+}
+
+/// Where a routed run's tasks go (see [`RedisBackend::routed`]).
+#[derive(Default)]
+struct Routing {
+    /// The workers with a task stream of their own, sorted; empty: every
+    /// task goes to the shared stream.
+    routes: Vec<String>,
+    /// The workers whose heartbeat was alive at the last count.
+    alive: BTreeSet<String>,
+    /// Until then a route counts as alive: a pass's workers join after it
+    /// opens, so none has a heartbeat at its start.
+    presumed_alive_until: Option<Instant>,
+    /// Next route for a batch whose holder is gone (round robin).
+    next: usize,
+}
+
+impl Routing {
+    /// The worker whose stream a task of `batch` goes to, if routed: its
+    /// holder while that one lives, else the next live route in turn.
+    fn target(&mut self, batch: usize, holders: &BTreeMap<usize, String>) -> Option<String> {
+        if self.routes.is_empty() {
+            return None;
+        }
+        let presumed = self
+            .presumed_alive_until
+            .is_some_and(|t| Instant::now() < t);
+        let usable = |worker: &String| presumed || self.alive.contains(worker);
+        if let Some(holder) = holders.get(&batch)
+            && self.routes.binary_search(holder).is_ok()
+            && usable(holder)
+        {
+            return Some(holder.clone());
+        }
+        let live: Vec<&String> = self.routes.iter().filter(|r| usable(r)).collect();
+        let pool = if live.is_empty() {
+            self.routes.iter().collect()
+        } else {
+            live
+        };
+        self.next = self.next.wrapping_add(1);
+        Some(pool[self.next % pool.len()].clone())
+    }
 }
 
 impl RedisBackend {
@@ -192,11 +242,14 @@ impl RedisBackend {
             }
         } else {
             let mut stale = keys.run_wide().to_vec();
+            stale.extend(routed_streams(&mut link, &keys)?);
             // A worker following this pass into the next must wait for this
             // run's next pass, not leave on what an earlier run of the same
             // name left there.
             if let Some(next) = &spec.next_pass {
-                stale.extend(RunKeys::new(next)?.run_wide());
+                let next = RunKeys::new(next)?;
+                stale.extend(next.run_wide());
+                stale.extend(routed_streams(&mut link, &next)?);
             }
             link.call(|c| redis::cmd("DEL").arg(&stale[..]).query::<i64>(c))?;
             link.call(|c| {
@@ -233,6 +286,7 @@ impl RedisBackend {
             token,
             alive: Cell::new(0),
             book: RefCell::new(Bookkeeping::default()),
+            routing: RefCell::new(Routing::default()),
         })
     }
 
@@ -247,6 +301,22 @@ impl RedisBackend {
         }
         self.alive.set(pace.workers);
         self
+    }
+
+    /// Routes each batch's tasks to the worker that `holders` names, the
+    /// one whose result covered it in the pass before and so holds its
+    /// hidden states: each such worker gets a task stream of its own, which
+    /// it reads before the shared one, and from which idle workers steal
+    /// once their own is empty (see the module's "Routing").
+    pub fn routed(self, holders: BTreeMap<usize, String>) -> Self {
+        self.book.borrow_mut().holders = holders;
+        self
+    }
+
+    /// The worker whose result last covered each batch: the holders to
+    /// route the next pass by.
+    pub fn holders(&self) -> BTreeMap<usize, String> {
+        self.book.borrow().holders.clone()
     }
 
     /// What this run measured of its tasks so far, once it has measured
@@ -267,7 +337,8 @@ impl RedisBackend {
         let keys = RunKeys::new(&spec.run)?;
         let mut link = Link::open(&options.redis, options.outage_limit)?;
         let json = serde_json::to_string(&spec).expect("a spec serializes");
-        let stale = keys.run_wide();
+        let mut stale = keys.run_wide().to_vec();
+        stale.extend(routed_streams(&mut link, &keys)?);
         link.call(|c| {
             redis::pipe()
                 .atomic()
@@ -302,6 +373,7 @@ impl RedisBackend {
     pub fn finish(&self, succeeded: bool) -> Result<()> {
         let mut link = self.link.borrow_mut();
         let keys = &self.keys;
+        let routed = routed_streams(&mut link, keys)?;
         link.call(|c| {
             let mut pipe = redis::pipe();
             pipe.atomic()
@@ -317,6 +389,7 @@ impl RedisBackend {
                 // next pass does not wait for them.
                 .cmd("DEL")
                 .arg(keys.tasks())
+                .arg(&routed[..])
                 .ignore();
             for key in keys.run_wide() {
                 pipe.cmd("EXPIRE").arg(key).arg(24 * 3600).ignore();
@@ -335,10 +408,39 @@ impl RedisBackend {
         Ok(())
     }
 
-    /// Enqueues `batches` as tasks of up to `per_task` batches each.
+    /// Enqueues `batches` as tasks of up to `per_task` batches each: on the
+    /// shared stream, or, in a routed run, on the streams of the workers
+    /// [`Routing::target`] picks.
     fn enqueue(
         &self,
         link: &mut Link,
+        plan: &Plan,
+        batches: &[usize],
+        per_task: usize,
+    ) -> Result<()> {
+        let mut by_stream: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        {
+            let book = self.book.borrow();
+            let mut routing = self.routing.borrow_mut();
+            for &batch in batches {
+                let stream = match routing.target(batch, &book.holders) {
+                    Some(worker) => self.keys.routed_tasks(&worker),
+                    None => self.keys.tasks(),
+                };
+                by_stream.entry(stream).or_default().push(batch);
+            }
+        }
+        for (stream, batches) in by_stream {
+            self.add_tasks(link, &stream, plan, &batches, per_task)?;
+        }
+        Ok(())
+    }
+
+    /// Appends `batches` to `stream` as tasks of up to `per_task` batches.
+    fn add_tasks(
+        &self,
+        link: &mut Link,
+        stream: &str,
         plan: &Plan,
         batches: &[usize],
         per_task: usize,
@@ -349,7 +451,7 @@ impl RedisBackend {
                 let mut pipe = redis::pipe();
                 for task in chunk {
                     pipe.cmd("XADD")
-                        .arg(self.keys.tasks())
+                        .arg(stream)
                         .arg("*")
                         .arg("batches")
                         .arg(joined(task.iter()))
@@ -382,11 +484,79 @@ impl RedisBackend {
             .min(spread)
     }
 
-    /// A fresh, empty task stream and group.
+    /// Fresh, empty task streams and groups: the shared one, and in a
+    /// routed run one for each worker holding batches' hidden states.
+    /// Whatever streams an earlier coordinator of the run left are deleted.
     fn reset_tasks(&self, link: &mut Link) -> Result<()> {
-        let tasks = self.keys.tasks();
-        link.call(|c| redis::cmd("DEL").arg(&tasks).query::<i64>(c))?;
-        self.create_group(link)
+        let mut stale = routed_streams(link, &self.keys)?;
+        stale.push(self.keys.tasks());
+        let routes: Vec<String> = {
+            let holders = &self.book.borrow().holders;
+            let named: BTreeSet<&String> = holders.values().collect();
+            named.into_iter().cloned().collect()
+        };
+        link.call(|c| {
+            let mut pipe = redis::pipe();
+            pipe.atomic()
+                .cmd("DEL")
+                .arg(&stale[..])
+                .arg(self.keys.routes())
+                .ignore();
+            for stream in std::iter::once(self.keys.tasks())
+                .chain(routes.iter().map(|r| self.keys.routed_tasks(r)))
+            {
+                pipe.cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(stream)
+                    .arg(GROUP)
+                    .arg("0")
+                    .arg("MKSTREAM")
+                    .ignore();
+            }
+            if !routes.is_empty() {
+                pipe.cmd("SADD")
+                    .arg(self.keys.routes())
+                    .arg(&routes[..])
+                    .ignore();
+            }
+            pipe.query::<()>(c)
+        })?;
+        let mut routing = self.routing.borrow_mut();
+        routing.routes = routes;
+        routing.presumed_alive_until =
+            Some(Instant::now() + Duration::from_millis(self.spec.heartbeat_timeout_ms));
+        Ok(())
+    }
+
+    /// Gives `worker`, alive in a routed run without a stream of its own
+    /// (it joined late), one: later tasks can be routed to it, and the
+    /// batches it runs to the pass after.
+    fn add_route(&self, link: &mut Link, worker: &str) -> Result<()> {
+        self.create_group(link, &self.keys.routed_tasks(worker))?;
+        link.call(|c| {
+            redis::cmd("SADD")
+                .arg(self.keys.routes())
+                .arg(worker)
+                .query::<i64>(c)
+        })?;
+        let mut routing = self.routing.borrow_mut();
+        if let Err(at) = routing.routes.binary_search_by(|r| r.as_str().cmp(worker)) {
+            routing.routes.insert(at, worker.to_owned());
+        }
+        Ok(())
+    }
+
+    /// The run's task streams: the shared one first, then the routed ones.
+    fn task_streams(&self) -> Vec<String> {
+        std::iter::once(self.keys.tasks())
+            .chain(
+                self.routing
+                    .borrow()
+                    .routes
+                    .iter()
+                    .map(|r| self.keys.routed_tasks(r)),
+            )
+            .collect()
     }
 
     /// Moves whole tasks' worth of batches from `backlog` to `open`
@@ -417,12 +587,11 @@ impl RedisBackend {
         self.enqueue(link, plan, &batches, per_task)
     }
 
-    fn create_group(&self, link: &mut Link) -> Result<()> {
-        let tasks = self.keys.tasks();
+    fn create_group(&self, link: &mut Link, stream: &str) -> Result<()> {
         link.call(|c| {
             match redis::cmd("XGROUP")
                 .arg("CREATE")
-                .arg(&tasks)
+                .arg(stream)
                 .arg(GROUP)
                 .arg("0")
                 .arg("MKSTREAM")
@@ -432,6 +601,60 @@ impl RedisBackend {
                 other => other,
             }
         })
+    }
+
+    /// The periodic check ([`RECONCILE_EVERY`]): renews the coordinator's
+    /// lease (failing if another took the run over), counts the live
+    /// workers, gives late joiners of a routed run their stream and takes
+    /// back what dead ones held on theirs, and reconciles the task streams
+    /// with the open batches (`open`).
+    fn check(
+        &self,
+        link: &mut Link,
+        plan: &Plan,
+        open: &BTreeSet<usize>,
+        drained: bool,
+    ) -> Result<()> {
+        let token = &self.token;
+        let held: Option<String> = link.call(|c| {
+            redis::cmd("SET")
+                .arg(self.keys.coordinator())
+                .arg(token)
+                .arg("PX")
+                .arg(self.spec.heartbeat_timeout_ms)
+                .arg("GET")
+                .query(c)
+        })?;
+        if held.as_deref().is_some_and(|h| h != token) {
+            return Err(Error::Cluster(format!(
+                "another coordinator took over run {}; this one stops",
+                self.keys.run()
+            )));
+        }
+        let alive = self.alive_workers(link)?;
+        let mut book = self.book.borrow_mut();
+        // A pass's workers join after it opens: until one has, the count of
+        // the pass it was paced from stands.
+        if !alive.is_empty() || !book.workers_from_pace {
+            book.workers_from_pace = false;
+            self.alive.set(alive.len());
+        }
+        drop(book);
+        if !self.routing.borrow().routes.is_empty() {
+            let unrouted: Vec<&String> = {
+                let routing = self.routing.borrow();
+                alive
+                    .iter()
+                    .filter(|w| routing.routes.binary_search(w).is_err())
+                    .collect()
+            };
+            for worker in unrouted {
+                self.add_route(link, worker)?;
+            }
+            self.routing.borrow_mut().alive = alive;
+            self.reassign_dead(link, plan, open)?;
+        }
+        self.reconcile(link, plan, open, drained)
     }
 
     /// Re-enqueues unresolved batches that have neither a queued nor a
@@ -451,49 +674,53 @@ impl RedisBackend {
         open: &BTreeSet<usize>,
         drained: bool,
     ) -> Result<()> {
-        let tasks = self.keys.tasks();
-        let groups: Option<StreamInfoGroupsReply> =
-            link.call(
-                |c| match redis::cmd("XINFO").arg("GROUPS").arg(&tasks).query(c) {
-                    Ok(reply) => Ok(Some(reply)),
-                    Err(e) if e.to_string().contains("no such key") => Ok(None),
-                    Err(e) => Err(e),
-                },
-            )?;
-        let last_delivered = groups
-            .and_then(|g| g.groups.into_iter().find(|g| g.name == GROUP))
-            .map(|g| g.last_delivered_id);
-        let Some(last_delivered) = last_delivered else {
-            // Redis lost the stream or the group: recreate, re-enqueue all.
-            self.create_group(link)?;
-            let all: Vec<usize> = open.iter().copied().collect();
-            self.enqueue(link, plan, &all, self.per_task(open.len()))?;
-            self.book.borrow_mut().reenqueued += all.len();
-            return Ok(());
-        };
+        let mut delivered = Vec::new();
+        for stream in self.task_streams() {
+            match last_delivered(link, &stream)? {
+                Some(id) => delivered.push((stream, id)),
+                None if stream == self.keys.tasks() => {
+                    // Redis lost the shared stream or its group: recreate,
+                    // re-enqueue all.
+                    self.create_group(link, &stream)?;
+                    let all: Vec<usize> = open.iter().copied().collect();
+                    self.enqueue(link, plan, &all, self.per_task(open.len()))?;
+                    self.book.borrow_mut().reenqueued += all.len();
+                    return Ok(());
+                }
+                // A routed stream lost: recreated for its owner to read;
+                // the batches it held are re-enqueued below, as any lost.
+                None => self.create_group(link, &stream)?,
+            }
+        }
         if !drained {
             return Ok(());
         }
-        let entries: StreamRangeReply =
-            link.call(|c| redis::cmd("XRANGE").arg(&tasks).arg("-").arg("+").query(c))?;
-        let pending: StreamPendingCountReply = link.call(|c| {
-            redis::cmd("XPENDING")
-                .arg(&tasks)
-                .arg(GROUP)
-                .arg("-")
-                .arg("+")
-                .arg(entries.ids.len().max(1))
-                .query(c)
-        })?;
-        let pending: BTreeSet<&str> = pending.ids.iter().map(|p| p.id.as_str()).collect();
-        let delivered_up_to = entry_id(&last_delivered);
-        let covered: BTreeSet<usize> = entries
-            .ids
-            .iter()
-            .filter(|e| entry_id(&e.id) > delivered_up_to || pending.contains(e.id.as_str()))
-            .filter_map(named_batches)
-            .flatten()
-            .collect();
+        let mut covered = BTreeSet::new();
+        for (stream, last_delivered) in &delivered {
+            let entries: StreamRangeReply =
+                link.call(|c| redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query(c))?;
+            let pending: StreamPendingCountReply = link.call(|c| {
+                redis::cmd("XPENDING")
+                    .arg(stream)
+                    .arg(GROUP)
+                    .arg("-")
+                    .arg("+")
+                    .arg(entries.ids.len().max(1))
+                    .query(c)
+            })?;
+            let pending: BTreeSet<&str> = pending.ids.iter().map(|p| p.id.as_str()).collect();
+            let delivered_up_to = entry_id(last_delivered);
+            covered.extend(
+                entries
+                    .ids
+                    .iter()
+                    .filter(|e| {
+                        entry_id(&e.id) > delivered_up_to || pending.contains(e.id.as_str())
+                    })
+                    .filter_map(named_batches)
+                    .flatten(),
+            );
+        }
         let uncovered: BTreeSet<usize> = open.difference(&covered).copied().collect();
         let mut book = self.book.borrow_mut();
         let lost: Vec<usize> = uncovered.intersection(&book.suspects).copied().collect();
@@ -506,15 +733,104 @@ impl RedisBackend {
         Ok(())
     }
 
+    /// Takes back the tasks held on routed streams by dead workers (their
+    /// heartbeat expired, or does not name the task while it has been
+    /// pending past the timeout: a worker restarted under the same name),
+    /// and enqueues their unresolved batches on the shared stream. There the
+    /// workers' own reclaim takes over if the next worker dies too, and
+    /// counts the deliveries that fail a batch which kills every worker.
+    ///
+    /// The coordinator does this for every routed stream once a check;
+    /// were the workers to, each would list every stream's pending tasks
+    /// at every check: a cost growing with the square of the workers.
+    fn reassign_dead(&self, link: &mut Link, plan: &Plan, open: &BTreeSet<usize>) -> Result<()> {
+        let routes = self.routing.borrow().routes.clone();
+        let timeout = self.spec.heartbeat_timeout_ms;
+        let mut stale = Vec::new();
+        for owner in &routes {
+            let stream = self.keys.routed_tasks(owner);
+            let idle: StreamPendingCountReply = link.call(|c| {
+                match redis::cmd("XPENDING")
+                    .arg(&stream)
+                    .arg(GROUP)
+                    .arg("IDLE")
+                    .arg(timeout)
+                    .arg("-")
+                    .arg("+")
+                    .arg(64)
+                    .query(c)
+                {
+                    Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
+                    other => other,
+                }
+            })?;
+            stale.extend(idle.ids.into_iter().map(|p| (stream.clone(), owner, p)));
+        }
+        if stale.is_empty() {
+            return Ok(());
+        }
+        let beats: Vec<String> = stale
+            .iter()
+            .map(|(_, _, pending)| self.keys.heartbeat(&pending.consumer))
+            .collect();
+        let beats: Vec<Option<String>> =
+            link.call(|c| redis::cmd("MGET").arg(&beats[..]).query(c))?;
+        for ((stream, owner, pending), beat) in stale.iter().zip(beats) {
+            let label = routed_label(owner, &pending.id);
+            if beat.is_some_and(|held| held.split(',').any(|task| task == label)) {
+                continue;
+            }
+            let range: StreamRangeReply = link.call(|c| {
+                redis::cmd("XRANGE")
+                    .arg(stream)
+                    .arg(&pending.id)
+                    .arg(&pending.id)
+                    .query(c)
+            })?;
+            link.call(|c| {
+                redis::cmd("XACK")
+                    .arg(stream)
+                    .arg(GROUP)
+                    .arg(&pending.id)
+                    .query::<i64>(c)
+            })?;
+            let unresolved: Vec<usize> = range
+                .ids
+                .first()
+                .and_then(named_batches)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|batch| open.contains(batch))
+                .collect();
+            if !unresolved.is_empty() {
+                self.add_tasks(
+                    link,
+                    &self.keys.tasks(),
+                    plan,
+                    &unresolved,
+                    unresolved.len(),
+                )?;
+                self.book.borrow_mut().reassigned += 1;
+            }
+        }
+        Ok(())
+    }
+
     /// Workers whose heartbeat key is alive.
-    fn count_alive(&self, link: &mut Link) -> Result<usize> {
+    fn alive_workers(&self, link: &mut Link) -> Result<BTreeSet<String>> {
         let names: Vec<String> =
             link.call(|c| redis::cmd("HKEYS").arg(self.keys.workers()).query(c))?;
         if names.is_empty() {
-            return Ok(0);
+            return Ok(BTreeSet::new());
         }
         let beats: Vec<String> = names.iter().map(|n| self.keys.heartbeat(n)).collect();
-        link.call(|c| redis::cmd("EXISTS").arg(&beats[..]).query(c))
+        let beats: Vec<Option<String>> =
+            link.call(|c| redis::cmd("MGET").arg(&beats[..]).query(c))?;
+        Ok(names
+            .into_iter()
+            .zip(beats)
+            .filter_map(|(name, beat)| beat.map(|_| name))
+            .collect())
     }
 
     /// Turns a results entry, whose statistics (if it carries any) are
@@ -577,7 +893,12 @@ impl RedisBackend {
             }
         };
         stats.provenance.mixed_hardware |= mixed;
-        self.book.borrow_mut().reporting.insert(worker.clone());
+        let mut book = self.book.borrow_mut();
+        book.reporting.insert(worker.clone());
+        for &batch in &batches {
+            book.holders.insert(batch, worker.clone());
+        }
+        drop(book);
         let elapsed = Duration::from_micros(entry.get::<u64>("elapsed_us").unwrap_or(0));
         Bookkeeping::smooth(
             &mut self.book.borrow_mut().batch_seconds,
@@ -622,36 +943,10 @@ impl Backend for RedisBackend {
         let mut housekeeping = Instant::now() - RECONCILE_EVERY;
         // Whether the last read reached the end of the results stream.
         let mut drained = true;
-        let lease = self.spec.heartbeat_timeout_ms;
         loop {
             if housekeeping.elapsed() >= RECONCILE_EVERY {
                 housekeeping = Instant::now();
-                let token = &self.token;
-                let held: Option<String> = link.call(|c| {
-                    redis::cmd("SET")
-                        .arg(self.keys.coordinator())
-                        .arg(token)
-                        .arg("PX")
-                        .arg(lease)
-                        .arg("GET")
-                        .query(c)
-                })?;
-                if held.as_deref().is_some_and(|h| h != token) {
-                    return Err(Error::Cluster(format!(
-                        "another coordinator took over run {}; this one stops",
-                        self.keys.run()
-                    )));
-                }
-                let counted = self.count_alive(&mut link)?;
-                let mut book = self.book.borrow_mut();
-                // A pass's workers join after it opens: until one has,
-                // the count of the pass it was paced from stands.
-                if counted > 0 || !book.workers_from_pace {
-                    book.workers_from_pace = false;
-                    self.alive.set(counted);
-                }
-                drop(book);
-                self.reconcile(&mut link, plan, &open, drained)?;
+                self.check(&mut link, plan, &open, drained)?;
             }
             self.issue(&mut link, plan, &mut backlog, &mut open)?;
             let reply: Option<StreamReadReply> = link.call(|c| {
@@ -742,6 +1037,12 @@ impl Backend for RedisBackend {
             .iter()
             .map(|(why, n)| format!("dropped {n} result(s) that {why}"))
             .collect();
+        if book.reassigned > 0 {
+            warnings.push(format!(
+                "took back {} task(s) from workers that died holding them",
+                book.reassigned
+            ));
+        }
         if book.reenqueued > 0 {
             warnings.push(format!(
                 "re-enqueued {} task(s) that Redis lost (a restart without the last writes); they were recomputed",
@@ -783,6 +1084,28 @@ fn decode_all(entries: &[StreamId]) -> Vec<Option<qforge_core::Result<Stats>>> {
             })
             .collect()
     })
+}
+
+/// The routed task streams of `keys`' run that Redis lists.
+fn routed_streams(link: &mut Link, keys: &RunKeys) -> Result<Vec<String>> {
+    let routes: Vec<String> = link.call(|c| redis::cmd("SMEMBERS").arg(keys.routes()).query(c))?;
+    Ok(routes.iter().map(|r| keys.routed_tasks(r)).collect())
+}
+
+/// The last entry of `stream` delivered to its group; `None` when Redis
+/// lost the stream or the group.
+fn last_delivered(link: &mut Link, stream: &str) -> Result<Option<String>> {
+    let groups: Option<StreamInfoGroupsReply> =
+        link.call(
+            |c| match redis::cmd("XINFO").arg("GROUPS").arg(stream).query(c) {
+                Ok(reply) => Ok(Some(reply)),
+                Err(e) if e.to_string().contains("no such key") => Ok(None),
+                Err(e) => Err(e),
+            },
+        )?;
+    Ok(groups
+        .and_then(|g| g.groups.into_iter().find(|g| g.name == GROUP))
+        .map(|g| g.last_delivered_id))
 }
 
 fn now_ms() -> u128 {

@@ -1,7 +1,7 @@
 //! The worker's side of the Redis backend: `qforge worker`.
 
-use std::cell::Cell;
-use std::collections::{BTreeSet, VecDeque};
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -11,12 +11,14 @@ use qforge_core::codec::encode;
 use qforge_core::{MergePolicy, Stats};
 use qforge_model::Model;
 use redis::streams::{
-    StreamClaimReply, StreamId, StreamPendingCountReply, StreamPendingReply, StreamRangeReply,
-    StreamReadReply,
+    StreamClaimReply, StreamId, StreamInfoGroupsReply, StreamPendingCountReply, StreamPendingReply,
+    StreamRangeReply, StreamReadReply,
 };
 use serde_json::json;
 
-use super::keys::{ACTIVE, GROUP, RunKeys, joined, named_batches};
+use super::keys::{
+    ACTIVE, GROUP, RunKeys, check_name, entry_id, joined, named_batches, routed_label,
+};
 use super::link::{Link, RedisAddress};
 use super::rounding;
 use super::spec::RunSpec;
@@ -27,6 +29,16 @@ use crate::error::{Error, Result};
 /// failed instead of being handed out again (the coordinator then retries or
 /// quarantines it like any failure).
 const MAX_DELIVERIES: usize = 3;
+
+/// Unread tasks a live owner must have before an idle worker steals one.
+/// A thief runs a stolen batch from the deepest state it kept of it, which
+/// may be many layers back: on SmolLM2 (`--sequential`, 2 workers) stolen
+/// one-batch tasks took 30–232 ms where their owners took 28–70 ms over
+/// their own. Taking one of `n` unread tasks ends the owner's backlog a
+/// task sooner but the thief's only after that rerun; from 2 and from 4
+/// unread it ended `o_proj` passes 30–60 ms later. An owner with fewer
+/// finishes its own; one that is gone is stolen from at once.
+const STEAL_BACKLOG: usize = 8;
 
 /// What a worker holds for one pass: the model after the pass's transforms
 /// and the job its statistics name.
@@ -149,6 +161,7 @@ pub fn serve_with(
     compute: &mut dyn Compute,
     log: &mut dyn FnMut(&str),
 ) -> Result<WorkerReport> {
+    check_name("worker", &options.name)?;
     let mut link = Link::open(&options.redis, options.outage_limit)?;
     let mut report = WorkerReport::default();
     let mut finished: Option<String> = None;
@@ -285,7 +298,7 @@ fn wait_for_run(
             announced = true;
         }
         match &named {
-            Some(run) => await_first_task(link, &RunKeys::new(run)?)?,
+            Some(run) => await_first_task(link, &RunKeys::new(run)?, &options.name)?,
             None => std::thread::sleep(WAIT_POLL),
         }
     }
@@ -294,17 +307,20 @@ fn wait_for_run(
 /// How often a worker looks for the run it waits for.
 const WAIT_POLL: Duration = Duration::from_millis(50);
 
-/// Waits for the first task of the run `keys` name, or [`WAIT_POLL`] at
-/// most. Its coordinator sets the run running before it enqueues, so a
-/// worker following a pipeline joins the next pass as its tasks appear,
-/// not at its next look (25 ms a pass on average with SmolLM2's 121).
-fn await_first_task(link: &mut Link, keys: &RunKeys) -> Result<()> {
+/// Waits for the first task of the run `keys` name, on the shared stream
+/// or the one routed to `worker`, or [`WAIT_POLL`] at most. Its coordinator
+/// sets the run running before it enqueues, so a worker following a
+/// pipeline joins the next pass as its tasks appear, not at its next look
+/// (25 ms a pass on average with SmolLM2's 121).
+fn await_first_task(link: &mut Link, keys: &RunKeys, worker: &str) -> Result<()> {
     link.call(|c| {
         match redis::cmd("XREAD")
             .arg("BLOCK")
             .arg(WAIT_POLL.as_millis() as u64)
             .arg("STREAMS")
             .arg(keys.tasks())
+            .arg(keys.routed_tasks(worker))
+            .arg("$")
             .arg("$")
             .query::<Option<StreamReadReply>>(c)
         {
@@ -360,15 +376,42 @@ struct Session {
     follows_active: bool,
     /// Batches this worker observed in this run, and the time they took.
     observed: Cell<(u32, Duration)>,
+    /// The workers with a routed task stream in this run, as last read
+    /// (empty: every task is on the shared stream).
+    routes: RefCell<Vec<String>>,
+    /// When this worker joined the run: for a heartbeat timeout after, a
+    /// routed stream's owner without a heartbeat may still be joining.
+    joined: Instant,
 }
 
 /// Shared with the heartbeat thread: the task being observed ("-" when idle).
 type Current = Arc<Mutex<String>>;
 
+/// A task read from one of the run's task streams.
+#[derive(Clone)]
+struct Task {
+    /// The stream it was read from, where it is acknowledged.
+    stream: String,
+    /// The worker whose routed stream that is (`None`: the shared one).
+    owner: Option<String>,
+    entry: StreamId,
+}
+
+impl Task {
+    /// How the heartbeat and speculation claims name it (see
+    /// [`routed_label`]).
+    fn label(&self) -> String {
+        match &self.owner {
+            Some(owner) => routed_label(owner, &self.entry.id),
+            None => self.entry.id.clone(),
+        }
+    }
+}
+
 /// What reading the task queue gave.
 enum Queue {
     /// A task.
-    Task(StreamId),
+    Task(Task),
     /// Nothing within the wait.
     Empty,
     /// No queue: the run is over (its coordinator deletes the queue, which
@@ -390,7 +433,7 @@ struct Answer {
 /// A task a worker holds while observing: its entry, the batches it names
 /// (planned), and the merged statistics of those observed so far.
 struct Held {
-    entry: StreamId,
+    task: Task,
     batches: Vec<usize>,
     merged: Option<Stats>,
     done: Vec<usize>,
@@ -398,9 +441,9 @@ struct Held {
 }
 
 impl Held {
-    fn new(entry: StreamId, batches: Vec<usize>) -> Self {
+    fn new(task: Task, batches: Vec<usize>) -> Self {
         Self {
-            entry,
+            task,
             batches,
             merged: None,
             done: Vec::new(),
@@ -464,6 +507,8 @@ impl Session {
             outage_limit: options.outage_limit,
             follows_active: options.run.is_none(),
             observed: Cell::new((0, Duration::ZERO)),
+            routes: RefCell::default(),
+            joined: Instant::now(),
         })
     }
 
@@ -596,20 +641,32 @@ impl Session {
         report: &mut WorkerReport,
     ) -> Result<Ending> {
         let every = self.reclaim_every();
-        let mut last_state_check = Instant::now();
+        // The first check is at once: it learns whether the run routes
+        // tasks to this worker.
+        let mut last_state_check: Option<Instant> = None;
         let mut last_reclaim = Instant::now();
         let mut queue_gone = false;
         loop {
-            if queue_gone || last_state_check.elapsed() >= Duration::from_millis(250) {
-                last_state_check = Instant::now();
-                let (state, coordinator): (Option<String>, bool) = link.call(|c| {
-                    redis::pipe()
-                        .cmd("GET")
-                        .arg(self.keys.state())
-                        .cmd("EXISTS")
-                        .arg(self.keys.coordinator())
-                        .query(c)
-                })?;
+            if queue_gone
+                || last_state_check.is_none_or(|t| t.elapsed() >= Duration::from_millis(250))
+            {
+                last_state_check = Some(Instant::now());
+                let (state, coordinator, routes): (Option<String>, bool, Vec<String>) =
+                    link.call(|c| {
+                        redis::pipe()
+                            .cmd("GET")
+                            .arg(self.keys.state())
+                            .cmd("EXISTS")
+                            .arg(self.keys.coordinator())
+                            .cmd("SMEMBERS")
+                            .arg(self.keys.routes())
+                            .query(c)
+                    })?;
+                let mut routes = routes;
+                // Sorted: looked up by binary search (a set's members come
+                // in no order).
+                routes.sort_unstable();
+                *self.routes.borrow_mut() = routes;
                 if state.as_deref() != Some("running") {
                     return Ok(Ending::Finished {
                         succeeded: state.as_deref() == Some("done"),
@@ -625,46 +682,85 @@ impl Session {
             }
             if last_reclaim.elapsed() >= every {
                 last_reclaim = Instant::now();
-                if let Some(entry) = self.reclaim(link, report)? {
+                if let Some(task) = self.reclaim(link, report)? {
                     report.reclaimed += 1;
-                    self.execute(link, compute, current, &entry, false, report)?;
+                    self.execute(link, compute, current, &task, false, report)?;
                     continue;
                 }
             }
             match self.next_task(link)? {
-                Queue::Task(entry) => {
-                    self.execute(link, compute, current, &entry, false, report)?;
+                Queue::Task(task) => {
+                    self.execute(link, compute, current, &task, false, report)?;
                 }
                 Queue::Gone => queue_gone = true,
                 Queue::Empty => {
-                    if let Some(entry) = self.reclaim(link, report)? {
+                    if let Some(task) = self.reclaim(link, report)? {
                         report.reclaimed += 1;
-                        self.execute(link, compute, current, &entry, false, report)?;
-                    } else if let Some(entry) = self.speculate(link)? {
+                        self.execute(link, compute, current, &task, false, report)?;
+                    } else if let Some(task) = self.speculate(link)? {
                         report.speculative += 1;
-                        self.execute(link, compute, current, &entry, true, report)?;
+                        self.execute(link, compute, current, &task, true, report)?;
                     }
                 }
             }
         }
     }
 
-    /// The next undelivered task, waiting briefly for one.
+    /// The next undelivered task, waiting briefly for one. In a routed run:
+    /// this worker's own stream first (the batches whose hidden states it
+    /// holds), then the shared one, then a task stolen from the routed
+    /// stream with the most undelivered tasks, and only then waits on its
+    /// own.
     fn next_task(&self, link: &mut Link) -> Result<Queue> {
+        let routes = self.routes.borrow().clone();
+        let shared = self.keys.tasks();
+        if routes.is_empty() {
+            return self.read(link, &shared, None, Some(200));
+        }
+        let own = routes
+            .binary_search(&self.name)
+            .is_ok()
+            .then_some(self.name.as_str());
+        if let Some(own) = own {
+            let read = self.read(link, &self.keys.routed_tasks(own), Some(own), None)?;
+            if !matches!(read, Queue::Empty) {
+                return Ok(read);
+            }
+        }
+        let read = self.read(link, &shared, None, None)?;
+        if !matches!(read, Queue::Empty) {
+            return Ok(read);
+        }
+        if let Some(task) = self.steal(link, &routes)? {
+            return Ok(Queue::Task(task));
+        }
+        match own {
+            Some(own) => self.read(link, &self.keys.routed_tasks(own), Some(own), Some(200)),
+            None => self.read(link, &shared, None, Some(200)),
+        }
+    }
+
+    /// The next undelivered task of `stream` (the routed stream of
+    /// `owner`, or the shared one), waiting up to `block` milliseconds for
+    /// one (`None`: not at all).
+    fn read(
+        &self,
+        link: &mut Link,
+        stream: &str,
+        owner: Option<&str>,
+        block: Option<u64>,
+    ) -> Result<Queue> {
         let reply: Option<Option<StreamReadReply>> = link.call(|c| {
-            match redis::cmd("XREADGROUP")
-                .arg("GROUP")
+            let mut read = redis::cmd("XREADGROUP");
+            read.arg("GROUP")
                 .arg(GROUP)
                 .arg(&self.name)
                 .arg("COUNT")
-                .arg(1)
-                .arg("BLOCK")
-                .arg(200)
-                .arg("STREAMS")
-                .arg(self.keys.tasks())
-                .arg(">")
-                .query(c)
-            {
+                .arg(1);
+            if let Some(block) = block {
+                read.arg("BLOCK").arg(block);
+            }
+            match read.arg("STREAMS").arg(stream).arg(">").query(c) {
                 Err(e) if matches!(e.code(), Some("NOGROUP" | "UNBLOCKED")) => Ok(None),
                 other => other.map(Some),
             }
@@ -677,7 +773,134 @@ impl Session {
             .flat_map(|r| r.keys)
             .flat_map(|k| k.ids)
             .next()
-            .map_or(Queue::Empty, Queue::Task))
+            .map_or(Queue::Empty, |entry| {
+                Queue::Task(Task {
+                    stream: stream.to_owned(),
+                    owner: owner.map(str::to_owned),
+                    entry,
+                })
+            }))
+    }
+
+    /// A task of another worker's routed stream that its owner has not
+    /// read yet, when this worker would idle. It runs the batches from the
+    /// deepest states it holds of them, as a worker whose tasks were not
+    /// routed does, which takes longer than the owner would (see
+    /// [`STEAL_BACKLOG`]). So it takes, from the stream with the most unread
+    /// tasks, one of an owner with at least [`STEAL_BACKLOG`] unread, or of
+    /// an owner without a heartbeat (dead, or yet to join a heartbeat
+    /// timeout after this worker did); else one of an owner that has not
+    /// read its oldest unread task for [`STEAL_BACKLOG`] times the
+    /// straggler floor ([`Session::straggler_floor`]) of its batches: a
+    /// live owner that slow is stuck.
+    fn steal(&self, link: &mut Link, routes: &[String]) -> Result<Option<Task>> {
+        let others: Vec<&String> = routes.iter().filter(|r| **r != self.name).collect();
+        if others.is_empty() {
+            return Ok(None);
+        }
+        let replies: Vec<redis::Value> = link.call(|c| {
+            let mut pipe = redis::pipe();
+            for owner in &others {
+                pipe.cmd("XINFO")
+                    .arg("GROUPS")
+                    .arg(self.keys.routed_tasks(owner));
+            }
+            for owner in &others {
+                pipe.cmd("EXISTS").arg(self.keys.heartbeat(owner));
+            }
+            pipe.query(c)
+        })?;
+        let (groups, beats) = replies.split_at(others.len());
+        // A stream gone (the run is ending) answers an error: nothing to
+        // steal there.
+        let groups = groups
+            .iter()
+            .map(|reply| redis::from_redis_value_ref::<StreamInfoGroupsReply>(reply).ok());
+        let beats = beats
+            .iter()
+            .map(|reply| redis::from_redis_value_ref::<bool>(reply).unwrap_or(false));
+        let joining = self.joined.elapsed() < Duration::from_millis(self.spec.heartbeat_timeout_ms);
+        let mut backlogs = Vec::new();
+        let mut waiting = Vec::new();
+        for (owner, (reply, beating)) in others.iter().zip(groups.zip(beats)) {
+            let Some(group) = reply.and_then(|r| r.groups.into_iter().find(|g| g.name == GROUP))
+            else {
+                continue;
+            };
+            let gone = !beating && !joining;
+            match group.lag {
+                Some(lag) if lag >= STEAL_BACKLOG || (lag > 0 && gone) => {
+                    backlogs.push((lag, *owner));
+                }
+                Some(lag) if lag > 0 => waiting.push((*owner, group.last_delivered_id.clone())),
+                _ => {}
+            }
+        }
+        backlogs.sort_unstable_by(|a, b| b.cmp(a));
+        let mut candidates: Vec<&String> = backlogs.into_iter().map(|(_, owner)| owner).collect();
+        if candidates.is_empty() {
+            candidates = self.overdue(link, &waiting)?;
+        }
+        for owner in candidates {
+            let stream = self.keys.routed_tasks(owner);
+            if let Queue::Task(task) = self.read(link, &stream, Some(owner), None)? {
+                return Ok(Some(task));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Of the owners in `waiting`, each with unread tasks after the entry
+    /// it last read, those whose oldest unread task has waited for
+    /// [`STEAL_BACKLOG`] times the straggler floor of its batches: in that
+    /// time an owner working at this worker's pace would have run that many
+    /// tasks, so it is stuck on the one it holds. The wait is taken on
+    /// Redis's clock, which stamped the entry's id.
+    fn overdue<'a>(
+        &self,
+        link: &mut Link,
+        waiting: &[(&'a String, String)],
+    ) -> Result<Vec<&'a String>> {
+        if waiting.is_empty() {
+            return Ok(Vec::new());
+        }
+        let patience = self.straggler_floor() * STEAL_BACKLOG as u32;
+        let (time, unread): ((u64, u64), Vec<StreamRangeReply>) = link.call(|c| {
+            let mut unread = redis::pipe();
+            for (owner, last_read) in waiting {
+                unread
+                    .cmd("XRANGE")
+                    .arg(self.keys.routed_tasks(owner))
+                    .arg(format!("({last_read}"))
+                    .arg("+")
+                    .arg("COUNT")
+                    .arg(1);
+            }
+            Ok((redis::cmd("TIME").query(c)?, unread.query(c)?))
+        })?;
+        let now_ms = time.0 * 1000 + time.1 / 1000;
+        Ok(waiting
+            .iter()
+            .zip(unread)
+            .filter(|(_, range)| {
+                range.ids.first().is_some_and(|entry| {
+                    let queued_ms = entry_id(&entry.id).map_or(now_ms, |(ms, _)| ms);
+                    let size = named_batches(entry).map_or(1, |b| b.len().max(1)) as u32;
+                    Duration::from_millis(now_ms.saturating_sub(queued_ms)) >= patience * size
+                })
+            })
+            .map(|((owner, _), _)| *owner)
+            .collect())
+    }
+
+    /// Twice the time this worker takes over a batch (the heartbeat timeout
+    /// before it has taken any): a task held or queued longer than this
+    /// per batch is a straggler's, worth running here as well.
+    fn straggler_floor(&self) -> Duration {
+        match self.observed.get() {
+            (0, _) => Duration::from_millis(self.spec.heartbeat_timeout_ms),
+            (batches, took) => 2 * took / batches,
+        }
     }
 
     /// Takes over a task whose worker is dead: its heartbeat expired, or
@@ -689,7 +912,10 @@ impl Session {
     /// pending past the timeout instead found, once tasks of several batches
     /// outlasted the timeout, the tasks of live workers first: at 256
     /// workers a dead one's tasks waited 7 s.
-    fn reclaim(&self, link: &mut Link, report: &mut WorkerReport) -> Result<Option<StreamId>> {
+    ///
+    /// Only the shared stream: the coordinator takes back dead workers'
+    /// tasks on routed streams (see `RedisBackend`'s `reassign_dead`).
+    fn reclaim(&self, link: &mut Link, report: &mut WorkerReport) -> Result<Option<Task>> {
         let tasks = self.keys.tasks();
         let holders: StreamPendingReply =
             link.call(
@@ -710,12 +936,13 @@ impl Session {
             link.call(|c| redis::cmd("MGET").arg(&beats[..]).query(c))?;
         for (holder, beat) in holders.consumers.iter().zip(beats) {
             // The heartbeat names the tasks its worker holds ("-": none; a
-            // speculative copy, which it does not hold, marked "~").
+            // speculative copy, which it does not hold, marked "~"; a task
+            // of a routed stream qualified by its owner).
             let named: Vec<&str> = beat
                 .as_deref()
                 .map(|held| {
                     held.split(',')
-                        .filter(|id| *id != "-" && !id.starts_with('~'))
+                        .filter(|id| *id != "-" && !id.starts_with('~') && !id.contains('/'))
                         .collect()
                 })
                 .unwrap_or_default();
@@ -738,7 +965,7 @@ impl Session {
         holder: &str,
         named: &[&str],
         report: &mut WorkerReport,
-    ) -> Result<Option<StreamId>> {
+    ) -> Result<Option<Task>> {
         let timeout = self.spec.heartbeat_timeout_ms;
         let tasks = self.keys.tasks();
         let stale: StreamPendingCountReply = link.call(|c| {
@@ -778,12 +1005,17 @@ impl Session {
             let Some(entry) = claimed.ids.into_iter().next() else {
                 continue;
             };
+            let task = Task {
+                stream: tasks.clone(),
+                owner: None,
+                entry,
+            };
             if pending.times_delivered >= MAX_DELIVERIES {
                 let failure = Failure::Worker(format!(
                     "{} workers died while observing it (out of memory? a crash in the forward?)",
                     pending.times_delivered
                 ));
-                let answers = match self.planned(&entry) {
+                let answers = match self.planned(&task.entry) {
                     Ok(batches) => batches
                         .into_iter()
                         .map(|b| self.failed(b, failure.clone()))
@@ -791,10 +1023,10 @@ impl Session {
                     Err(unplanned) => vec![unplanned],
                 };
                 report.failed += answers.len();
-                self.publish(link, std::slice::from_ref(&entry), &answers, false)?;
+                self.publish(link, std::slice::from_ref(&task), &answers, false)?;
                 continue;
             }
-            return Ok(Some(entry));
+            return Ok(Some(task));
         }
         Ok(None)
     }
@@ -807,18 +1039,37 @@ impl Session {
     /// observe sent every idle worker after fresh tasks: the cap's 20 % of
     /// extra results, all duplicates, at the very coordinator that bounded
     /// the run.
-    fn speculate(&self, link: &mut Link) -> Result<Option<StreamId>> {
-        let (batches, took) = self.observed.get();
+    fn speculate(&self, link: &mut Link) -> Result<Option<Task>> {
         // Per batch; a task of several must have been held that many times
         // as long.
-        let floor = match batches {
-            0 => Duration::from_millis(self.spec.heartbeat_timeout_ms),
-            n => 2 * took / n,
-        };
-        let tasks = self.keys.tasks();
+        let floor = self.straggler_floor();
+        let routes = self.routes.borrow().clone();
+        let streams = std::iter::once((self.keys.tasks(), None)).chain(
+            routes
+                .iter()
+                .map(|r| (self.keys.routed_tasks(r), Some(r.as_str()))),
+        );
+        for (stream, owner) in streams {
+            if let Some(task) = self.speculate_on(link, &stream, owner, floor)? {
+                return Ok(Some(task));
+            }
+        }
+        Ok(None)
+    }
+
+    /// [`Session::speculate`] over the tasks of `stream` (the routed stream
+    /// of `owner`, or the shared one), for a worker whose floor per batch is
+    /// `floor`.
+    fn speculate_on(
+        &self,
+        link: &mut Link,
+        tasks: &str,
+        owner: Option<&str>,
+        floor: Duration,
+    ) -> Result<Option<Task>> {
         let oldest: StreamPendingCountReply = link.call(|c| {
             match redis::cmd("XPENDING")
-                .arg(&tasks)
+                .arg(tasks)
                 .arg(GROUP)
                 .arg("IDLE")
                 .arg(floor.as_millis() as u64)
@@ -837,7 +1088,7 @@ impl Session {
             }
             let range: StreamRangeReply = link.call(|c| {
                 redis::cmd("XRANGE")
-                    .arg(&tasks)
+                    .arg(tasks)
                     .arg(&pending.id)
                     .arg(&pending.id)
                     .query(c)
@@ -849,9 +1100,14 @@ impl Session {
             if Duration::from_millis(pending.last_delivered_ms as u64) < floor * size {
                 continue;
             }
+            let task = Task {
+                stream: tasks.to_owned(),
+                owner: owner.map(str::to_owned),
+                entry,
+            };
             let mine: Option<String> = link.call(|c| {
                 redis::cmd("SET")
-                    .arg(self.keys.speculation_claim(&pending.id))
+                    .arg(self.keys.speculation_claim(&task.label()))
                     .arg(&self.name)
                     .arg("NX")
                     .arg("PX")
@@ -871,7 +1127,7 @@ impl Session {
             if started > self.spec.speculation_cap() {
                 return Ok(None);
             }
-            return Ok(Some(entry));
+            return Ok(Some(task));
         }
         Ok(None)
     }
@@ -883,7 +1139,7 @@ impl Session {
         link: &mut Link,
         compute: &dyn Compute,
         current: &Current,
-        entry: &StreamId,
+        task: &Task,
         speculative: bool,
         report: &mut WorkerReport,
     ) -> Result<()> {
@@ -891,18 +1147,18 @@ impl Session {
         // heartbeat marks it, so that the count of tasks it names matches
         // those it holds (see `reclaim`).
         let named = if speculative {
-            format!("~{}", entry.id)
+            format!("~{}", task.label())
         } else {
-            entry.id.clone()
+            task.label()
         };
         self.announce(link, current, &named)?;
         let started = Instant::now();
-        let (held, answers, observed) = match self.planned(entry) {
+        let (held, answers, observed) = match self.planned(&task.entry) {
             Ok(batches) => {
-                let task = Held::new(entry.clone(), batches);
-                self.observe_tasks(link, compute, current, task, speculative, report)?
+                let held = Held::new(task.clone(), batches);
+                self.observe_tasks(link, compute, current, held, speculative, report)?
             }
-            Err(unplanned) => (vec![entry.clone()], vec![unplanned], 1),
+            Err(unplanned) => (vec![task.clone()], vec![unplanned], 1),
         };
         let (batches, took) = self.observed.get();
         self.observed.set((
@@ -987,7 +1243,7 @@ impl Session {
         task: Held,
         speculative: bool,
         report: &mut WorkerReport,
-    ) -> Result<(Vec<StreamId>, Vec<Answer>, usize)> {
+    ) -> Result<(Vec<Task>, Vec<Answer>, usize)> {
         let plan = &self.calibration.plan.batches;
         let mut queued: BTreeSet<usize> = task.batches.iter().copied().collect();
         let mut queue: VecDeque<(usize, usize)> = task.batches.iter().map(|&b| (0, b)).collect();
@@ -1014,11 +1270,11 @@ impl Session {
                 continue;
             }
             last_reclaim = Instant::now();
-            let Some(entry) = self.reclaim(link, report)? else {
+            let Some(reclaimed) = self.reclaim(link, report)? else {
                 continue;
             };
             report.reclaimed += 1;
-            let more = match self.planned(&entry) {
+            let more = match self.planned(&reclaimed.entry) {
                 Ok(more) => more,
                 Err(unplanned) => {
                     failures.push(unplanned);
@@ -1029,8 +1285,8 @@ impl Session {
             // task) is observed once, for its first task.
             let t = tasks.len();
             queue.extend(more.iter().filter(|&&b| queued.insert(b)).map(|&b| (t, b)));
-            tasks.push(Held::new(entry, more));
-            self.announce(link, current, &joined(tasks.iter().map(|h| &h.entry.id)))?;
+            tasks.push(Held::new(reclaimed, more));
+            self.announce(link, current, &joined(tasks.iter().map(|h| h.task.label())))?;
         }
         let mut answers = Vec::with_capacity(tasks.len() + failures.len());
         let mut held = Vec::with_capacity(tasks.len());
@@ -1043,7 +1299,7 @@ impl Session {
                     elapsed: task.took,
                 });
             }
-            held.push(task.entry);
+            held.push(task.task);
         }
         answers.extend(failures);
         Ok((held, answers, observed))
@@ -1072,7 +1328,7 @@ impl Session {
     fn publish(
         &self,
         link: &mut Link,
-        held: &[StreamId],
+        held: &[Task],
         answers: &[Answer],
         speculative: bool,
     ) -> Result<()> {
@@ -1108,12 +1364,19 @@ impl Session {
             }
             pipe.query::<()>(c)
         })?;
+        let mut by_stream: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for task in held {
+            by_stream
+                .entry(&task.stream)
+                .or_default()
+                .push(&task.entry.id);
+        }
         link.call(|c| {
-            redis::cmd("XACK")
-                .arg(self.keys.tasks())
-                .arg(GROUP)
-                .arg(held.iter().map(|e| &e.id).collect::<Vec<_>>())
-                .query::<i64>(c)
+            let mut pipe = redis::pipe();
+            for (stream, ids) in &by_stream {
+                pipe.cmd("XACK").arg(stream).arg(GROUP).arg(ids).ignore();
+            }
+            pipe.query::<()>(c)
         })?;
         Ok(())
     }
