@@ -1009,13 +1009,16 @@ fn a_routed_run_survives_a_holder_that_dies_holding_its_tasks() {
         };
         // 50 ms a batch: the ghost reads its task long before the live
         // worker is through its own nine.
-        serve_with(
+        let served = serve_with(
             &worker_of(&server, "routed", "live"),
             &mut Slow(Duration::from_millis(50)),
             &mut |_| {},
-        )
-        .unwrap();
+        );
+        if served.is_err() {
+            take_over(&mut connection, "routed");
+        }
         let (summary, routed_to_live, backend) = coordinator.join().unwrap();
+        served.unwrap();
         (summary.unwrap(), routed_to_live, backend, ghost)
     });
     assert_eq!(ghost, Ok(1), "the ghost held a task");
@@ -1038,6 +1041,66 @@ fn a_routed_run_survives_a_holder_that_dies_holding_its_tasks() {
     assert!(
         held.len() == 19 && held.values().all(|w| w == "live"),
         "{held:?}"
+    );
+}
+
+/// A routed stream that Redis loses (here deleted while the run goes on)
+/// stops nothing: a worker looking for tasks to steal finds it missing and
+/// goes on (a missing stream failed its whole lookup and ended the worker),
+/// and the coordinator recreates it and re-enqueues the batches it held,
+/// which reach the bytes of a clean run.
+#[test]
+fn a_routed_stream_lost_by_redis_is_recreated_and_its_batches_rerun() {
+    let Some(server) = RedisServer::start("lostroute", None) else {
+        return;
+    };
+    let (target, job, plan) = setup();
+    let holders: BTreeMap<usize, String> = (0..plan.batches.len())
+        .map(|b| (b, if b % 2 == 0 { "lost" } else { "live" }.to_owned()))
+        .collect();
+    let backend = open_run(&server, "lostroute", &job, BY_BATCH).routed(holders);
+    let client = redis::Client::open(server.url()).unwrap();
+    let (job_ref, plan_ref) = (&job, &plan);
+    let (summary, backend) = std::thread::scope(|scope| {
+        let coordinator = scope.spawn(move || {
+            let summary = run(
+                job_ref,
+                plan_ref,
+                &backend,
+                &RunOptions::default(),
+                &mut |_| {},
+            );
+            backend.finish(summary.is_ok()).unwrap();
+            (summary, backend)
+        });
+        let mut connection = client.get_connection().unwrap();
+        await_count(&mut connection, "XLEN", "qforge:{lostroute}:tasks:lost", 10);
+        let deleted: i64 = redis::cmd("DEL")
+            .arg("qforge:{lostroute}:tasks:lost")
+            .query(&mut connection)
+            .unwrap();
+        assert_eq!(deleted, 1);
+        let served = serve_with(
+            &worker_of(&server, "lostroute", "live"),
+            &mut Slow(Duration::from_millis(20)),
+            &mut |_| {},
+        );
+        if served.is_err() {
+            take_over(&mut connection, "lostroute");
+        }
+        let (summary, backend) = coordinator.join().unwrap();
+        served.unwrap();
+        (summary.unwrap(), backend)
+    });
+    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
+    assert_eq!(summary.workers["live"].merged, 19);
+    assert!(
+        backend
+            .warnings()
+            .iter()
+            .any(|w| w.starts_with("re-enqueued 10 task(s) that Redis lost")),
+        "{:?}",
+        backend.warnings()
     );
 }
 
@@ -1107,6 +1170,17 @@ fn a_worker_arriving_at_a_finished_pass_follows_the_pipeline_into_the_next() {
     for summary in &summaries {
         assert_eq!(encode(&summary.stats), clean);
     }
+}
+
+/// Takes run `run`'s coordinator lease, which stops its coordinator at its
+/// next check: a test whose only worker failed then fails instead of
+/// waiting for workers forever.
+fn take_over(connection: &mut redis::Connection, run: &str) {
+    redis::cmd("SET")
+        .arg(format!("qforge:{{{run}}}:coordinator"))
+        .arg("the test")
+        .query::<()>(connection)
+        .unwrap();
 }
 
 /// Waits until `command` (a count: `HLEN`, `EXISTS`, …) of `key` reaches

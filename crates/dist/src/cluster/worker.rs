@@ -808,11 +808,18 @@ impl Session {
             for owner in &others {
                 pipe.cmd("EXISTS").arg(self.keys.heartbeat(owner));
             }
-            pipe.query(c)
+            match pipe.query(c) {
+                // A stream gone: the run ended (its coordinator deleted
+                // the streams) or Redis lost it (the coordinator recreates
+                // it). Nothing to steal now.
+                Err(e) if e.to_string().contains("no such key") => Ok(Vec::new()),
+                other => other,
+            }
         })?;
+        if replies.len() != 2 * others.len() {
+            return Ok(None);
+        }
         let (groups, beats) = replies.split_at(others.len());
-        // A stream gone (the run is ending) answers an error: nothing to
-        // steal there.
         let groups = groups
             .iter()
             .map(|reply| redis::from_redis_value_ref::<StreamInfoGroupsReply>(reply).ok());
