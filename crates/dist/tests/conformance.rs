@@ -962,33 +962,11 @@ fn a_routed_run_survives_a_holder_that_dies_holding_its_tasks() {
     let Some(server) = RedisServer::start("routed", None) else {
         return;
     };
-    let (target, job, plan) = setup();
-    let holders: BTreeMap<usize, String> = (0..plan.batches.len())
-        .map(|b| (b, if b % 2 == 0 { "ghost" } else { "live" }.to_owned()))
-        .collect();
-    let backend = open_run(&server, "routed", &job, BY_BATCH).routed(holders);
-    let client = redis::Client::open(server.url()).unwrap();
-    let (job_ref, plan_ref, client_ref) = (&job, &plan, &client);
-    let (summary, routed_to_live, backend, ghost) = std::thread::scope(|scope| {
-        let coordinator = scope.spawn(move || {
-            let summary = run(
-                job_ref,
-                plan_ref,
-                &backend,
-                &RunOptions::default(),
-                &mut |_| {},
-            );
-            let routed_to_live: i64 = redis::cmd("XLEN")
-                .arg("qforge:{routed}:tasks:live")
-                .query(&mut client_ref.get_connection().unwrap())
-                .unwrap();
-            backend.finish(summary.is_ok()).unwrap();
-            (summary, routed_to_live, backend)
-        });
-        // The ghost reads one task of its stream as soon as it exists.
-        let mut connection = client.get_connection().unwrap();
+    // The ghost reads one task of its stream as soon as it exists; at 50 ms
+    // a batch, long before the live worker is through its own nine.
+    let routed = run_routed(&server, "routed", "ghost", 50, |connection| {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        let ghost = loop {
+        loop {
             let read = redis::cmd("XREADGROUP")
                 .arg("GROUP")
                 .arg("workers")
@@ -998,7 +976,7 @@ fn a_routed_run_survives_a_holder_that_dies_holding_its_tasks() {
                 .arg("STREAMS")
                 .arg("qforge:{routed}:tasks:ghost")
                 .arg(">")
-                .query::<Option<redis::streams::StreamReadReply>>(&mut connection);
+                .query::<Option<redis::streams::StreamReadReply>>(connection);
             match read {
                 Ok(Some(reply)) => break Ok(reply.keys[0].ids.len()),
                 Ok(None) | Err(_) if std::time::Instant::now() < deadline => {
@@ -1006,38 +984,23 @@ fn a_routed_run_survives_a_holder_that_dies_holding_its_tasks() {
                 }
                 other => break Err(format!("{other:?}")),
             }
-        };
-        // 50 ms a batch: the ghost reads its task long before the live
-        // worker is through its own nine.
-        let served = serve_with(
-            &worker_of(&server, "routed", "live"),
-            &mut Slow(Duration::from_millis(50)),
-            &mut |_| {},
-        );
-        if served.is_err() {
-            take_over(&mut connection, "routed");
         }
-        let (summary, routed_to_live, backend) = coordinator.join().unwrap();
-        served.unwrap();
-        (summary.unwrap(), routed_to_live, backend, ghost)
     });
-    assert_eq!(ghost, Ok(1), "the ghost held a task");
-    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
-    assert_eq!(summary.workers["live"].merged, 19);
-    assert_eq!(summary.duplicates, 0);
+    assert_eq!(routed.meanwhile, Ok(1), "the ghost held a task");
     assert_eq!(
-        routed_to_live, 9,
+        routed.routed_to_live, 9,
         "the odd batches' tasks went to their holder"
     );
+    assert_eq!(routed.summary.duplicates, 0);
     assert!(
-        backend
-            .warnings()
+        routed
+            .warnings
             .iter()
             .any(|w| w == "took back 1 task(s) from workers that died holding them"),
         "{:?}",
-        backend.warnings()
+        routed.warnings
     );
-    let held = backend.holders();
+    let held = &routed.holders;
     assert!(
         held.len() == 19 && held.values().all(|w| w == "live"),
         "{held:?}"
@@ -1054,14 +1017,58 @@ fn a_routed_stream_lost_by_redis_is_recreated_and_its_batches_rerun() {
     let Some(server) = RedisServer::start("lostroute", None) else {
         return;
     };
+    let routed = run_routed(&server, "lostroute", "lost", 20, |connection| {
+        await_count(connection, "XLEN", "qforge:{lostroute}:tasks:lost", 10);
+        redis::cmd("DEL")
+            .arg("qforge:{lostroute}:tasks:lost")
+            .query::<i64>(connection)
+            .unwrap()
+    });
+    assert_eq!(routed.meanwhile, 1, "the stream was deleted");
+    // The odd batches' 9, then the lost stream's 10: their holder is gone.
+    assert_eq!(routed.routed_to_live, 19);
+    assert!(
+        routed
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("re-enqueued 10 task(s) that Redis lost")),
+        "{:?}",
+        routed.warnings
+    );
+}
+
+/// What [`run_routed`] saw.
+struct Routed<T> {
+    summary: RunSummary,
+    warnings: Vec<String>,
+    holders: BTreeMap<usize, String>,
+    /// The tasks that went to the stream of "live".
+    routed_to_live: i64,
+    /// What the test did while the run went on.
+    meanwhile: T,
+}
+
+/// Runs the Pendulum job as run `run`, one batch a task, routed: the even
+/// batches held by `even`, which no worker serves, the odd ones by "live",
+/// a worker that takes `per_batch_ms` more a batch and starts once
+/// `meanwhile` has done what it does to the run. Asserts what every such
+/// run must give: the clean run's bytes, every batch merged from "live".
+fn run_routed<T: Send>(
+    server: &RedisServer,
+    run_name: &str,
+    even: &str,
+    per_batch_ms: u64,
+    meanwhile: impl FnOnce(&mut redis::Connection) -> T,
+) -> Routed<T> {
     let (target, job, plan) = setup();
     let holders: BTreeMap<usize, String> = (0..plan.batches.len())
-        .map(|b| (b, if b % 2 == 0 { "lost" } else { "live" }.to_owned()))
+        .map(|b| (b, if b % 2 == 0 { even } else { "live" }.to_owned()))
         .collect();
-    let backend = open_run(&server, "lostroute", &job, BY_BATCH).routed(holders);
+    let backend = open_run(server, run_name, &job, BY_BATCH).routed(holders);
     let client = redis::Client::open(server.url()).unwrap();
-    let (job_ref, plan_ref) = (&job, &plan);
-    let (summary, backend) = std::thread::scope(|scope| {
+    let live_stream = format!("qforge:{{{run_name}}}:tasks:live");
+    let (job_ref, plan_ref, client_ref, live_ref) = (&job, &plan, &client, &live_stream);
+    let (summary, routed_to_live, backend, meanwhile) = std::thread::scope(|scope| {
         let coordinator = scope.spawn(move || {
             let summary = run(
                 job_ref,
@@ -1070,38 +1077,36 @@ fn a_routed_stream_lost_by_redis_is_recreated_and_its_batches_rerun() {
                 &RunOptions::default(),
                 &mut |_| {},
             );
+            let routed_to_live: i64 = redis::cmd("XLEN")
+                .arg(live_ref)
+                .query(&mut client_ref.get_connection().unwrap())
+                .unwrap();
             backend.finish(summary.is_ok()).unwrap();
-            (summary, backend)
+            (summary, routed_to_live, backend)
         });
         let mut connection = client.get_connection().unwrap();
-        await_count(&mut connection, "XLEN", "qforge:{lostroute}:tasks:lost", 10);
-        let deleted: i64 = redis::cmd("DEL")
-            .arg("qforge:{lostroute}:tasks:lost")
-            .query(&mut connection)
-            .unwrap();
-        assert_eq!(deleted, 1);
+        let meanwhile = meanwhile(&mut connection);
         let served = serve_with(
-            &worker_of(&server, "lostroute", "live"),
-            &mut Slow(Duration::from_millis(20)),
+            &worker_of(server, run_name, "live"),
+            &mut Slow(Duration::from_millis(per_batch_ms)),
             &mut |_| {},
         );
         if served.is_err() {
-            take_over(&mut connection, "lostroute");
+            take_over(&mut connection, run_name);
         }
-        let (summary, backend) = coordinator.join().unwrap();
+        let (summary, routed_to_live, backend) = coordinator.join().unwrap();
         served.unwrap();
-        (summary.unwrap(), backend)
+        (summary.unwrap(), routed_to_live, backend, meanwhile)
     });
     assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
     assert_eq!(summary.workers["live"].merged, 19);
-    assert!(
-        backend
-            .warnings()
-            .iter()
-            .any(|w| w.starts_with("re-enqueued 10 task(s) that Redis lost")),
-        "{:?}",
-        backend.warnings()
-    );
+    Routed {
+        routed_to_live,
+        warnings: backend.warnings(),
+        holders: backend.holders(),
+        summary,
+        meanwhile,
+    }
 }
 
 #[test]

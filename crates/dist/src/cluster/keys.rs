@@ -1,8 +1,9 @@
-//! Key names of a run.
+//! Key names of a run, and what both sides read from its task streams.
 
 use qforge_core::Digest;
-use redis::streams::StreamId;
+use redis::streams::{StreamId, StreamPendingCountReply, StreamPendingId};
 
+use super::link::Link;
 use crate::error::{Error, Result};
 
 /// The consumer group of the task stream.
@@ -144,6 +145,37 @@ pub(crate) fn joined<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -
 /// (a shared-stream task is named by its id alone).
 pub(crate) fn routed_label(owner: &str, id: &str) -> String {
     format!("{owner}/{id}")
+}
+
+/// Up to `count` tasks of `stream` pending for at least `idle` ms (those of
+/// `consumer` only, if given), oldest first; none when the stream or its
+/// group is gone (the run ended, or Redis lost it).
+pub(crate) fn idle_pending(
+    link: &mut Link,
+    stream: &str,
+    idle: u64,
+    count: usize,
+    consumer: Option<&str>,
+) -> Result<Vec<StreamPendingId>> {
+    let reply: StreamPendingCountReply = link.call(|c| {
+        let mut pending = redis::cmd("XPENDING");
+        pending
+            .arg(stream)
+            .arg(GROUP)
+            .arg("IDLE")
+            .arg(idle)
+            .arg("-")
+            .arg("+")
+            .arg(count);
+        if let Some(consumer) = consumer {
+            pending.arg(consumer);
+        }
+        match pending.query(c) {
+            Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
+            other => other,
+        }
+    })?;
+    Ok(reply.ids)
 }
 
 /// A stream entry id `ms-seq`, ordered as Redis orders them.

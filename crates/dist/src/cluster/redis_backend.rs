@@ -13,7 +13,9 @@ use redis::streams::{
     StreamId, StreamInfoGroupsReply, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
 };
 
-use super::keys::{ACTIVE, GROUP, RunKeys, entry_id, joined, named_batches, routed_label};
+use super::keys::{
+    ACTIVE, GROUP, RunKeys, entry_id, idle_pending, joined, named_batches, routed_label,
+};
 use super::link::{Link, RedisAddress};
 use super::rounding;
 use super::spec::RunSpec;
@@ -749,22 +751,8 @@ impl RedisBackend {
         let mut stale = Vec::new();
         for owner in &routes {
             let stream = self.keys.routed_tasks(owner);
-            let idle: StreamPendingCountReply = link.call(|c| {
-                match redis::cmd("XPENDING")
-                    .arg(&stream)
-                    .arg(GROUP)
-                    .arg("IDLE")
-                    .arg(timeout)
-                    .arg("-")
-                    .arg("+")
-                    .arg(64)
-                    .query(c)
-                {
-                    Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
-                    other => other,
-                }
-            })?;
-            stale.extend(idle.ids.into_iter().map(|p| (stream.clone(), owner, p)));
+            let idle = idle_pending(link, &stream, timeout, 64, None)?;
+            stale.extend(idle.into_iter().map(|p| (stream.clone(), owner, p)));
         }
         if stale.is_empty() {
             return Ok(());

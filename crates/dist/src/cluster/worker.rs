@@ -11,13 +11,13 @@ use qforge_core::codec::encode;
 use qforge_core::{MergePolicy, Stats};
 use qforge_model::Model;
 use redis::streams::{
-    StreamClaimReply, StreamId, StreamInfoGroupsReply, StreamPendingCountReply, StreamPendingReply,
-    StreamRangeReply, StreamReadReply,
+    StreamClaimReply, StreamId, StreamInfoGroupsReply, StreamPendingReply, StreamRangeReply,
+    StreamReadReply,
 };
 use serde_json::json;
 
 use super::keys::{
-    ACTIVE, GROUP, RunKeys, check_name, entry_id, joined, named_batches, routed_label,
+    ACTIVE, GROUP, RunKeys, check_name, entry_id, idle_pending, joined, named_batches, routed_label,
 };
 use super::link::{Link, RedisAddress};
 use super::rounding;
@@ -36,7 +36,7 @@ const MAX_DELIVERIES: usize = 3;
 /// one-batch tasks took 30–232 ms where their owners took 28–70 ms over
 /// their own. Taking one of `n` unread tasks ends the owner's backlog a
 /// task sooner but the thief's only after that rerun; from 2 and from 4
-/// unread it ended `o_proj` passes 30–60 ms later. An owner with fewer
+/// unread it ended the passes traced 30–100 ms later. An owner with fewer
 /// finishes its own; one that is gone is stolen from at once.
 const STEAL_BACKLOG: usize = 8;
 
@@ -390,14 +390,18 @@ type Current = Arc<Mutex<String>>;
 /// A task read from one of the run's task streams.
 #[derive(Clone)]
 struct Task {
-    /// The stream it was read from, where it is acknowledged.
-    stream: String,
-    /// The worker whose routed stream that is (`None`: the shared one).
+    /// The worker whose routed stream it was read from (`None`: the shared
+    /// one).
     owner: Option<String>,
     entry: StreamId,
 }
 
 impl Task {
+    /// The stream it was read from, where it is acknowledged.
+    fn stream(&self, keys: &RunKeys) -> String {
+        queue(keys, self.owner.as_deref())
+    }
+
     /// How the heartbeat and speculation claims name it (see
     /// [`routed_label`]).
     fn label(&self) -> String {
@@ -712,44 +716,35 @@ impl Session {
     /// stream with the most undelivered tasks, and only then waits on its
     /// own.
     fn next_task(&self, link: &mut Link) -> Result<Queue> {
-        let routes = self.routes.borrow().clone();
-        let shared = self.keys.tasks();
+        let routes = self.routes.borrow();
         if routes.is_empty() {
-            return self.read(link, &shared, None, Some(200));
+            return self.read(link, None, Some(200));
         }
         let own = routes
             .binary_search(&self.name)
             .is_ok()
             .then_some(self.name.as_str());
-        if let Some(own) = own {
-            let read = self.read(link, &self.keys.routed_tasks(own), Some(own), None)?;
+        if own.is_some() {
+            let read = self.read(link, own, None)?;
             if !matches!(read, Queue::Empty) {
                 return Ok(read);
             }
         }
-        let read = self.read(link, &shared, None, None)?;
+        let read = self.read(link, None, None)?;
         if !matches!(read, Queue::Empty) {
             return Ok(read);
         }
         if let Some(task) = self.steal(link, &routes)? {
             return Ok(Queue::Task(task));
         }
-        match own {
-            Some(own) => self.read(link, &self.keys.routed_tasks(own), Some(own), Some(200)),
-            None => self.read(link, &shared, None, Some(200)),
-        }
+        self.read(link, own, Some(200))
     }
 
-    /// The next undelivered task of `stream` (the routed stream of
-    /// `owner`, or the shared one), waiting up to `block` milliseconds for
-    /// one (`None`: not at all).
-    fn read(
-        &self,
-        link: &mut Link,
-        stream: &str,
-        owner: Option<&str>,
-        block: Option<u64>,
-    ) -> Result<Queue> {
+    /// The next undelivered task of the routed stream of `owner` (`None`:
+    /// the shared one), waiting up to `block` milliseconds for one (`None`:
+    /// not at all).
+    fn read(&self, link: &mut Link, owner: Option<&str>, block: Option<u64>) -> Result<Queue> {
+        let stream = queue(&self.keys, owner);
         let reply: Option<Option<StreamReadReply>> = link.call(|c| {
             let mut read = redis::cmd("XREADGROUP");
             read.arg("GROUP")
@@ -760,7 +755,7 @@ impl Session {
             if let Some(block) = block {
                 read.arg("BLOCK").arg(block);
             }
-            match read.arg("STREAMS").arg(stream).arg(">").query(c) {
+            match read.arg("STREAMS").arg(&stream).arg(">").query(c) {
                 Err(e) if matches!(e.code(), Some("NOGROUP" | "UNBLOCKED")) => Ok(None),
                 other => other.map(Some),
             }
@@ -775,7 +770,6 @@ impl Session {
             .next()
             .map_or(Queue::Empty, |entry| {
                 Queue::Task(Task {
-                    stream: stream.to_owned(),
                     owner: owner.map(str::to_owned),
                     entry,
                 })
@@ -849,8 +843,7 @@ impl Session {
             candidates = self.overdue(link, &waiting)?;
         }
         for owner in candidates {
-            let stream = self.keys.routed_tasks(owner);
-            if let Queue::Task(task) = self.read(link, &stream, Some(owner), None)? {
+            if let Queue::Task(task) = self.read(link, Some(owner), None)? {
                 return Ok(Some(task));
             }
         }
@@ -975,23 +968,7 @@ impl Session {
     ) -> Result<Option<Task>> {
         let timeout = self.spec.heartbeat_timeout_ms;
         let tasks = self.keys.tasks();
-        let stale: StreamPendingCountReply = link.call(|c| {
-            match redis::cmd("XPENDING")
-                .arg(&tasks)
-                .arg(GROUP)
-                .arg("IDLE")
-                .arg(timeout)
-                .arg("-")
-                .arg("+")
-                .arg(32)
-                .arg(holder)
-                .query(c)
-            {
-                Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
-                other => other,
-            }
-        })?;
-        for pending in stale.ids {
+        for pending in idle_pending(link, &tasks, timeout, 32, Some(holder))? {
             if named.contains(&pending.id.as_str()) {
                 continue; // alive and still on it
             }
@@ -1012,11 +989,7 @@ impl Session {
             let Some(entry) = claimed.ids.into_iter().next() else {
                 continue;
             };
-            let task = Task {
-                stream: tasks.clone(),
-                owner: None,
-                entry,
-            };
+            let task = Task { owner: None, entry };
             if pending.times_delivered >= MAX_DELIVERIES {
                 let failure = Failure::Worker(format!(
                     "{} workers died while observing it (out of memory? a crash in the forward?)",
@@ -1050,52 +1023,33 @@ impl Session {
         // Per batch; a task of several must have been held that many times
         // as long.
         let floor = self.straggler_floor();
-        let routes = self.routes.borrow().clone();
-        let streams = std::iter::once((self.keys.tasks(), None)).chain(
-            routes
-                .iter()
-                .map(|r| (self.keys.routed_tasks(r), Some(r.as_str()))),
-        );
-        for (stream, owner) in streams {
-            if let Some(task) = self.speculate_on(link, &stream, owner, floor)? {
+        let routes = self.routes.borrow();
+        let owners = std::iter::once(None).chain(routes.iter().map(|r| Some(r.as_str())));
+        for owner in owners {
+            if let Some(task) = self.speculate_on(link, owner, floor)? {
                 return Ok(Some(task));
             }
         }
         Ok(None)
     }
 
-    /// [`Session::speculate`] over the tasks of `stream` (the routed stream
-    /// of `owner`, or the shared one), for a worker whose floor per batch is
-    /// `floor`.
+    /// [`Session::speculate`] over the tasks of the routed stream of
+    /// `owner` (`None`: the shared one), for a worker whose floor per batch
+    /// is `floor`.
     fn speculate_on(
         &self,
         link: &mut Link,
-        tasks: &str,
         owner: Option<&str>,
         floor: Duration,
     ) -> Result<Option<Task>> {
-        let oldest: StreamPendingCountReply = link.call(|c| {
-            match redis::cmd("XPENDING")
-                .arg(tasks)
-                .arg(GROUP)
-                .arg("IDLE")
-                .arg(floor.as_millis() as u64)
-                .arg("-")
-                .arg("+")
-                .arg(8)
-                .query(c)
-            {
-                Err(e) if e.code() == Some("NOGROUP") => Ok(StreamPendingCountReply::default()),
-                other => other,
-            }
-        })?;
-        for pending in oldest.ids {
+        let tasks = queue(&self.keys, owner);
+        for pending in idle_pending(link, &tasks, floor.as_millis() as u64, 8, None)? {
             if pending.consumer == self.name {
                 continue;
             }
             let range: StreamRangeReply = link.call(|c| {
                 redis::cmd("XRANGE")
-                    .arg(tasks)
+                    .arg(&tasks)
                     .arg(&pending.id)
                     .arg(&pending.id)
                     .query(c)
@@ -1108,7 +1062,6 @@ impl Session {
                 continue;
             }
             let task = Task {
-                stream: tasks.to_owned(),
                 owner: owner.map(str::to_owned),
                 entry,
             };
@@ -1371,10 +1324,10 @@ impl Session {
             }
             pipe.query::<()>(c)
         })?;
-        let mut by_stream: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        let mut by_stream: BTreeMap<String, Vec<&str>> = BTreeMap::new();
         for task in held {
             by_stream
-                .entry(&task.stream)
+                .entry(task.stream(&self.keys))
                 .or_default()
                 .push(&task.entry.id);
         }
@@ -1387,6 +1340,11 @@ impl Session {
         })?;
         Ok(())
     }
+}
+
+/// The task stream of run `keys` routed to `owner` (`None`: the shared one).
+fn queue(keys: &RunKeys, owner: Option<&str>) -> String {
+    owner.map_or_else(|| keys.tasks(), |owner| keys.routed_tasks(owner))
 }
 
 /// The first 16 characters of a fingerprint, escaped: the run's reference
