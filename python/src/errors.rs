@@ -46,6 +46,11 @@ pub fn usage(message: impl Into<String>) -> PyErr {
     UsageError::new_err(message.into())
 }
 
+/// A failure with `message`.
+pub fn failed_with(message: &str) -> PyErr {
+    QforgeError::new_err(message.to_owned())
+}
+
 /// A library error as the exception its kind calls for.
 pub struct Failure(PyErr);
 

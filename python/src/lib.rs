@@ -8,8 +8,10 @@
 //! run meanwhile.
 
 mod errors;
+mod language;
 mod models;
 mod pipeline;
+mod rollouts;
 
 use pyo3::prelude::*;
 
@@ -28,7 +30,9 @@ fn qforge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     m.add_class::<models::Policy>()?;
-    m.add_class::<models::LanguageModel>()?;
+    m.add_class::<language::LanguageModel>()?;
+    m.add_class::<rollouts::RequestOutput>()?;
+    m.add_class::<rollouts::CompletionOutput>()?;
     m.add_function(wrap_pyfunction!(models::open, m)?)?;
     m.add_function(wrap_pyfunction!(pipeline::calibrate, m)?)?;
     m.add_function(wrap_pyfunction!(pipeline::quantize, m)?)?;

@@ -1,6 +1,5 @@
 //! `qforge.open(path)` and the two kinds of model it returns: a `Policy`
-//! (`act`, `forward`) and a `LanguageModel` (`generate`, `logprobs`,
-//! `perplexity`, `encode`, `decode`).
+//! (`act`, `forward`) and a `LanguageModel` (see `language`).
 
 use std::path::PathBuf;
 
@@ -8,53 +7,69 @@ use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use qforge_core::Calibrator;
-use qforge_model::lm::GenerationReport;
-use qforge_model::lm::{continuation_log_probs, perplexity};
 use qforge_model::mlp::Action;
 use qforge_model::precision::RunPrecision;
-use qforge_model::{GenerateOptions, MlpPolicy, Model};
+use qforge_model::{MlpPolicy, Model};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use crate::errors::{Failure, usage};
-use crate::to_python;
+use crate::language::{EngineSize, LanguageModel};
 
 /// Opens the model at `path` (a GGUF file, a Hugging Face directory, a
 /// policy directory, an ONNX policy or a native artifact) in `precision`:
 /// `f32` (an artifact: its stored precisions), `int8-dynamic`, or
 /// `int8-static` with the statistics `stats` of a `qforge calibrate` run and
-/// a `calibrator`. Returns a `Policy` or a `LanguageModel`.
+/// a `calibrator`. Returns a `Policy` or a `LanguageModel`; a language
+/// model's rollout engine (`generate_batch`, `score`) runs at most
+/// `max_sequences` sequences and `kv_budget_tokens` KV-cache positions at
+/// once.
 #[pyfunction]
-#[pyo3(signature = (path, precision = "f32", stats = None, calibrator = "minmax"))]
+#[pyo3(signature = (path, precision = "f32", stats = None, calibrator = "minmax", *, max_sequences = 256, kv_budget_tokens = 65536))]
 pub fn open(
     py: Python<'_>,
     path: PathBuf,
     precision: &str,
     stats: Option<PathBuf>,
     calibrator: &str,
+    max_sequences: usize,
+    kv_budget_tokens: usize,
 ) -> PyResult<Py<PyAny>> {
     let calibrator: Calibrator = calibrator
         .parse()
         .map_err(|e| usage(format!("calibrator: {e}")))?;
-    let (model, precision) = py.detach(|| -> Result<_, Failure> {
+    if max_sequences == 0 || kv_budget_tokens < 2 {
+        return Err(usage(
+            "max_sequences must be ≥ 1 and kv_budget_tokens ≥ 2 (a prompt token and one to generate)",
+        ));
+    }
+    let limits = EngineSize {
+        max_sequences,
+        kv_budget_tokens,
+    };
+    let opened = py.detach(|| -> Result<_, Failure> {
         let precision = RunPrecision::named(precision, &path, stats.as_deref(), calibrator)?;
-        let model = match qforge_model::open(&path)? {
-            Model::Policy(p) => Model::Policy(Box::new(precision.apply_policy(*p)?)),
-            Model::Language(lm) => Model::Language(Box::new(precision.apply_language(*lm)?)),
-        };
-        Ok((model, precision.to_string()))
+        Ok(match qforge_model::open(&path)? {
+            Model::Policy(p) => Opened::Policy(Policy {
+                policy: precision.apply_policy(*p)?,
+                precision: precision.to_string(),
+            }),
+            Model::Language(lm) => {
+                let lm = precision.apply_language(*lm)?;
+                Opened::Language(Box::new(LanguageModel::new(lm, &path, precision, limits)?))
+            }
+        })
     })?;
-    Ok(match model {
-        Model::Policy(policy) => Py::new(
-            py,
-            Policy {
-                policy: *policy,
-                precision,
-            },
-        )?
-        .into_any(),
-        Model::Language(lm) => Py::new(py, LanguageModel { lm: *lm, precision })?.into_any(),
+    Ok(match opened {
+        Opened::Policy(policy) => Py::new(py, policy)?.into_any(),
+        Opened::Language(lm) => Py::new(py, *lm)?.into_any(),
     })
+}
+
+/// What `open` made.
+enum Opened {
+    Policy(Policy),
+    Language(Box<LanguageModel>),
 }
 
 /// What `act` returns: the actions, and their log-probabilities where the
@@ -192,117 +207,4 @@ fn actions_array<'py>(py: Python<'py>, actions: &[Action]) -> PyResult<Bound<'py
     let array = Array2::from_shape_vec((actions.len(), values.len() / actions.len()), values)
         .map_err(|e| usage(format!("actions of unequal width: {e}")))?;
     Ok(array.into_pyarray(py).into_any())
-}
-
-/// A Llama-family language model with its tokenizer.
-#[pyclass(frozen, module = "qforge")]
-pub struct LanguageModel {
-    lm: qforge_model::LanguageModel,
-    precision: String,
-}
-
-#[pymethods]
-impl LanguageModel {
-    /// The precision it runs in (`f32`, `int8-dynamic`, …).
-    #[getter]
-    fn precision(&self) -> &str {
-        &self.precision
-    }
-
-    fn __repr__(&self) -> String {
-        let c = self.lm.model.config();
-        format!(
-            "qforge.LanguageModel(layers={}, hidden={}, vocab={}, precision={:?})",
-            c.num_layers,
-            c.hidden_size,
-            self.lm.text.tokenizer.vocab_size(),
-            self.precision
-        )
-    }
-
-    /// The token ids of `text` (special tokens such as <|im_start|> are
-    /// recognised).
-    fn encode(&self, text: &str) -> PyResult<Vec<u32>> {
-        Ok(self.lm.text.tokenizer.encode(text).map_err(Failure::from)?)
-    }
-
-    /// The text of `tokens`.
-    fn decode(&self, tokens: Vec<u32>) -> PyResult<String> {
-        Ok(self
-            .lm
-            .text
-            .tokenizer
-            .decode(&tokens)
-            .map_err(Failure::from)?)
-    }
-
-    /// Generates after `prompt` (text): greedy unless `temperature`. Returns
-    /// `qforge generate --json`'s dict: `text`, `tokens`, `prompt_tokens`,
-    /// `prefill_tokens_per_s`, `decode_tokens_per_s`, `linear_weight_bytes`,
-    /// `precision`.
-    #[pyo3(signature = (prompt, max_tokens = 64, temperature = None, seed = 0))]
-    fn generate<'py>(
-        &self,
-        py: Python<'py>,
-        prompt: &str,
-        max_tokens: usize,
-        temperature: Option<f64>,
-        seed: u64,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(t) = temperature
-            && !(t >= 0.0 && t.is_finite())
-        {
-            return Err(usage(format!("temperature must be ≥ 0, got {t}")));
-        }
-        let options = GenerateOptions {
-            max_tokens,
-            temperature,
-            seed,
-        };
-        let report = py.detach(|| -> Result<_, Failure> {
-            let prompt = self.lm.text.tokenizer.encode(prompt)?;
-            let generation = self.lm.generate(&prompt, &options)?;
-            Ok(GenerationReport::new(
-                &self.lm,
-                generation,
-                self.precision.clone(),
-            )?)
-        })?;
-        to_python(py, &report)
-    }
-
-    /// The log-probability (float64) of each token of `completion` after
-    /// `prompt` (token ids), under softmax(logits / temperature) (t = 1
-    /// when `None`): what a trainer's importance weights need of the
-    /// rollout policy. One forward over both (teacher forcing).
-    #[pyo3(signature = (prompt, completion, temperature = None))]
-    fn logprobs<'py>(
-        &self,
-        py: Python<'py>,
-        prompt: Vec<u32>,
-        completion: Vec<u32>,
-        temperature: Option<f64>,
-    ) -> PyResult<Bound<'py, PyArray1<f64>>> {
-        let log_probs = py
-            .detach(|| continuation_log_probs(&self.lm.model, &prompt, &completion, temperature))
-            .map_err(Failure::from)?;
-        Ok(log_probs.into_pyarray(py))
-    }
-
-    /// Perplexity over `text` with llama.cpp's method (chunks of `ctx`
-    /// tokens, the second half of each scored): a dict of `perplexity`,
-    /// `tokens`, `chunks`, `ctx`.
-    #[pyo3(signature = (text, ctx = 512))]
-    fn perplexity<'py>(
-        &self,
-        py: Python<'py>,
-        text: &str,
-        ctx: usize,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let result = py.detach(|| -> Result<_, Failure> {
-            let tokens = self.lm.text.tokenizer.encode(text)?;
-            Ok(perplexity(&self.lm.model, &tokens, ctx)?)
-        })?;
-        to_python(py, &result)
-    }
 }

@@ -388,6 +388,23 @@ impl PackedWeights {
     pub fn offsets(&self) -> &[i32] {
         &self.offsets
     }
+
+    /// How many of the `n × k` int8 values differ between `self` and
+    /// `other`, or `None` when the two are not packed alike (another shape
+    /// or tier). Packing places every value in one byte of its own and
+    /// fills the rest with zeros, so differing bytes are differing values.
+    pub fn differing_values(&self, other: &PackedWeights) -> Option<u64> {
+        if (self.tier, self.n, self.k) != (other.tier, other.n, other.k) {
+            return None;
+        }
+        let differing = self
+            .groups
+            .iter()
+            .zip(&other.groups)
+            .map(|(a, b)| a.0.iter().zip(&b.0).filter(|(x, y)| x != y).count() as u64)
+            .sum();
+        Some(differing)
+    }
 }
 
 /// The `part`-th of `parts` near-equal shares of `0..len`.

@@ -209,3 +209,34 @@ fn two_threads_give_the_one_thread_bits() {
         );
     }
 }
+
+/// The count of differing values between two packings of the same shape on
+/// every tier is the count of positions where the row-major values differ
+/// (padding never counts), and packings of another shape are not compared.
+#[test]
+fn differing_values_count_the_changed_weights_exactly() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let (n, k) = (PANEL + 3, 37);
+    let before: Vec<i8> = (0..n * k)
+        .map(|_| rng.random_range(-WEIGHT_QMAX..=WEIGHT_QMAX))
+        .collect();
+    let mut after = before.clone();
+    let mut changed = 0;
+    for (i, v) in after.iter_mut().enumerate() {
+        if i % 7 == 3 {
+            *v = if *v == 0 { 1 } else { -*v };
+            changed += 1;
+        }
+    }
+    for tier in GemmTier::ALL {
+        if !supported(tier) {
+            continue;
+        }
+        let a = PackedWeights::new(tier, &before, n, k).unwrap();
+        let b = PackedWeights::new(tier, &after, n, k).unwrap();
+        assert_eq!(a.differing_values(&a), Some(0), "{}", tier.name());
+        assert_eq!(a.differing_values(&b), Some(changed), "{}", tier.name());
+        let other = PackedWeights::new(tier, &before, k, n).unwrap();
+        assert_eq!(a.differing_values(&other), None, "{}", tier.name());
+    }
+}

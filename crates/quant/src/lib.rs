@@ -16,6 +16,9 @@
 //! * [`held_out`]: the guard's data.
 //! * [`report`]: `report.json` and a self-contained `report.html`.
 //! * [`smoothing`]: SmoothQuant's per-channel factors.
+//! * [`requantize`] and [`sync`]: new weights of a quantized model in its
+//!   frozen precision, from files (`qforge requantize`) or from a trainer's
+//!   memory (the Python package's `load_weights`).
 //!
 //! It depends on `qforge-core`, `qforge-model`, `qforge-calib` and
 //! `qforge-dist` (the executor is the caller's choice: the pipeline never
@@ -34,6 +37,7 @@ pub mod report;
 pub mod requantize;
 pub mod returns;
 pub mod smoothing;
+pub mod sync;
 
 pub use error::{Error, Result};
 pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};

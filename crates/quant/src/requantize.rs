@@ -110,7 +110,14 @@ pub fn requantize(new: &Path, like: &Path, drift_threshold: f64) -> Result<Requa
     let like_manifest = read_manifest(like)?;
     let points = read_config(like)?.points;
     check_architecture(&old, &fresh, new, like)?;
-    let transforms = frozen_transforms(&old, &fresh, like, &like_manifest)?;
+    if let Model::Policy(fresh) = &fresh
+        && fresh.config().observation_divisors.is_some()
+    {
+        return Err(Error::Requantize(
+            "the new policy already divides its observation (a smoothed artifact's policy.json?); give its full-precision weights".into(),
+        ));
+    }
+    let transforms = frozen_transforms(&old, like, &like_manifest)?;
     let transformed = apply_all(&fresh, &transforms)?;
     // Each int8 layer is rounded once here; the engine's layers, the weight
     // change and the written artifact all read these values.
@@ -139,30 +146,22 @@ pub fn requantize(new: &Path, like: &Path, drift_threshold: f64) -> Result<Requa
     })
 }
 
-/// The transforms the artifact's weights went through, to apply to the new
-/// weights: those its `transforms.json` records. An artifact written before
-/// they were recorded has its policy's observation divisors (SmoothQuant)
-/// and its decoder's online rotations read back; a decoder's SmoothQuant
-/// factors are folded into its norms there, so such an artifact is refused.
-fn frozen_transforms(
+/// The transforms the weights of the artifact at `like` (opened as `old`)
+/// went through, to apply to new weights: those its `transforms.json`
+/// records. An artifact written before they were recorded has its policy's
+/// observation divisors (SmoothQuant) and its decoder's online rotations
+/// read back; a decoder's SmoothQuant factors are folded into its norms
+/// there, so such an artifact is refused.
+pub(crate) fn frozen_transforms(
     old: &Model,
-    fresh: &Model,
     like: &Path,
     manifest: &Manifest,
 ) -> Result<Vec<Transform>> {
-    if let Model::Policy(fresh) = fresh
-        && fresh.config().observation_divisors.is_some()
-    {
-        return Err(Error::Requantize(
-            "the new policy already divides its observation (a smoothed artifact's policy.json?); give its full-precision weights".into(),
-        ));
-    }
     if let Some(recorded) = read_transforms(like)? {
         return Ok(recorded);
     }
-    let recipe = &manifest.info["recipe"];
-    match (old, fresh) {
-        (Model::Policy(old), Model::Policy(_)) => Ok(match &old.config().observation_divisors {
+    match old {
+        Model::Policy(old) => Ok(match &old.config().observation_divisors {
             None => Vec::new(),
             Some(divisors) => vec![Transform::Smooth {
                 factors: BTreeMap::from([(
@@ -171,8 +170,8 @@ fn frozen_transforms(
                 )]),
             }],
         }),
-        (Model::Language(old), Model::Language(_)) => {
-            if recipe["smoothing"]["enabled"].as_bool() == Some(true) {
+        Model::Language(old) => {
+            if manifest.info["recipe"]["smoothing"]["enabled"].as_bool() == Some(true) {
                 return Err(Error::Requantize(
                     "this language-model artifact was smoothed (SmoothQuant) by a qforge that did not record its factors (no transforms.json); quantize the new weights with `qforge quantize`".into(),
                 ));
@@ -184,11 +183,6 @@ fn frozen_transforms(
                 vec![Transform::Rotate { inputs }]
             })
         }
-        _ => Err(Error::Requantize(format!(
-            "the artifact holds a {} and the new model is a {}",
-            old.kind(),
-            fresh.kind()
-        ))),
     }
 }
 

@@ -127,6 +127,21 @@ pub struct Request {
     /// Hears that the request left the queue and its prompt is about to
     /// run, on the model version sent.
     pub admitted: Option<oneshot::Sender<u64>>,
+    /// More samples of the same prompt (OpenAI's `n`): the prompt is
+    /// prefilled once, then each sibling continues from a copy of its KV
+    /// cache with a sampler of its own, as a request of its own with its
+    /// seed would.
+    pub siblings: Vec<Sibling>,
+}
+
+/// Another sample of a request's prompt (see [`Request::siblings`]).
+pub struct Sibling {
+    /// Seed of this sample's sampler.
+    pub seed: u64,
+    /// Where its events go; a closed channel cancels this sample.
+    pub events: UnboundedSender<Event>,
+    /// Hears what it generated when it finishes.
+    pub finished: Option<oneshot::Sender<Finished>>,
 }
 
 /// What a finished request generated.
@@ -167,6 +182,24 @@ pub struct Script {
 }
 
 impl Request {
+    /// Sequences the request runs: itself and its siblings.
+    pub fn samples(&self) -> usize {
+        1 + self.siblings.len()
+    }
+
+    /// Whether no one waits for any of its samples any more.
+    fn abandoned(&self) -> bool {
+        self.events.is_closed() && self.siblings.iter().all(|s| s.events.is_closed())
+    }
+
+    /// Tells every sample that the request failed.
+    fn fail(self, message: &str) {
+        let _ = self.events.send(Event::Failed(message.to_owned()));
+        for sibling in self.siblings {
+            let _ = sibling.events.send(Event::Failed(message.to_owned()));
+        }
+    }
+
     /// The prompt and sampling.
     pub fn script(&self) -> Script {
         Script {
@@ -197,6 +230,7 @@ impl Script {
                 events,
                 finished: Some(finished),
                 admitted: None,
+                siblings: Vec::new(),
             },
             events: receiver,
             finished: generated,
@@ -373,6 +407,44 @@ impl Sequence {
         Ok(token)
     }
 
+    /// The sequences of the request's siblings, each with a copy of this
+    /// one's cache (its prompt prefilled) and a sampler of its own seed;
+    /// a sibling that no one waits for any more is left out.
+    fn fork(&mut self) -> Vec<Sequence> {
+        let siblings = std::mem::take(&mut self.request.siblings);
+        let request = &self.request;
+        siblings
+            .into_iter()
+            .filter(|sibling| !sibling.events.is_closed())
+            .map(|sibling| Sequence {
+                request: Request {
+                    prompt: request.prompt.clone(),
+                    max_tokens: request.max_tokens,
+                    temperature: request.temperature,
+                    seed: sibling.seed,
+                    stop: request.stop.clone(),
+                    log_probs: request.log_probs,
+                    events: sibling.events,
+                    forced: request.forced.clone(),
+                    finished: sibling.finished,
+                    admitted: None,
+                    siblings: Vec::new(),
+                },
+                cache: self.cache.clone(),
+                rng: StdRng::seed_from_u64(sibling.seed),
+                prefilled: self.prefilled,
+                generated: Vec::new(),
+                sent: 0,
+                sent_tokens: 0,
+                pending: Vec::new(),
+                chosen: Vec::new(),
+                scored: Vec::new(),
+                next: 0,
+                started: self.started,
+            })
+            .collect()
+    }
+
     /// Whether every forced token is taken.
     fn forced_out(&self) -> bool {
         self.request
@@ -436,8 +508,10 @@ fn caught<T>(
     })
 }
 
+/// KV positions a request reserves: its prompt and completion, for each
+/// sample (a sibling's cache is a copy).
 fn cost(r: &Request) -> usize {
-    r.prompt.len() + r.max_tokens
+    (r.prompt.len() + r.max_tokens) * r.samples()
 }
 
 impl Scheduler<'_> {
@@ -497,7 +571,7 @@ impl Scheduler<'_> {
         // hang-up) leave now, wherever they are in the queue: behind a
         // request that waits for KV budget they would pile up.
         let before = self.waiting.len();
-        self.waiting.retain(|r| !r.events.is_closed());
+        self.waiting.retain(|r| !r.abandoned());
         self.metrics
             .queue_depth
             .dec_by((before - self.waiting.len()) as i64);
@@ -507,20 +581,36 @@ impl Scheduler<'_> {
     }
 
     /// Starts waiting requests, oldest first, while the budget allows and
-    /// no reload waits.
+    /// no reload waits. A request larger than the whole budget fails at
+    /// once instead of waiting forever.
     fn admit(&mut self) {
-        while self.swap.is_none()
-            && self.prefilling.len() + self.running.len() < self.limits.max_sequences
-        {
+        while self.swap.is_none() {
             let Some(front) = self.waiting.front() else {
                 break;
             };
-            if front.events.is_closed() {
+            let limits = &self.limits;
+            let never = (cost(front) > limits.kv_budget_tokens
+                || front.samples() > limits.max_sequences)
+                .then(|| {
+                    format!(
+                        "{} sample(s) of {} prompt and {} completion tokens can never run: the engine holds {} sequences and {} KV positions at most",
+                        front.samples(),
+                        front.prompt.len(),
+                        front.max_tokens,
+                        limits.max_sequences,
+                        limits.kv_budget_tokens
+                    )
+                });
+            if front.abandoned() || never.is_some() {
                 self.metrics.queue_depth.dec();
-                self.waiting.pop_front();
+                if let (Some(request), Some(message)) = (self.waiting.pop_front(), never) {
+                    request.fail(&message);
+                }
                 continue;
             }
-            if self.reserved() + cost(front) > self.limits.kv_budget_tokens {
+            if self.sequences() + front.samples() > self.limits.max_sequences
+                || self.reserved() + cost(front) > self.limits.kv_budget_tokens
+            {
                 // First come, first served: later requests wait too.
                 break;
             }
@@ -561,7 +651,7 @@ impl Scheduler<'_> {
     /// batch.
     fn prefill(&mut self) {
         let before = self.prefilling.len();
-        self.prefilling.retain(|s| !s.request.events.is_closed());
+        self.prefilling.retain(|s| !s.request.abandoned());
         self.metrics
             .cancelled_prefills
             .inc_by((before - self.prefilling.len()) as u64);
@@ -573,32 +663,50 @@ impl Scheduler<'_> {
             budget -= take;
             match self.prefill_chunk(&mut sequence, take) {
                 Ok(None) => self.prefilling.push_back(sequence),
-                Ok(Some(token)) => {
+                Ok(Some(logits)) => {
                     self.metrics
                         .time_to_first_token
                         .observe(sequence.started.elapsed().as_secs_f64());
-                    sequence.next = token;
-                    if !self.accept(&mut sequence, token) {
-                        self.running.push(sequence);
+                    let siblings = sequence.fork();
+                    for sample in std::iter::once(sequence).chain(siblings) {
+                        self.start_decoding(sample, &logits);
                     }
                 }
                 // The sequence goes, and its cache (which a panic may have
                 // left half-written) with it.
-                Err(message) => {
-                    let _ = sequence.request.events.send(Event::Failed(message));
-                }
+                Err(message) => sequence.request.fail(&message),
             }
         }
         self.publish();
     }
 
+    /// Draws the first token of `sequence`, whose prompt is in, from the
+    /// prompt's last `logits`; it joins the decode batch unless that token
+    /// ends it.
+    fn start_decoding(&mut self, mut sequence: Sequence, logits: &[f32]) {
+        if sequence.request.events.is_closed() {
+            return;
+        }
+        match sequence.draw(logits) {
+            Ok(token) => {
+                sequence.next = token;
+                if !self.accept(&mut sequence, token) {
+                    self.running.push(sequence);
+                }
+            }
+            Err(e) => {
+                let _ = sequence.request.events.send(Event::Failed(e.to_string()));
+            }
+        }
+    }
+
     /// Runs the next `take` prompt tokens of `sequence` into its cache;
-    /// after the last, samples its first token.
+    /// after the last, returns the logits of the prompt's last position.
     fn prefill_chunk(
         &mut self,
         sequence: &mut Sequence,
         take: usize,
-    ) -> std::result::Result<Option<u32>, String> {
+    ) -> std::result::Result<Option<Vec<f32>>, String> {
         #[cfg(test)]
         if sequence.request.stop.iter().any(|s| s == FAULT_EXIT) {
             panic!("injected fault outside the model");
@@ -632,7 +740,6 @@ impl Scheduler<'_> {
                 .flatten_all()
                 .and_then(|l| l.to_vec1::<f32>())
                 .map_err(|e| e.to_string())
-                .and_then(|l| sequence.draw(&l).map_err(|e| e.to_string()))
                 .map(Some)
         })?;
         sequence.prefilled = chunk.end;
@@ -783,6 +890,12 @@ impl Scheduler<'_> {
         false
     }
 
+    /// Sequences admitted: running, and in prefill with their siblings.
+    fn sequences(&self) -> usize {
+        let prefilling: usize = self.prefilling.iter().map(|s| s.request.samples()).sum();
+        prefilling + self.running.len()
+    }
+
     /// KV positions reserved by the admitted sequences.
     fn reserved(&self) -> usize {
         self.prefilling
@@ -823,6 +936,7 @@ mod tests {
             events,
             finished: None,
             admitted: None,
+            siblings: Vec::new(),
         };
         (request, receiver)
     }

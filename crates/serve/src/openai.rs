@@ -582,6 +582,7 @@ fn submit(
         events,
         finished: None,
         admitted: Some(admitted),
+        siblings: Vec::new(),
     };
     let request = if arm == Arm::Int8 && lm.rollout.shadow_this() {
         let (finished, int8) = oneshot::channel();

@@ -10,6 +10,7 @@
 mod attention;
 mod config;
 mod decode;
+mod named;
 mod rotation;
 
 pub use config::{Family, LlamaConfig, RopeScaling};
