@@ -992,6 +992,76 @@ mod tests {
         events
     }
 
+    /// The events of a request for `prompt` sampled at temperature 1 with
+    /// one sample per seed (the first the request's, the rest its
+    /// siblings'), and the prompt tokens the engine prefilled.
+    fn sampled(lm: &LanguageModel, prompt: &[u32], seeds: &[u64]) -> (Vec<Vec<Event>>, u64) {
+        let metrics = Metrics::default();
+        let mut scheduler = scheduler(lm.clone(), &metrics, 1024);
+        let (mut request, receiver) = request(prompt.to_vec(), 6);
+        request.temperature = Some(1.0);
+        request.seed = seeds[0];
+        request.log_probs = Some(0);
+        let mut receivers = vec![receiver];
+        for &seed in &seeds[1..] {
+            let (events, receiver) = unbounded_channel();
+            request.siblings.push(Sibling {
+                seed,
+                events,
+                finished: None,
+            });
+            receivers.push(receiver);
+        }
+        scheduler.waiting.push_back(request);
+        let mut events = vec![Vec::new(); seeds.len()];
+        loop {
+            let done: Vec<bool> = receivers
+                .iter_mut()
+                .zip(&mut events)
+                .map(|(receiver, seen)| drain(receiver, seen))
+                .collect();
+            if done.iter().all(|&d| d) {
+                return (events, metrics.prompt_tokens.get());
+            }
+            scheduler.iteration();
+        }
+    }
+
+    /// Siblings share their request's prefill (its prompt runs once) and
+    /// each draws what a request of its own with its seed draws, tokens and
+    /// log-probabilities to the bit (INT8: batch-invariant rows); a request
+    /// with more samples than the engine holds fails instead of waiting.
+    #[test]
+    fn siblings_share_the_prefill_and_draw_as_requests_of_their_own() {
+        let lm = smollm2();
+        let lm = LanguageModel {
+            model: lm
+                .model
+                .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+                .unwrap(),
+            ..lm
+        };
+        let prompt = prompt(40, 3);
+        let seeds = [5, 6, 7];
+        let (together, prefilled) = sampled(&lm, &prompt, &seeds);
+        assert_eq!(prefilled, prompt.len() as u64);
+        for (seed, theirs) in seeds.iter().zip(&together) {
+            let (alone, _) = sampled(&lm, &prompt, &[*seed]);
+            assert_eq!(&alone[0], theirs, "seed {seed}");
+            assert!(matches!(theirs.last(), Some(Event::Done { .. })));
+        }
+        assert!(together[0] != together[1] || together[1] != together[2]);
+
+        // The test scheduler holds 4 sequences: 5 samples can never run.
+        let (events, _) = sampled(&lm, &prompt, &[1, 2, 3, 4, 5]);
+        for seen in events {
+            match seen.as_slice() {
+                [Event::Failed(message)] => assert!(message.contains("can never run"), "{message}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn a_prompt_prefilled_in_chunks_completes_as_one_prefilled_at_once() {
         let lm = smollm2();
