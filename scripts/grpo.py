@@ -195,11 +195,7 @@ def train(args):
     model = trainer_model(weights, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     precision = "f32" if args.arm == "f32" else args.rollout_precision
-    engine_args = dict(max_sequences=max(256, args.prompts * args.group))
-    if Path(precision).exists():
-        policy = qforge.open(precision, **engine_args)
-    else:
-        policy = qforge.open(GGUF, precision=precision, **engine_args)
+    policy = open_policy(precision, max(256, args.prompts * args.group))
     evaluator = qforge.open(GGUF, precision="f32", max_sequences=HELD_OUT)
     everything = problems()
     eval_set, train_set = everything[:HELD_OUT], everything[HELD_OUT:]
@@ -276,6 +272,46 @@ def train(args):
             f.write(json.dumps(entry) + "\n")
 
 
+def open_policy(precision, max_sequences):
+    """The rollout engine: qforge's f32 or INT8 engine on the GGUF, or an artifact."""
+    import qforge
+
+    if Path(precision).exists():
+        return qforge.open(precision, max_sequences=max_sequences)
+    return qforge.open(GGUF, precision=precision, max_sequences=max_sequences)
+
+
+def mismatch(args):
+    """Per rollout precision, how far the behaviour log-probs of the untrained policy's
+    samples lie from the full-precision trainer's: one rollout batch of every
+    precision on the same prompts and seeds, scored by the trainer (no update)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    weights, config = hf_weights(GGUF)
+    model = trainer_model(weights, config)
+    batch = random.Random(args.seed).sample(problems()[HELD_OUT:], args.prompts)
+    print("| rollout precision | tokens | mean abs Δlog π | max abs Δlog π | KL/token (k3) | "
+          f"TIS clip share (C = {args.tis_clip:g}) |")
+    print("|---|---|---|---|---|---|")
+    for precision in args.mismatch:
+        policy = open_policy(precision, args.prompts * args.group)
+        outputs = policy.generate_batch([chat(q) for q, _ in batch], n=args.group,
+                                        max_tokens=args.max_tokens, temperature=1.0,
+                                        seed=args.seed)
+        prompts = [r.prompt_token_ids for r in outputs for _ in r.outputs]
+        completions = [o.token_ids for r in outputs for o in r.outputs]
+        behaviour = torch.cat([torch.from_numpy(o.logprobs).float()
+                               for r in outputs for o in r.outputs])
+        trained = torch.cat(token_log_probs(model, prompts, completions, grad=False))
+        delta = trained - behaviour
+        ratio = delta.exp()
+        print(f"| {precision} | {len(delta)} | {delta.abs().mean():.4f} | {delta.abs().max():.3f} | "
+              f"{(ratio - 1 - delta).mean():.5f} | {(ratio > args.tis_clip).float().mean():.4f} |",
+              flush=True)
+        del policy
+
+
 COLOURS = {"f32": "#1f77b4", "int8": "#d62728", "int8-tis": "#2ca02c"}
 
 
@@ -322,7 +358,8 @@ def plot(paths, svg):
     Path(svg).parent.mkdir(parents=True, exist_ok=True)
     Path(svg).write_text("\n".join(parts) + "\n")
     print("| arm | eval reward, first → last (± s.e.) | rollout tokens/s | rollout / train / sync s "
-          "(median) | mean abs Δlog π | KL/token | TIS clip share | codes changed (median, last) |")
+          "(median) | mean abs Δlog π | KL/token | TIS-clipped tokens | int8 codes changed a sync "
+          "(median, last) |")
     print("|---|---|---|---|---|---|---|---|")
     for meta, entries in runs:
         evals = [e for e in entries if "eval_reward" in e]
@@ -335,9 +372,10 @@ def plot(paths, svg):
               f'{evals[-1]["eval_reward"]:.3f} ± {evals[-1]["eval_stderr"]:.3f} | '
               f'{median("rollout_tokens_per_s"):.0f} | {median("rollout_s"):.2f} / '
               f'{median("train_s"):.2f} / {median("sync_s"):.2f} | '
-              f'{median("mean_abs_delta_log_pi"):.4f} | {median("kl_per_token"):.5f} | '
-              f'{median("tis_clip_share"):.4f} | {median("codes_changed_share"):.4f}, '
-              f'{steps[-1]["codes_changed_share"]:.4f} |')
+              f'{median("mean_abs_delta_log_pi"):.2e} | {median("kl_per_token"):.2e} | '
+              f'{100 * median("tis_clip_share"):.2f} % | '
+              f'{100 * median("codes_changed_share"):.3f} %, '
+              f'{100 * steps[-1]["codes_changed_share"]:.3f} % |')
 
 
 def main():
@@ -358,9 +396,16 @@ def main():
     parser.add_argument("--plot", nargs="+", metavar="RUN.jsonl",
                         help="draw these runs (benchmarks/grpo.svg) and print their table")
     parser.add_argument("--svg", default=str(ROOT / "benchmarks/grpo.svg"))
+    parser.add_argument("--mismatch", nargs="+", metavar="PRECISION",
+                        help="measure these rollout precisions' log-prob mismatch against the "
+                             "trainer on one untrained rollout batch each (f32, int8-dynamic, "
+                             "an artifact's path), and print the table")
     args = parser.parse_args()
     if args.plot:
         plot(args.plot, args.svg)
+        return
+    if args.mismatch:
+        mismatch(args)
         return
     if not args.arm or not args.out:
         parser.error("--arm and --out are needed to train (or --plot to draw runs)")

@@ -89,14 +89,20 @@ impl LanguageModel {
         Arc::clone(&served.lm)
     }
 
-    /// `prompt` as token ids, checked to leave room for `max_tokens` more.
-    fn prompt_ids(&self, index: usize, prompt: Prompt, max_tokens: usize) -> PyResult<Vec<u32>> {
-        let lm = self.current();
+    /// Prompt `index` as token ids of `lm`, checked to leave room for
+    /// `max_tokens` more.
+    fn prompt_ids(
+        &self,
+        lm: &qforge_model::LanguageModel,
+        index: usize,
+        prompt: Prompt,
+        max_tokens: usize,
+    ) -> PyResult<Vec<u32>> {
         let ids = match prompt {
             Prompt::Text(text) => lm.text.tokenizer.encode(&text).map_err(Failure::from)?,
             Prompt::Ids(ids) => ids,
         };
-        self.check_ids(&lm, &format!("prompt {index}"), &ids)?;
+        check_ids(lm, &format!("prompt {index}"), &ids)?;
         if ids.is_empty() {
             return Err(usage(format!("prompt {index} has no tokens")));
         }
@@ -109,16 +115,16 @@ impl LanguageModel {
         }
         Ok(ids)
     }
+}
 
-    /// Refuses a token id outside the vocabulary, naming `what`.
-    fn check_ids(&self, lm: &qforge_model::LanguageModel, what: &str, ids: &[u32]) -> PyResult<()> {
-        let vocab = lm.model.config().vocab_size;
-        match ids.iter().find(|&&id| id as usize >= vocab) {
-            Some(id) => Err(usage(format!(
-                "{what}: token id {id} is outside the vocabulary of {vocab}"
-            ))),
-            None => Ok(()),
-        }
+/// Refuses a token id outside `lm`'s vocabulary, naming `what`.
+fn check_ids(lm: &qforge_model::LanguageModel, what: &str, ids: &[u32]) -> PyResult<()> {
+    let vocab = lm.model.config().vocab_size;
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => Err(usage(format!(
+            "{what}: token id {id} is outside the vocabulary of {vocab}"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -280,6 +286,7 @@ impl LanguageModel {
             seed,
             stop,
         };
+        let lm = self.current();
         let mut texts = Vec::with_capacity(prompts.len());
         let mut ids = Vec::with_capacity(prompts.len());
         for (index, prompt) in prompts.into_iter().enumerate() {
@@ -287,10 +294,10 @@ impl LanguageModel {
                 Prompt::Text(text) => Some(text.clone()),
                 Prompt::Ids(_) => None,
             });
-            ids.push(self.prompt_ids(index, prompt, max_tokens)?);
+            ids.push(self.prompt_ids(&lm, index, prompt, max_tokens)?);
         }
         let generated = py.detach(|| rollouts::generate(&self.engine, &ids, &sampling))?;
-        let reads_text = self.current().text.tokenizer.reads_text();
+        let reads_text = lm.text.tokenizer.reads_text();
         texts
             .into_iter()
             .zip(ids)
@@ -331,8 +338,8 @@ impl LanguageModel {
             .zip(completion_token_ids)
             .enumerate()
         {
-            let prompt = self.prompt_ids(index, Prompt::Ids(prompt), completion.len())?;
-            self.check_ids(&lm, &format!("completion {index}"), &completion)?;
+            let prompt = self.prompt_ids(&lm, index, Prompt::Ids(prompt), completion.len())?;
+            check_ids(&lm, &format!("completion {index}"), &completion)?;
             let body = completion.split_last().map_or(&[][..], |(_, body)| body);
             if let Some(at) = body.iter().position(|t| eos.contains(t)) {
                 return Err(usage(format!(

@@ -50,10 +50,10 @@ pub fn open(
     let opened = py.detach(|| -> Result<_, Failure> {
         let precision = RunPrecision::named(precision, &path, stats.as_deref(), calibrator)?;
         Ok(match qforge_model::open(&path)? {
-            Model::Policy(p) => Opened::Policy(Policy {
+            Model::Policy(p) => Opened::Policy(Box::new(Policy {
                 policy: precision.apply_policy(*p)?,
                 precision: precision.to_string(),
-            }),
+            })),
             Model::Language(lm) => {
                 let lm = precision.apply_language(*lm)?;
                 Opened::Language(Box::new(LanguageModel::new(lm, &path, precision, limits)?))
@@ -61,14 +61,14 @@ pub fn open(
         })
     })?;
     Ok(match opened {
-        Opened::Policy(policy) => Py::new(py, policy)?.into_any(),
+        Opened::Policy(policy) => Py::new(py, *policy)?.into_any(),
         Opened::Language(lm) => Py::new(py, *lm)?.into_any(),
     })
 }
 
 /// What `open` made.
 enum Opened {
-    Policy(Policy),
+    Policy(Box<Policy>),
     Language(Box<LanguageModel>),
 }
 
@@ -95,6 +95,13 @@ impl Policy {
             )));
         }
         Ok(observations.as_array().iter().copied().collect())
+    }
+
+    /// The head outputs for `rows`, refused when any is not finite.
+    fn outputs(&self, rows: &[f32]) -> qforge_model::Result<Vec<f32>> {
+        let outputs = self.policy.forward(rows, None)?;
+        self.policy.config().head.check_finite(&outputs)?;
+        Ok(outputs)
     }
 }
 
@@ -131,9 +138,7 @@ impl Policy {
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let rows = self.rows(&observations)?;
         let n = observations.shape()[0];
-        let outputs = py
-            .detach(|| self.policy.forward(&rows, None))
-            .map_err(Failure::from)?;
+        let outputs = py.detach(|| self.outputs(&rows)).map_err(Failure::from)?;
         let width = outputs.len() / n;
         let outputs = Array2::from_shape_vec((n, width), outputs).expect("whole rows");
         Ok(outputs.into_pyarray(py))
@@ -161,9 +166,7 @@ impl Policy {
                 "this policy's head defines no distribution to sample from (a Gaussian head needs log_std)",
             ));
         }
-        let outputs = py
-            .detach(|| self.policy.forward(&rows, None))
-            .map_err(Failure::from)?;
+        let outputs = py.detach(|| self.outputs(&rows)).map_err(Failure::from)?;
         let mut rng = StdRng::seed_from_u64(seed);
         let actions: Vec<Action> = outputs
             .chunks_exact(head.outputs())

@@ -87,12 +87,26 @@ pub enum Prompt {
 
 /// How to sample.
 pub struct Sampling {
+    /// Samples per prompt.
     pub n: usize,
+    /// Most tokens per sample.
     pub max_tokens: usize,
     /// `None`: greedy.
     pub temperature: Option<f64>,
+    /// The first sample's seed (see [`generate`]).
     pub seed: u64,
+    /// Strings that end a sample.
     pub stop: Vec<String>,
+}
+
+/// What one sample generated.
+pub struct Sample {
+    /// Its text, stop strings cut off.
+    text: String,
+    /// Why it ended.
+    finish: FinishReason,
+    /// Its tokens, their log-probabilities and the model version.
+    finished: Finished,
 }
 
 /// One sample's ends: its events and what it generated.
@@ -102,7 +116,9 @@ struct Pending {
 }
 
 impl Pending {
-    fn new() -> (Self, Sibling) {
+    /// A sample drawn with `seed`: the ends this side keeps, and the
+    /// sibling the engine gets.
+    fn new(seed: u64) -> (Self, Sibling) {
         let (events, receiver) = unbounded_channel();
         let (finished, generated) = oneshot::channel();
         let pending = Pending {
@@ -110,16 +126,15 @@ impl Pending {
             finished: generated,
         };
         let sibling = Sibling {
-            seed: 0,
+            seed,
             events,
             finished: Some(finished),
         };
         (pending, sibling)
     }
 
-    /// Waits for the sample's end: its text, why it ended and what it
-    /// generated.
-    fn wait(mut self) -> Result<(String, FinishReason, Finished), String> {
+    /// Waits for the sample's end.
+    fn wait(mut self) -> Result<Sample, String> {
         let mut text = String::new();
         let finish = loop {
             match self.events.blocking_recv() {
@@ -130,7 +145,11 @@ impl Pending {
             }
         };
         let finished = self.finished.blocking_recv().map_err(|_| ENGINE_GONE)?;
-        Ok((text, finish, finished))
+        Ok(Sample {
+            text,
+            finish,
+            finished,
+        })
     }
 }
 
@@ -149,8 +168,7 @@ fn submit(
     let mut pending = Vec::with_capacity(sampling.n);
     let mut siblings = Vec::with_capacity(sampling.n);
     for i in 0..sampling.n {
-        let (ends, mut sibling) = Pending::new();
-        sibling.seed = seed.wrapping_add(i as u64);
+        let (ends, sibling) = Pending::new(seed.wrapping_add(i as u64));
         pending.push(ends);
         siblings.push(sibling);
     }
@@ -177,13 +195,12 @@ fn submit(
 
 /// Generates `sampling.n` samples of each prompt (token ids) on `engine`,
 /// every prompt queued before the first is waited for; prompt `p`'s
-/// samples draw with seeds `seed + p·n + i`. Gives, per prompt, each
-/// sample's text, finish and generation.
+/// samples draw with seeds `seed + p·n + i`. Gives each prompt's samples.
 pub fn generate(
     engine: &Engine,
     prompts: &[Vec<u32>],
     sampling: &Sampling,
-) -> Result<Vec<Vec<(String, FinishReason, Finished)>>, Failure> {
+) -> Result<Vec<Vec<Sample>>, Failure> {
     let mut queued = Vec::with_capacity(prompts.len());
     for (p, prompt) in prompts.iter().enumerate() {
         let seed = sampling
@@ -236,7 +253,7 @@ pub fn score(
             None => Ok(Vec::new()),
             Some(sample) => sample
                 .wait()
-                .map(|(_, _, finished)| finished.log_probs)
+                .map(|sample| sample.finished.log_probs)
                 .map_err(|m| crate::errors::failed_with(&m).into()),
         })
         .collect()
@@ -247,28 +264,37 @@ pub fn request_output(
     py: Python<'_>,
     prompt: Option<String>,
     prompt_token_ids: Vec<u32>,
-    samples: Vec<(String, FinishReason, Finished)>,
+    samples: Vec<Sample>,
     reads_text: bool,
 ) -> PyResult<RequestOutput> {
-    let model_version = samples.first().map_or(0, |(_, _, f)| f.version);
+    let model_version = samples.first().map_or(0, |s| s.finished.version);
     let outputs = samples
         .into_iter()
         .enumerate()
-        .map(|(index, (text, finish, finished))| {
-            Py::new(
-                py,
-                CompletionOutput {
-                    index,
-                    token_ids: finished.tokens,
-                    text: reads_text.then_some(text),
-                    logprobs: finished.log_probs.into_pyarray(py).unbind(),
-                    finish_reason: match finish {
-                        FinishReason::Stop => "stop",
-                        FinishReason::Length => "length",
-                    },
+        .map(
+            |(
+                index,
+                Sample {
+                    text,
+                    finish,
+                    finished,
                 },
-            )
-        })
+            )| {
+                Py::new(
+                    py,
+                    CompletionOutput {
+                        index,
+                        token_ids: finished.tokens,
+                        text: reads_text.then_some(text),
+                        logprobs: finished.log_probs.into_pyarray(py).unbind(),
+                        finish_reason: match finish {
+                            FinishReason::Stop => "stop",
+                            FinishReason::Length => "length",
+                        },
+                    },
+                )
+            },
+        )
         .collect::<PyResult<_>>()?;
     Ok(RequestOutput {
         prompt,

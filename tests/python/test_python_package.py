@@ -89,6 +89,15 @@ def test_bad_calls_raise_qforge_exceptions_with_the_library_message(tmp_path):
     with pytest.raises(qforge.UsageError, match="needs --stats"):
         qforge.open(CARTPOLE, precision="int8-static")
     assert issubclass(qforge.GuardRefused, qforge.QforgeError)
+    # Finite observations that overflow the forward: an error, not NaN log-probs.
+    huge = np.full((2, 4), 3.4e38, dtype=np.float32)
+    for call in (policy.act, policy.forward):
+        with pytest.raises(qforge.UsageError, match=r"observation row 0 is NaN \(not finite\)"):
+            call(huge)
+    write_observations(tmp_path / "huge.jsonl", huge)
+    out = subprocess.run([QFORGE, "act", "--model", CARTPOLE, "--observations",
+                          tmp_path / "huge.jsonl"], capture_output=True, text=True)
+    assert out.returncode == 2 and "not finite" in out.stderr, out.stderr
 
 
 def test_calibrate_writes_the_cli_bytes_and_report(tmp_path):

@@ -156,8 +156,13 @@ def greedy_run(lm):
     return [(o.token_ids, o.logprobs) for r in outputs for o in r.outputs]
 
 
-def same_run(a, b):
-    return all(x[0] == y[0] and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+def same_run(a, b, exact=True):
+    """Whether two runs drew the same tokens with the same log-probs: bit for bit, or
+    (the f32 engine, whose matrix products depend on how many sequences share a
+    step, and that depends on when each request reached the engine) to 1e-5."""
+    def close(x, y):
+        return np.array_equal(x, y) if exact else np.allclose(x, y, rtol=0, atol=1e-5)
+    return all(x[0] == y[0] and close(x[1], y[1]) for x, y in zip(a, b))
 
 
 def test_load_weights_swaps_in_memory_and_reports_the_codes_changed(tiny):
@@ -237,7 +242,7 @@ def test_load_weights_keeps_each_run_precision(tiny, tmp_path):
         before = greedy_run(lm)
         report = lm.load_weights(weights)
         assert (report["int8_weights"] > 0) == int8 and report["changed"] == 0
-        assert same_run(greedy_run(lm), before), precision
+        assert same_run(greedy_run(lm), before, exact=int8), precision
     # A directory of safetensors files takes the same path as a dict.
     lm = qforge.open(model, precision="int8-dynamic")
     assert lm.load_weights(str(model))["changed"] == 0

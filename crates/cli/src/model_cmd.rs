@@ -396,6 +396,7 @@ pub fn act(args: ActArgs) -> Result<()> {
     let (policy, precision) = args.precision.policy(&args.model)?;
     let observations = read_observations(&args.observations, policy.config().observation_dim)?;
     let outputs = policy.forward(&observations, None)?;
+    policy.config().head.check_finite(&outputs)?;
     let actions = policy.actions_from_outputs(&outputs);
     let width = policy.config().head.outputs();
     if args.flags.json {

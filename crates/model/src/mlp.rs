@@ -66,6 +66,22 @@ impl Head {
         }
     }
 
+    /// Refuses head outputs (rows of [`Head::outputs`] values, one per
+    /// observation) that are not all finite: finite observations far outside
+    /// the training range can overflow the forward, and an action taken from
+    /// NaN (argmax picks action 0) with a NaN log-probability would reach a
+    /// trainer's importance weights. The error names the first such row.
+    pub fn check_finite(&self, outputs: &[f32]) -> Result<()> {
+        match outputs.iter().position(|v| !v.is_finite()) {
+            None => Ok(()),
+            Some(at) => Err(Error::Request(format!(
+                "the policy's output for observation row {} is {} (not finite): the forward overflowed on values far outside the range the policy was trained on; check the observation's scale",
+                at / self.outputs(),
+                outputs[at]
+            ))),
+        }
+    }
+
     /// Whether two actions agree: the same discrete action, or every component
     /// within 5 % of its action range (continuous) or of the reference value's
     /// magnitude (value heads).

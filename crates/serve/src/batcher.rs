@@ -328,13 +328,21 @@ impl BatchingThread {
                 let mut rows = outputs.chunks_exact(width);
                 for job in batch {
                     let mine: Vec<&[f32]> = rows.by_ref().take(job.rows).collect();
-                    let (actions, log_probs) = choose(policy, &mine, job.choice);
+                    // Only this job's rows decide its answer: another
+                    // client's overflow is not its failure.
+                    let answer = match policy.config().head.check_finite(&mine.concat()) {
+                        Ok(()) => {
+                            let (actions, log_probs) = choose(policy, &mine, job.choice);
+                            Ok(Answer {
+                                actions,
+                                log_probs,
+                                version: self.version,
+                            })
+                        }
+                        Err(e) => Err(e.to_string()),
+                    };
                     // The client may have gone (timeout); nothing to do then.
-                    let _ = job.reply.send(Ok(Answer {
-                        actions,
-                        log_probs,
-                        version: self.version,
-                    }));
+                    let _ = job.reply.send(answer);
                 }
             }
             Err(message) => {
@@ -385,6 +393,24 @@ mod tests {
 
     fn faulty(value: f32) -> String {
         format!(r#"{{"observations": [[{value:e}, 0.0, 0.0, 0.0]]}}"#)
+    }
+
+    /// Finite observations that overflow the forward (the attack's
+    /// 3.4e38) get an error naming the row, not a 200 with a null
+    /// log-probability and action 0; the next request is answered.
+    #[test]
+    fn an_overflowing_forward_is_refused_not_answered_with_nan() {
+        let server = TestServer::policy();
+        let huge = r#"{"observations": [[0.0, 0.1, 0.0, -0.1], [3.4e38, 3.4e38, 3.4e38, 3.4e38]]}"#;
+        let (status, body) = server.request("POST", "/v1/act", huge);
+        assert_eq!(status, 500, "{body}");
+        assert!(
+            body.contains("output for observation row 1 is") && body.contains("not finite"),
+            "{body}"
+        );
+        let (status, body) = server.request("POST", "/v1/act", OK);
+        assert_eq!(status, 200, "{body}");
+        assert!(!body.contains("null"), "{body}");
     }
 
     #[test]

@@ -508,10 +508,15 @@ fn caught<T>(
     })
 }
 
-/// KV positions a request reserves: its prompt and completion, for each
-/// sample (a sibling's cache is a copy).
+/// KV positions one sample of a request takes: its prompt and completion.
+fn positions(r: &Request) -> usize {
+    r.prompt.len() + r.max_tokens
+}
+
+/// KV positions a request reserves: each of its samples' (a sibling's cache
+/// is a copy).
 fn cost(r: &Request) -> usize {
-    (r.prompt.len() + r.max_tokens) * r.samples()
+    positions(r) * r.samples()
 }
 
 impl Scheduler<'_> {
@@ -623,9 +628,10 @@ impl Scheduler<'_> {
             }
             // The cache takes its whole reservation now: a long sequence
             // never reallocates (and copies) what it has cached, and memory
-            // is what the KV budget says from admission on.
+            // is what the KV budget says from admission on (each sibling's
+            // copy of this cache holds the same room).
             let mut cache = self.lm.model.new_cache();
-            cache.reserve(cost(&request));
+            cache.reserve(positions(&request));
             self.prefilling.push_back(Sequence {
                 cache,
                 rng: StdRng::seed_from_u64(request.seed),
