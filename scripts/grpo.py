@@ -292,7 +292,7 @@ def mismatch(args):
     model = trainer_model(weights, config)
     batch = random.Random(args.seed).sample(problems()[HELD_OUT:], args.prompts)
     print("| rollout precision | tokens | mean abs Δlog π | max abs Δlog π | KL/token (k3) | "
-          f"TIS clip share (C = {args.tis_clip:g}) |")
+          f"tokens TIS clips (C = {args.tis_clip:g}) |")
     print("|---|---|---|---|---|---|")
     for precision in args.mismatch:
         policy = open_policy(precision, args.prompts * args.group)
@@ -306,8 +306,8 @@ def mismatch(args):
         trained = torch.cat(token_log_probs(model, prompts, completions, grad=False))
         delta = trained - behaviour
         ratio = delta.exp()
-        print(f"| {precision} | {len(delta)} | {delta.abs().mean():.4f} | {delta.abs().max():.3f} | "
-              f"{(ratio - 1 - delta).mean():.5f} | {(ratio > args.tis_clip).float().mean():.4f} |",
+        print(f"| {precision} | {len(delta)} | {delta.abs().mean():.2e} | {delta.abs().max():.2e} | "
+              f"{(ratio - 1 - delta).mean():.2e} | {100 * (ratio > args.tis_clip).float().mean():.2f} % |",
               flush=True)
         del policy
 
