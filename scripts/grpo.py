@@ -324,7 +324,7 @@ def plot(paths, svg):
         runs.append((lines[0]["meta"], lines[1:]))
     width, height, pad = 420, 260, 48
     panels = [("update", "update"), ("wall_s", "wall time (s)")]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 30}" '
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height}" '
              'font-family="sans-serif" font-size="11">']
     for k, (key, label) in enumerate(panels):
         x0 = k * width
@@ -332,12 +332,15 @@ def plot(paths, svg):
         ys = [e["eval_reward"] for _, entries in runs for e in entries if "eval_reward" in e]
         xmax, ymin, ymax = max(xs) or 1, min(ys) - 0.02, max(ys) + 0.02
 
+        top, side = pad - 20, height - 2 * pad  # the frame: its top edge, its height
+
         def at(x, y):
             return (x0 + pad + (width - 2 * pad) * x / xmax,
-                    height - pad + 20 - (height - 2 * pad) * (y - ymin) / (ymax - ymin))
-        parts.append(f'<rect x="{x0 + pad}" y="{pad - 20}" width="{width - 2 * pad}" '
-                     f'height="{height - 2 * pad}" fill="none" stroke="#999"/>')
-        parts.append(f'<text x="{x0 + width / 2}" y="{height + 10}" text-anchor="middle">{label}</text>')
+                    top + side - side * (y - ymin) / (ymax - ymin))
+        parts.append(f'<rect x="{x0 + pad}" y="{top}" width="{width - 2 * pad}" '
+                     f'height="{side}" fill="none" stroke="#999"/>')
+        parts.append(f'<text x="{x0 + width / 2}" y="{top + side + 30}" '
+                     f'text-anchor="middle">{label}</text>')
         for frac in (0, 0.5, 1):
             y = ymin + frac * (ymax - ymin)
             px, py = at(0, y)
