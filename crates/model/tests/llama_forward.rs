@@ -1087,3 +1087,67 @@ fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() 
     assert!(err.to_string().contains("hidden state"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A decoder built from tensors held in memory (a trainer's weight sync)
+/// computes what the same tensors read from files compute, for a tied Llama
+/// and an untied Qwen2 with q/k/v biases. Its names are exactly the
+/// checkpoint's; a missing or unknown tensor is refused by name, and a tied
+/// model takes an `lm_head.weight` only when it equals the embedding (as a
+/// PyTorch `state_dict` lists it).
+#[test]
+fn a_decoder_from_named_tensors_computes_what_its_files_do() {
+    for qwen2 in [false, true] {
+        let dir = tiny_family(&format!("named-{qwen2}"), qwen2);
+        let from_files = Llama::from_hf_dir(&dir).unwrap();
+        let (config, tied) = (from_files.config().clone(), from_files.tied_embeddings());
+        assert_eq!(tied, !qwen2);
+        let tensors: BTreeMap<String, Tensor> =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
+                .unwrap()
+                .into_iter()
+                .collect();
+        let names: std::collections::BTreeSet<String> = tensors.keys().cloned().collect();
+        assert_eq!(Llama::tensor_names(&config, tied), names);
+        let built = |tensors: BTreeMap<String, Tensor>| {
+            Llama::from_tensors(config.clone(), tied, tensors).map_err(|e| e.to_string())
+        };
+        let from_memory = built(tensors.clone()).unwrap();
+        let prompt = [vec![1u32, 5, 9, 33, 70]];
+        assert_eq!(
+            last_logits(&from_files, &prompt),
+            last_logits(&from_memory, &prompt)
+        );
+
+        let mut missing = tensors.clone();
+        missing.remove("model.layers.1.self_attn.k_proj.weight");
+        let err = built(missing).unwrap_err();
+        assert!(
+            err.contains("missing tensor model.layers.1.self_attn.k_proj.weight"),
+            "{err}"
+        );
+        let mut unknown = tensors.clone();
+        unknown.insert(
+            "model.layers.7.mlp.up_proj.weight".into(),
+            tensors["model.layers.0.mlp.up_proj.weight"].clone(),
+        );
+        let err = built(unknown).unwrap_err();
+        assert!(
+            err.contains("unknown tensor model.layers.7.mlp.up_proj.weight"),
+            "{err}"
+        );
+        if tied {
+            let embedding = tensors["model.embed_tokens.weight"].clone();
+            let mut with_head = tensors.clone();
+            with_head.insert("lm_head.weight".into(), embedding.clone());
+            let head_given = built(with_head.clone()).unwrap();
+            assert_eq!(
+                last_logits(&head_given, &prompt),
+                last_logits(&from_files, &prompt)
+            );
+            with_head.insert("lm_head.weight".into(), (embedding * 2.0).unwrap());
+            let err = built(with_head).unwrap_err();
+            assert!(err.contains("lm_head.weight differs"), "{err}");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -385,6 +385,25 @@ struct Sequence {
 }
 
 impl Sequence {
+    /// A sequence for `request` on `cache`, nothing drawn yet, its sampler
+    /// seeded with the request's seed; its request arrived at `started`.
+    fn new(request: Request, cache: KvCache, started: Instant) -> Self {
+        Sequence {
+            cache,
+            rng: StdRng::seed_from_u64(request.seed),
+            request,
+            prefilled: 0,
+            generated: Vec::new(),
+            sent: 0,
+            sent_tokens: 0,
+            pending: Vec::new(),
+            chosen: Vec::new(),
+            scored: Vec::new(),
+            next: 0,
+            started,
+        }
+    }
+
     /// Draws the next token from one position's logits (or takes the
     /// forced one), noting its log-probability when the request asks for
     /// them.
@@ -416,8 +435,8 @@ impl Sequence {
         siblings
             .into_iter()
             .filter(|sibling| !sibling.events.is_closed())
-            .map(|sibling| Sequence {
-                request: Request {
+            .map(|sibling| {
+                let request = Request {
                     prompt: request.prompt.clone(),
                     max_tokens: request.max_tokens,
                     temperature: request.temperature,
@@ -429,18 +448,10 @@ impl Sequence {
                     finished: sibling.finished,
                     admitted: None,
                     siblings: Vec::new(),
-                },
-                cache: self.cache.clone(),
-                rng: StdRng::seed_from_u64(sibling.seed),
-                prefilled: self.prefilled,
-                generated: Vec::new(),
-                sent: 0,
-                sent_tokens: 0,
-                pending: Vec::new(),
-                chosen: Vec::new(),
-                scored: Vec::new(),
-                next: 0,
-                started: self.started,
+                };
+                let mut sequence = Sequence::new(request, self.cache.clone(), self.started);
+                sequence.prefilled = self.prefilled;
+                sequence
             })
             .collect()
     }
@@ -632,20 +643,8 @@ impl Scheduler<'_> {
             // copy of this cache holds the same room).
             let mut cache = self.lm.model.new_cache();
             cache.reserve(positions(&request));
-            self.prefilling.push_back(Sequence {
-                cache,
-                rng: StdRng::seed_from_u64(request.seed),
-                request,
-                prefilled: 0,
-                generated: Vec::new(),
-                sent: 0,
-                sent_tokens: 0,
-                pending: Vec::new(),
-                chosen: Vec::new(),
-                scored: Vec::new(),
-                next: 0,
-                started: Instant::now(),
-            });
+            self.prefilling
+                .push_back(Sequence::new(request, cache, Instant::now()));
         }
         self.publish();
     }
