@@ -12,7 +12,6 @@ use qforge_model::GenerateOptions;
 use qforge_model::llama::MAX_POSITIONS;
 use qforge_model::lm::{GenerationReport, continuation_log_probs, perplexity};
 use qforge_model::precision::RunPrecision;
-use qforge_quant::requantize::WeightChange;
 use qforge_quant::sync::WeightSync;
 use qforge_serve::EngineLimits;
 use qforge_serve::engine::Engine;
@@ -370,35 +369,38 @@ impl LanguageModel {
         weights: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let started = Instant::now();
-        let _one_at_a_time = self.syncing.lock().unwrap_or_else(PoisonError::into_inner);
         let tensors = rollouts::tensors(weights)?;
-        let current = self.current();
-        let version = self.model_version() + 1;
-        let synced = py
-            .detach(|| self.sync.apply(&current, tensors))
-            .map_err(Failure::from)?;
-        let lm = Arc::new(synced.lm);
-        let swapped = self
-            .engine
-            .swap((*lm).clone(), None, version)
-            .ok_or_else(|| failed_with("the rollout engine stopped; open the model again"))?;
-        py.detach(|| swapped.blocking_recv())
-            .map_err(|_| failed_with("the rollout engine stopped during the swap"))?;
-        *self.served.write().unwrap_or_else(PoisonError::into_inner) = Served { lm, version };
-        let change = synced.change;
-        let share = |c: &WeightChange| c.share();
-        let report = SyncReport {
-            model_version: version,
-            seconds: started.elapsed().as_secs_f64(),
-            int8_weights: change.total.int8_weights,
-            changed: change.total.changed,
-            changed_share: share(&change.total),
-            tensors: change
-                .tensors
-                .iter()
-                .map(|(name, c)| (name.clone(), share(c)))
-                .collect(),
-        };
+        // Without the GIL from here on, the wait for another sync's lock
+        // included: a thread holding the GIL while it waits would block the
+        // sync it waits for, which needs the GIL to return.
+        let report = py.detach(|| -> Result<SyncReport, Failure> {
+            let _one_at_a_time = self.syncing.lock().unwrap_or_else(PoisonError::into_inner);
+            let current = self.current();
+            let version = self.model_version() + 1;
+            let synced = self.sync.apply(&current, tensors)?;
+            let lm = Arc::new(synced.lm);
+            let swapped = self
+                .engine
+                .swap((*lm).clone(), None, version)
+                .ok_or_else(|| failed_with("the rollout engine stopped; open the model again"))?;
+            swapped
+                .blocking_recv()
+                .map_err(|_| failed_with("the rollout engine stopped during the swap"))?;
+            *self.served.write().unwrap_or_else(PoisonError::into_inner) = Served { lm, version };
+            let change = synced.change;
+            Ok(SyncReport {
+                model_version: version,
+                seconds: started.elapsed().as_secs_f64(),
+                int8_weights: change.total.int8_weights,
+                changed: change.total.changed,
+                changed_share: change.total.share(),
+                tensors: change
+                    .tensors
+                    .iter()
+                    .map(|(name, c)| (name.clone(), c.share()))
+                    .collect(),
+            })
+        })?;
         to_python(py, &report)
     }
 

@@ -269,3 +269,35 @@ def test_another_python_thread_runs_while_generate_batch_does(tiny):
     progressed_during = not returned.is_set()
     worker.join()
     assert small[0].outputs[0].token_ids and progressed_during
+
+
+def test_concurrent_syncs_take_turns(tiny):
+    """Two threads sync at once: the second waits for the first's lock without holding
+    the GIL the first needs to return, so both finish, as versions 2 and 3. In a child
+    process with a deadline: a deadlock there holds the GIL, so no thread of this
+    process could notice it."""
+    model, artifact = tiny
+    child = f"""
+import sys, threading
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import qforge
+from pathlib import Path
+from test_rollouts import bf16_tensors
+lm = qforge.open({str(artifact)!r})
+weights = bf16_tensors(Path({str(model)!r}))
+reports = []
+threads = [threading.Thread(target=lambda: reports.append(lm.load_weights(weights)))
+           for _ in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(sorted(r["model_version"] for r in reports), lm.model_version)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("two concurrent load_weights calls deadlocked")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[2, 3] 3", out.stdout
