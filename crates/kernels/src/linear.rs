@@ -259,17 +259,46 @@ impl Int8Linear {
                         *a += s;
                     }
                 }
-                let cols = p * PANEL..p * PANEL + width;
-                let offsets = &self.packed.offsets()[cols.clone()];
-                let channels = &self.scales[cols.clone()];
-                for (((o, &a), &off), &c) in out.iter_mut().zip(&acc).zip(offsets).zip(channels) {
-                    *o = (a - off) as f32 * (row_scale * c);
-                }
-                if let Some(bias) = &self.bias {
-                    for (o, &b) in out.iter_mut().zip(&bias[cols]) {
-                        *o += b;
-                    }
-                }
+                self.epilogue(p, &acc[..width], row_scale, out);
+            }
+        }
+    }
+
+    /// [`Self::dequantize`] of one panel's columns: `sums` holds the panel's
+    /// complete raw sums, `[row][PANEL]` (one panel of
+    /// [`PackedWeights::raw_sums`] over all input groups), and its columns
+    /// of every row of `y` (`rows × out` values) are written; the other
+    /// columns are left as they are. Lets a caller that owns whole rows of
+    /// the output turn each panel's sums into outputs while they are in cache.
+    pub fn dequantize_panel(&self, panel: usize, sums: &[i32], row_scales: &[f32], y: &mut [f32]) {
+        let n = self.out_features;
+        let rows = row_scales.len();
+        assert!(
+            panel < self.packed.panels() && sums.len() == rows * PANEL && y.len() == rows * n,
+            "dequantize_panel: sums and outputs do not fit the layer"
+        );
+        let cols = panel * PANEL..(panel * PANEL + PANEL).min(n);
+        for ((out, sums), &row_scale) in y
+            .chunks_exact_mut(n)
+            .zip(sums.chunks_exact(PANEL))
+            .zip(row_scales)
+        {
+            let out = &mut out[cols.clone()];
+            self.epilogue(panel, &sums[..out.len()], row_scale, out);
+        }
+    }
+
+    /// One row's outputs of panel `panel` from its summed raw sums `acc`.
+    fn epilogue(&self, panel: usize, acc: &[i32], row_scale: f32, out: &mut [f32]) {
+        let cols = panel * PANEL..panel * PANEL + out.len();
+        let offsets = &self.packed.offsets()[cols.clone()];
+        let channels = &self.scales[cols.clone()];
+        for (((o, &a), &off), &c) in out.iter_mut().zip(acc).zip(offsets).zip(channels) {
+            *o = (a - off) as f32 * (row_scale * c);
+        }
+        if let Some(bias) = &self.bias {
+            for (o, &b) in out.iter_mut().zip(&bias[cols]) {
+                *o += b;
             }
         }
     }

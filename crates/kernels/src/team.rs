@@ -7,6 +7,7 @@
 //! between steps, so a hand-off is a cache-line transfer, and park once the
 //! team has been idle for [`SPIN_BEFORE_PARKING`].
 
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -102,17 +103,52 @@ impl Team {
         f: F,
     ) {
         assert!(unit > 0, "run_chunks: a unit of 0 elements");
-        let (units, threads) = (data.len() / unit, self.threads());
-        let base = SendPtr(data.as_mut_ptr());
+        let units = data.len() / unit;
+        self.run_rows(units, [&mut data[..units * unit]], |rows, [chunk]| {
+            f(rows.start * unit, chunk)
+        });
+    }
+
+    /// Runs `f(rows, chunks)` on every thread for its share of `0..rows`
+    /// (as equal as whole rows allow; the first share on the caller), where
+    /// `chunks[b]` is those rows of `buffers[b]`, a buffer of `rows` rows of
+    /// `buffers[b].len() / rows` values each: one parallel pass that writes
+    /// the same rows of several buffers. Returns when all are done.
+    ///
+    /// # Panics
+    /// If a buffer's length is not a multiple of `rows`, or if `f` panicked
+    /// on any thread.
+    pub fn run_rows<T: Send, const B: usize, F>(
+        &mut self,
+        rows: usize,
+        buffers: [&mut [T]; B],
+        f: F,
+    ) where
+        F: Fn(Range<usize>, [&mut [T]; B]) + Sync,
+    {
+        let widths = buffers.each_ref().map(|b| {
+            assert!(
+                rows > 0 && b.len().is_multiple_of(rows) || b.is_empty(),
+                "run_rows: a buffer of {} values is not {rows} whole rows",
+                b.len()
+            );
+            b.len().checked_div(rows).unwrap_or(0)
+        });
+        let bases = buffers.map(|b| SendPtr(b.as_mut_ptr()));
+        let threads = self.threads();
         self.run(&|thread| {
-            let base = &base;
-            let shares = share(units, threads, thread);
-            let (start, len) = (shares.start * unit, shares.len() * unit);
-            // SAFETY: every thread index runs exactly once per `run`, and the
-            // shares of distinct threads are disjoint ranges within `data`,
-            // which is borrowed mutably for the whole run.
-            let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), len) };
-            f(start, chunk);
+            let share = share(rows, threads, thread);
+            // SAFETY: every thread index runs exactly once per `run`, the
+            // shares of distinct threads are disjoint row ranges, so their
+            // chunks are disjoint ranges of each buffer, and every buffer is
+            // borrowed mutably for the whole run.
+            let chunks = std::array::from_fn(|b| unsafe {
+                std::slice::from_raw_parts_mut(
+                    bases[b].0.add(share.start * widths[b]),
+                    share.len() * widths[b],
+                )
+            });
+            f(share, chunks);
         });
     }
 
@@ -163,7 +199,7 @@ impl Drop for Team {
 
 struct SendPtr<T>(*mut T);
 
-// SAFETY: used only by `run_chunks`, whose chunks are disjoint.
+// SAFETY: used only by `run_rows`, whose chunks are disjoint.
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 /// Waits, also while unwinding, until every helper has finished the job.

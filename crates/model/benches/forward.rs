@@ -108,6 +108,7 @@ fn bench(c: &mut Criterion) {
             .expect("QuaRot"),
     );
     let residual = to_int8(&residual);
+    let mut decoder = Decoder::new(rayon::current_num_threads()).expect("decode threads");
     let mut group = c.benchmark_group("smollm2_int8_decoder");
     group.sample_size(20);
     group.throughput(Throughput::Elements(1));
@@ -127,13 +128,50 @@ fn bench(c: &mut Criterion) {
             .unwrap();
         group.bench_function(format!("step_at_128_{name}"), |b| {
             b.iter_custom(|steps| {
-                let mut decoder = Decoder::new(model, prompt.len() + steps as usize)
-                    .unwrap()
-                    .expect("an INT8 decoder");
-                decoder.load_cache(&cache).unwrap();
+                let mut cache = cache.clone();
+                cache.reserve(prompt.len() + steps as usize);
                 let started = std::time::Instant::now();
                 for _ in 0..steps {
-                    black_box(decoder.step(black_box(42)).unwrap());
+                    black_box(
+                        decoder
+                            .step(model, &mut [&mut cache], &[black_box(42)], None)
+                            .unwrap(),
+                    );
+                }
+                started.elapsed()
+            })
+        });
+    }
+    group.finish();
+
+    // One step of many sequences, each 128 positions in: what continuous
+    // batching runs. Throughput counts the tokens (one per sequence).
+    let mut group = c.benchmark_group("smollm2_int8_batched_step");
+    group.sample_size(10);
+    let mut cache = int8.new_cache();
+    int8.forward(
+        std::slice::from_ref(&prompt),
+        Some(&mut cache),
+        None,
+        Logits::Last,
+    )
+    .unwrap();
+    for sequences in [1usize, 16, 64, 256] {
+        group.throughput(Throughput::Elements(sequences as u64));
+        group.bench_function(format!("sequences_{sequences}"), |b| {
+            let tokens: Vec<u32> = (0..sequences as u32).map(|i| 42 + i).collect();
+            b.iter_custom(|steps| {
+                let mut caches: Vec<_> = (0..sequences)
+                    .map(|_| {
+                        let mut c = cache.clone();
+                        c.reserve(prompt.len() + steps as usize);
+                        c
+                    })
+                    .collect();
+                let mut caches: Vec<&mut _> = caches.iter_mut().collect();
+                let started = std::time::Instant::now();
+                for _ in 0..steps {
+                    black_box(decoder.step(&int8, &mut caches, &tokens, None).unwrap());
                 }
                 started.elapsed()
             })

@@ -205,29 +205,25 @@ impl LanguageModel {
         )?;
         let mut tokens = Vec::new();
         let started = Instant::now();
-        // An all-INT8 model decodes on the allocation-free decoder.
-        let mut decoder = Decoder::new(&self.model, prompt.len() + options.max_tokens)?;
-        if let Some(decoder) = decoder.as_mut() {
-            decoder.load_cache(&cache)?;
-        }
+        // An all-INT8 model decodes on the allocation-free decoder, on every
+        // thread of the current pool.
+        let mut decoder = Decoder::supports(&self.model)
+            .then(|| Decoder::new(rayon::current_num_threads()))
+            .transpose()?;
         while tokens.len() < options.max_tokens && !self.text.tokenizer.eos.contains(&next) {
             tokens.push(next);
             if tokens.len() == options.max_tokens {
                 break;
             }
-            next = match decoder.as_mut() {
-                Some(decoder) => sample(decoder.step(next)?, options.temperature, &mut rng)?,
-                None => {
-                    let logits =
-                        self.model
-                            .forward(&[vec![next]], Some(&mut cache), None, Logits::Last)?;
-                    sample(
-                        &logits.flatten_all()?.to_vec1::<f32>()?,
-                        options.temperature,
-                        &mut rng,
-                    )?
-                }
+            let logits = match decoder.as_mut() {
+                Some(decoder) => decoder.step(&self.model, &mut [&mut cache], &[next], None)?,
+                None => &self
+                    .model
+                    .forward(&[vec![next]], Some(&mut cache), None, Logits::Last)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
             };
+            next = sample(logits, options.temperature, &mut rng)?;
         }
         Ok(Generation {
             prompt_tokens: prompt.len(),

@@ -218,22 +218,27 @@ fn all_logits(model: &Llama, batch: &[Vec<u32>]) -> Vec<f32> {
         .unwrap()
 }
 
-/// The largest logit difference between one INT8 decoder step and the
-/// tensor forward's step on `cache`, both continuing with `token`.
+/// The largest logit difference between one INT8 decoder step on `ours`
+/// and the tensor forward's step on `reference` (caches of the same
+/// positions), both continuing with `token`.
 fn step_difference(
     model: &Llama,
-    cache: &mut qforge_model::KvCache,
-    decoder: &mut qforge_model::Decoder<'_>,
+    reference: &mut qforge_model::KvCache,
+    decoder: &mut qforge_model::Decoder,
+    ours: &mut qforge_model::KvCache,
     token: u32,
 ) -> f32 {
-    let reference = model
-        .forward(&[vec![token]], Some(cache), None, Logits::Last)
+    let expected = model
+        .forward(&[vec![token]], Some(reference), None, Logits::Last)
         .unwrap()
         .flatten_all()
         .unwrap()
         .to_vec1::<f32>()
         .unwrap();
-    max_diff(decoder.step(token).unwrap(), &reference)
+    max_diff(
+        decoder.step(model, &mut [ours], &[token], None).unwrap(),
+        &expected,
+    )
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -571,23 +576,18 @@ fn int8_decoder_steps_match_the_tensor_forward() {
                 Logits::Last,
             )
             .unwrap();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        // The decoder's team has as many threads as the pool it is made in.
-        let mut decoder = pool
-            .install(|| qforge_model::Decoder::new(&model, 32))
-            .unwrap()
-            .expect("all INT8");
-        decoder.load_cache(&cache).unwrap();
+        let mut decoder = qforge_model::Decoder::new(threads).unwrap();
+        assert!(qforge_model::Decoder::supports(&model), "all INT8");
+        let mut ours = cache.clone();
         for step in 0..12u32 {
             let token = (step * 37 + 3) % VOCAB as u32;
-            let diff = step_difference(&model, &mut cache, &mut decoder, token);
+            let diff = step_difference(&model, &mut cache, &mut decoder, &mut ours, token);
             assert_eq!(diff, 0.0, "qwen2 {qwen2}, step {step}: max |Δ| {diff}");
         }
         assert!(
-            decoder.step(VOCAB as u32).is_err(),
+            decoder
+                .step(&model, &mut [&mut ours], &[VOCAB as u32], None)
+                .is_err(),
             "out-of-vocabulary token"
         );
         std::fs::remove_dir_all(dir).unwrap();
@@ -758,10 +758,10 @@ fn int8_decoder_follows_the_forward(model: &Llama) {
         Logits::Last,
     )
     .unwrap();
-    let mut decoder = qforge_model::Decoder::new(&int8, 64).unwrap().unwrap();
-    decoder.load_cache(&cache).unwrap();
+    let mut decoder = qforge_model::Decoder::new(2).unwrap();
+    let mut ours = cache.clone();
     for token in [3u32, 17, 42] {
-        let diff = step_difference(&int8, &mut cache, &mut decoder, token);
+        let diff = step_difference(&int8, &mut cache, &mut decoder, &mut ours, token);
         assert!(diff < 1e-4, "int8 decoder: max |Δ| {diff}");
     }
 }

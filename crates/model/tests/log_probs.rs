@@ -46,11 +46,8 @@ fn decode(
     );
     let mut decoder = match feed {
         Feed::Decoder => {
-            let mut decoder = Decoder::new(&lm.model, prompt.len() + n)
-                .unwrap()
-                .expect("every linear INT8");
-            decoder.load_cache(&cache).unwrap();
-            Some(decoder)
+            assert!(Decoder::supports(&lm.model), "every linear INT8");
+            Some(Decoder::new(2).unwrap())
         }
         Feed::Forward | Feed::Step => None,
     };
@@ -65,7 +62,10 @@ fn decode(
                     .unwrap(),
             ),
             (Feed::Step, _) => flat(lm.model.step(&mut [&mut cache], &[token], None).unwrap()),
-            (Feed::Decoder, Some(decoder)) => decoder.step(token).unwrap().to_vec(),
+            (Feed::Decoder, Some(decoder)) => decoder
+                .step(&lm.model, &mut [&mut cache], &[token], None)
+                .unwrap()
+                .to_vec(),
             (Feed::Decoder, None) => unreachable!("the decoder is made above"),
         };
     }

@@ -41,9 +41,10 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use qforge_model::lm::{TokenLogProb, sample, token_log_prob};
-use qforge_model::{KvCache, LanguageModel, Logits};
+use qforge_model::{Decoder, KvCache, LanguageModel, Logits};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
+use rayon::prelude::*;
 use serde::Serialize;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::sync::oneshot;
@@ -296,6 +297,8 @@ impl Engine {
         // closes.
         let pool = engine_pool("qforge-engine", limits.threads)?;
         let prefill_pool = engine_pool("qforge-prefill", limits.prefill_threads)?;
+        let decoder = Decoder::new(limits.threads)
+            .map_err(|e| Error::Start(format!("the engine's decode threads: {e}")))?;
         let (queue, messages) = mpsc::channel::<Message>();
         let thread_metrics = Arc::clone(&metrics);
         let alive = Arc::new(AtomicBool::new(true));
@@ -315,6 +318,7 @@ impl Engine {
                 waiting: VecDeque::new(),
                 prefilling: VecDeque::new(),
                 running: Vec::new(),
+                decoder,
             }
             .run(&messages)
         });
@@ -482,6 +486,8 @@ struct Scheduler<'a> {
     prefilling: VecDeque<Sequence>,
     /// Sequences in the decode batch.
     running: Vec<Sequence>,
+    /// Steps the running sequences of an all-INT8 model.
+    decoder: Decoder,
 }
 
 /// A pool of `threads` named `name-i` for the engine's matrix products: its
@@ -768,20 +774,42 @@ impl Scheduler<'_> {
         let mut running = std::mem::take(&mut self.running);
         let lm = &self.lm;
         let metrics = self.metrics;
+        let decoder = &mut self.decoder;
+        let mut tensor_logits = Vec::new();
         let logits = {
             let observer = DriftMonitor::observer_for_next(self.monitor.as_mut());
             let mut caches: Vec<&mut KvCache> = running.iter_mut().map(|s| &mut s.cache).collect();
-            caught(metrics, "this decode step", || {
-                lm.model
+            let tensor_logits = &mut tensor_logits;
+            caught(metrics, "this decode step", move || {
+                // An all-INT8 model steps on the batched decoder, others
+                // through the tensor forward.
+                if Decoder::supports(&lm.model) {
+                    return decoder
+                        .step(&lm.model, &mut caches, &tokens, observer)
+                        .map_err(|e| e.to_string());
+                }
+                *tensor_logits = lm
+                    .model
                     .step(&mut caches, &tokens, observer)
-                    .and_then(|l| Ok(l.to_vec2::<f32>()?))
-                    .map_err(|e| e.to_string())
+                    .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
+                    .map_err(|e| e.to_string())?;
+                Ok(&tensor_logits[..])
             })
         };
-        match logits {
-            Ok(rows) => {
-                for (mut sequence, row) in running.into_iter().zip(rows) {
-                    let token = sequence.draw(&row);
+        let drawn = logits.map(|logits| {
+            // Each sequence draws from its own row with its own sampler, so
+            // the draws run in parallel on the engine's pool and stay the
+            // same whatever the split.
+            let vocab = logits.len() / running.len();
+            running
+                .par_iter_mut()
+                .zip(logits.par_chunks_exact(vocab))
+                .map(|(sequence, row)| sequence.draw(row))
+                .collect::<Vec<_>>()
+        });
+        match drawn {
+            Ok(drawn) => {
+                for (mut sequence, token) in running.into_iter().zip(drawn) {
                     let finished = match token {
                         Ok(token) => {
                             sequence.next = token;
@@ -971,6 +999,7 @@ mod tests {
             waiting: VecDeque::new(),
             prefilling: VecDeque::new(),
             running: Vec::new(),
+            decoder: Decoder::new(1).unwrap(),
         }
     }
 

@@ -1,34 +1,75 @@
-//! A single-sequence decode step for models whose linear layers all run on
-//! the INT8 engine: plain loops over preallocated buffers instead of a chain
-//! of tensor ops, so a step allocates nothing once the decoder exists.
+//! The decode step of models whose linear layers all run on the INT8
+//! engine: one step advances any number of sequences, each on its own
+//! [`KvCache`], as plain loops over buffers that grow to the largest batch
+//! and are then reused, so a step allocates nothing once warm.
+//!
+//! Every linear layer is one u8 × i8 GEMM over all the sequences' rows
+//! (one read of the weights serves the whole batch), attention runs for
+//! every sequence and head in one parallel pass that reads each sequence's
+//! cache where it lies, and every pass runs on a [`Team`] of threads.
+//!
+//! A sequence's logits do not depend on the batch it runs in: the INT8
+//! layers are exact integer sums with per-row scales whatever the split,
+//! and the norms, rotary embedding and attention of a row read that row
+//! alone, in a fixed order. That is what keeps a rollout's behaviour
+//! log-probabilities reproducible however the engine batched it.
 //!
 //! Measured motivation: at one token per step the linear layers of SmolLM2
 //! took ≈ 3.8 ms of a 13.9 ms candle step; the rest was per-op overhead of the
 //! norms, rotary embedding and attention, each op allocating its result.
+
+use std::cell::RefCell;
+use std::ops::Range;
 
 use candle_core::{DType, Storage, Tensor};
 use qforge_kernels::attention::{KeyValues, Queries, attend, reserve};
 use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD};
 use qforge_kernels::{Int8Linear, Team};
 
-use super::{KvCache, Layer, Llama, RotatedInput};
+use super::{KvCache, Layer, Llama, RotatedInput, Rotations};
 use crate::error::{Error, Result};
 use crate::linear::Linear;
+use crate::observe::Observer;
 
-/// Runs a decode step's INT8 layers on a [`Team`]: the layers that read the
-/// same input (q, k and v; gate and up) are quantized once and computed in
-/// one parallel step, each thread summing an equal share of every layer's
-/// inputs (a GEMV's bytes split evenly whatever its panel count), and the
-/// shares added in the epilogue; a lone layer with many panels (lm_head) is
-/// split by panels instead.
+/// Up to this many rows a layer with few panels is split by inputs (every
+/// thread sums an equal share of every panel's inputs for all rows, the
+/// shares added in the epilogue): a step that is mostly weight reads then
+/// reads each byte once. Beyond it the work is mostly multiply-adds and
+/// every thread takes whole rows, each turning a panel's sums into outputs
+/// while they are in cache.
+const SPLIT_INPUTS_MAX_ROWS: usize = 16;
+
+/// Quantized inputs and raw sums of the rows one thread projects.
+#[derive(Default)]
+struct RowScratch {
+    inputs: Vec<u8>,
+    scales: Vec<f32>,
+    sums: Vec<i32>,
+}
+
+thread_local! {
+    static ROWS: RefCell<RowScratch> = RefCell::default();
+    /// One query group's heads, rotated for its position.
+    static QUERIES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs a step's INT8 layers on a [`Team`] (see [`SPLIT_INPUTS_MAX_ROWS`]):
+/// the layers that read the same input (q, k and v; gate and up) go in one
+/// parallel pass, their input quantized once where their activations agree.
 struct Projector {
     team: Team,
-    /// Quantized inputs and their scales, one slot per layer of a step (a
+    /// Quantized inputs and their scales, one slot per layer of a pass (a
     /// layer whose activations match the first layer's reuses slot 0).
     inputs: [Vec<u8>; 3],
     scales: [Vec<f32>; 3],
-    /// Raw sums, `[thread][layer][panel][PANEL]`.
+    /// Raw sums of a split by inputs, `[thread][layer][panel][row][PANEL]`.
     sums: Vec<i32>,
+}
+
+/// Which input slot layer `j` of a pass reads.
+fn slot(layers: &[&Int8Linear], j: usize) -> usize {
+    let shares = j > 0 && layers[j].activations() == layers[0].activations();
+    if shares { 0 } else { j }
 }
 
 impl Projector {
@@ -43,128 +84,198 @@ impl Projector {
         })
     }
 
-    /// `outputs[j] = layers[j](x)` for up to three layers of one input.
+    /// `outputs[j] = layers[j](x)` for up to three layers of one input of
+    /// `rows` rows.
     fn project(
         &mut self,
+        rows: usize,
         x: &[f32],
         layers: &[&Int8Linear],
         outputs: &mut [&mut [f32]],
     ) -> Result<()> {
-        let slot = |j: usize| {
-            let shares = j > 0 && layers[j].activations() == layers[0].activations();
-            if shares { 0 } else { j }
-        };
+        let threads = self.team.threads();
+        let lone_wide = matches!(layers, [layer]
+            if layer.packed().panels() >= SPLIT_CHANNELS_MIN_PANELS_PER_THREAD * threads);
+        if rows > SPLIT_INPUTS_MAX_ROWS {
+            return self.project_by_rows(rows, x, layers, outputs);
+        }
         for (j, layer) in layers.iter().enumerate() {
-            if slot(j) == j {
-                layer.quantize(x, 1, &mut self.inputs[j], &mut self.scales[j])?;
+            if slot(layers, j) == j {
+                layer.quantize(x, rows, &mut self.inputs[j], &mut self.scales[j])?;
             }
         }
-        let threads = self.team.threads();
-        let part_len: usize = layers.iter().map(|l| l.packed().panels() * PANEL).sum();
+        let part_len: usize = layers
+            .iter()
+            .map(|l| l.packed().panels() * rows * PANEL)
+            .sum();
         let inputs = &self.inputs;
-        let parts = match layers {
-            [layer]
-                if layer.packed().panels() >= SPLIT_CHANNELS_MIN_PANELS_PER_THREAD * threads =>
-            {
-                // Many panels (lm_head): each thread streams a contiguous
-                // range of them, its sums in place.
-                self.sums.resize(part_len, 0);
-                let packed = layer.packed();
-                let groups = packed.groups_per_panel();
-                self.team.run_chunks(&mut self.sums, PANEL, |start, sums| {
-                    let first = start / PANEL;
-                    let panels = first..first + sums.len() / PANEL;
-                    packed.raw_sums(&inputs[0], 1, panels, 0..groups, sums);
+        let parts = if lone_wide {
+            // Many panels (lm_head): each thread streams a contiguous range
+            // of them, its sums in place.
+            self.sums.resize(part_len, 0);
+            let packed = layers[0].packed();
+            let groups = packed.groups_per_panel();
+            self.team
+                .run_chunks(&mut self.sums, rows * PANEL, |start, sums| {
+                    let first = start / (rows * PANEL);
+                    let panels = first..first + sums.len() / (rows * PANEL);
+                    packed.raw_sums(&inputs[0], rows, panels, 0..groups, sums);
                 });
-                1
-            }
-            _ => {
-                // Each thread sums an equal share of every layer's inputs.
-                self.sums.resize(threads * part_len, 0);
-                self.team
-                    .run_chunks(&mut self.sums, part_len, |start, part| {
-                        let thread = start / part_len;
-                        let mut at = 0;
-                        for (j, layer) in layers.iter().enumerate() {
-                            let packed = layer.packed();
-                            let len = packed.panels() * PANEL;
-                            let groups = packed.group_share(threads, thread);
-                            packed.raw_sums(
-                                &inputs[slot(j)],
-                                1,
-                                0..packed.panels(),
-                                groups,
-                                &mut part[at..at + len],
-                            );
-                            at += len;
-                        }
-                    });
-                threads
-            }
+            1
+        } else {
+            self.sums.resize(threads * part_len, 0);
+            self.team
+                .run_chunks(&mut self.sums, part_len, |start, part| {
+                    let thread = start / part_len;
+                    let mut at = 0;
+                    for (j, layer) in layers.iter().enumerate() {
+                        let packed = layer.packed();
+                        let len = packed.panels() * rows * PANEL;
+                        packed.raw_sums(
+                            &inputs[slot(layers, j)],
+                            rows,
+                            0..packed.panels(),
+                            packed.group_share(threads, thread),
+                            &mut part[at..at + len],
+                        );
+                        at += len;
+                    }
+                });
+            threads
         };
         let mut at = 0;
         for (j, (layer, y)) in layers.iter().zip(outputs.iter_mut()).enumerate() {
-            layer.dequantize(&self.sums[at..], parts, part_len, &self.scales[slot(j)], y);
-            at += layer.packed().panels() * PANEL;
+            let scales = &self.scales[slot(layers, j)];
+            layer.dequantize(&self.sums[at..], parts, part_len, scales, y);
+            at += layer.packed().panels() * rows * PANEL;
         }
         Ok(())
     }
+
+    /// [`Self::project`] with every thread taking whole rows: it quantizes
+    /// them, and for each panel sums them and writes their outputs.
+    fn project_by_rows(
+        &mut self,
+        rows: usize,
+        x: &[f32],
+        layers: &[&Int8Linear],
+        outputs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let width = layers[0].shape().1;
+        let failure = std::sync::OnceLock::new();
+        let pass = |share: Range<usize>, outputs: &mut [&mut [f32]]| {
+            ROWS.with_borrow_mut(|scratch| {
+                let x = &x[share.start * width..share.end * width];
+                for (j, (layer, y)) in layers.iter().zip(outputs.iter_mut()).enumerate() {
+                    let reuse = j > 0 && slot(layers, j) == 0;
+                    if !reuse
+                        && let Err(e) =
+                            layer.quantize(x, share.len(), &mut scratch.inputs, &mut scratch.scales)
+                    {
+                        let _ = failure.set(e);
+                        return;
+                    }
+                    let packed = layer.packed();
+                    scratch.sums.resize(share.len() * PANEL, 0);
+                    for panel in 0..packed.panels() {
+                        packed.raw_sums(
+                            &scratch.inputs,
+                            share.len(),
+                            panel..panel + 1,
+                            0..packed.groups_per_panel(),
+                            &mut scratch.sums,
+                        );
+                        layer.dequantize_panel(panel, &scratch.sums, &scratch.scales, y);
+                    }
+                }
+            });
+        };
+        match outputs {
+            [a] => self.team.run_rows(rows, [&mut **a], |share, [a]| {
+                pass(share, &mut [a]);
+            }),
+            [a, b] => self
+                .team
+                .run_rows(rows, [&mut **a, &mut **b], |share, [a, b]| {
+                    pass(share, &mut [a, b]);
+                }),
+            [a, b, c] => {
+                self.team
+                    .run_rows(rows, [&mut **a, &mut **b, &mut **c], |share, [a, b, c]| {
+                        pass(share, &mut [a, b, c])
+                    })
+            }
+            _ => unreachable!("a pass projects one to three layers"),
+        }
+        match failure.into_inner() {
+            Some(error) => Err(error.into()),
+            None => Ok(()),
+        }
+    }
 }
 
-/// The INT8 layers and f32 norm weights of one decoder layer.
-struct DecodeLayer<'m> {
-    input_norm: Vec<f32>,
+/// The INT8 layers of one decoder layer, in forward order.
+struct Int8Layer<'m> {
     q: &'m Int8Linear,
     k: &'m Int8Linear,
     v: &'m Int8Linear,
     o: &'m Int8Linear,
-    post_attention_norm: Vec<f32>,
     gate: &'m Int8Linear,
     up: &'m Int8Linear,
     down: &'m Int8Linear,
-    /// Keys and values of positions `0..len`, head-major: `[kv_heads,
-    /// capacity, head_dim]`, so that a step's attention streams each head's
-    /// keys and values as one contiguous run (position-major, each head read
-    /// 256 of every 768 bytes at SmolLM2's shape, and 4 096 positions
-    /// decoded at 0.85× llama.cpp's speed).
-    keys: Vec<f32>,
-    values: Vec<f32>,
 }
 
-impl DecodeLayer<'_> {
-    /// Stores position `pos`'s keys and values, given position-major (every
-    /// head's `head_dim` values in turn, as the projections give them), into
-    /// the head-major cache of `capacity` positions per head.
-    fn store(
-        &mut self,
-        pos: usize,
-        capacity: usize,
-        head_dim: usize,
-        keys: &[f32],
-        values: &[f32],
-    ) {
-        let heads = keys
-            .chunks_exact(head_dim)
-            .zip(values.chunks_exact(head_dim));
-        for (head, (key, value)) in heads.enumerate() {
-            let at = (head * capacity + pos) * head_dim;
-            self.keys[at..at + head_dim].copy_from_slice(key);
-            self.values[at..at + head_dim].copy_from_slice(value);
-        }
+fn int8(linear: &Linear) -> Option<&Int8Linear> {
+    match linear {
+        Linear::Int8(layer) => Some(layer),
+        _ => None,
     }
 }
 
-/// Generates one token at a time for one sequence (see the module docs).
-pub struct Decoder<'m> {
-    model: &'m Llama,
-    layers: Vec<DecodeLayer<'m>>,
-    norm: Vec<f32>,
-    lm_head: &'m Int8Linear,
-    /// cos and sin tables, `[positions, head_dim / 2]`.
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-    len: usize,
-    capacity: usize,
+impl<'m> Int8Layer<'m> {
+    fn of(layer: &'m Layer) -> Option<Self> {
+        Some(Self {
+            q: int8(&layer.q_proj)?,
+            k: int8(&layer.k_proj)?,
+            v: int8(&layer.v_proj)?,
+            o: int8(&layer.o_proj)?,
+            gate: int8(&layer.gate_proj)?,
+            up: int8(&layer.up_proj)?,
+            down: int8(&layer.down_proj)?,
+        })
+    }
+}
+
+/// An f32 tensor's values where they lie (no copy): the storage guard and
+/// the range of its values.
+struct F32View<Guard> {
+    storage: Guard,
+    range: Range<usize>,
+}
+
+impl F32View<()> {
+    fn of(tensor: &Tensor) -> Result<F32View<impl std::ops::Deref<Target = Storage> + '_>> {
+        let (storage, layout) = tensor.storage_and_layout();
+        let range = layout
+            .contiguous_offsets()
+            .map(|(start, end)| start..end)
+            .ok_or_else(|| Error::Unsupported("a strided tensor in the decode step".into()))?;
+        Ok(F32View { storage, range })
+    }
+}
+
+impl<Guard: std::ops::Deref<Target = Storage>> F32View<Guard> {
+    fn values(&self) -> Result<&[f32]> {
+        let Storage::Cpu(cpu) = &*self.storage else {
+            return Err(Error::Unsupported("a tensor off the CPU".into()));
+        };
+        Ok(&cpu.as_slice::<f32>()?[self.range.clone()])
+    }
+}
+
+/// Rows of every batch's activations, grown to the largest batch.
+#[derive(Default)]
+struct Buffers {
     x: Vec<f32>,
     h: Vec<f32>,
     q: Vec<f32>,
@@ -175,290 +286,489 @@ pub struct Decoder<'m> {
     up: Vec<f32>,
     out: Vec<f32>,
     logits: Vec<f32>,
+    /// Each row's position (its cache's length).
+    positions: Vec<usize>,
+}
+
+/// Sizes `buffer` to `len` values, allocating only to grow.
+fn fit(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buffer.resize(len, 0.0);
+    buffer
+}
+
+/// Advances sequences of all-INT8 models one token per step (see the
+/// module docs). It holds threads and scratch only: the model and each
+/// sequence's cache are the caller's, passed to every step.
+pub struct Decoder {
     projector: Projector,
+    buffers: Buffers,
 }
 
-fn int8(linear: &Linear) -> Option<&Int8Linear> {
-    match linear {
-        Linear::Int8(layer) => Some(layer),
-        _ => None,
+impl std::fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Decoder")
+            .field("threads", &self.projector.team.threads())
+            .finish()
     }
 }
 
-fn f32_vec(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-}
+impl Decoder {
+    /// A decoder whose steps run on `threads` threads (the caller's one of them).
+    pub fn new(threads: usize) -> Result<Self> {
+        Ok(Self {
+            projector: Projector::new(threads)?,
+            buffers: Buffers::default(),
+        })
+    }
 
-impl<'m> Decoder<'m> {
-    /// A decoder for up to `capacity` positions, or `None` when some linear
-    /// layer (lm_head included) is not on the INT8 engine or the embedding is
-    /// not f32 (the tensor forward serves those).
-    pub fn new(model: &'m Llama, capacity: usize) -> Result<Option<Self>> {
+    /// Whether `model` can step here: every linear layer, lm_head
+    /// included, on the INT8 engine and the embedding, norms and rotary
+    /// tables in f32 (the tensor forward serves the others).
+    pub fn supports(model: &Llama) -> bool {
+        let f32 = |t: &Tensor| t.dtype() == DType::F32;
+        f32(&model.embed_tokens)
+            && f32(&model.norm)
+            && f32(&model.cos)
+            && f32(&model.sin)
+            && int8(&model.lm_head).is_some()
+            && model.layers.iter().all(|layer| {
+                Int8Layer::of(layer).is_some()
+                    && f32(&layer.input_norm)
+                    && f32(&layer.post_attention_norm)
+            })
+    }
+
+    /// Feeds `tokens[i]` at the next position of the sequence cached in
+    /// `caches[i]` and returns the logits there, `[n, vocab]` row by row.
+    /// Every linear input is handed to `observer`. A failed step leaves the
+    /// caches' committed positions as they were.
+    pub fn step(
+        &mut self,
+        model: &Llama,
+        caches: &mut [&mut KvCache],
+        tokens: &[u32],
+        mut observer: Option<&mut dyn Observer>,
+    ) -> Result<&[f32]> {
         let c = model.config();
-        let capacity = capacity.min(model.cos.dims()[0]);
-        if model.embed_tokens.dtype() != DType::F32 {
-            return Ok(None);
-        }
-        let kv = c.num_kv_heads * c.head_dim;
-        let mut layers = Vec::with_capacity(model.layers.len());
-        for layer in &model.layers {
-            let Layer {
-                input_norm,
-                q_proj,
-                k_proj,
-                v_proj,
-                o_proj,
-                post_attention_norm,
-                gate_proj,
-                up_proj,
-                down_proj,
-            } = layer;
-            let (Some(q), Some(k), Some(v), Some(o), Some(gate), Some(up), Some(down)) = (
-                int8(q_proj),
-                int8(k_proj),
-                int8(v_proj),
-                int8(o_proj),
-                int8(gate_proj),
-                int8(up_proj),
-                int8(down_proj),
-            ) else {
-                return Ok(None);
-            };
-            layers.push(DecodeLayer {
-                input_norm: f32_vec(input_norm)?,
-                q,
-                k,
-                v,
-                o,
-                post_attention_norm: f32_vec(post_attention_norm)?,
-                gate,
-                up,
-                down,
-                keys: vec![0.0; capacity * kv],
-                values: vec![0.0; capacity * kv],
-            });
-        }
-        let Some(lm_head) = int8(&model.lm_head) else {
-            return Ok(None);
-        };
-        let d = c.hidden_size;
-        Ok(Some(Self {
-            model,
-            layers,
-            norm: f32_vec(&model.norm)?,
-            lm_head,
-            cos: f32_vec(&model.cos)?,
-            sin: f32_vec(&model.sin)?,
-            len: 0,
-            capacity,
-            x: vec![0.0; d],
-            h: vec![0.0; d],
-            q: vec![0.0; c.num_heads * c.head_dim],
-            k: vec![0.0; kv],
-            v: vec![0.0; kv],
-            attended: vec![0.0; c.num_heads * c.head_dim],
-            gate: vec![0.0; c.intermediate_size],
-            up: vec![0.0; c.intermediate_size],
-            out: vec![0.0; d.max(c.intermediate_size)],
-            logits: vec![0.0; c.vocab_size],
-            projector: Projector::new(rayon::current_num_threads())?,
-        }))
-    }
-
-    /// Positions decoded so far.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether no position has been decoded.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Continues from a tensor forward's cache (a prefill of one sequence).
-    pub fn load_cache(&mut self, cache: &KvCache) -> Result<()> {
-        if cache.len > self.capacity {
+        let n = tokens.len();
+        if n == 0 || caches.len() != n {
             return Err(Error::Shape(format!(
-                "{} cached positions exceed the decoder's capacity of {}",
-                cache.len, self.capacity
+                "a step needs one token per sequence: {n} tokens for {} caches",
+                caches.len()
             )));
         }
-        self.model.check_cache(cache)?;
-        let run = self.capacity * cache.head_dim;
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            for head in 0..cache.kv_heads {
-                let (keys, values) = cache.head(i, head);
-                layer.keys[head * run..][..keys.len()].copy_from_slice(keys);
-                layer.values[head * run..][..values.len()].copy_from_slice(values);
+        if !Self::supports(model) {
+            return Err(Error::Unsupported(
+                "the INT8 decode step needs every linear layer on the INT8 engine and f32 norms"
+                    .into(),
+            ));
+        }
+        model.check_vocabulary(tokens)?;
+        if let Some(longest) = caches.iter().map(|k| k.len + 1).max() {
+            model.check_positions(longest)?;
+        }
+        for cache in caches.iter_mut() {
+            model.check_cache(cache)?;
+            if cache.len + 1 > cache.capacity {
+                cache.grow_to((cache.len + 1).max(2 * cache.capacity));
             }
         }
-        self.len = cache.len;
-        Ok(())
-    }
-
-    /// Feeds `token` at the next position and returns the logits there.
-    pub fn step(&mut self, token: u32) -> Result<&[f32]> {
-        let c = self.model.config();
         let (d, hd) = (c.hidden_size, c.head_dim);
-        self.model.check_vocabulary(std::slice::from_ref(&token))?;
-        if self.len >= self.capacity {
-            return Err(Error::Shape(format!(
-                "the decoder is full ({} positions)",
-                self.capacity
-            )));
-        }
-        {
-            let (storage, layout) = self.model.embed_tokens.storage_and_layout();
-            let Storage::Cpu(cpu) = &*storage else {
-                return Err(Error::Unsupported("embeddings off the CPU".into()));
-            };
-            let table = cpu.as_slice::<f32>()?;
-            let start = layout.start_offset() + token as usize * d;
-            self.x.copy_from_slice(&table[start..start + d]);
-        }
-        let pos = self.len;
-        let half = hd / 2;
-        let (cos, sin) = (
-            &self.cos[pos * half..(pos + 1) * half],
-            &self.sin[pos * half..(pos + 1) * half],
-        );
+        let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
         let eps = c.rms_norm_eps as f32;
-        let heads = Heads {
-            dim: hd,
-            group: c.num_heads / c.num_kv_heads,
-            capacity: self.capacity,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        let model = self.model;
-        let rotations = &model.rotations;
-        let rotate = |input: RotatedInput, x: &mut [f32]| -> Result<()> {
-            if let Some(rotation) = rotations.get(input) {
-                rotation.rotate(x)?;
+        let b = &mut self.buffers;
+        b.positions.clear();
+        b.positions.extend(caches.iter().map(|k| k.len));
+        {
+            let table = F32View::of(&model.embed_tokens)?;
+            let table = table.values()?;
+            for (row, &token) in fit(&mut b.x, n * d).chunks_exact_mut(d).zip(tokens) {
+                let at = token as usize * d;
+                row.copy_from_slice(&table[at..at + d]);
             }
-            Ok(())
-        };
-        for layer in &mut self.layers {
-            rms_norm(&self.x, &layer.input_norm, eps, &mut self.h);
-            rotate(RotatedInput::Attention, &mut self.h)?;
-            self.projector.project(
-                &self.h,
-                &[layer.q, layer.k, layer.v],
-                &mut [&mut self.q, &mut self.k, &mut self.v],
-            )?;
-            for head in self
-                .q
-                .chunks_exact_mut(hd)
-                .chain(self.k.chunks_exact_mut(hd))
-            {
-                rope(head, cos, sin);
-            }
-            layer.store(pos, self.capacity, hd, &self.k, &self.v);
-            attend_heads(
-                &mut self.projector.team,
-                &self.q,
-                layer,
-                heads,
-                pos + 1,
-                &mut self.attended,
-            )?;
-            rotate(RotatedInput::AttentionOutput, &mut self.attended)?;
-            let out = &mut self.out[..d];
-            self.projector
-                .project(&self.attended, &[layer.o], &mut [out])?;
-            add(&mut self.x, out);
-            rms_norm(&self.x, &layer.post_attention_norm, eps, &mut self.h);
-            rotate(RotatedInput::Mlp, &mut self.h)?;
-            self.projector.project(
-                &self.h,
-                &[layer.gate, layer.up],
-                &mut [&mut self.gate, &mut self.up],
-            )?;
-            for (g, &u) in self.gate.iter_mut().zip(&self.up) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
-            rotate(RotatedInput::MlpProduct, &mut self.gate)?;
-            let out = &mut self.out[..d];
-            self.projector
-                .project(&self.gate, &[layer.down], &mut [out])?;
-            add(&mut self.x, out);
         }
-        rms_norm(&self.x, &self.norm, eps, &mut self.h);
-        rotate(RotatedInput::Head, &mut self.h)?;
-        self.projector
-            .project(&self.h, &[self.lm_head], &mut [&mut self.logits])?;
-        self.len += 1;
-        Ok(&self.logits)
+        let (cos, sin) = (F32View::of(&model.cos)?, F32View::of(&model.sin)?);
+        let rope = Rope {
+            cos: cos.values()?,
+            sin: sin.values()?,
+            half: hd / 2,
+        };
+        let rotations = &model.rotations;
+        fit(&mut b.h, n * d);
+        fit(&mut b.out, n * d);
+        fit(&mut b.q, n * heads * hd);
+        fit(&mut b.k, n * kv_heads * hd);
+        fit(&mut b.v, n * kv_heads * hd);
+        fit(&mut b.attended, n * heads * hd);
+        fit(&mut b.gate, n * c.intermediate_size);
+        fit(&mut b.up, n * c.intermediate_size);
+        let mut residual_pending = false;
+        for (i, layer) in model.layers.iter().enumerate() {
+            let int8 = Int8Layer::of(layer).expect("checked by supports");
+            let norm = F32View::of(&layer.input_norm)?;
+            normalize(
+                &mut self.projector.team,
+                NormPass {
+                    n,
+                    eps,
+                    weight: norm.values()?,
+                    rotations,
+                    input: RotatedInput::Attention,
+                    add: residual_pending.then_some(&b.out[..]),
+                },
+                &mut b.x,
+                &mut b.h,
+            )?;
+            observe(&mut observer, i, "self_attn.q_proj", &b.h, d)?;
+            self.projector.project(
+                n,
+                &b.h,
+                &[int8.q, int8.k, int8.v],
+                &mut [&mut b.q, &mut b.k, &mut b.v],
+            )?;
+            let team = &mut self.projector.team;
+            store(team, i, rope, &b.positions, &b.k, &b.v, caches);
+            let shape = AttentionShape {
+                heads,
+                group: heads / kv_heads,
+                dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            attend_all(
+                team,
+                i,
+                shape,
+                rope,
+                &b.positions,
+                &b.q,
+                caches,
+                &mut b.attended,
+            )?;
+            rotate_rows(
+                team,
+                rotations,
+                RotatedInput::AttentionOutput,
+                n,
+                &mut b.attended,
+            )?;
+            observe(
+                &mut observer,
+                i,
+                "self_attn.o_proj",
+                &b.attended,
+                heads * hd,
+            )?;
+            self.projector
+                .project(n, &b.attended, &[int8.o], &mut [&mut b.out])?;
+            let norm = F32View::of(&layer.post_attention_norm)?;
+            normalize(
+                &mut self.projector.team,
+                NormPass {
+                    n,
+                    eps,
+                    weight: norm.values()?,
+                    rotations,
+                    input: RotatedInput::Mlp,
+                    add: Some(&b.out),
+                },
+                &mut b.x,
+                &mut b.h,
+            )?;
+            observe(&mut observer, i, "mlp.gate_proj", &b.h, d)?;
+            self.projector.project(
+                n,
+                &b.h,
+                &[int8.gate, int8.up],
+                &mut [&mut b.gate, &mut b.up],
+            )?;
+            swiglu(&mut self.projector.team, rotations, n, &mut b.gate, &b.up)?;
+            observe(
+                &mut observer,
+                i,
+                "mlp.down_proj",
+                &b.gate,
+                c.intermediate_size,
+            )?;
+            self.projector
+                .project(n, &b.gate, &[int8.down], &mut [&mut b.out])?;
+            residual_pending = true;
+        }
+        let norm = F32View::of(&model.norm)?;
+        normalize(
+            &mut self.projector.team,
+            NormPass {
+                n,
+                eps,
+                weight: norm.values()?,
+                rotations,
+                input: RotatedInput::Head,
+                add: residual_pending.then_some(&b.out[..]),
+            },
+            &mut b.x,
+            &mut b.h,
+        )?;
+        if let Some(observer) = observer {
+            observer.observe("lm_head", &b.h[..n * d], d)?;
+        }
+        let lm_head = int8(&model.lm_head).expect("checked by supports");
+        let logits = fit(&mut b.logits, n * c.vocab_size);
+        self.projector.project(n, &b.h, &[lm_head], &mut [logits])?;
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+        }
+        Ok(&b.logits[..n * c.vocab_size])
     }
 }
 
-/// The query heads of a decode step and the cache they attend.
+/// Hands layer `i`'s input `point` (`rows` of `width` values) to `observer`.
+fn observe(
+    observer: &mut Option<&mut dyn Observer>,
+    i: usize,
+    point: &str,
+    rows: &[f32],
+    width: usize,
+) -> Result<()> {
+    match observer.as_deref_mut() {
+        Some(observer) => observer.observe(&format!("model.layers.{i}.{point}"), rows, width),
+        None => Ok(()),
+    }
+}
+
+/// The rotary tables, `[positions, half]` each.
 #[derive(Clone, Copy)]
-struct Heads {
-    /// Values per head.
-    dim: usize,
+struct Rope<'a> {
+    cos: &'a [f32],
+    sin: &'a [f32],
+    half: usize,
+}
+
+impl Rope<'_> {
+    /// Half-split rotary embedding of one head at `position`.
+    fn apply(self, head: &mut [f32], position: usize) {
+        let at = position * self.half..(position + 1) * self.half;
+        let (cos, sin) = (&self.cos[at.clone()], &self.sin[at]);
+        let (first, second) = head.split_at_mut(self.half);
+        for i in 0..self.half {
+            let (a, b) = (first[i], second[i]);
+            first[i] = a * cos[i] - b * sin[i];
+            second[i] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+/// One RMSNorm pass over a batch's residual rows.
+struct NormPass<'a> {
+    n: usize,
+    eps: f32,
+    weight: &'a [f32],
+    rotations: &'a Rotations,
+    /// The rotation the normed rows then take (where the model has it).
+    input: RotatedInput,
+    /// A block's output to add into the residual first.
+    add: Option<&'a [f32]>,
+}
+
+/// `x += add` (when given), then `h = rms_norm(x) · weight`, rotated as
+/// `pass.input` asks; in parallel over rows.
+fn normalize(team: &mut Team, pass: NormPass<'_>, x: &mut [f32], h: &mut [f32]) -> Result<()> {
+    let d = pass.weight.len();
+    let failure = std::sync::OnceLock::new();
+    let rotation = pass.rotations.get(pass.input);
+    team.run_rows(
+        pass.n,
+        [&mut x[..pass.n * d], &mut h[..pass.n * d]],
+        |rows, [x, h]| {
+            if let Some(add) = pass.add {
+                for (a, &b) in x.iter_mut().zip(&add[rows.start * d..rows.end * d]) {
+                    *a += b;
+                }
+            }
+            for (x, h) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
+                rms_norm(x, pass.weight, pass.eps, h);
+            }
+            if let Some(rotation) = rotation
+                && let Err(e) = rotation.rotate(h)
+            {
+                let _ = failure.set(e);
+            }
+        },
+    );
+    match failure.into_inner() {
+        Some(error) => Err(error.into()),
+        None => Ok(()),
+    }
+}
+
+/// Rotates every row of `rows` (`n` rows) where the model rotates `input`.
+fn rotate_rows(
+    team: &mut Team,
+    rotations: &Rotations,
+    input: RotatedInput,
+    n: usize,
+    rows: &mut [f32],
+) -> Result<()> {
+    let Some(rotation) = rotations.get(input) else {
+        return Ok(());
+    };
+    let failure = std::sync::OnceLock::new();
+    let width = rows.len() / n;
+    team.run_rows(n, [&mut rows[..n * width]], |_, [rows]| {
+        if let Err(e) = rotation.rotate(rows) {
+            let _ = failure.set(e);
+        }
+    });
+    match failure.into_inner() {
+        Some(error) => Err(error.into()),
+        None => Ok(()),
+    }
+}
+
+/// `gate = silu(gate) · up`, rotated where the model rotates the MLP's
+/// product; in parallel over rows.
+fn swiglu(
+    team: &mut Team,
+    rotations: &Rotations,
+    n: usize,
+    gate: &mut [f32],
+    up: &[f32],
+) -> Result<()> {
+    let width = gate.len() / n;
+    team.run_rows(n, [&mut gate[..n * width]], |rows, [gate]| {
+        for (g, &u) in gate
+            .iter_mut()
+            .zip(&up[rows.start * width..rows.end * width])
+        {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    });
+    rotate_rows(team, rotations, RotatedInput::MlpProduct, n, gate)
+}
+
+/// Writes each sequence's keys (rotated for its position) and values into
+/// its cache at layer `layer`, position `positions[row]`; in parallel over
+/// sequences.
+fn store(
+    team: &mut Team,
+    layer: usize,
+    rope: Rope<'_>,
+    positions: &[usize],
+    keys: &[f32],
+    values: &[f32],
+    caches: &mut [&mut KvCache],
+) {
+    let n = caches.len();
+    let width = keys.len() / n;
+    team.run_rows(n, [caches], |rows, [caches]| {
+        for (row, cache) in rows.zip(caches.iter_mut()) {
+            let position = positions[row];
+            let (capacity, hd) = (cache.capacity, cache.head_dim);
+            let at = row * width..(row + 1) * width;
+            let cached = &mut cache.layers[layer];
+            let heads = keys[at.clone()]
+                .chunks_exact(hd)
+                .zip(values[at].chunks_exact(hd));
+            for (head, (key, value)) in heads.enumerate() {
+                let slot = (head * capacity + position) * hd..(head * capacity + position + 1) * hd;
+                let cached_key = &mut cached.keys[slot.clone()];
+                cached_key.copy_from_slice(key);
+                rope.apply(cached_key, position);
+                cached.values[slot].copy_from_slice(value);
+            }
+        }
+    });
+}
+
+/// The query heads of a step and how they share key/value heads.
+#[derive(Clone, Copy)]
+struct AttentionShape {
+    heads: usize,
     /// Query heads per key/value head.
     group: usize,
-    /// Positions the cache holds per head (its head-major stride).
-    capacity: usize,
+    /// Values per head.
+    dim: usize,
     /// What multiplies each score.
     scale: f32,
 }
 
-/// Attention of the query heads `q` over the first `visible` positions of
-/// `layer`'s cache, into `out`, on `team`.
+/// Attention of every sequence's query heads (`q`, rotated here for each
+/// row's position) over its cache's positions up to and including its new
+/// one, into `out`.
 ///
-/// Query heads are independent, and a head's result does not depend on the
-/// heads attended beside it: each thread attends a share of the heads, those
-/// sharing a key/value head together so that its cache is read once per
-/// thread. Shares of heads rather than of groups: SmolLM2's 3 groups of 3
-/// split 6:3 over two threads, its 9 heads 4:5.
-fn attend_heads(
+/// Every (sequence, head) pair is one unit and each thread takes a
+/// contiguous share of them, a key/value head's query heads of one sequence
+/// attended together so that its cache is read once per thread: one
+/// sequence's heads split over the threads (SmolLM2's 9 heads 4:5 over
+/// two), many sequences split by sequence. A head's result depends on
+/// nothing but its query and its sequence's cache.
+#[allow(clippy::too_many_arguments)]
+fn attend_all(
     team: &mut Team,
+    layer: usize,
+    shape: AttentionShape,
+    rope: Rope<'_>,
+    positions: &[usize],
     q: &[f32],
-    layer: &DecodeLayer<'_>,
-    heads: Heads,
-    visible: usize,
+    caches: &[&mut KvCache],
     out: &mut [f32],
 ) -> Result<()> {
-    let Heads {
-        dim,
+    let AttentionShape {
+        heads,
         group,
-        capacity,
+        dim,
         scale,
-    } = heads;
+    } = shape;
+    let n = caches.len();
+    // The scratch is sized by capacity, which a reserved cache keeps,
+    // rather than by the growing length.
+    let longest = caches.iter().map(|c| c.capacity).max().unwrap_or(1);
     let failure = std::sync::OnceLock::new();
-    team.run_chunks(out, dim, |start, mut out| {
-        // Sized once per thread for the longest sequence, so that steps do
-        // not allocate.
-        reserve(group, capacity);
-        let mut head = start / dim;
-        while !out.is_empty() {
-            let kv_head = head / group;
-            let count = ((kv_head + 1) * group - head).min(out.len() / dim);
-            let (these, rest) = out.split_at_mut(count * dim);
-            let attended = attend(
-                Queries {
-                    rows: &q[head * dim..],
-                    head_stride: dim,
-                    position_stride: 0,
-                    visible: &[visible],
-                },
-                KeyValues {
-                    keys: &layer.keys,
-                    values: &layer.values,
-                    offset: kv_head * capacity * dim,
-                    stride: dim,
-                },
-                dim,
-                scale,
-                these,
-            );
-            if let Err(error) = attended {
-                let _ = failure.set(error);
-            }
-            (head, out) = (head + count, rest);
-        }
-    });
+    team.run_rows(
+        n * heads,
+        [&mut out[..n * heads * dim]],
+        |units, [mut out]| {
+            // Sized once per thread for the largest cache, so that steps do not
+            // allocate.
+            reserve(group, longest);
+            QUERIES.with_borrow_mut(|queries| {
+                let mut unit = units.start;
+                while !out.is_empty() {
+                    let (row, head) = (unit / heads, unit % heads);
+                    let kv_head = head / group;
+                    let count = ((kv_head + 1) * group - head).min(out.len() / dim);
+                    let (these, rest) = out.split_at_mut(count * dim);
+                    let position = positions[row];
+                    queries.clear();
+                    queries.extend_from_slice(&q[(row * heads + head) * dim..][..count * dim]);
+                    for query in queries.chunks_exact_mut(dim) {
+                        rope.apply(query, position);
+                    }
+                    let cache = &caches[row];
+                    let cached = &cache.layers[layer];
+                    let attended = attend(
+                        Queries {
+                            rows: queries,
+                            head_stride: dim,
+                            position_stride: 0,
+                            visible: &[position + 1],
+                        },
+                        KeyValues {
+                            keys: &cached.keys,
+                            values: &cached.values,
+                            offset: kv_head * cache.capacity * dim,
+                            stride: dim,
+                        },
+                        dim,
+                        scale,
+                        these,
+                    );
+                    if let Err(error) = attended {
+                        let _ = failure.set(error);
+                    }
+                    (unit, out) = (unit + count, rest);
+                }
+            });
+        },
+    );
     match failure.into_inner() {
         Some(error) => Err(error.into()),
         None => Ok(()),
@@ -473,22 +783,5 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let root_mean_square = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = v / root_mean_square * w;
-    }
-}
-
-/// Half-split rotary embedding of one head at one position.
-fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
-    let half = head.len() / 2;
-    let (first, second) = head.split_at_mut(half);
-    for i in 0..half {
-        let (a, b) = (first[i], second[i]);
-        first[i] = a * cos[i] - b * sin[i];
-        second[i] = b * cos[i] + a * sin[i];
-    }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, &b) in x.iter_mut().zip(y) {
-        *a += b;
     }
 }

@@ -201,18 +201,6 @@ impl KvCache {
         }
     }
 
-    /// Layer `layer`'s keys and values of key/value head `head`, the
-    /// committed positions' rows in turn.
-    pub(super) fn head(&self, layer: usize, head: usize) -> (&[f32], &[f32]) {
-        let cached = &self.layers[layer];
-        let run = head * self.capacity * self.head_dim..;
-        let committed = self.len * self.head_dim;
-        (
-            &cached.keys[run.clone()][..committed],
-            &cached.values[run][..committed],
-        )
-    }
-
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len == 0

@@ -1,0 +1,123 @@
+//! The INT8 decoder's batched step: a sequence's logits are the same bits
+//! whether it steps alone or among others at other lengths, on any number
+//! of threads, on both of the projector's splits (by inputs up to 16 rows,
+//! by rows beyond) and with online rotations.
+
+use std::path::PathBuf;
+
+use qforge_model::{Activations, Decoder, KvCache, Llama, Logits, Residency, RotatedInput};
+
+fn smollm2() -> Llama {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
+        path.display()
+    );
+    Llama::from_gguf_with(&path, Residency::Dequantized).unwrap()
+}
+
+fn int8(model: &Llama) -> Llama {
+    model
+        .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
+        .unwrap()
+}
+
+/// `sequences` caches whose prompts have lengths 1, 4, 7, … (token ids
+/// differing per sequence), prefilled by the tensor forward.
+fn prefilled(model: &Llama, sequences: usize) -> Vec<KvCache> {
+    (0..sequences)
+        .map(|s| {
+            let prompt: Vec<u32> = (0..1 + 3 * s as u32)
+                .map(|i| 100 + (s as u32 * 131 + i * 37) % 40_000)
+                .collect();
+            let mut cache = model.new_cache();
+            model
+                .forward(&[prompt], Some(&mut cache), None, Logits::Last)
+                .unwrap();
+            cache
+        })
+        .collect()
+}
+
+/// Steps every sequence three times in one batch and then each alone from
+/// the same caches, and compares every row's logits bit for bit.
+fn batched_equals_alone(model: &Llama, sequences: usize, threads: usize) {
+    let vocab = model.config().vocab_size;
+    let mut decoder = Decoder::new(threads).unwrap();
+    let start = prefilled(model, sequences);
+    let tokens = |step: u32| -> Vec<u32> {
+        (0..sequences as u32)
+            .map(|s| 7 + (s * 911 + step * 53) % 40_000)
+            .collect()
+    };
+    let mut batch = start.clone();
+    let mut batched = Vec::new();
+    for step in 0..3 {
+        let mut caches: Vec<&mut KvCache> = batch.iter_mut().collect();
+        batched.push(
+            decoder
+                .step(model, &mut caches, &tokens(step), None)
+                .unwrap()
+                .to_vec(),
+        );
+    }
+    for (s, cache) in start.iter().enumerate() {
+        let mut alone = cache.clone();
+        for (step, batched) in batched.iter().enumerate() {
+            let token = tokens(step as u32)[s];
+            let logits = decoder
+                .step(model, &mut [&mut alone], &[token], None)
+                .unwrap();
+            let row = &batched[s * vocab..(s + 1) * vocab];
+            let differing = logits.iter().zip(row).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                differing, 0,
+                "{sequences} sequences on {threads} threads: sequence {s} at step {step} \
+                 differs in {differing} logits from its batched step"
+            );
+        }
+        assert_eq!(alone.len(), batch[s].len());
+    }
+}
+
+#[test]
+fn a_sequence_steps_to_the_same_bits_alone_or_in_any_batch() {
+    let model = int8(&smollm2());
+    // 5 rows split by inputs, 21 by rows (past 16), on two and three threads.
+    for (sequences, threads) in [(5, 2), (21, 2), (21, 3)] {
+        batched_equals_alone(&model, sequences, threads);
+    }
+    // QuaRot: the residual rotated offline and down_proj's input online.
+    let quarot = int8(
+        &smollm2()
+            .residual_rotated(0)
+            .unwrap()
+            .rotated(&[RotatedInput::MlpProduct])
+            .unwrap(),
+    );
+    batched_equals_alone(&quarot, 18, 2);
+}
+
+#[test]
+fn a_batched_step_refuses_what_it_cannot_step() {
+    let fp = smollm2();
+    let model = int8(&fp);
+    let mut decoder = Decoder::new(2).unwrap();
+    let mut caches = prefilled(&model, 2);
+    let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+    let message = |r: qforge_model::Result<&[f32]>| r.unwrap_err().to_string();
+    assert!(
+        message(decoder.step(&model, &mut refs, &[1], None)).contains("one token per sequence")
+    );
+    assert!(message(decoder.step(&model, &mut refs, &[1, 60_000], None)).contains("vocabulary"));
+    assert!(message(decoder.step(&fp, &mut refs, &[1, 2], None)).contains("INT8 engine"));
+    let lengths: Vec<usize> = refs.iter().map(|c| c.len()).collect();
+    assert_eq!(lengths, [1, 4], "a refused step commits nothing");
+    // A cache with no room left grows (doubling) rather than failing.
+    let mut full = model.new_cache();
+    assert_eq!(full.capacity(), 0);
+    decoder.step(&model, &mut [&mut full], &[5], None).unwrap();
+    assert_eq!(full.len(), 1);
+}
