@@ -961,7 +961,12 @@ fn completion_requests_are_checked_and_the_kv_budget_queues_them() {
         None,
     );
     for (target, body, param) in [
-        ("/v1/completions", r#"{"prompt": "hi", "n": 2}"#, "n"),
+        ("/v1/completions", r#"{"prompt": "hi", "n": 0}"#, "n"),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "n": 4, "max_tokens": 20}"#,
+            "n",
+        ),
         (
             "/v1/completions",
             r#"{"prompt": "hi", "top_p": 0.5}"#,

@@ -158,20 +158,36 @@ fn bench(c: &mut Criterion) {
     .unwrap();
     for sequences in [1usize, 16, 64, 256] {
         group.throughput(Throughput::Elements(sequences as u64));
-        group.bench_function(format!("sequences_{sequences}"), |b| {
-            let tokens: Vec<u32> = (0..sequences as u32).map(|i| 42 + i).collect();
+        let tokens: Vec<u32> = (0..sequences as u32).map(|i| 42 + i).collect();
+        let caches = |steps: u64| -> Vec<_> {
+            (0..sequences)
+                .map(|_| {
+                    let mut c = cache.clone();
+                    c.reserve(prompt.len() + steps as usize);
+                    c
+                })
+                .collect()
+        };
+        group.bench_function(format!("decoder_{sequences}"), |b| {
             b.iter_custom(|steps| {
-                let mut caches: Vec<_> = (0..sequences)
-                    .map(|_| {
-                        let mut c = cache.clone();
-                        c.reserve(prompt.len() + steps as usize);
-                        c
-                    })
-                    .collect();
+                let mut caches = caches(steps);
                 let mut caches: Vec<&mut _> = caches.iter_mut().collect();
                 let started = std::time::Instant::now();
                 for _ in 0..steps {
                     black_box(decoder.step(&int8, &mut caches, &tokens, None).unwrap());
+                }
+                started.elapsed()
+            })
+        });
+        // The engine's step before the batched decoder: the tensor forward
+        // with INT8 linear layers, attention per sequence.
+        group.bench_function(format!("tensor_{sequences}"), |b| {
+            b.iter_custom(|steps| {
+                let mut caches = caches(steps);
+                let mut caches: Vec<&mut _> = caches.iter_mut().collect();
+                let started = std::time::Instant::now();
+                for _ in 0..steps {
+                    black_box(int8.step(&mut caches, &tokens, None).unwrap());
                 }
                 started.elapsed()
             })

@@ -3,8 +3,13 @@
 //! /v1/models`, over the continuous-batching
 //! [`Engine`](crate::engine::Engine).
 //!
+//! `n` samples of one prompt share its prefill: the engine prefills the
+//! prompt once and each sample continues from its own copy of the KV cache
+//! with a sampler of its own (seed `seed + i` for choice `i`), so choice `i`
+//! is what a request of its own with that seed would return.
+//!
 //! Requests are checked before they reach the engine: fields this server
-//! does not implement (`n` > 1, `top_p` ≠ 1, anything unknown) are refused
+//! does not implement (`top_p` ≠ 1, anything unknown) are refused
 //! rather than ignored, a prompt that cannot fit the context or the KV
 //! budget is refused with the numbers, and errors use OpenAI's shape
 //! (`{"error": {"message", "type", "param", "code"}}`) so its clients show
@@ -29,7 +34,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::sync::oneshot;
 
-use crate::engine::{Event, FinishReason, Finished, Replay, Request, Script};
+use crate::engine::{Event, FinishReason, Finished, Replay, Request, Script, Sibling};
 use crate::http::{api_error, session, too_many_requests, with_arm, with_version, worker_stopped};
 use crate::logprobs;
 use crate::rollout::Arm;
@@ -39,6 +44,8 @@ use crate::state::{AppState, Backend, LanguageBackend};
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
 /// Most stop strings per request (OpenAI's limit).
 const MAX_STOP_STRINGS: usize = 4;
+/// Most choices per request (OpenAI's limit of `n`).
+const MAX_CHOICES: usize = 128;
 
 /// Once INT8 has answered a request, has the FP reference score INT8's
 /// tokens on the same prompt (teacher forcing, same seed): at each position
@@ -231,6 +238,8 @@ struct Checked {
     token_ids: bool,
     max_tokens: usize,
     temperature: Option<f64>,
+    /// Samples of the prompt (`n`).
+    choices: usize,
     seed: Option<u64>,
     stop: Vec<String>,
     /// Alternatives per token when log-probs are asked for.
@@ -248,10 +257,10 @@ type Checking<T> = std::result::Result<T, Refusal>;
 fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> Checking<Checked> {
     let mut sampling = parse(body)?;
     let (prompt, max_tokens) = prompt_of(lm, &mut sampling, kind)?;
-    let temperature = check_sampling(lm, &sampling)?;
+    let (temperature, choices) = check_sampling(lm, &sampling)?;
     let log_probs = log_probs_asked(&mut sampling, kind)?;
     let stop = stop_strings(sampling.stop.take())?;
-    let (prompt, max_tokens) = fit(lm, prompt, max_tokens, kind)?;
+    let (prompt, max_tokens) = fit(lm, prompt, max_tokens, kind, choices)?;
     Ok(Checked {
         prompt,
         token_ids: sampling
@@ -259,6 +268,7 @@ fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> Checking<Checked> {
             .unwrap_or(!lm.text.tokenizer.reads_text()),
         max_tokens,
         temperature: (temperature > 0.0).then_some(temperature),
+        choices,
         seed: sampling.seed,
         stop,
         log_probs,
@@ -334,8 +344,9 @@ fn prompt_of(lm: &LanguageBackend, sampling: &mut Body, kind: Kind) -> Checking<
 }
 
 /// Refuses another model's name and sampling this server does not
-/// implement; gives the temperature (1 by default).
-fn check_sampling(lm: &LanguageBackend, sampling: &Body) -> Checking<f64> {
+/// implement; gives the temperature (1 by default) and the number of
+/// choices (1 by default).
+fn check_sampling(lm: &LanguageBackend, sampling: &Body) -> Checking<(f64, usize)> {
     if let Some(model) = &sampling.model
         && *model != lm.name
     {
@@ -348,8 +359,16 @@ fn check_sampling(lm: &LanguageBackend, sampling: &Body) -> Checking<f64> {
             ),
         });
     }
-    if sampling.n.is_some_and(|n| n != 1) {
-        return Err(invalid(Some("n"), "only n = 1 is supported".into()));
+    let choices = sampling.n.unwrap_or(1);
+    let most = MAX_CHOICES.min(lm.limits.max_sequences);
+    if !(1..=most).contains(&choices) {
+        return Err(invalid(
+            Some("n"),
+            format!(
+                "n must be between 1 and {most} (this server runs at most {} sequences at once), got {choices}",
+                lm.limits.max_sequences
+            ),
+        ));
     }
     if sampling.top_p.is_some_and(|p| p != 1.0) {
         return Err(invalid(
@@ -364,7 +383,7 @@ fn check_sampling(lm: &LanguageBackend, sampling: &Body) -> Checking<f64> {
             format!("temperature must be in [0, 2], got {temperature}"),
         ));
     }
-    Ok(temperature)
+    Ok((temperature, choices))
 }
 
 /// The alternatives per token the request's log-prob fields ask for, in
@@ -401,6 +420,7 @@ fn fit(
     prompt: Prompt,
     max_tokens: usize,
     kind: Kind,
+    choices: usize,
 ) -> Checking<(Vec<u32>, usize)> {
     let room = lm.context.min(lm.limits.kv_budget_tokens);
     // The longest prompt taken: one that leaves a position to generate
@@ -453,6 +473,17 @@ fn fit(
             Some("max_tokens"),
             format!(
                 "{} prompt tokens + max_tokens {max_tokens} exceed the {room} positions this server fits per sequence",
+                prompt.len()
+            ),
+        ));
+    }
+    // Each choice holds a KV cache of its own.
+    let budget = lm.limits.kv_budget_tokens;
+    if (prompt.len() + max_tokens).saturating_mul(choices) > budget {
+        return Err(invalid(
+            Some("n"),
+            format!(
+                "{choices} choices of {} prompt tokens + max_tokens {max_tokens} exceed the KV budget of {budget} positions; ask for fewer choices or tokens",
                 prompt.len()
             ),
         ));
@@ -513,7 +544,8 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
     let (stream, include_usage) = (checked.stream, checked.include_usage);
     let spelling = checked.log_probs.map(|_| Arc::clone(&lm.text));
     let prompt_ids = checked.token_ids.then(|| checked.prompt.clone());
-    let Some((receiver, admitted)) = submit(state, lm, checked, number, arm) else {
+    let choices = checked.choices;
+    let Some((receivers, admitted)) = submit(state, lm, checked, number, arm) else {
         return worker_stopped();
     };
     // The timeout bounds the wait for a place in the engine (a sequence
@@ -531,11 +563,11 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         // Dropping the receiver takes the request out of the queue.
         Err(_) => return not_admitted(timeout),
     };
-    let meta = Meta::new(kind, number, &lm.name, spelling, prompt_ids);
+    let meta = Meta::new(kind, number, &lm.name, spelling, prompt_ids, choices);
     let response = if stream {
-        streamed(meta, receiver, include_usage, permit, arm).await
+        streamed(meta, receivers, include_usage, permit, arm).await
     } else {
-        collected(meta, receiver, permit, arm).await
+        collected(meta, receivers, permit, arm).await
     };
     with_version(response, version)
 }
@@ -559,30 +591,47 @@ fn not_admitted(timeout: Duration) -> Response {
 }
 
 /// Hands a checked request to the engine of `arm` (with the FP shadow
-/// replaying it when the rollout says so) and counts the answer; gives the
-/// request's events and its admission notice, or `None` when the engine
-/// has stopped.
+/// replaying its first choice when the rollout says so) and counts the
+/// answer; gives each choice's events and the admission notice, or `None`
+/// when the engine has stopped.
 fn submit(
     state: &Arc<AppState>,
     lm: &LanguageBackend,
     checked: Checked,
     number: u64,
     arm: Arm,
-) -> Option<(UnboundedReceiver<Event>, oneshot::Receiver<u64>)> {
+) -> Option<(Vec<UnboundedReceiver<Event>>, oneshot::Receiver<u64>)> {
+    // Choice `i` draws with `seed + i`; an unseeded request's choices take
+    // seeds no other request's choices take.
+    let seed = checked
+        .seed
+        .unwrap_or(number.wrapping_mul(MAX_CHOICES as u64));
     let (events, receiver) = unbounded_channel();
+    let mut receivers = vec![receiver];
+    let siblings = (1..checked.choices as u64)
+        .map(|i| {
+            let (events, receiver) = unbounded_channel();
+            receivers.push(receiver);
+            Sibling {
+                seed: seed.wrapping_add(i),
+                events,
+                finished: None,
+            }
+        })
+        .collect();
     let (admitted, admission) = oneshot::channel();
     let request = Request {
         prompt: checked.prompt,
         max_tokens: checked.max_tokens,
         temperature: checked.temperature,
-        seed: checked.seed.unwrap_or(number),
+        seed,
         stop: checked.stop,
         log_probs: checked.log_probs,
         forced: None,
         events,
         finished: None,
         admitted: Some(admitted),
-        siblings: Vec::new(),
+        siblings,
     };
     let request = if arm == Arm::Int8 && lm.rollout.shadow_this() {
         let (finished, int8) = oneshot::channel();
@@ -602,28 +651,39 @@ fn submit(
         return None;
     }
     lm.rollout.count_answer(arm);
-    Some((receiver, admission))
+    Some((receivers, admission))
 }
 
-/// A streamed answer: SSE events as the engine produces them.
+/// A streamed answer: SSE events as the engine produces them, the
+/// choices' events interleaved as they come.
 async fn streamed(
     meta: Meta,
-    mut receiver: UnboundedReceiver<Event>,
+    receivers: Vec<UnboundedReceiver<Event>>,
     include_usage: bool,
     permit: OwnedSemaphorePermit,
     arm: Arm,
 ) -> Response {
+    let mut events = stream::select_all(receivers.into_iter().enumerate().map(|(index, r)| {
+        stream::unfold(r, |mut r| async move { r.recv().await.map(|e| (e, r)) })
+            .map(move |event| (index, event))
+            .boxed()
+    }));
     // The first event (the prompt's) decides the status: once the
     // stream's headers are out, it can no longer say 500.
-    let Some(first) = receiver.recv().await else {
+    let Some(first) = events.next().await else {
         return worker_stopped();
     };
-    if let Event::Failed(message) = first {
+    if let (_, Event::Failed(message)) = first {
         return server_error(message);
     }
     // The permit travels with the stream: a streaming request counts
     // as in flight until its last event.
-    let stream = sse_stream(meta, first, receiver, include_usage, permit);
+    let stream = sse_stream(
+        meta,
+        stream::once(std::future::ready(first)).chain(events),
+        include_usage,
+        permit,
+    );
     with_arm(Sse::new(stream).into_response(), arm)
 }
 
@@ -638,20 +698,24 @@ struct Completion {
     completion_tokens: usize,
 }
 
-/// A whole answer: the completion in one response object.
+/// A whole answer: every choice's completion in one response object.
 async fn collected(
     mut meta: Meta,
-    mut receiver: UnboundedReceiver<Event>,
+    receivers: Vec<UnboundedReceiver<Event>>,
     permit: OwnedSemaphorePermit,
     arm: Arm,
 ) -> Response {
-    let collected = collect(&mut receiver).await;
-    drop(permit);
-    match collected {
-        Ok(c) => with_arm(axum::Json(meta.full(&c)).into_response(), arm),
-        Err(Some(message)) => server_error(message),
-        Err(None) => worker_stopped(),
+    // The choices run side by side in the engine; this waits for each.
+    let mut completions = Vec::with_capacity(receivers.len());
+    for mut receiver in receivers {
+        match collect(&mut receiver).await {
+            Ok(c) => completions.push(c),
+            Err(Some(message)) => return server_error(message),
+            Err(None) => return worker_stopped(),
+        }
     }
+    drop(permit);
+    with_arm(axum::Json(meta.full(&completions)).into_response(), arm)
 }
 
 /// Reads a request's events to the end: the completion, or the engine's
@@ -710,17 +774,20 @@ struct Meta {
     spelling: Option<Spelling>,
     /// Whether choices give token ids.
     token_ids: bool,
-    /// The prompt's token ids, when asked for and not given yet (a stream
-    /// gives them in its first chunk).
+    /// The prompt's token ids, when asked for.
     prompt_ids: Option<Vec<u32>>,
+    /// Per choice: whether its prompt ids went out (a stream gives them in
+    /// the choice's first chunk).
+    prompt_ids_sent: Vec<bool>,
 }
 
-/// How a request's log-probs are spelled: the served tokenizer, and the
-/// characters of the completion sent so far (`/v1/completions`'
-/// `text_offset` counts on from one streamed chunk to the next).
+/// How a request's log-probs are spelled: the served tokenizer, and per
+/// choice the characters of its completion sent so far
+/// (`/v1/completions`' `text_offset` counts on from one streamed chunk to
+/// the next).
 struct Spelling {
     text: Arc<TextSide>,
-    offset: usize,
+    offsets: Vec<usize>,
 }
 
 fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
@@ -738,6 +805,7 @@ impl Meta {
         model: &str,
         spelling: Option<Arc<TextSide>>,
         prompt_ids: Option<Vec<u32>>,
+        choices: usize,
     ) -> Self {
         Self {
             id: match kind {
@@ -749,88 +817,100 @@ impl Meta {
                 .map_or(0, |d| d.as_secs()),
             model: model.to_owned(),
             kind,
-            spelling: spelling.map(|text| Spelling { text, offset: 0 }),
+            spelling: spelling.map(|text| Spelling {
+                text,
+                offsets: vec![0; choices],
+            }),
             token_ids: prompt_ids.is_some(),
             prompt_ids,
+            prompt_ids_sent: vec![false; choices],
         }
     }
 
-    /// Adds the token ids to `choice` when the request asks for them: the
-    /// completion's `tokens`, and the prompt's if not given yet.
-    fn add_token_ids(&mut self, choice: &mut Value, tokens: &[u32]) {
+    /// Adds the token ids to choice `index` when the request asks for
+    /// them: the completion's `tokens`, and the prompt's if not given yet.
+    fn add_token_ids(&mut self, index: usize, choice: &mut Value, tokens: &[u32]) {
         if !self.token_ids {
             return;
         }
-        if let Some(prompt) = self.prompt_ids.take() {
+        if let Some(prompt) = &self.prompt_ids
+            && !std::mem::replace(&mut self.prompt_ids_sent[index], true)
+        {
             choice["prompt_token_ids"] = json!(prompt);
         }
         choice["token_ids"] = json!(tokens);
     }
 
-    /// The `logprobs` of a choice: `null` unless asked for.
-    fn log_probs(&mut self, entries: &[TokenLogProb]) -> Value {
+    /// The `logprobs` of choice `index`: `null` unless asked for.
+    fn log_probs(&mut self, index: usize, entries: &[TokenLogProb]) -> Value {
         let Some(spelling) = &mut self.spelling else {
             return Value::Null;
         };
         let tokenizer = &spelling.text.tokenizer;
         match self.kind {
-            Kind::Completion => logprobs::legacy(tokenizer, entries, &mut spelling.offset),
+            Kind::Completion => logprobs::legacy(tokenizer, entries, &mut spelling.offsets[index]),
             Kind::Chat => logprobs::chat(tokenizer, entries),
         }
     }
 
-    fn full(&mut self, completion: &Completion) -> Value {
-        let Completion {
-            text,
-            tokens,
-            log_probs,
-            finish,
-            prompt_tokens,
-            completion_tokens,
-        } = completion;
-        let log_probs = self.log_probs(log_probs);
-        let mut choice = match self.kind {
-            Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": log_probs, "finish_reason": finish})
-            }
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": log_probs,
-                "finish_reason": finish,
-            }),
-        };
-        self.add_token_ids(&mut choice, tokens);
+    /// The response to a request whose choices are all complete: OpenAI's
+    /// usage counts the prompt once and every choice's tokens.
+    fn full(&mut self, completions: &[Completion]) -> Value {
+        let mut choices = Vec::with_capacity(completions.len());
+        for (index, completion) in completions.iter().enumerate() {
+            let log_probs = self.log_probs(index, &completion.log_probs);
+            let (text, finish) = (&completion.text, completion.finish);
+            let mut choice = match self.kind {
+                Kind::Completion => json!({
+                    "index": index, "text": text, "logprobs": log_probs, "finish_reason": finish
+                }),
+                Kind::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": log_probs,
+                    "finish_reason": finish,
+                }),
+            };
+            self.add_token_ids(index, &mut choice, &completion.tokens);
+            choices.push(choice);
+        }
+        let prompt_tokens = completions.first().map_or(0, |c| c.prompt_tokens);
+        let completion_tokens = completions.iter().map(|c| c.completion_tokens).sum();
         json!({
             "id": self.id,
             "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion" },
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage(*prompt_tokens, *completion_tokens),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
         })
     }
 
-    /// One streamed chunk: a text piece with its tokens and their
-    /// log-probs, or (with `finish`) the last one.
-    fn chunk(&mut self, piece: Option<&Piece>, finish: Option<FinishReason>) -> Value {
+    /// One streamed chunk of choice `index`: a text piece with its tokens
+    /// and their log-probs, or (with `finish`) the last one.
+    fn chunk(
+        &mut self,
+        index: usize,
+        piece: Option<&Piece>,
+        finish: Option<FinishReason>,
+    ) -> Value {
         let log_probs = match piece {
-            Some(piece) => self.log_probs(&piece.log_probs),
+            Some(piece) => self.log_probs(index, &piece.log_probs),
             None => Value::Null,
         };
         let text = piece.map(|piece| piece.text.as_str());
         let mut choice = match self.kind {
             Kind::Completion => json!({
-                "index": 0, "text": text.unwrap_or(""), "logprobs": log_probs, "finish_reason": finish
+                "index": index, "text": text.unwrap_or(""), "logprobs": log_probs, "finish_reason": finish
             }),
             Kind::Chat => json!({
-                "index": 0,
+                "index": index,
                 "delta": text.map_or(json!({}), |p| json!({"content": p})),
                 "logprobs": log_probs,
                 "finish_reason": finish,
             }),
         };
-        self.add_token_ids(&mut choice, piece.map_or(&[], |p| &p.tokens));
+        self.add_token_ids(index, &mut choice, piece.map_or(&[], |p| &p.tokens));
         self.wrap(vec![choice], None)
     }
 
@@ -849,63 +929,86 @@ impl Meta {
     }
 }
 
-/// The SSE events of one streamed request: (for chat) the assistant role,
-/// every text piece, the finish, (when asked) the usage, then `[DONE]`.
+/// The SSE events of one streamed request: (for chat) each choice's
+/// assistant role, every text piece of every choice as it comes, each
+/// choice's finish, (when asked) the usage once all are finished, then
+/// `[DONE]`.
 fn sse_stream(
     mut meta: Meta,
-    first: Event,
-    receiver: UnboundedReceiver<Event>,
+    events: impl Stream<Item = (usize, Event)> + Send + 'static,
     include_usage: bool,
     permit: OwnedSemaphorePermit,
 ) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
-    let opening = (meta.kind == Kind::Chat).then(|| {
-        let mut role = meta.chunk(None, None);
-        role["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
-        role
-    });
+    let choices = meta.prompt_ids_sent.len();
+    let opening: Vec<Value> = if meta.kind == Kind::Chat {
+        (0..choices)
+            .map(|index| {
+                let mut role = meta.chunk(index, None, None);
+                role["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+                role
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let data = |v: &Value| SseEvent::default().data(v.to_string());
-    let head = stream::iter(opening.map(|v| data(&v)));
-    let events = stream::once(std::future::ready(first))
-        .chain(stream::unfold(receiver, |mut r| async move {
-            r.recv().await.map(|e| (e, r))
-        }))
-        .scan(
-            (meta, Some(permit)),
-            move |(meta, permit), event| {
-                let out: Vec<Value> = match event {
-                    Event::Text {
+    let head = stream::iter(opening.iter().map(data).collect::<Vec<_>>());
+    let progress = Progress {
+        unfinished: choices,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        permit: Some(permit),
+    };
+    let events = events
+        .scan((meta, progress), move |(meta, progress), (index, event)| {
+            let out: Vec<Value> = match event {
+                Event::Text {
+                    text,
+                    tokens,
+                    log_probs,
+                } => vec![meta.chunk(
+                    index,
+                    Some(&Piece {
                         text,
                         tokens,
                         log_probs,
-                    } => vec![meta.chunk(
-                        Some(&Piece {
-                            text,
-                            tokens,
-                            log_probs,
-                        }),
-                        None,
-                    )],
-                    Event::Done {
-                        finish_reason,
-                        prompt_tokens,
-                        completion_tokens,
-                    } => {
-                        permit.take();
-                        let mut out = vec![meta.chunk(None, Some(finish_reason))];
+                    }),
+                    None,
+                )],
+                Event::Done {
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                } => {
+                    progress.unfinished -= 1;
+                    progress.prompt_tokens = prompt_tokens;
+                    progress.completion_tokens += completion_tokens;
+                    let mut out = vec![meta.chunk(index, None, Some(finish_reason))];
+                    if progress.unfinished == 0 {
+                        progress.permit.take();
                         if include_usage {
-                            out.push(meta.wrap(Vec::new(), Some(usage(prompt_tokens, completion_tokens))));
+                            let usage = usage(progress.prompt_tokens, progress.completion_tokens);
+                            out.push(meta.wrap(Vec::new(), Some(usage)));
                         }
-                        out
                     }
-                    Event::Failed(message) => {
-                        permit.take();
-                        vec![json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})]
-                    }
-                };
-                let done = permit.is_none();
-                std::future::ready(Some((out, done)))
-            },
-        )
+                    out
+                }
+                Event::Failed(message) => {
+                    // One failed choice ends the stream.
+                    progress.permit.take();
+                    vec![json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})]
+                }
+            };
+            let done = progress.permit.is_none();
+            std::future::ready(Some((out, done)))
+        })
+        // Nothing after the end (a failure's other choices go on in the
+        // engine until their client, this stream, is dropped).
+        .scan(false, |ended, (out, done)| {
+            let pass = (!*ended).then_some((out, done));
+            *ended |= done;
+            std::future::ready(pass)
+        })
         .flat_map(move |(out, done)| {
             let mut events: Vec<SseEvent> = out.iter().map(data).collect();
             if done {
@@ -914,6 +1017,17 @@ fn sse_stream(
             stream::iter(events)
         });
     head.chain(events).map(Ok)
+}
+
+/// Where a stream's choices stand.
+struct Progress {
+    /// Choices not finished yet.
+    unfinished: usize,
+    prompt_tokens: usize,
+    /// Tokens of the finished choices.
+    completion_tokens: usize,
+    /// Released when the last choice finishes (or one fails).
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 #[cfg(test)]
@@ -950,6 +1064,111 @@ mod tests {
             prompts.extend(choice.get("prompt_token_ids").cloned());
         }
         (tokens, prompts)
+    }
+
+    /// SmolLM2 with every linear layer on the INT8 engine: its steps run on
+    /// the batched decoder, where a sequence's draws do not depend on the
+    /// batch.
+    fn smollm2_int8() -> qforge_model::LanguageModel {
+        let mut lm = smollm2();
+        lm.model = lm
+            .model
+            .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+            .unwrap();
+        lm
+    }
+
+    /// Per choice index of a streamed response: its token ids put
+    /// together, its finish reason, and the usage chunk if any.
+    fn streamed_choices(events: &str) -> (Vec<(Vec<u32>, Value)>, Option<Value>) {
+        let mut choices: Vec<(Vec<u32>, Value)> = Vec::new();
+        let mut usage = None;
+        let mut done = 0;
+        for line in events.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if line == "[DONE]" {
+                done += 1;
+                continue;
+            }
+            let chunk: Value = serde_json::from_str(line).unwrap();
+            if let Some(u) = chunk.get("usage") {
+                usage = Some(u.clone());
+            }
+            for choice in chunk["choices"].as_array().unwrap() {
+                let index = choice["index"].as_u64().unwrap() as usize;
+                if choices.len() <= index {
+                    choices.resize(index + 1, (Vec::new(), Value::Null));
+                }
+                let ids: Vec<u32> =
+                    serde_json::from_value(choice["token_ids"].clone()).unwrap_or_default();
+                choices[index].0.extend(ids);
+                if !choice["finish_reason"].is_null() {
+                    choices[index].1 = choice["finish_reason"].clone();
+                }
+            }
+        }
+        assert_eq!(done, 1, "one [DONE] ends the stream: {events}");
+        (choices, usage)
+    }
+
+    #[test]
+    fn n_choices_share_the_prompt_and_each_is_its_seeds_own_request() {
+        let server = TestServer::serving(smollm2_int8(), options());
+        let request = |n: usize, seed: u64, stream: bool| {
+            json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0,
+                   "seed": seed, "n": n, "return_token_ids": true, "stream": stream,
+                   "logprobs": 1, "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null }})
+        };
+        let (status, all) = post(&server, &request(3, 11, false));
+        assert_eq!(status, 200, "{all}");
+        let choices = all["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3, "{all}");
+        let mut completion_tokens = 0;
+        for (i, choice) in choices.iter().enumerate() {
+            assert_eq!(choice["index"], json!(i));
+            let (_, alone) = post(&server, &request(1, 11 + i as u64, false));
+            let alone = &alone["choices"][0];
+            assert_eq!(choice["token_ids"], alone["token_ids"], "choice {i}");
+            assert_eq!(choice["text"], alone["text"], "choice {i}");
+            assert_eq!(choice["logprobs"], alone["logprobs"], "choice {i}");
+            assert_eq!(choice["prompt_token_ids"], alone["prompt_token_ids"]);
+            completion_tokens += choice["token_ids"].as_array().unwrap().len();
+        }
+        assert!(
+            choices[0]["token_ids"] != choices[1]["token_ids"]
+                || choices[1]["token_ids"] != choices[2]["token_ids"],
+            "three draws at temperature 1 are not all the same: {all}"
+        );
+        let prompt_tokens = choices[0]["prompt_token_ids"].as_array().unwrap().len();
+        assert_eq!(all["usage"]["prompt_tokens"], json!(prompt_tokens));
+        assert_eq!(all["usage"]["completion_tokens"], json!(completion_tokens));
+        // Streamed: every choice's pieces, interleaved, add up to its
+        // collected completion; usage once, after the last finish.
+        let (status, events) =
+            server.request("POST", "/v1/completions", &request(3, 11, true).to_string());
+        assert_eq!(status, 200, "{events}");
+        let (streamed, usage) = streamed_choices(&events);
+        assert_eq!(streamed.len(), 3, "{events}");
+        for (i, (ids, finish)) in streamed.iter().enumerate() {
+            assert_eq!(json!(ids), choices[i]["token_ids"], "choice {i}");
+            assert_eq!(*finish, choices[i]["finish_reason"], "choice {i}");
+        }
+        assert_eq!(usage, Some(all["usage"].clone()), "{events}");
+        // Chat takes n too.
+        let chat = json!({"messages": [{"role": "user", "content": "Say hi"}], "n": 2,
+                          "max_tokens": 4, "seed": 3});
+        let (status, text) = server.request("POST", "/v1/chat/completions", &chat.to_string());
+        assert_eq!(status, 200, "{text}");
+        let chat: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(chat["choices"][1]["index"], json!(1), "{chat}");
+        // Out of range, or more KV than the budget holds: refused by name.
+        for n in [0, 129, 100] {
+            let (status, refused) = post(
+                &server,
+                &json!({"prompt": "hi", "n": n, "max_tokens": 1000}),
+            );
+            assert_eq!(status, 400, "n = {n}: {refused}");
+            assert_eq!(refused["error"]["param"], "n", "n = {n}: {refused}");
+        }
     }
 
     #[test]
