@@ -18,6 +18,9 @@ use crate::UsageError;
 /// The environment variable holding the bearer token clients must send
 /// (kept out of the command line, which other users can read).
 const TOKEN_VARIABLE: &str = "QFORGE_SERVE_TOKEN";
+/// A language model's KV budget without `--kv-budget-tokens`: what fits in
+/// 4 GiB (256 rollouts of 256 positions of SmolLM2-135M take 2.8 GiB).
+const DEFAULT_KV_BYTES: usize = 4 << 30;
 
 /// Arguments of `qforge serve`.
 #[derive(Args)]
@@ -30,15 +33,17 @@ pub struct ServeArgs {
     /// Address to listen on (loopback by default; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: SocketAddr,
-    /// Most observations per batched forward (policies), or sequences per
-    /// decode step (language models).
-    #[arg(long, default_value_t = 32)]
-    max_batch: usize,
+    /// Most observations per batched forward (policies; default 32), or
+    /// sequences per decode step (language models; default 256, an RL
+    /// trainer's rollout batch).
+    #[arg(long)]
+    max_batch: Option<usize>,
     /// Language models: KV-cache positions reserved at once over all
     /// sequences; a request reserves prompt + max_tokens and waits while
-    /// the budget is spent.
-    #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
-    kv_budget_tokens: usize,
+    /// the budget is spent (default: as many positions as 4 GiB holds,
+    /// 93 206 for SmolLM2-135M, 16 384 for Llama-3-8B).
+    #[arg(long, value_name = "TOKENS")]
+    kv_budget_tokens: Option<usize>,
     /// Language models: threads the engine's decode steps run on. One by
     /// default: on 2 cores a second thread gave the INT8 SmolLM2 artifact
     /// nothing (−1 to −2 % tokens/s) for 0.5–0.7 more cores, though the FP32
@@ -185,7 +190,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     };
     let options = ServeOptions {
         addr: args.addr,
-        max_batch: args.max_batch,
+        max_batch: args.max_batch.unwrap_or(32),
         max_wait: Duration::from_secs_f64(args.max_wait_ms / 1000.0),
         max_body_bytes: args.max_body_bytes,
         max_rows: args.max_rows,
@@ -229,26 +234,32 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         eprintln!("qforge serve: FP reference {}", path.display());
     }
     let limits = EngineLimits {
-        max_sequences: args.max_batch,
-        kv_budget_tokens: args.kv_budget_tokens,
+        max_sequences: args.max_batch.unwrap_or(256),
+        // Without the flag, set below from the model's size once it is open.
+        kv_budget_tokens: args.kv_budget_tokens.unwrap_or(0),
         threads: args.engine_threads,
         prefill_threads: args.prefill_threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         }),
         prefill_chunk: args.prefill_chunk,
     };
-    let served = Served::open(
+    let mut served = Served::open(
         &args.model,
         reference.as_deref(),
         args.served_model_name.clone(),
         limits,
     )?;
-    if let Served::Language { name, .. } = &served {
+    if let Served::Language { model, limits, .. } = &mut served
+        && args.kv_budget_tokens.is_none()
+    {
+        limits.kv_budget_tokens = DEFAULT_KV_BYTES / model.model.kv_bytes_per_position();
+    }
+    if let Served::Language { name, limits, .. } = &served {
         eprintln!(
             "qforge serve: {name}: up to {} sequences per step, KV budget {} tokens ({:.0} MiB)",
-            args.max_batch,
-            args.kv_budget_tokens,
-            served.kv_bytes(args.kv_budget_tokens) as f64 / (1 << 20) as f64
+            limits.max_sequences,
+            limits.kv_budget_tokens,
+            served.kv_bytes(limits.kv_budget_tokens) as f64 / (1 << 20) as f64
         );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()

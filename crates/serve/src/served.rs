@@ -61,10 +61,7 @@ impl Served {
     pub fn kv_bytes(&self, tokens: usize) -> usize {
         match self {
             Served::Policy { .. } => 0,
-            Served::Language { model, .. } => {
-                let c = model.model.config();
-                tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
-            }
+            Served::Language { model, .. } => tokens * model.model.kv_bytes_per_position(),
         }
     }
 

@@ -727,6 +727,13 @@ impl Llama {
             .collect()
     }
 
+    /// Bytes one position of one sequence takes in a [`KvCache`]: an f32
+    /// key and value per layer and key/value head.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        let c = &self.config;
+        2 * self.layers.len() * c.num_kv_heads * c.head_dim * std::mem::size_of::<f32>()
+    }
+
     /// An empty KV cache for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache {
