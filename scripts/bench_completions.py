@@ -2,15 +2,15 @@
 as an INT8 artifact (`qforge quantize --activations dynamic --no-method-search`, every
 linear layer INT8 if the guard accepts it) and as its FP32 reference (the GGUF dequantized to f32), side
 by side in one run: each behind its own server on loopback with the serving defaults
-(--max-batch 32, --kv-budget-tokens 8192), both up, measured in turn at each level.
+(256 sequences per step, a KV budget of 4 GiB), both up, measured in turn at each level.
 
 Clients are threads with one keep-alive http.client connection each. Every request is
 one of the 32 arithmetic prompts of fixtures/episodes/arithmetic.jsonl (in turn), sent
 raw (no chat template), temperature 0, max_tokens 32. For each model and each
 concurrency (1, 4, 16 clients) a fixed number of requests is sent plain, then at 1 and
 16 clients streamed (SSE, stream_options.include_usage) for the time to first token;
-then both servers are restarted with --engine-threads 2 (the engine's matrix products on
-two threads instead of the default one) and measured plain at 1 and 16 clients. Generated
+then both servers are restarted with --engine-threads 1 (the engine's decode steps on one
+thread instead of the default, every core) and measured plain at 1 and 16 clients. Generated
 tokens are the responses' usage.completion_tokens. The server's /metrics give the mean
 sequences per decode step and the prefill time; /proc gives the CPU the server, the
 client and everything else used (the last one says whether the figures are noisy).
@@ -40,10 +40,10 @@ MAX_TOKENS = 32
 # (clients, requests): 32 requests = each prompt once.
 LEVELS = [(1, 32), (4, 64), (16, 128)]
 # Passes: the servers' extra arguments, then (streamed, levels) in order. The second
-# pass restarts both servers with the engine's products on two threads.
+# pass restarts both servers with the engine's decode steps on one thread.
 PASSES = [
     ("default", [], [(False, LEVELS), (True, [(1, 32), (16, 128)])]),
-    ("--engine-threads 2", ["--engine-threads", "2"], [(False, [(1, 32), (16, 128)])]),
+    ("--engine-threads 1", ["--engine-threads", "1"], [(False, [(1, 32), (16, 128)])]),
 ]
 QUANTIZE = [QFORGE, "quantize", "--model", GGUF, "--data", DATA, "--samples", "32",
             "--activations", "dynamic", "--eval-data", "fixtures/text/eval.txt", "--ctx", "128",

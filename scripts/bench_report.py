@@ -237,14 +237,13 @@ def completions_section():
                            for m, n, x, c0, c1 in changes)
         gained = [f"{m} at {plural(n)}" for m, n, x, _, _ in changes if x > 0.03]
         int8_gained = any(m == a for m, n, x, _, _ in changes if x > 0.03)
-        print(f"- Threads: with `{config}` (the engine's matrix products on two threads instead "
-              f"of the default one) tokens/s change by {listed}. "
+        print(f"- Threads: with `{config}` (the engine's decode steps on one thread instead "
+              f"of every core, the default) tokens/s change by {listed}. "
               + (f"Gaining: {', '.join(gained)}. " if gained else "Nothing gains. ")
-              + ("The INT8 artifact gains too, so the default of one thread should be revisited"
-                 if int8_gained else
-                 "The INT8 artifact does not gain while its server takes more CPU, so one "
-                 "thread is the default: on 2 cores the second one serves the HTTP side")
-              + f" (INT8 / FP32 with two threads: {ratios(config, False)}).")
+              + ("The INT8 artifact gains on one thread, so the default of every core should "
+                 "be revisited" if int8_gained else
+                 "The INT8 artifact loses on one thread, so every core is the default")
+              + f" (INT8 / FP32 on one thread: {ratios(config, False)}).")
     if growth:
         listed = "; ".join(f"{model}{'' if config == cfg else f' ({config})'}: {y0:.1f} ms at "
                            f"{x0:.1f} → {y1:.1f} ms at {x1:.1f} sequences, {slope:.1f} ms per "

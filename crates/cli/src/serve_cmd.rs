@@ -44,12 +44,12 @@ pub struct ServeArgs {
     /// 93 206 for SmolLM2-135M, 16 384 for Llama-3-8B).
     #[arg(long, value_name = "TOKENS")]
     kv_budget_tokens: Option<usize>,
-    /// Language models: threads the engine's decode steps run on. One by
-    /// default: on 2 cores a second thread gave the INT8 SmolLM2 artifact
-    /// nothing (−1 to −2 % tokens/s) for 0.5–0.7 more cores, though the FP32
-    /// model gained 34 % at 16 clients (BENCHMARKS.md).
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    engine_threads: usize,
+    /// Language models: threads the engine's decode steps run on (default:
+    /// every core). The batched INT8 step splits every layer over them: on
+    /// 2 cores, two threads served 1.4–1.8× one thread's tokens/s at 16 to
+    /// 256 concurrent rollouts (BENCHMARKS.md).
+    #[arg(long, value_name = "N")]
+    engine_threads: Option<usize>,
     /// Language models: threads a prompt's prefill runs on (default: every
     /// core). Prefill is compute-bound: a 4 056-token prompt of the INT8
     /// SmolLM2 prefilled at 293 tokens/s on one thread and 451–498 on two.
@@ -233,14 +233,13 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     if let Some(path) = &reference {
         eprintln!("qforge serve: FP reference {}", path.display());
     }
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let limits = EngineLimits {
         max_sequences: args.max_batch.unwrap_or(256),
         // Without the flag, set below from the model's size once it is open.
         kv_budget_tokens: args.kv_budget_tokens.unwrap_or(0),
-        threads: args.engine_threads,
-        prefill_threads: args.prefill_threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-        }),
+        threads: args.engine_threads.unwrap_or(cores),
+        prefill_threads: args.prefill_threads.unwrap_or(cores),
         prefill_chunk: args.prefill_chunk,
     };
     let mut served = Served::open(
