@@ -102,7 +102,7 @@ def completions_section():
           f"here, quantization included). Machine: {cores} cores, shared by the servers and the "
           "load generator (Python threads, one keep-alive `http.client` connection each). "
           "Each model has its own `qforge serve --model M --addr 127.0.0.1:0` with the "
-          "defaults (`--max-batch 32` sequences per decode step, `--kv-budget-tokens 8192`); "
+          "defaults (256 sequences per decode step, a KV budget of 4 GiB, the engine on every core); "
           "the INT8 artifact and the FP32 reference (the GGUF dequantized to f32) are both up "
           "and measured in turn at each level, in the same run. Requests: the "
           f"{bench['prompts']} arithmetic prompts of `fixtures/episodes/arithmetic.jsonl` in "
