@@ -101,9 +101,10 @@ class Engine:
         self.stop()
         self.port, self.concurrency = free_port(), concurrency
         env = dict(os.environ, **(self.env or {}))
+        log_file = open(f"target/bench-rollouts-{self.name}.log", "w")
         self.process = subprocess.Popen(
             self.command(self.port, concurrency), env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=open(f"target/bench-rollouts-{self.name}.log", "w"))
+            stdout=log_file, stderr=subprocess.STDOUT)
         wait_ready(self.port, self.process, self.name, self.ready_s)
         request(self.port, prompts(1, "warm-up")[0], 0, 1)
 
@@ -145,16 +146,21 @@ def request(port, prompt, seed, n, conn=None):
 def load(engine, jobs, clients):
     """Sends `jobs` [(prompt, seed, n)] from `clients` threads, each taking the next job
     when its last one is answered. Returns the row's figures."""
-    results, lock, queue = [], threading.Lock(), list(reversed(jobs))
+    results, failures, lock, queue = [], [], threading.Lock(), list(reversed(jobs))
 
     def client():
         conn = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=HTTP_TIMEOUT_S)
         while True:
             with lock:
-                if not queue:
+                if not queue or failures:
                     break
                 prompt, seed, n = queue.pop()
-            outcome = request(engine.port, prompt, seed, n, conn)
+            try:
+                outcome = request(engine.port, prompt, seed, n, conn)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - reported below
+                with lock:
+                    failures.append(f"{type(e).__name__}: {e}")
+                break
             with lock:
                 results.append(outcome)
         conn.close()
@@ -167,6 +173,9 @@ def load(engine, jobs, clients):
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
+    if failures:
+        raise SystemExit(f"{engine.name}: {len(failures)} clients failed, the first with "
+                         f"{failures[0]}")
     after = cpu_seconds(engine.process.pid)
     latencies = [r[0] for r in results]
     tokens = sum(r[1] for r in results)

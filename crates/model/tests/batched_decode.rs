@@ -1,7 +1,9 @@
 //! The INT8 decoder's batched step: a sequence's logits are the same bits
 //! whether it steps alone or among others at other lengths, on any number
 //! of threads, on both of the projector's splits (by inputs up to 16 rows,
-//! by rows beyond) and with online rotations.
+//! by rows beyond) and with online rotations; and a prompt fed in chunks,
+//! beside other sequences' decode tokens, gives the tensor forward's
+//! prefill bit for bit.
 
 use std::path::PathBuf;
 
@@ -120,4 +122,77 @@ fn a_batched_step_refuses_what_it_cannot_step() {
     assert_eq!(full.capacity(), 0);
     decoder.step(&model, &mut [&mut full], &[5], None).unwrap();
     assert_eq!(full.len(), 1);
+}
+
+#[test]
+fn prompts_in_chunks_beside_decode_tokens_prefill_as_the_tensor_forward_does() {
+    let model = int8(&smollm2());
+    let vocab = model.config().vocab_size;
+    let mut decoder = Decoder::new(2).unwrap();
+    // Two prompts of 23 and 9 tokens, fed in chunks of at most 8, in passes
+    // shared with two sequences that decode a token each pass.
+    let prompts: Vec<Vec<u32>> = [23u32, 9]
+        .iter()
+        .map(|&len| (0..len).map(|i| 200 + (i * 53 + len) % 30_000).collect())
+        .collect();
+    let mut decoding = prefilled(&model, 2);
+    let mut filling = vec![model.new_cache(), model.new_cache()];
+    let mut last = vec![Vec::new(); 2];
+    let mut step = 0u32;
+    while filling.iter().zip(&prompts).any(|(c, p)| c.len() < p.len()) {
+        let mut caches: Vec<&mut KvCache> = Vec::new();
+        let (mut tokens, mut lengths, mut fed) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, (cache, prompt)) in filling.iter_mut().zip(&prompts).enumerate() {
+            let take = (prompt.len() - cache.len()).min(8);
+            if take > 0 {
+                tokens.extend_from_slice(&prompt[cache.len()..cache.len() + take]);
+                lengths.push(take);
+                fed.push(s);
+                caches.push(cache);
+            }
+        }
+        for cache in decoding.iter_mut() {
+            tokens.push(7 + step);
+            lengths.push(1);
+            caches.push(cache);
+        }
+        let logits = decoder
+            .step_chunks(&model, &mut caches, &tokens, &lengths, None)
+            .unwrap();
+        for (row, &s) in fed.iter().enumerate() {
+            last[s] = logits[row * vocab..(row + 1) * vocab].to_vec();
+        }
+        step += 1;
+    }
+    for (s, prompt) in prompts.iter().enumerate() {
+        let mut reference = model.new_cache();
+        let expected = model
+            .forward(
+                std::slice::from_ref(prompt),
+                Some(&mut reference),
+                None,
+                Logits::Last,
+            )
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(last[s] == expected, "prompt {s}: its last logits differ");
+        // The caches hold the same keys and values: the next step agrees.
+        let token = [11u32];
+        let a = decoder
+            .step(&model, &mut [&mut filling[s]], &token, None)
+            .unwrap()
+            .to_vec();
+        let b = decoder
+            .step(&model, &mut [&mut reference], &token, None)
+            .unwrap();
+        assert!(a == b, "prompt {s}: the step after the prefill differs");
+    }
+    let message = decoder
+        .step_chunks(&model, &mut [&mut filling[0]], &[1, 2], &[3], None)
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains("chunks of [3] tokens"), "{message}");
 }

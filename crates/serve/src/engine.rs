@@ -598,8 +598,12 @@ impl Scheduler<'_> {
             .queue_depth
             .dec_by((before - self.waiting.len()) as i64);
         self.admit();
-        self.prefill();
-        self.step();
+        if Decoder::supports(&self.lm.model) {
+            self.advance();
+        } else {
+            self.prefill();
+            self.step();
+        }
     }
 
     /// Starts waiting requests, oldest first, while the budget allows and
@@ -698,17 +702,131 @@ impl Scheduler<'_> {
         if sequence.request.events.is_closed() {
             return;
         }
-        match sequence.draw(logits) {
-            Ok(token) => {
-                sequence.next = token;
-                if !self.accept(&mut sequence, token) {
-                    self.running.push(sequence);
+        let drawn = sequence.draw(logits);
+        self.take_draws(vec![sequence], vec![drawn]);
+    }
+
+    /// Takes each sequence's drawn token (sending its text, or its
+    /// failure); those not finished join the decode batch.
+    fn take_draws(&mut self, sequences: Vec<Sequence>, drawn: Vec<qforge_model::Result<u32>>) {
+        for (mut sequence, token) in sequences.into_iter().zip(drawn) {
+            let finished = match token {
+                Ok(token) => {
+                    sequence.next = token;
+                    self.accept(&mut sequence, token)
                 }
-            }
-            Err(e) => {
-                let _ = sequence.request.events.send(Event::Failed(e.to_string()));
+                Err(e) => {
+                    let _ = sequence.request.events.send(Event::Failed(e.to_string()));
+                    true
+                }
+            };
+            if !finished {
+                self.running.push(sequence);
             }
         }
+    }
+
+    /// One pass of the batched INT8 decoder for everything in flight: the
+    /// next prompt chunks of the sequences in prefill (at most
+    /// `prefill_chunk` tokens over all of them, the front first, as
+    /// [`Self::prefill`] gives them) and one token of every running
+    /// sequence, so the weights are read once for both. A sequence whose
+    /// prompt is then all in draws its first token (its siblings fork) and
+    /// decodes from the next pass on.
+    fn advance(&mut self) {
+        let before = self.prefilling.len();
+        self.prefilling.retain(|s| !s.request.abandoned());
+        self.metrics
+            .cancelled_prefills
+            .inc_by((before - self.prefilling.len()) as u64);
+        // Clients that hung up free their place now.
+        self.running.retain(|s| !s.request.events.is_closed());
+        let mut filling = Vec::new();
+        let mut budget = self.limits.prefill_chunk.max(1);
+        while budget > 0
+            && let Some(sequence) = self.prefilling.pop_front()
+        {
+            let take = (sequence.request.prompt.len() - sequence.prefilled).min(budget);
+            budget -= take;
+            filling.push((sequence, take));
+        }
+        if filling.is_empty() && self.running.is_empty() {
+            self.publish();
+            return;
+        }
+        let mut tokens = Vec::new();
+        let mut lengths = Vec::with_capacity(filling.len() + self.running.len());
+        for (sequence, take) in &filling {
+            let start = sequence.prefilled;
+            tokens.extend_from_slice(&sequence.request.prompt[start..start + take]);
+            lengths.push(*take);
+        }
+        tokens.extend(self.running.iter().map(|s| s.next));
+        lengths.extend(std::iter::repeat_n(1, self.running.len()));
+        if !self.running.is_empty() {
+            self.metrics.batch_rows.observe(self.running.len() as f64);
+        }
+        let mut running = std::mem::take(&mut self.running);
+        let (lm, metrics, decoder) = (&self.lm, self.metrics, &mut self.decoder);
+        let observer = DriftMonitor::observer_for_next(self.monitor.as_mut());
+        let mut caches: Vec<&mut KvCache> = filling
+            .iter_mut()
+            .map(|(s, _)| &mut s.cache)
+            .chain(running.iter_mut().map(|s| &mut s.cache))
+            .collect();
+        let (rows, chunks) = (&tokens, &lengths);
+        let passed = caught(metrics, "this engine step", move || {
+            decoder
+                .step_chunks(&lm.model, &mut caches, rows, chunks, observer)
+                .map_err(|e| e.to_string())
+        });
+        let logits = match passed {
+            Ok(logits) => logits,
+            // The sequences go, and their caches (which a panic may have
+            // left half-written) with them.
+            Err(message) => {
+                for (sequence, _) in filling {
+                    sequence.request.fail(&message);
+                }
+                for sequence in running {
+                    let _ = sequence.request.events.send(Event::Failed(message.clone()));
+                }
+                self.publish();
+                return;
+            }
+        };
+        let vocab = logits.len() / lengths.len();
+        let (prompt_rows, decode_rows) = logits.split_at(filling.len() * vocab);
+        // Every draw reads its own row with its own sampler: in parallel.
+        let drawn: Vec<_> = running
+            .par_iter_mut()
+            .zip(decode_rows.par_chunks_exact(vocab))
+            .map(|(sequence, row)| sequence.draw(row))
+            .collect();
+        let mut starting = Vec::new();
+        let mut first_draws = Vec::new();
+        for ((mut sequence, take), row) in filling.into_iter().zip(prompt_rows.chunks_exact(vocab))
+        {
+            sequence.prefilled += take;
+            metrics.prompt_tokens.inc_by(take as u64);
+            if sequence.prefilled < sequence.request.prompt.len() {
+                self.prefilling.push_back(sequence);
+                continue;
+            }
+            metrics
+                .time_to_first_token
+                .observe(sequence.started.elapsed().as_secs_f64());
+            let siblings = sequence.fork();
+            for mut sample in std::iter::once(sequence).chain(siblings) {
+                if !sample.request.events.is_closed() {
+                    first_draws.push(sample.draw(row));
+                    starting.push(sample);
+                }
+            }
+        }
+        self.take_draws(running, drawn);
+        self.take_draws(starting, first_draws);
+        self.publish();
     }
 
     /// Runs the next `take` prompt tokens of `sequence` into its cache;
@@ -758,7 +876,9 @@ impl Scheduler<'_> {
         Ok(first)
     }
 
-    /// Advances every running sequence by one token.
+    /// Advances every running sequence by one token through the tensor
+    /// forward (a model with FP layers; an all-INT8 one runs
+    /// [`Self::advance`]).
     fn step(&mut self) {
         if self.running.is_empty() {
             return;
@@ -774,26 +894,14 @@ impl Scheduler<'_> {
         let mut running = std::mem::take(&mut self.running);
         let lm = &self.lm;
         let metrics = self.metrics;
-        let decoder = &mut self.decoder;
-        let mut tensor_logits = Vec::new();
         let logits = {
             let observer = DriftMonitor::observer_for_next(self.monitor.as_mut());
             let mut caches: Vec<&mut KvCache> = running.iter_mut().map(|s| &mut s.cache).collect();
-            let tensor_logits = &mut tensor_logits;
-            caught(metrics, "this decode step", move || {
-                // An all-INT8 model steps on the batched decoder, others
-                // through the tensor forward.
-                if Decoder::supports(&lm.model) {
-                    return decoder
-                        .step(&lm.model, &mut caches, &tokens, observer)
-                        .map_err(|e| e.to_string());
-                }
-                *tensor_logits = lm
-                    .model
+            caught(metrics, "this decode step", || {
+                lm.model
                     .step(&mut caches, &tokens, observer)
                     .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
-                    .map_err(|e| e.to_string())?;
-                Ok(&tensor_logits[..])
+                    .map_err(|e| e.to_string())
             })
         };
         let drawn = logits.map(|logits| {
@@ -808,23 +916,7 @@ impl Scheduler<'_> {
                 .collect::<Vec<_>>()
         });
         match drawn {
-            Ok(drawn) => {
-                for (mut sequence, token) in running.into_iter().zip(drawn) {
-                    let finished = match token {
-                        Ok(token) => {
-                            sequence.next = token;
-                            self.accept(&mut sequence, token)
-                        }
-                        Err(e) => {
-                            let _ = sequence.request.events.send(Event::Failed(e.to_string()));
-                            true
-                        }
-                    };
-                    if !finished {
-                        self.running.push(sequence);
-                    }
-                }
-            }
+            Ok(drawn) => self.take_draws(running, drawn),
             // The sequences go, and their caches (which a panic may have
             // left half-written) with them.
             Err(message) => {

@@ -1172,6 +1172,28 @@ mod tests {
     }
 
     #[test]
+    fn a_client_hanging_up_mid_stream_frees_its_sequences_and_kv() {
+        let server = TestServer::serving(smollm2_int8(), options());
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 200, "temperature": 1.0,
+                          "n": 2, "stream": true, "seed": 1});
+        let stream = server.stream_opened("/v1/completions", &body.to_string());
+        // Both choices run, each holding prompt + 200 positions of KV.
+        server.wait_for_metric("qforge_running_sequences", 2.0);
+        server.wait_for_metric("qforge_kv_reserved_tokens", 400.0);
+        drop(stream);
+        server.wait_for_metric_to_fall("qforge_running_sequences", 0.0);
+        server.wait_for_metric_to_fall("qforge_kv_reserved_tokens", 0.0);
+        // Neither choice finished (seed 1's draws run far past the hang-up
+        // without an end of sequence): they were dropped.
+        let generated = server.metric("qforge_generated_tokens_total").unwrap();
+        assert!(generated < 380.0, "{generated} tokens generated");
+        assert_eq!(
+            server.metric("qforge_completion_duration_seconds_count"),
+            Some(0.0)
+        );
+    }
+
+    #[test]
     fn a_prompt_of_token_ids_completes_as_its_text_does() {
         let lm = smollm2();
         let text = "The capital of France is";

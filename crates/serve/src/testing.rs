@@ -206,6 +206,43 @@ impl TestServer {
         }
     }
 
+    /// Waits until `/metrics` shows `name` at `value` or less.
+    pub(crate) fn wait_for_metric_to_fall(&self, name: &str, value: f64) {
+        let deadline = Instant::now() + DEADLINE;
+        while self.metric(name).is_none_or(|v| v > value) {
+            assert!(Instant::now() < deadline, "{name} never fell to {value}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends `body` to `target` as a streamed request and returns the
+    /// connection once the first chunk of events has arrived, to be read on
+    /// or dropped (a client hanging up).
+    pub(crate) fn stream_opened(&self, target: &str, body: &str) -> TcpStream {
+        let mut stream = TcpStream::connect(self.addr).expect("connect");
+        stream
+            .set_read_timeout(Some(DEADLINE))
+            .expect("a read timeout");
+        write!(
+            stream,
+            "POST {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        let mut seen = Vec::new();
+        let mut buffer = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("data: ") {
+            let read = stream.read(&mut buffer).expect("the stream's first events");
+            assert!(
+                read > 0,
+                "the server closed the stream: {}",
+                String::from_utf8_lossy(&seen)
+            );
+            seen.extend_from_slice(&buffer[..read]);
+        }
+        stream
+    }
+
     /// Waits until `target` answers `status`.
     pub(crate) fn wait_for_status(&self, target: &str, status: u16) {
         let deadline = Instant::now() + DEADLINE;

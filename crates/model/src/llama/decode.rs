@@ -286,8 +286,14 @@ struct Buffers {
     up: Vec<f32>,
     out: Vec<f32>,
     logits: Vec<f32>,
-    /// Each row's position (its cache's length).
+    /// Each row's position in its sequence.
     positions: Vec<usize>,
+    /// Each row's sequence.
+    sequences: Vec<usize>,
+    /// Each sequence's first row.
+    first_rows: Vec<usize>,
+    /// The final norm's output at each sequence's last row.
+    last: Vec<f32>,
 }
 
 /// Sizes `buffer` to `len` values, allocating only to grow.
@@ -347,15 +353,57 @@ impl Decoder {
         model: &Llama,
         caches: &mut [&mut KvCache],
         tokens: &[u32],
+        observer: Option<&mut dyn Observer>,
+    ) -> Result<&[f32]> {
+        if tokens.len() != caches.len() {
+            return Err(Error::Shape(format!(
+                "a step needs one token per sequence: {} tokens for {} caches",
+                tokens.len(),
+                caches.len()
+            )));
+        }
+        self.advance(model, caches, tokens, Chunks::One, observer)
+    }
+
+    /// Feeds each sequence a chunk of tokens, in one pass: sequence `i`
+    /// (cached in `caches[i]`) takes the next `lengths[i]` tokens of `tokens`
+    /// (the chunks in turn) at its next positions, each attending its own
+    /// cache up to itself, as a prefill does. Returns the logits of each
+    /// chunk's last position, `[n, vocab]`. Prompt chunks and decode tokens
+    /// (chunks of one) share the pass, so the weights are read once for all.
+    pub fn step_chunks(
+        &mut self,
+        model: &Llama,
+        caches: &mut [&mut KvCache],
+        tokens: &[u32],
+        lengths: &[usize],
+        observer: Option<&mut dyn Observer>,
+    ) -> Result<&[f32]> {
+        if lengths.len() != caches.len()
+            || lengths.contains(&0)
+            || lengths.iter().sum::<usize>() != tokens.len()
+        {
+            return Err(Error::Shape(format!(
+                "chunks of {lengths:?} tokens (at least one each) for {} caches and {} tokens",
+                caches.len(),
+                tokens.len()
+            )));
+        }
+        self.advance(model, caches, tokens, Chunks::Given(lengths), observer)
+    }
+
+    fn advance(
+        &mut self,
+        model: &Llama,
+        caches: &mut [&mut KvCache],
+        tokens: &[u32],
+        chunks: Chunks<'_>,
         mut observer: Option<&mut dyn Observer>,
     ) -> Result<&[f32]> {
         let c = model.config();
-        let n = tokens.len();
-        if n == 0 || caches.len() != n {
-            return Err(Error::Shape(format!(
-                "a step needs one token per sequence: {n} tokens for {} caches",
-                caches.len()
-            )));
+        let (n, rows) = (caches.len(), tokens.len());
+        if n == 0 {
+            return Err(Error::Shape("a step needs at least one sequence".into()));
         }
         if !Self::supports(model) {
             return Err(Error::Unsupported(
@@ -364,25 +412,41 @@ impl Decoder {
             ));
         }
         model.check_vocabulary(tokens)?;
-        if let Some(longest) = caches.iter().map(|k| k.len + 1).max() {
+        let length = |s: usize| match chunks {
+            Chunks::One => 1,
+            Chunks::Given(lengths) => lengths[s],
+        };
+        if let Some(longest) = caches
+            .iter()
+            .enumerate()
+            .map(|(s, k)| k.len + length(s))
+            .max()
+        {
             model.check_positions(longest)?;
         }
-        for cache in caches.iter_mut() {
+        for (s, cache) in caches.iter_mut().enumerate() {
             model.check_cache(cache)?;
-            if cache.len + 1 > cache.capacity {
-                cache.grow_to((cache.len + 1).max(2 * cache.capacity));
+            let needed = cache.len + length(s);
+            if needed > cache.capacity {
+                cache.grow_to(needed.max(2 * cache.capacity));
             }
+        }
+        let b = &mut self.buffers;
+        b.positions.clear();
+        b.sequences.clear();
+        b.first_rows.clear();
+        for (s, cache) in caches.iter().enumerate() {
+            b.first_rows.push(b.positions.len());
+            b.positions.extend(cache.len..cache.len + length(s));
+            b.sequences.extend(std::iter::repeat_n(s, length(s)));
         }
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
         let eps = c.rms_norm_eps as f32;
-        let b = &mut self.buffers;
-        b.positions.clear();
-        b.positions.extend(caches.iter().map(|k| k.len));
         {
             let table = F32View::of(&model.embed_tokens)?;
             let table = table.values()?;
-            for (row, &token) in fit(&mut b.x, n * d).chunks_exact_mut(d).zip(tokens) {
+            for (row, &token) in fit(&mut b.x, rows * d).chunks_exact_mut(d).zip(tokens) {
                 let at = token as usize * d;
                 row.copy_from_slice(&table[at..at + d]);
             }
@@ -394,14 +458,14 @@ impl Decoder {
             half: hd / 2,
         };
         let rotations = &model.rotations;
-        fit(&mut b.h, n * d);
-        fit(&mut b.out, n * d);
-        fit(&mut b.q, n * heads * hd);
-        fit(&mut b.k, n * kv_heads * hd);
-        fit(&mut b.v, n * kv_heads * hd);
-        fit(&mut b.attended, n * heads * hd);
-        fit(&mut b.gate, n * c.intermediate_size);
-        fit(&mut b.up, n * c.intermediate_size);
+        fit(&mut b.h, rows * d);
+        fit(&mut b.out, rows * d);
+        fit(&mut b.q, rows * heads * hd);
+        fit(&mut b.k, rows * kv_heads * hd);
+        fit(&mut b.v, rows * kv_heads * hd);
+        fit(&mut b.attended, rows * heads * hd);
+        fit(&mut b.gate, rows * c.intermediate_size);
+        fit(&mut b.up, rows * c.intermediate_size);
         let mut residual_pending = false;
         for (i, layer) in model.layers.iter().enumerate() {
             let int8 = Int8Layer::of(layer).expect("checked by supports");
@@ -409,7 +473,7 @@ impl Decoder {
             normalize(
                 &mut self.projector.team,
                 NormPass {
-                    n,
+                    rows,
                     eps,
                     weight: norm.values()?,
                     rotations,
@@ -421,13 +485,22 @@ impl Decoder {
             )?;
             observe(&mut observer, i, "self_attn.q_proj", &b.h, d)?;
             self.projector.project(
-                n,
+                rows,
                 &b.h,
                 &[int8.q, int8.k, int8.v],
                 &mut [&mut b.q, &mut b.k, &mut b.v],
             )?;
             let team = &mut self.projector.team;
-            store(team, i, rope, &b.positions, &b.k, &b.v, caches);
+            store(
+                team,
+                i,
+                rope,
+                &b.positions,
+                &b.first_rows,
+                &b.k,
+                &b.v,
+                caches,
+            );
             let shape = AttentionShape {
                 heads,
                 group: heads / kv_heads,
@@ -439,7 +512,7 @@ impl Decoder {
                 i,
                 shape,
                 rope,
-                &b.positions,
+                (&b.sequences, &b.positions),
                 &b.q,
                 caches,
                 &mut b.attended,
@@ -448,7 +521,7 @@ impl Decoder {
                 team,
                 rotations,
                 RotatedInput::AttentionOutput,
-                n,
+                rows,
                 &mut b.attended,
             )?;
             observe(
@@ -459,12 +532,12 @@ impl Decoder {
                 heads * hd,
             )?;
             self.projector
-                .project(n, &b.attended, &[int8.o], &mut [&mut b.out])?;
+                .project(rows, &b.attended, &[int8.o], &mut [&mut b.out])?;
             let norm = F32View::of(&layer.post_attention_norm)?;
             normalize(
                 &mut self.projector.team,
                 NormPass {
-                    n,
+                    rows,
                     eps,
                     weight: norm.values()?,
                     rotations,
@@ -476,12 +549,18 @@ impl Decoder {
             )?;
             observe(&mut observer, i, "mlp.gate_proj", &b.h, d)?;
             self.projector.project(
-                n,
+                rows,
                 &b.h,
                 &[int8.gate, int8.up],
                 &mut [&mut b.gate, &mut b.up],
             )?;
-            swiglu(&mut self.projector.team, rotations, n, &mut b.gate, &b.up)?;
+            swiglu(
+                &mut self.projector.team,
+                rotations,
+                rows,
+                &mut b.gate,
+                &b.up,
+            )?;
             observe(
                 &mut observer,
                 i,
@@ -490,14 +569,14 @@ impl Decoder {
                 c.intermediate_size,
             )?;
             self.projector
-                .project(n, &b.gate, &[int8.down], &mut [&mut b.out])?;
+                .project(rows, &b.gate, &[int8.down], &mut [&mut b.out])?;
             residual_pending = true;
         }
         let norm = F32View::of(&model.norm)?;
         normalize(
             &mut self.projector.team,
             NormPass {
-                n,
+                rows,
                 eps,
                 weight: norm.values()?,
                 rotations,
@@ -508,16 +587,32 @@ impl Decoder {
             &mut b.h,
         )?;
         if let Some(observer) = observer {
-            observer.observe("lm_head", &b.h[..n * d], d)?;
+            observer.observe("lm_head", &b.h, d)?;
+        }
+        // Logits at each chunk's last position only.
+        b.last.clear();
+        for (s, &first) in b.first_rows.iter().enumerate() {
+            let row = first + length(s) - 1;
+            b.last.extend_from_slice(&b.h[row * d..(row + 1) * d]);
         }
         let lm_head = int8(&model.lm_head).expect("checked by supports");
         let logits = fit(&mut b.logits, n * c.vocab_size);
-        self.projector.project(n, &b.h, &[lm_head], &mut [logits])?;
-        for cache in caches.iter_mut() {
-            cache.len += 1;
+        self.projector
+            .project(n, &b.last, &[lm_head], &mut [logits])?;
+        for (s, cache) in caches.iter_mut().enumerate() {
+            cache.len += length(s);
         }
         Ok(&b.logits[..n * c.vocab_size])
     }
+}
+
+/// How many tokens each sequence of a pass takes.
+#[derive(Clone, Copy)]
+enum Chunks<'a> {
+    /// One each (a decode step).
+    One,
+    /// `lengths[i]` for sequence `i`.
+    Given(&'a [usize]),
 }
 
 /// Hands layer `i`'s input `point` (`rows` of `width` values) to `observer`.
@@ -558,7 +653,7 @@ impl Rope<'_> {
 
 /// One RMSNorm pass over a batch's residual rows.
 struct NormPass<'a> {
-    n: usize,
+    rows: usize,
     eps: f32,
     weight: &'a [f32],
     rotations: &'a Rotations,
@@ -575,8 +670,8 @@ fn normalize(team: &mut Team, pass: NormPass<'_>, x: &mut [f32], h: &mut [f32]) 
     let failure = std::sync::OnceLock::new();
     let rotation = pass.rotations.get(pass.input);
     team.run_rows(
-        pass.n,
-        [&mut x[..pass.n * d], &mut h[..pass.n * d]],
+        pass.rows,
+        [&mut x[..pass.rows * d], &mut h[..pass.rows * d]],
         |rows, [x, h]| {
             if let Some(add) = pass.add {
                 for (a, &b) in x.iter_mut().zip(&add[rows.start * d..rows.end * d]) {
@@ -644,35 +739,42 @@ fn swiglu(
     rotate_rows(team, rotations, RotatedInput::MlpProduct, n, gate)
 }
 
-/// Writes each sequence's keys (rotated for its position) and values into
-/// its cache at layer `layer`, position `positions[row]`; in parallel over
-/// sequences.
+/// Writes every row's keys (rotated for its position) and values into its
+/// sequence's cache at layer `layer`, position `positions[row]`; sequence
+/// `s`'s rows start at `first_rows[s]` and run to the next sequence's. In
+/// parallel over sequences.
+#[allow(clippy::too_many_arguments)]
 fn store(
     team: &mut Team,
     layer: usize,
     rope: Rope<'_>,
     positions: &[usize],
+    first_rows: &[usize],
     keys: &[f32],
     values: &[f32],
     caches: &mut [&mut KvCache],
 ) {
     let n = caches.len();
-    let width = keys.len() / n;
-    team.run_rows(n, [caches], |rows, [caches]| {
-        for (row, cache) in rows.zip(caches.iter_mut()) {
-            let position = positions[row];
+    let width = keys.len() / positions.len();
+    team.run_rows(n, [caches], |sequences, [caches]| {
+        for (s, cache) in sequences.zip(caches.iter_mut()) {
+            let end = first_rows.get(s + 1).copied().unwrap_or(positions.len());
             let (capacity, hd) = (cache.capacity, cache.head_dim);
-            let at = row * width..(row + 1) * width;
             let cached = &mut cache.layers[layer];
-            let heads = keys[at.clone()]
-                .chunks_exact(hd)
-                .zip(values[at].chunks_exact(hd));
-            for (head, (key, value)) in heads.enumerate() {
-                let slot = (head * capacity + position) * hd..(head * capacity + position + 1) * hd;
-                let cached_key = &mut cached.keys[slot.clone()];
-                cached_key.copy_from_slice(key);
-                rope.apply(cached_key, position);
-                cached.values[slot].copy_from_slice(value);
+            for row in first_rows[s]..end {
+                let position = positions[row];
+                let at = row * width..(row + 1) * width;
+                let heads = keys[at.clone()]
+                    .chunks_exact(hd)
+                    .zip(values[at].chunks_exact(hd));
+                for (head, (key, value)) in heads.enumerate() {
+                    let slot =
+                        (head * capacity + position) * hd..(head * capacity + position + 1) * hd;
+                    let cached_key = &mut cached.keys[slot.clone()];
+                    cached_key.copy_from_slice(key);
+                    rope.apply(cached_key, position);
+                    cached.values[slot].copy_from_slice(value);
+                }
             }
         }
     });
@@ -690,23 +792,23 @@ struct AttentionShape {
     scale: f32,
 }
 
-/// Attention of every sequence's query heads (`q`, rotated here for each
-/// row's position) over its cache's positions up to and including its new
-/// one, into `out`.
+/// Attention of every row's query heads (`q`, rotated here for the row's
+/// position) over its sequence's cache up to and including that position,
+/// into `out`; `rows` gives each row's sequence and position.
 ///
-/// Every (sequence, head) pair is one unit and each thread takes a
-/// contiguous share of them, a key/value head's query heads of one sequence
-/// attended together so that its cache is read once per thread: one
-/// sequence's heads split over the threads (SmolLM2's 9 heads 4:5 over
-/// two), many sequences split by sequence. A head's result depends on
-/// nothing but its query and its sequence's cache.
+/// Every (row, head) pair is one unit and each thread takes a contiguous
+/// share of them, a key/value head's query heads of one row attended
+/// together so that its cache is read once per thread: one row's heads
+/// split over the threads (SmolLM2's 9 heads 4:5 over two), many rows split
+/// by row. A head's result depends on nothing but its query and its
+/// sequence's cache.
 #[allow(clippy::too_many_arguments)]
 fn attend_all(
     team: &mut Team,
     layer: usize,
     shape: AttentionShape,
     rope: Rope<'_>,
-    positions: &[usize],
+    (sequences, positions): (&[usize], &[usize]),
     q: &[f32],
     caches: &[&mut KvCache],
     out: &mut [f32],
@@ -717,14 +819,14 @@ fn attend_all(
         dim,
         scale,
     } = shape;
-    let n = caches.len();
+    let rows = positions.len();
     // The scratch is sized by capacity, which a reserved cache keeps,
     // rather than by the growing length.
     let longest = caches.iter().map(|c| c.capacity).max().unwrap_or(1);
     let failure = std::sync::OnceLock::new();
     team.run_rows(
-        n * heads,
-        [&mut out[..n * heads * dim]],
+        rows * heads,
+        [&mut out[..rows * heads * dim]],
         |units, [mut out]| {
             // Sized once per thread for the largest cache, so that steps do not
             // allocate.
@@ -742,7 +844,7 @@ fn attend_all(
                     for query in queries.chunks_exact_mut(dim) {
                         rope.apply(query, position);
                     }
-                    let cache = &caches[row];
+                    let cache = &caches[sequences[row]];
                     let cached = &cache.layers[layer];
                     let attended = attend(
                         Queries {
