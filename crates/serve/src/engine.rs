@@ -665,11 +665,7 @@ impl Scheduler<'_> {
     /// whose prompt is in is sampled its first token and joins the decode
     /// batch.
     fn prefill(&mut self) {
-        let before = self.prefilling.len();
-        self.prefilling.retain(|s| !s.request.abandoned());
-        self.metrics
-            .cancelled_prefills
-            .inc_by((before - self.prefilling.len()) as u64);
+        self.drop_abandoned_prefills();
         let mut budget = self.limits.prefill_chunk.max(1);
         while budget > 0
             && let Some(mut sequence) = self.prefilling.pop_front()
@@ -693,6 +689,16 @@ impl Scheduler<'_> {
             }
         }
         self.publish();
+    }
+
+    /// Drops the sequences in prefill whose clients have all gone, counted
+    /// as cancelled.
+    fn drop_abandoned_prefills(&mut self) {
+        let before = self.prefilling.len();
+        self.prefilling.retain(|s| !s.request.abandoned());
+        self.metrics
+            .cancelled_prefills
+            .inc_by((before - self.prefilling.len()) as u64);
     }
 
     /// Draws the first token of `sequence`, whose prompt is in, from the
@@ -734,11 +740,7 @@ impl Scheduler<'_> {
     /// prompt is then all in draws its first token (its siblings fork) and
     /// decodes from the next pass on.
     fn advance(&mut self) {
-        let before = self.prefilling.len();
-        self.prefilling.retain(|s| !s.request.abandoned());
-        self.metrics
-            .cancelled_prefills
-            .inc_by((before - self.prefilling.len()) as u64);
+        self.drop_abandoned_prefills();
         // Clients that hung up free their place now.
         self.running.retain(|s| !s.request.events.is_closed());
         let mut filling = Vec::new();

@@ -166,8 +166,8 @@ impl TestServer {
         )
     }
 
-    /// One request; the status and the body.
-    pub(crate) fn request(&self, method: &str, target: &str, body: &str) -> (u16, String) {
+    /// A connection with `body` sent to `target`, to read the answer from.
+    fn send(&self, method: &str, target: &str, body: &str) -> TcpStream {
         let mut stream = TcpStream::connect(self.addr).expect("connect");
         stream
             .set_read_timeout(Some(DEADLINE))
@@ -178,6 +178,12 @@ impl TestServer {
             body.len()
         )
         .expect("send");
+        stream
+    }
+
+    /// One request; the status and the body.
+    pub(crate) fn request(&self, method: &str, target: &str, body: &str) -> (u16, String) {
+        let mut stream = self.send(method, target, body);
         let mut response = String::new();
         stream.read_to_string(&mut response).expect("an answer");
         let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
@@ -219,16 +225,7 @@ impl TestServer {
     /// connection once the first chunk of events has arrived, to be read on
     /// or dropped (a client hanging up).
     pub(crate) fn stream_opened(&self, target: &str, body: &str) -> TcpStream {
-        let mut stream = TcpStream::connect(self.addr).expect("connect");
-        stream
-            .set_read_timeout(Some(DEADLINE))
-            .expect("a read timeout");
-        write!(
-            stream,
-            "POST {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .expect("send");
+        let mut stream = self.send("POST", target, body);
         let mut seen = Vec::new();
         let mut buffer = [0u8; 4096];
         while !String::from_utf8_lossy(&seen).contains("data: ") {

@@ -39,6 +39,29 @@ use crate::observe::Observer;
 /// while they are in cache.
 const SPLIT_INPUTS_MAX_ROWS: usize = 16;
 
+/// The first error a parallel pass's threads met, for the caller.
+struct FirstFailure(std::sync::OnceLock<qforge_kernels::Error>);
+
+impl FirstFailure {
+    fn new() -> Self {
+        Self(std::sync::OnceLock::new())
+    }
+
+    /// Keeps `result`'s error if it is the first.
+    fn note<T>(&self, result: qforge_kernels::Result<T>) {
+        if let Err(error) = result {
+            let _ = self.0.set(error);
+        }
+    }
+
+    fn into_result(self) -> Result<()> {
+        match self.0.into_inner() {
+            Some(error) => Err(error.into()),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Quantized inputs and raw sums of the rows one thread projects.
 #[derive(Default)]
 struct RowScratch {
@@ -162,18 +185,23 @@ impl Projector {
         outputs: &mut [&mut [f32]],
     ) -> Result<()> {
         let width = layers[0].shape().1;
-        let failure = std::sync::OnceLock::new();
+        let failure = FirstFailure::new();
         let pass = |share: Range<usize>, outputs: &mut [&mut [f32]]| {
             ROWS.with_borrow_mut(|scratch| {
                 let x = &x[share.start * width..share.end * width];
                 for (j, (layer, y)) in layers.iter().zip(outputs.iter_mut()).enumerate() {
                     let reuse = j > 0 && slot(layers, j) == 0;
-                    if !reuse
-                        && let Err(e) =
-                            layer.quantize(x, share.len(), &mut scratch.inputs, &mut scratch.scales)
-                    {
-                        let _ = failure.set(e);
-                        return;
+                    if !reuse {
+                        let quantized = layer.quantize(
+                            x,
+                            share.len(),
+                            &mut scratch.inputs,
+                            &mut scratch.scales,
+                        );
+                        if quantized.is_err() {
+                            failure.note(quantized);
+                            return;
+                        }
                     }
                     let packed = layer.packed();
                     scratch.sums.resize(share.len() * PANEL, 0);
@@ -207,10 +235,7 @@ impl Projector {
             }
             _ => unreachable!("a pass projects one to three layers"),
         }
-        match failure.into_inner() {
-            Some(error) => Err(error.into()),
-            None => Ok(()),
-        }
+        failure.into_result()
     }
 }
 
@@ -402,47 +427,10 @@ impl Decoder {
     ) -> Result<&[f32]> {
         let c = model.config();
         let (n, rows) = (caches.len(), tokens.len());
-        if n == 0 {
-            return Err(Error::Shape("a step needs at least one sequence".into()));
-        }
-        if !Self::supports(model) {
-            return Err(Error::Unsupported(
-                "the INT8 decode step needs every linear layer on the INT8 engine and f32 norms"
-                    .into(),
-            ));
-        }
-        model.check_vocabulary(tokens)?;
-        let length = |s: usize| match chunks {
-            Chunks::One => 1,
-            Chunks::Given(lengths) => lengths[s],
-        };
-        if let Some(longest) = caches
-            .iter()
-            .enumerate()
-            .map(|(s, k)| k.len + length(s))
-            .max()
-        {
-            model.check_positions(longest)?;
-        }
-        for (s, cache) in caches.iter_mut().enumerate() {
-            model.check_cache(cache)?;
-            let needed = cache.len + length(s);
-            if needed > cache.capacity {
-                cache.grow_to(needed.max(2 * cache.capacity));
-            }
-        }
+        prepare(model, caches, tokens, chunks)?;
         let b = &mut self.buffers;
-        b.positions.clear();
-        b.sequences.clear();
-        b.first_rows.clear();
-        for (s, cache) in caches.iter().enumerate() {
-            b.first_rows.push(b.positions.len());
-            b.positions.extend(cache.len..cache.len + length(s));
-            b.sequences.extend(std::iter::repeat_n(s, length(s)));
-        }
-        let (d, hd) = (c.hidden_size, c.head_dim);
-        let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
-        let eps = c.rms_norm_eps as f32;
+        b.place(caches, chunks);
+        let d = c.hidden_size;
         {
             let table = F32View::of(&model.embed_tokens)?;
             let table = table.values()?;
@@ -452,137 +440,37 @@ impl Decoder {
             }
         }
         let (cos, sin) = (F32View::of(&model.cos)?, F32View::of(&model.sin)?);
-        let rope = Rope {
-            cos: cos.values()?,
-            sin: sin.values()?,
-            half: hd / 2,
+        let pass = Pass {
+            rows,
+            eps: c.rms_norm_eps as f32,
+            rope: Rope {
+                cos: cos.values()?,
+                sin: sin.values()?,
+                half: c.head_dim / 2,
+            },
+            rotations: &model.rotations,
+            attention: AttentionShape {
+                heads: c.num_heads,
+                group: c.num_heads / c.num_kv_heads,
+                dim: c.head_dim,
+                scale: 1.0 / (c.head_dim as f32).sqrt(),
+            },
         };
-        let rotations = &model.rotations;
-        fit(&mut b.h, rows * d);
-        fit(&mut b.out, rows * d);
-        fit(&mut b.q, rows * heads * hd);
-        fit(&mut b.k, rows * kv_heads * hd);
-        fit(&mut b.v, rows * kv_heads * hd);
-        fit(&mut b.attended, rows * heads * hd);
-        fit(&mut b.gate, rows * c.intermediate_size);
-        fit(&mut b.up, rows * c.intermediate_size);
-        let mut residual_pending = false;
+        b.fit_rows(c, rows);
         for (i, layer) in model.layers.iter().enumerate() {
-            let int8 = Int8Layer::of(layer).expect("checked by supports");
-            let norm = F32View::of(&layer.input_norm)?;
-            normalize(
-                &mut self.projector.team,
-                NormPass {
-                    rows,
-                    eps,
-                    weight: norm.values()?,
-                    rotations,
-                    input: RotatedInput::Attention,
-                    add: residual_pending.then_some(&b.out[..]),
-                },
-                &mut b.x,
-                &mut b.h,
-            )?;
-            observe(&mut observer, i, "self_attn.q_proj", &b.h, d)?;
-            self.projector.project(
-                rows,
-                &b.h,
-                &[int8.q, int8.k, int8.v],
-                &mut [&mut b.q, &mut b.k, &mut b.v],
-            )?;
-            let team = &mut self.projector.team;
-            store(
-                team,
-                i,
-                rope,
-                &b.positions,
-                &b.first_rows,
-                &b.k,
-                &b.v,
+            decoder_layer(
+                &mut self.projector,
+                b,
+                &pass,
                 caches,
-            );
-            let shape = AttentionShape {
-                heads,
-                group: heads / kv_heads,
-                dim: hd,
-                scale: 1.0 / (hd as f32).sqrt(),
-            };
-            attend_all(
-                team,
-                i,
-                shape,
-                rope,
-                (&b.sequences, &b.positions),
-                &b.q,
-                caches,
-                &mut b.attended,
-            )?;
-            rotate_rows(
-                team,
-                rotations,
-                RotatedInput::AttentionOutput,
-                rows,
-                &mut b.attended,
-            )?;
-            observe(
+                (i, layer),
                 &mut observer,
-                i,
-                "self_attn.o_proj",
-                &b.attended,
-                heads * hd,
             )?;
-            self.projector
-                .project(rows, &b.attended, &[int8.o], &mut [&mut b.out])?;
-            let norm = F32View::of(&layer.post_attention_norm)?;
-            normalize(
-                &mut self.projector.team,
-                NormPass {
-                    rows,
-                    eps,
-                    weight: norm.values()?,
-                    rotations,
-                    input: RotatedInput::Mlp,
-                    add: Some(&b.out),
-                },
-                &mut b.x,
-                &mut b.h,
-            )?;
-            observe(&mut observer, i, "mlp.gate_proj", &b.h, d)?;
-            self.projector.project(
-                rows,
-                &b.h,
-                &[int8.gate, int8.up],
-                &mut [&mut b.gate, &mut b.up],
-            )?;
-            swiglu(
-                &mut self.projector.team,
-                rotations,
-                rows,
-                &mut b.gate,
-                &b.up,
-            )?;
-            observe(
-                &mut observer,
-                i,
-                "mlp.down_proj",
-                &b.gate,
-                c.intermediate_size,
-            )?;
-            self.projector
-                .project(rows, &b.gate, &[int8.down], &mut [&mut b.out])?;
-            residual_pending = true;
         }
         let norm = F32View::of(&model.norm)?;
         normalize(
             &mut self.projector.team,
-            NormPass {
-                rows,
-                eps,
-                weight: norm.values()?,
-                rotations,
-                input: RotatedInput::Head,
-                add: residual_pending.then_some(&b.out[..]),
-            },
+            pass.norm(norm.values()?, RotatedInput::Head, &b.out),
             &mut b.x,
             &mut b.h,
         )?;
@@ -592,7 +480,7 @@ impl Decoder {
         // Logits at each chunk's last position only.
         b.last.clear();
         for (s, &first) in b.first_rows.iter().enumerate() {
-            let row = first + length(s) - 1;
+            let row = first + chunks.length(s) - 1;
             b.last.extend_from_slice(&b.h[row * d..(row + 1) * d]);
         }
         let lm_head = int8(&model.lm_head).expect("checked by supports");
@@ -600,10 +488,191 @@ impl Decoder {
         self.projector
             .project(n, &b.last, &[lm_head], &mut [logits])?;
         for (s, cache) in caches.iter_mut().enumerate() {
-            cache.len += length(s);
+            cache.len += chunks.length(s);
         }
         Ok(&b.logits[..n * c.vocab_size])
     }
+}
+
+/// Refuses what a pass cannot run (no sequence, a model off the INT8
+/// engine, a token outside the vocabulary, a position past the context, a
+/// cache of another model) and makes room in each cache for its chunk.
+fn prepare(
+    model: &Llama,
+    caches: &mut [&mut KvCache],
+    tokens: &[u32],
+    chunks: Chunks<'_>,
+) -> Result<()> {
+    if caches.is_empty() {
+        return Err(Error::Shape("a step needs at least one sequence".into()));
+    }
+    if !Decoder::supports(model) {
+        return Err(Error::Unsupported(
+            "the INT8 decode step needs every linear layer on the INT8 engine and f32 norms".into(),
+        ));
+    }
+    model.check_vocabulary(tokens)?;
+    if let Some(longest) = caches
+        .iter()
+        .enumerate()
+        .map(|(s, k)| k.len + chunks.length(s))
+        .max()
+    {
+        model.check_positions(longest)?;
+    }
+    for (s, cache) in caches.iter_mut().enumerate() {
+        model.check_cache(cache)?;
+        let needed = cache.len + chunks.length(s);
+        if needed > cache.capacity {
+            cache.grow_to(needed.max(2 * cache.capacity));
+        }
+    }
+    Ok(())
+}
+
+impl Buffers {
+    /// Each row's sequence and position, and each sequence's first row.
+    fn place(&mut self, caches: &[&mut KvCache], chunks: Chunks<'_>) {
+        self.positions.clear();
+        self.sequences.clear();
+        self.first_rows.clear();
+        for (s, cache) in caches.iter().enumerate() {
+            let length = chunks.length(s);
+            self.first_rows.push(self.positions.len());
+            self.positions.extend(cache.len..cache.len + length);
+            self.sequences.extend(std::iter::repeat_n(s, length));
+        }
+    }
+
+    /// Sizes the activations for `rows` rows of a model of config `c`.
+    fn fit_rows(&mut self, c: &super::LlamaConfig, rows: usize) {
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        fit(&mut self.h, rows * d);
+        fit(&mut self.out, rows * d);
+        fit(&mut self.q, rows * c.num_heads * hd);
+        fit(&mut self.k, rows * c.num_kv_heads * hd);
+        fit(&mut self.v, rows * c.num_kv_heads * hd);
+        fit(&mut self.attended, rows * c.num_heads * hd);
+        fit(&mut self.gate, rows * c.intermediate_size);
+        fit(&mut self.up, rows * c.intermediate_size);
+        // The first layer adds no block output into the residual.
+        self.out.fill(0.0);
+    }
+}
+
+/// What every layer of one pass shares.
+struct Pass<'a> {
+    rows: usize,
+    eps: f32,
+    rope: Rope<'a>,
+    rotations: &'a Rotations,
+    attention: AttentionShape,
+}
+
+impl<'a> Pass<'a> {
+    /// The norm of the residual with `add` added, by `weight`, rotated
+    /// where the model rotates `input`.
+    fn norm<'p>(&'p self, weight: &'p [f32], input: RotatedInput, add: &'p [f32]) -> NormPass<'p>
+    where
+        'a: 'p,
+    {
+        NormPass {
+            rows: self.rows,
+            eps: self.eps,
+            weight,
+            rotations: self.rotations,
+            input,
+            add,
+        }
+    }
+}
+
+/// Decoder layer `i` over the pass's rows: the residual `b.x` takes the
+/// previous block's output `b.out` (zeros before the first layer), and
+/// `b.out` ends as this layer's MLP output.
+fn decoder_layer(
+    projector: &mut Projector,
+    b: &mut Buffers,
+    pass: &Pass<'_>,
+    caches: &mut [&mut KvCache],
+    (i, layer): (usize, &Layer),
+    observer: &mut Option<&mut dyn Observer>,
+) -> Result<()> {
+    let int8 = Int8Layer::of(layer).expect("checked by supports");
+    let rows = pass.rows;
+    let d = b.x.len() / rows;
+    let norm = F32View::of(&layer.input_norm)?;
+    normalize(
+        &mut projector.team,
+        pass.norm(norm.values()?, RotatedInput::Attention, &b.out),
+        &mut b.x,
+        &mut b.h,
+    )?;
+    observe(observer, i, "self_attn.q_proj", &b.h, d)?;
+    projector.project(
+        rows,
+        &b.h,
+        &[int8.q, int8.k, int8.v],
+        &mut [&mut b.q, &mut b.k, &mut b.v],
+    )?;
+    let team = &mut projector.team;
+    let rope = pass.rope;
+    store(
+        team,
+        i,
+        rope,
+        &b.positions,
+        &b.first_rows,
+        &b.k,
+        &b.v,
+        caches,
+    );
+    let rows_of = (&b.sequences[..], &b.positions[..]);
+    let q = &b.q;
+    attend_all(
+        team,
+        i,
+        pass.attention,
+        rope,
+        rows_of,
+        q,
+        caches,
+        &mut b.attended,
+    )?;
+    let attended_width = b.attended.len() / rows;
+    rotate_rows(
+        team,
+        pass.rotations,
+        RotatedInput::AttentionOutput,
+        rows,
+        &mut b.attended,
+    )?;
+    observe(observer, i, "self_attn.o_proj", &b.attended, attended_width)?;
+    projector.project(rows, &b.attended, &[int8.o], &mut [&mut b.out])?;
+    let norm = F32View::of(&layer.post_attention_norm)?;
+    normalize(
+        &mut projector.team,
+        pass.norm(norm.values()?, RotatedInput::Mlp, &b.out),
+        &mut b.x,
+        &mut b.h,
+    )?;
+    observe(observer, i, "mlp.gate_proj", &b.h, d)?;
+    projector.project(
+        rows,
+        &b.h,
+        &[int8.gate, int8.up],
+        &mut [&mut b.gate, &mut b.up],
+    )?;
+    swiglu(
+        &mut projector.team,
+        pass.rotations,
+        rows,
+        &mut b.gate,
+        &b.up,
+    )?;
+    let intermediate = b.gate.len() / rows;
+    observe(observer, i, "mlp.down_proj", &b.gate, intermediate)?;
+    projector.project(rows, &b.gate, &[int8.down], &mut [&mut b.out])
 }
 
 /// How many tokens each sequence of a pass takes.
@@ -613,6 +682,16 @@ enum Chunks<'a> {
     One,
     /// `lengths[i]` for sequence `i`.
     Given(&'a [usize]),
+}
+
+impl Chunks<'_> {
+    /// Tokens sequence `s` takes.
+    fn length(self, s: usize) -> usize {
+        match self {
+            Chunks::One => 1,
+            Chunks::Given(lengths) => lengths[s],
+        }
+    }
 }
 
 /// Hands layer `i`'s input `point` (`rows` of `width` values) to `observer`.
@@ -660,38 +739,31 @@ struct NormPass<'a> {
     /// The rotation the normed rows then take (where the model has it).
     input: RotatedInput,
     /// A block's output to add into the residual first.
-    add: Option<&'a [f32]>,
+    add: &'a [f32],
 }
 
-/// `x += add` (when given), then `h = rms_norm(x) · weight`, rotated as
+/// `x += add`, then `h = rms_norm(x) · weight`, rotated as
 /// `pass.input` asks; in parallel over rows.
 fn normalize(team: &mut Team, pass: NormPass<'_>, x: &mut [f32], h: &mut [f32]) -> Result<()> {
     let d = pass.weight.len();
-    let failure = std::sync::OnceLock::new();
+    let failure = FirstFailure::new();
     let rotation = pass.rotations.get(pass.input);
     team.run_rows(
         pass.rows,
         [&mut x[..pass.rows * d], &mut h[..pass.rows * d]],
         |rows, [x, h]| {
-            if let Some(add) = pass.add {
-                for (a, &b) in x.iter_mut().zip(&add[rows.start * d..rows.end * d]) {
-                    *a += b;
-                }
+            for (a, &b) in x.iter_mut().zip(&pass.add[rows.start * d..rows.end * d]) {
+                *a += b;
             }
             for (x, h) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
                 rms_norm(x, pass.weight, pass.eps, h);
             }
-            if let Some(rotation) = rotation
-                && let Err(e) = rotation.rotate(h)
-            {
-                let _ = failure.set(e);
+            if let Some(rotation) = rotation {
+                failure.note(rotation.rotate(h));
             }
         },
     );
-    match failure.into_inner() {
-        Some(error) => Err(error.into()),
-        None => Ok(()),
-    }
+    failure.into_result()
 }
 
 /// Rotates every row of `rows` (`n` rows) where the model rotates `input`.
@@ -705,17 +777,12 @@ fn rotate_rows(
     let Some(rotation) = rotations.get(input) else {
         return Ok(());
     };
-    let failure = std::sync::OnceLock::new();
+    let failure = FirstFailure::new();
     let width = rows.len() / n;
     team.run_rows(n, [&mut rows[..n * width]], |_, [rows]| {
-        if let Err(e) = rotation.rotate(rows) {
-            let _ = failure.set(e);
-        }
+        failure.note(rotation.rotate(rows));
     });
-    match failure.into_inner() {
-        Some(error) => Err(error.into()),
-        None => Ok(()),
-    }
+    failure.into_result()
 }
 
 /// `gate = silu(gate) · up`, rotated where the model rotates the MLP's
@@ -823,7 +890,7 @@ fn attend_all(
     // The scratch is sized by capacity, which a reserved cache keeps,
     // rather than by the growing length.
     let longest = caches.iter().map(|c| c.capacity).max().unwrap_or(1);
-    let failure = std::sync::OnceLock::new();
+    let failure = FirstFailure::new();
     team.run_rows(
         rows * heads,
         [&mut out[..rows * heads * dim]],
@@ -863,18 +930,13 @@ fn attend_all(
                         scale,
                         these,
                     );
-                    if let Err(error) = attended {
-                        let _ = failure.set(error);
-                    }
+                    failure.note(attended);
                     (unit, out) = (unit + count, rest);
                 }
             });
         },
     );
-    match failure.into_inner() {
-        Some(error) => Err(error.into()),
-        None => Ok(()),
-    }
+    failure.into_result()
 }
 
 /// RMSNorm in the arithmetic of candle's `rms_norm`, which the tensor
