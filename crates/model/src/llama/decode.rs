@@ -828,8 +828,8 @@ fn store(
             let end = first_rows.get(s + 1).copied().unwrap_or(positions.len());
             let (capacity, hd) = (cache.capacity, cache.head_dim);
             let cached = &mut cache.layers[layer];
-            for row in first_rows[s]..end {
-                let position = positions[row];
+            let rows = first_rows[s]..end;
+            for (row, &position) in rows.clone().zip(&positions[rows]) {
                 let at = row * width..(row + 1) * width;
                 let heads = keys[at.clone()]
                     .chunks_exact(hd)
