@@ -136,7 +136,7 @@ fn prompts_in_chunks_beside_decode_tokens_prefill_as_the_tensor_forward_does() {
         .map(|&len| (0..len).map(|i| 200 + (i * 53 + len) % 30_000).collect())
         .collect();
     let mut decoding = prefilled(&model, 2);
-    let mut filling = vec![model.new_cache(), model.new_cache()];
+    let mut filling = [model.new_cache(), model.new_cache()];
     let mut last = vec![Vec::new(); 2];
     let mut step = 0u32;
     while filling.iter().zip(&prompts).any(|(c, p)| c.len() < p.len()) {
