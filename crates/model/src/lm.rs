@@ -99,7 +99,9 @@ impl TextSide {
     }
 
     /// The prompt that asks the model for the next assistant turn after
-    /// `messages`, rendered with its chat template.
+    /// `messages`, rendered with its chat template: text to show, not to
+    /// tokenize, since a special token's string in a message would read as
+    /// that token ([`Self::chat_prompt_ids`] tokenizes it safely).
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
         let Some(template) = &self.chat_template else {
             return Err(Error::Unsupported(
@@ -107,6 +109,64 @@ impl TextSide {
             ));
         };
         self.render_chat(template, messages, true)
+    }
+
+    /// The token ids of [`Self::chat_prompt`], with every message's content
+    /// read as plain text: a special token's string in it (`<|im_end|>`)
+    /// stays the characters it is made of, so no message can open or close
+    /// a turn of another role. Only the roles `system`, `user` and
+    /// `assistant` are taken.
+    ///
+    /// The template is rendered with each content between two
+    /// noncharacters, which mark where the contents lie in the rendered
+    /// text and are then taken out; the text is tokenized as one, special
+    /// tokens recognised only outside those spans. A conversation whose
+    /// messages spell no special token gets the ids its rendered text gets.
+    pub fn chat_prompt_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        for message in messages {
+            if !CHAT_ROLES.contains(&message.role.as_str()) {
+                return Err(Error::Request(format!(
+                    "role {:?} is not one of {}",
+                    message.role,
+                    CHAT_ROLES.join(", ")
+                )));
+            }
+            if message.content.contains([MARK_START, MARK_END]) {
+                return Err(Error::Request(
+                    "a message holds the noncharacter U+FDD0 or U+FDD1, which chat prompts reserve"
+                        .into(),
+                ));
+            }
+        }
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage {
+                role: m.role.clone(),
+                content: format!("{MARK_START}{}{MARK_END}", m.content),
+            })
+            .collect();
+        let rendered = self.chat_prompt(&marked)?;
+        let mut text = String::with_capacity(rendered.len());
+        let mut contents = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some((markup, marked)) = rest.split_once(MARK_START) {
+            text.push_str(markup);
+            let (content, after) = marked
+                .split_once(MARK_END)
+                .ok_or_else(|| Error::Format("chat template: it cut a message's content".into()))?;
+            contents.push(text.len()..text.len() + content.len());
+            text.push_str(content);
+            rest = after;
+        }
+        if rest.contains(MARK_END) {
+            return Err(Error::Format(
+                "chat template: it cut a message's content".into(),
+            ));
+        }
+        text.push_str(rest);
+        let mut ids = self.tokenizer.bos_ids();
+        ids.extend(self.tokenizer.encode_with_plain(&text, &contents)?);
+        Ok(ids)
     }
 
     fn render_chat(
@@ -137,6 +197,14 @@ impl TextSide {
             .map_err(|e| Error::Format(format!("chat template: {e}")))
     }
 }
+
+/// The roles a chat message may have.
+const CHAT_ROLES: [&str; 3] = ["system", "user", "assistant"];
+
+/// Noncharacters around a message's index where the chat template puts its
+/// content (see [`TextSide::chat_prompt_ids`]).
+const MARK_START: char = '\u{FDD0}';
+const MARK_END: char = '\u{FDD1}';
 
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

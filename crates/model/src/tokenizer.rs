@@ -2,6 +2,7 @@
 //! GGUF metadata (`tokenizer.ggml.*`), as llama.cpp builds it; or none, for a
 //! model directory that ships no tokenizer and takes token ids only.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use tokenizers::decoders::DecoderWrapper;
@@ -272,14 +273,90 @@ impl TextTokenizer {
             .text()?
             .encode(text, false)
             .map_err(|e| tk_error("tokenizing", e))?;
-        let mut ids = Vec::with_capacity(encoding.len() + 1);
-        if self.add_bos
-            && let Some(bos) = self.bos
-        {
-            ids.push(bos);
-        }
+        let mut ids = self.bos_ids();
         ids.extend_from_slice(encoding.get_ids());
         Ok(ids)
+    }
+
+    /// BOS when the model wants it prepended, else nothing.
+    pub(crate) fn bos_ids(&self) -> Vec<u32> {
+        self.bos.filter(|_| self.add_bos).into_iter().collect()
+    }
+
+    /// Token ids of `text`, and no BOS, where the strings of special and
+    /// added tokens (`<|im_end|>`) are recognised outside the byte ranges
+    /// `plain` (sorted, disjoint) and read as the characters they are made
+    /// of inside them. Between two recognised tokens the text is one piece,
+    /// whatever ranges it crosses, so where no added token's string lies
+    /// inside `plain` the ids are [`Self::encode`]'s.
+    pub(crate) fn encode_with_plain(&self, text: &str, plain: &[Range<usize>]) -> Result<Vec<u32>> {
+        let mut added: Vec<(String, u32)> = self
+            .text()?
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, token)| (token.content, id))
+            .filter(|(content, _)| !content.is_empty())
+            .collect();
+        // Leftmost, then longest, as the tokenizer's own matching.
+        added.sort_by_key(|(content, _)| std::cmp::Reverse(content.len()));
+        let mut ids = Vec::new();
+        let (mut piece, mut at) = (0, 0);
+        let mut ranges = plain.iter().peekable();
+        while at < text.len() {
+            while ranges.next_if(|r| r.end <= at).is_some() {}
+            if let Some(range) = ranges.peek()
+                && range.contains(&at)
+            {
+                at = range.end;
+                continue;
+            }
+            let found = added
+                .iter()
+                .find(|(content, _)| text[at..].starts_with(content.as_str()));
+            match found {
+                Some((content, id)) => {
+                    ids.extend(self.encode_plain(&text[piece..at])?);
+                    ids.push(*id);
+                    at += content.len();
+                    piece = at;
+                }
+                None => at += text[at..].chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        ids.extend(self.encode_plain(&text[piece..])?);
+        Ok(ids)
+    }
+
+    /// Token ids of `text` read as plain text, and no BOS: the string of a
+    /// special or added token in it (`<|im_end|>`) is tokenized as the
+    /// characters it is made of, never as that token. The tokenizer's
+    /// normalizer, pre-tokenizer and model run as [`Self::encode`] runs
+    /// them, without the added vocabulary, so text that spells no added
+    /// token gets the same ids either way.
+    fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        if text.is_empty() {
+            return Ok(Vec::new());
+        }
+        use tokenizers::{
+            Model, NormalizedString, Normalizer, OffsetType, PreTokenizedString, PreTokenizer,
+        };
+        let inner = self.text()?;
+        let failed = |e| tk_error("tokenizing", e);
+        let mut normalized = NormalizedString::from(text);
+        if let Some(normalizer) = inner.get_normalizer() {
+            normalizer.normalize(&mut normalized).map_err(failed)?;
+        }
+        let mut pieces = PreTokenizedString::from(normalized);
+        if let Some(pre_tokenizer) = inner.get_pre_tokenizer() {
+            pre_tokenizer.pre_tokenize(&mut pieces).map_err(failed)?;
+        }
+        pieces
+            .tokenize(|piece| inner.get_model().tokenize(piece.get()))
+            .map_err(failed)?;
+        let encoding = pieces
+            .into_encoding(None, 0, OffsetType::Byte)
+            .map_err(failed)?;
+        Ok(encoding.get_ids().to_vec())
     }
 
     /// The text of `ids` (special tokens included as written).

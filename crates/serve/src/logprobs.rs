@@ -374,7 +374,6 @@ mod tests {
             .clone();
         assert!(!content.is_empty());
         // A token's bytes name it: byte-level BPE spells no two alike.
-        let tokenizer = &lm.text.tokenizer;
         let ids = vocabulary(&lm, <[u8]>::to_vec);
         let bytes =
             |item: &Value| -> Vec<u8> { serde_json::from_value(item["bytes"].clone()).unwrap() };
@@ -383,9 +382,7 @@ mod tests {
             .iter()
             .map(|item| item["logprob"].as_f64().unwrap())
             .collect();
-        let prompt = tokenizer
-            .encode(&lm.text.chat_prompt(&messages).unwrap())
-            .unwrap();
+        let prompt = lm.text.chat_prompt_ids(&messages).unwrap();
         assert_the_models_own(&lm, &prompt, &tokens, Some(0.8), &served);
         for item in &content {
             let top = item["top_logprobs"].as_array().unwrap();
