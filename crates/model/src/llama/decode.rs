@@ -587,6 +587,27 @@ impl<'a> Pass<'a> {
     }
 }
 
+/// Adds the block output `b.out` into the residual `b.x`, norms it into
+/// `b.h` by `weight` (rotated where the model rotates `input`) and hands
+/// `b.h` to `observer` as layer `i`'s input `point`.
+fn residual_norm(
+    team: &mut Team,
+    pass: &Pass<'_>,
+    (weight, input): (&Tensor, RotatedInput),
+    b: &mut Buffers,
+    observer: &mut Option<&mut dyn Observer>,
+    (i, point): (usize, &str),
+) -> Result<()> {
+    let weight = F32View::of(weight)?;
+    normalize(
+        team,
+        pass.norm(weight.values()?, input, &b.out),
+        &mut b.x,
+        &mut b.h,
+    )?;
+    observe(observer, i, point, &b.h, b.x.len() / pass.rows)
+}
+
 /// Decoder layer `i` over the pass's rows: the residual `b.x` takes the
 /// previous block's output `b.out` (zeros before the first layer), and
 /// `b.out` ends as this layer's MLP output.
@@ -600,15 +621,16 @@ fn decoder_layer(
 ) -> Result<()> {
     let int8 = Int8Layer::of(layer).expect("checked by supports");
     let rows = pass.rows;
-    let d = b.x.len() / rows;
-    let norm = F32View::of(&layer.input_norm)?;
-    normalize(
-        &mut projector.team,
-        pass.norm(norm.values()?, RotatedInput::Attention, &b.out),
-        &mut b.x,
-        &mut b.h,
+    let team = &mut projector.team;
+    let attention_input = (&layer.input_norm, RotatedInput::Attention);
+    residual_norm(
+        team,
+        pass,
+        attention_input,
+        b,
+        observer,
+        (i, "self_attn.q_proj"),
     )?;
-    observe(observer, i, "self_attn.q_proj", &b.h, d)?;
     projector.project(
         rows,
         &b.h,
@@ -649,14 +671,9 @@ fn decoder_layer(
     )?;
     observe(observer, i, "self_attn.o_proj", &b.attended, attended_width)?;
     projector.project(rows, &b.attended, &[int8.o], &mut [&mut b.out])?;
-    let norm = F32View::of(&layer.post_attention_norm)?;
-    normalize(
-        &mut projector.team,
-        pass.norm(norm.values()?, RotatedInput::Mlp, &b.out),
-        &mut b.x,
-        &mut b.h,
-    )?;
-    observe(observer, i, "mlp.gate_proj", &b.h, d)?;
+    let team = &mut projector.team;
+    let mlp_input = (&layer.post_attention_norm, RotatedInput::Mlp);
+    residual_norm(team, pass, mlp_input, b, observer, (i, "mlp.gate_proj"))?;
     projector.project(
         rows,
         &b.h,
