@@ -45,7 +45,7 @@ const DEFAULT_COMPLETION_TOKENS: usize = 16;
 /// Most stop strings per request (OpenAI's limit).
 const MAX_STOP_STRINGS: usize = 4;
 /// Most choices per request (OpenAI's limit of `n`).
-const MAX_CHOICES: usize = 128;
+pub(crate) const MAX_CHOICES: usize = 128;
 
 /// Once INT8 has answered a request, has the FP reference score INT8's
 /// tokens on the same prompt (teacher forcing, same seed): at each position

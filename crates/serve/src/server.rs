@@ -498,6 +498,10 @@ fn openapi_document(backend: &Backend, options: &ServeOptions) -> String {
         let ids = &mut doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["oneOf"]
             [1]["items"];
         ids["maximum"] = lm.vocab_size.saturating_sub(1).into();
+        let choices = crate::openai::MAX_CHOICES.min(lm.limits.max_sequences);
+        for request in ["CompletionRequest", "ChatRequest"] {
+            doc["components"]["schemas"][request]["properties"]["n"]["maximum"] = choices.into();
+        }
     }
     doc.to_string()
 }
