@@ -10,7 +10,8 @@
 # per attack, each on a free loopback port. Attacks: slowloris (trickled headers), an
 # idle-connection flood at a lowered descriptor limit (ulimit -n 256 for the server),
 # SIGTERM while clients trickle, oversized and stalled bodies, unauthenticated /metrics,
-# a feedback flood. Every attack is bounded in connections and time; the whole run is
+# a feedback flood, and (on the SmolLM2 GGUF, when scripts/fetch-models.sh has fetched it)
+# a chat message that writes a system turn or a role. Every attack is bounded in connections and time; the whole run is
 # cut at 10 minutes. Needs python3 (standard library only).
 set -euo pipefail
 
@@ -32,4 +33,6 @@ else
     echo "attack.sh: qforge quantize refused CartPole here ($(tail -1 "$WORK/quantize.err" | cut -c1-120)…); serving the policy directory" >&2
 fi
 
-timeout 600 python3 "$ROOT/scripts/attack.py" "$QFORGE" "$MODEL"
+LANGUAGE_MODEL=$ROOT/models/smollm2-135m-instruct-q4_1.gguf
+[[ -f $LANGUAGE_MODEL ]] || LANGUAGE_MODEL=
+timeout 600 python3 "$ROOT/scripts/attack.py" "$QFORGE" "$MODEL" ${LANGUAGE_MODEL:+"$LANGUAGE_MODEL"}
