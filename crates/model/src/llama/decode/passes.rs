@@ -1,0 +1,300 @@
+//! The decode step's row-parallel passes: norms, rotations, SwiGLU, the KV
+//! writes and attention, each over a batch's rows on a [`Team`].
+
+use std::cell::RefCell;
+
+use qforge_kernels::Team;
+use qforge_kernels::attention::{KeyValues, Queries, attend, reserve};
+
+use super::super::{KvCache, RotatedInput, Rotations};
+use crate::error::Result;
+use crate::observe::Observer;
+
+thread_local! {
+    /// One query group's heads, rotated for its position.
+    static QUERIES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The first error a parallel pass's threads met, for the caller.
+pub(super) struct FirstFailure(std::sync::OnceLock<qforge_kernels::Error>);
+
+impl FirstFailure {
+    pub(super) fn new() -> Self {
+        Self(std::sync::OnceLock::new())
+    }
+
+    /// Keeps `result`'s error if it is the first.
+    pub(super) fn note<T>(&self, result: qforge_kernels::Result<T>) {
+        if let Err(error) = result {
+            let _ = self.0.set(error);
+        }
+    }
+
+    pub(super) fn into_result(self) -> Result<()> {
+        match self.0.into_inner() {
+            Some(error) => Err(error.into()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Hands layer `i`'s input `point` (`rows` of `width` values) to `observer`.
+pub(super) fn observe(
+    observer: &mut Option<&mut dyn Observer>,
+    i: usize,
+    point: &str,
+    rows: &[f32],
+    width: usize,
+) -> Result<()> {
+    match observer.as_deref_mut() {
+        Some(observer) => observer.observe(&format!("model.layers.{i}.{point}"), rows, width),
+        None => Ok(()),
+    }
+}
+
+/// The rotary tables, `[positions, half]` each.
+#[derive(Clone, Copy)]
+pub(super) struct Rope<'a> {
+    pub(super) cos: &'a [f32],
+    pub(super) sin: &'a [f32],
+    pub(super) half: usize,
+}
+
+impl Rope<'_> {
+    /// Half-split rotary embedding of one head at `position`.
+    fn apply(self, head: &mut [f32], position: usize) {
+        let at = position * self.half..(position + 1) * self.half;
+        let (cos, sin) = (&self.cos[at.clone()], &self.sin[at]);
+        let (first, second) = head.split_at_mut(self.half);
+        for i in 0..self.half {
+            let (a, b) = (first[i], second[i]);
+            first[i] = a * cos[i] - b * sin[i];
+            second[i] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+/// One RMSNorm pass over a batch's residual rows.
+pub(super) struct NormPass<'a> {
+    pub(super) rows: usize,
+    pub(super) eps: f32,
+    pub(super) weight: &'a [f32],
+    pub(super) rotations: &'a Rotations,
+    /// The rotation the normed rows then take (where the model has it).
+    pub(super) input: RotatedInput,
+    /// A block's output to add into the residual first.
+    pub(super) add: &'a [f32],
+}
+
+/// `x += add`, then `h = rms_norm(x) · weight`, rotated as
+/// `pass.input` asks; in parallel over rows.
+pub(super) fn normalize(
+    team: &mut Team,
+    pass: NormPass<'_>,
+    x: &mut [f32],
+    h: &mut [f32],
+) -> Result<()> {
+    let d = pass.weight.len();
+    let failure = FirstFailure::new();
+    let rotation = pass.rotations.get(pass.input);
+    team.run_rows(
+        pass.rows,
+        [&mut x[..pass.rows * d], &mut h[..pass.rows * d]],
+        |rows, [x, h]| {
+            for (a, &b) in x.iter_mut().zip(&pass.add[rows.start * d..rows.end * d]) {
+                *a += b;
+            }
+            for (x, h) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
+                rms_norm(x, pass.weight, pass.eps, h);
+            }
+            if let Some(rotation) = rotation {
+                failure.note(rotation.rotate(h));
+            }
+        },
+    );
+    failure.into_result()
+}
+
+/// Rotates every row of `rows` (`n` rows) where the model rotates `input`.
+pub(super) fn rotate_rows(
+    team: &mut Team,
+    rotations: &Rotations,
+    input: RotatedInput,
+    n: usize,
+    rows: &mut [f32],
+) -> Result<()> {
+    let Some(rotation) = rotations.get(input) else {
+        return Ok(());
+    };
+    let failure = FirstFailure::new();
+    let width = rows.len() / n;
+    team.run_rows(n, [&mut rows[..n * width]], |_, [rows]| {
+        failure.note(rotation.rotate(rows));
+    });
+    failure.into_result()
+}
+
+/// `gate = silu(gate) · up`, rotated where the model rotates the MLP's
+/// product; in parallel over rows.
+pub(super) fn swiglu(
+    team: &mut Team,
+    rotations: &Rotations,
+    n: usize,
+    gate: &mut [f32],
+    up: &[f32],
+) -> Result<()> {
+    let width = gate.len() / n;
+    team.run_rows(n, [&mut gate[..n * width]], |rows, [gate]| {
+        for (g, &u) in gate
+            .iter_mut()
+            .zip(&up[rows.start * width..rows.end * width])
+        {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    });
+    rotate_rows(team, rotations, RotatedInput::MlpProduct, n, gate)
+}
+
+/// Writes every row's keys (rotated for its position) and values into its
+/// sequence's cache at layer `layer`, position `positions[row]`; sequence
+/// `s`'s rows start at `first_rows[s]` and run to the next sequence's. In
+/// parallel over sequences.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn store(
+    team: &mut Team,
+    layer: usize,
+    rope: Rope<'_>,
+    positions: &[usize],
+    first_rows: &[usize],
+    keys: &[f32],
+    values: &[f32],
+    caches: &mut [&mut KvCache],
+) {
+    let n = caches.len();
+    let width = keys.len() / positions.len();
+    team.run_rows(n, [caches], |sequences, [caches]| {
+        for (s, cache) in sequences.zip(caches.iter_mut()) {
+            let end = first_rows.get(s + 1).copied().unwrap_or(positions.len());
+            let (capacity, hd) = (cache.capacity, cache.head_dim);
+            let cached = &mut cache.layers[layer];
+            let rows = first_rows[s]..end;
+            for (row, &position) in rows.clone().zip(&positions[rows]) {
+                let at = row * width..(row + 1) * width;
+                let heads = keys[at.clone()]
+                    .chunks_exact(hd)
+                    .zip(values[at].chunks_exact(hd));
+                for (head, (key, value)) in heads.enumerate() {
+                    let slot =
+                        (head * capacity + position) * hd..(head * capacity + position + 1) * hd;
+                    let cached_key = &mut cached.keys[slot.clone()];
+                    cached_key.copy_from_slice(key);
+                    rope.apply(cached_key, position);
+                    cached.values[slot].copy_from_slice(value);
+                }
+            }
+        }
+    });
+}
+
+/// The query heads of a step and how they share key/value heads.
+#[derive(Clone, Copy)]
+pub(super) struct AttentionShape {
+    pub(super) heads: usize,
+    /// Query heads per key/value head.
+    pub(super) group: usize,
+    /// Values per head.
+    pub(super) dim: usize,
+    /// What multiplies each score.
+    pub(super) scale: f32,
+}
+
+/// Attention of every row's query heads (`q`, rotated here for the row's
+/// position) over its sequence's cache up to and including that position,
+/// into `out`; `rows` gives each row's sequence and position.
+///
+/// Every (row, head) pair is one unit and each thread takes a contiguous
+/// share of them, a key/value head's query heads of one row attended
+/// together so that its cache is read once per thread: one row's heads
+/// split over the threads (SmolLM2's 9 heads 4:5 over two), many rows split
+/// by row. A head's result depends on nothing but its query and its
+/// sequence's cache.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend_all(
+    team: &mut Team,
+    layer: usize,
+    shape: AttentionShape,
+    rope: Rope<'_>,
+    (sequences, positions): (&[usize], &[usize]),
+    q: &[f32],
+    caches: &[&mut KvCache],
+    out: &mut [f32],
+) -> Result<()> {
+    let AttentionShape {
+        heads,
+        group,
+        dim,
+        scale,
+    } = shape;
+    let rows = positions.len();
+    // The scratch is sized by capacity, which a reserved cache keeps,
+    // rather than by the growing length.
+    let longest = caches.iter().map(|c| c.capacity).max().unwrap_or(1);
+    let failure = FirstFailure::new();
+    team.run_rows(
+        rows * heads,
+        [&mut out[..rows * heads * dim]],
+        |units, [mut out]| {
+            // Sized once per thread for the largest cache, so that steps do not
+            // allocate.
+            reserve(group, longest);
+            QUERIES.with_borrow_mut(|queries| {
+                let mut unit = units.start;
+                while !out.is_empty() {
+                    let (row, head) = (unit / heads, unit % heads);
+                    let kv_head = head / group;
+                    let count = ((kv_head + 1) * group - head).min(out.len() / dim);
+                    let (these, rest) = out.split_at_mut(count * dim);
+                    let position = positions[row];
+                    queries.clear();
+                    queries.extend_from_slice(&q[(row * heads + head) * dim..][..count * dim]);
+                    for query in queries.chunks_exact_mut(dim) {
+                        rope.apply(query, position);
+                    }
+                    let cache = &caches[sequences[row]];
+                    let cached = &cache.layers[layer];
+                    let attended = attend(
+                        Queries {
+                            rows: queries,
+                            head_stride: dim,
+                            position_stride: 0,
+                            visible: &[position + 1],
+                        },
+                        KeyValues {
+                            keys: &cached.keys,
+                            values: &cached.values,
+                            offset: kv_head * cache.capacity * dim,
+                            stride: dim,
+                        },
+                        dim,
+                        scale,
+                        these,
+                    );
+                    failure.note(attended);
+                    (unit, out) = (unit + count, rest);
+                }
+            });
+        },
+    );
+    failure.into_result()
+}
+
+/// RMSNorm in the arithmetic of candle's `rms_norm`, which the tensor
+/// forward runs (the squares summed in order, each value divided by the root
+/// mean square, then scaled), so a decode step computes the tensor path's
+/// bits.
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let root_mean_square = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v / root_mean_square * w;
+    }
+}
