@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use qforge_calib::{Pass, Recipe, Stratify};
-use qforge_dist::cluster::{RedisAddress, WorkerOptions, hostname, serve};
+use qforge_dist::cluster::{ClusterKey, RedisAddress, WorkerOptions, hostname, serve};
 use qforge_dist::{Calibration, ClusterSettings, EmbeddedExecutor, Executor, RedisExecutor};
 
 use crate::output::print_written;
@@ -93,6 +93,8 @@ pub(crate) struct BackendArgs {
     #[command(flatten)]
     pub password: RedisPasswordArgs,
     #[command(flatten)]
+    pub key: ClusterKeyArgs,
+    #[command(flatten)]
     pub settings: ClusterArgs,
 }
 
@@ -114,6 +116,33 @@ impl RedisPasswordArgs {
             url,
             self.redis_password_file.as_deref(),
         )?)
+    }
+}
+
+/// Where the key that coordinator and workers share comes from.
+#[derive(Args)]
+pub(crate) struct ClusterKeyArgs {
+    /// Read the cluster key, which seals every worker's results so that
+    /// nothing else writing to Redis can have statistics merged, from this
+    /// file (its first line, at least 32 characters). QFORGE_CLUSTER_KEY
+    /// gives the key itself. Default: ~/.config/qforge/cluster.key, created
+    /// on first use; copy it to every worker machine.
+    #[arg(long, value_name = "FILE", requires = "cluster")]
+    cluster_key_file: Option<PathBuf>,
+}
+
+impl ClusterKeyArgs {
+    /// The key, saying so when this call created the default key file.
+    fn key(&self) -> Result<ClusterKey> {
+        let (key, created) = ClusterKey::load(self.cluster_key_file.as_deref())?;
+        if let Some(path) = created {
+            eprintln!(
+                "qforge: created the cluster key {} (readable by you only); workers on other \
+                 machines need a copy of it at the same place, or --cluster-key-file",
+                path.display()
+            );
+        }
+        Ok(key)
     }
 }
 
@@ -170,6 +199,7 @@ impl BackendArgs {
         Ok(match &self.cluster {
             Some(url) => Box::new(RedisExecutor::new(
                 self.password.address(url)?,
+                self.key.key()?,
                 run,
                 resume,
                 settings,
@@ -225,6 +255,8 @@ pub struct WorkerArgs {
     cluster: String,
     #[command(flatten)]
     password: RedisPasswordArgs,
+    #[command(flatten)]
+    key: ClusterKeyArgs,
     /// Join this run (default: whichever run is active).
     #[arg(long)]
     run: Option<String>,
@@ -261,6 +293,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
         forever: args.forever,
         wait: Duration::from_secs_f64(args.wait),
         outage_limit: Duration::from_secs_f64(args.outage_limit),
+        key: args.key.key()?,
     };
     let name = options.name.clone();
     let report = serve(&options, &mut |line| {

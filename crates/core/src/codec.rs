@@ -134,9 +134,52 @@ pub fn encode(stats: &Stats) -> Vec<u8> {
     out
 }
 
+/// The shape of one tensor's statistics: what the decoder can check before
+/// it allocates anything for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorShape {
+    /// Channels tracked for per-channel abs-max, if any.
+    pub channels: Option<usize>,
+    /// Width of the Gram matrix, if any.
+    pub gram_width: Option<usize>,
+}
+
+/// The tensors some statistics hold, by name, with their shapes: every
+/// batch of a calibration pass observes the same ones.
+pub type Shapes = BTreeMap<String, TensorShape>;
+
+/// The shapes of `stats`' tensors.
+pub fn shapes(stats: &Stats) -> Shapes {
+    stats
+        .tensors
+        .iter()
+        .map(|(name, tensor)| {
+            let shape = TensorShape {
+                channels: tensor.channel_abs_max_bits().map(<[u32]>::len),
+                gram_width: tensor.gram().map(Gram::width),
+            };
+            (name.clone(), shape)
+        })
+        .collect()
+}
+
 /// Decodes `.qstats` bytes, checking magic, version, length, checksum and the
 /// body's structure.
 pub fn decode(bytes: &[u8]) -> Result<Stats> {
+    decode_checked(bytes, None)
+}
+
+/// Decodes `.qstats` bytes that must hold exactly the tensors of
+/// `expected`, with their shapes: a tensor it does not name, another shape
+/// or a missing tensor is an error found before anything is allocated for
+/// it. Bytes from a party that is not trusted to send what the pass
+/// produces (a cluster result) are decoded so; otherwise a few bytes can
+/// announce a Gram matrix of gigabytes.
+pub fn decode_shaped(bytes: &[u8], expected: &Shapes) -> Result<Stats> {
+    decode_checked(bytes, Some(expected))
+}
+
+fn decode_checked(bytes: &[u8], expected: Option<&Shapes>) -> Result<Stats> {
     if bytes.len() < MAGIC.len() {
         return Err(if MAGIC.starts_with(bytes) {
             Error::Truncated(format!("{} bytes, shorter than the header", bytes.len()))
@@ -184,7 +227,7 @@ pub fn decode(bytes: &[u8]) -> Result<Stats> {
         bytes: &bytes[HEADER_LEN..body_end],
         offset: 0,
     };
-    let stats = read_body(&mut reader, version == FORMAT_VERSION)?;
+    let stats = read_body(&mut reader, version == FORMAT_VERSION, expected)?;
     if reader.offset != reader.bytes.len() {
         return Err(Error::Corrupt(format!(
             "{} unread bytes at the end of the body",
@@ -194,7 +237,7 @@ pub fn decode(bytes: &[u8]) -> Result<Stats> {
     Ok(stats)
 }
 
-fn read_body(r: &mut Reader<'_>, with_grams: bool) -> Result<Stats> {
+fn read_body(r: &mut Reader<'_>, with_grams: bool, expected: Option<&Shapes>) -> Result<Stats> {
     let flags = r.byte("provenance flags")?;
     if flags > 0b11 {
         return Err(Error::Corrupt(format!(
@@ -252,8 +295,19 @@ fn read_body(r: &mut Reader<'_>, with_grams: bool) -> Result<Stats> {
                 "tensor {name:?} out of order or repeated"
             )));
         }
-        let tensor = read_tensor(r, &name, with_grams)?;
+        let shape = match expected {
+            None => None,
+            Some(shapes) => Some(*shapes.get(&name).ok_or_else(|| {
+                Error::Corrupt(format!("tensor {name:?} is not one this pass observes"))
+            })?),
+        };
+        let tensor = read_tensor(r, &name, with_grams, shape)?;
         tensors.insert(name, tensor);
+    }
+    if let Some(missing) = expected.and_then(|e| e.keys().find(|n| !tensors.contains_key(*n))) {
+        return Err(Error::Corrupt(format!(
+            "tensor {missing:?}, which this pass observes, is missing"
+        )));
     }
     if with_grams && tensors.values().all(|t| t.gram().is_none()) {
         return Err(Error::Corrupt(format!(
@@ -269,14 +323,23 @@ fn read_body(r: &mut Reader<'_>, with_grams: bool) -> Result<Stats> {
 /// Reads tensor `name`'s statistics. What an error names is prefixed with
 /// the tensor only once it happens: formatting that context for every value
 /// read made decoding a SmolLM2 result (121 tensors) take 140 ms.
-fn read_tensor(r: &mut Reader<'_>, name: &str, with_grams: bool) -> Result<TensorStats> {
-    read_tensor_fields(r, with_grams).map_err(|e| match e {
+fn read_tensor(
+    r: &mut Reader<'_>,
+    name: &str,
+    with_grams: bool,
+    shape: Option<TensorShape>,
+) -> Result<TensorStats> {
+    read_tensor_fields(r, with_grams, shape).map_err(|e| match e {
         Error::Corrupt(what) => Error::Corrupt(format!("tensor {name:?}: {what}")),
         other => other,
     })
 }
 
-fn read_tensor_fields(r: &mut Reader<'_>, with_grams: bool) -> Result<TensorStats> {
+fn read_tensor_fields(
+    r: &mut Reader<'_>,
+    with_grams: bool,
+    shape: Option<TensorShape>,
+) -> Result<TensorStats> {
     let zero = r.varint("zero count")?;
     let nan = r.varint("NaN count")?;
     let pos_inf = r.varint("+inf count")?;
@@ -317,10 +380,26 @@ fn read_tensor_fields(r: &mut Reader<'_>, with_grams: bool) -> Result<TensorStat
         max,
     })
     .map_err(|e| Error::Corrupt(e.to_string()))?;
-    let channels = match r.byte("channels flag")? {
+    let flag = r.byte("channels flag")?;
+    if let Some(shape) = shape
+        && u8::from(shape.channels.is_some()) != flag
+    {
+        return Err(Error::Corrupt(format!(
+            "per-channel abs-max present where the pass records {:?} channels, or the reverse",
+            shape.channels
+        )));
+    }
+    let channels = match flag {
         0 => None,
         1 => {
             let n = r.count(4, "channel")?;
+            if let Some(expected) = shape.and_then(|s| s.channels)
+                && n != expected
+            {
+                return Err(Error::Corrupt(format!(
+                    "{n} channels where the pass records {expected}"
+                )));
+            }
             let mut channels = Vec::with_capacity(n);
             for _ in 0..n {
                 channels.push(r.u32("channel abs-max")?);
@@ -331,7 +410,21 @@ fn read_tensor_fields(r: &mut Reader<'_>, with_grams: bool) -> Result<TensorStat
             return Err(Error::Corrupt(format!("bad channels flag {other}")));
         }
     };
-    let gram = if with_grams { read_gram(r)? } else { None };
+    let gram = if with_grams {
+        read_gram(r, shape.map(|s| s.gram_width))?
+    } else {
+        None
+    };
+    if let Some(TensorShape {
+        gram_width: Some(width),
+        ..
+    }) = shape
+        && gram.is_none()
+    {
+        return Err(Error::Corrupt(format!(
+            "no Gram matrix where the pass records one {width} wide"
+        )));
+    }
     TensorStats::from_parts(histogram, channels, gram).map_err(|e| Error::Corrupt(e.to_string()))
 }
 
@@ -357,13 +450,23 @@ fn put_gram(out: &mut Vec<u8>, gram: Option<&Gram>) {
     }
 }
 
-fn read_gram(r: &mut Reader<'_>) -> Result<Option<Gram>> {
+/// Reads a Gram matrix that, when `expected` is given, must be absent
+/// (`Some(None)`) or that wide.
+fn read_gram(r: &mut Reader<'_>, expected: Option<Option<usize>>) -> Result<Option<Gram>> {
     match r.byte("gram flag")? {
         0 => return Ok(None),
         1 => {}
         other => return Err(Error::Corrupt(format!("bad gram flag {other}"))),
     }
     let width = r.varint("gram width")?;
+    if let Some(expected) = expected
+        && expected != Some(width as usize)
+    {
+        return Err(Error::Corrupt(format!(
+            "a Gram matrix {width} wide where the pass records {}",
+            expected.map_or("none".to_owned(), |w| format!("one {w} wide"))
+        )));
+    }
     let zigzag = r.varint("gram exponent")?;
     let exponent = ((zigzag >> 1) as i64) ^ -((zigzag & 1) as i64);
     let rows = r.varint("gram rows")?;
@@ -720,6 +823,57 @@ mod tests {
         a.merge(&other, MergePolicy::Strict).unwrap();
         let merged = a.tensors["model.layers.0.mlp.gate_proj"].gram().unwrap();
         assert_eq!(merged.upper()[0], 2 * gram.upper()[0]);
+    }
+
+    #[test]
+    fn shaped_decoding_refuses_what_the_pass_does_not_produce_before_allocating_it() {
+        let stats = with_gram();
+        let expected = shapes(&stats);
+        assert_eq!(expected["model.layers.0.mlp.gate_proj"].gram_width, Some(3));
+        assert_eq!(expected["model.layers.0.mlp.down_proj"].channels, Some(3));
+        assert_eq!(decode_shaped(&encode(&stats), &expected).unwrap(), stats);
+        // The attack on the coordinator: a Gram matrix 8 192 wide on a layer
+        // 3 wide (33.5 MB of one-byte zero entries, 537 MB as i128 sums).
+        let mut forged = stats.clone();
+        forged.tensors.insert(
+            "model.layers.0.mlp.gate_proj".into(),
+            TensorStats::with_gram(Gram::new(8192, 0).unwrap()),
+        );
+        let bytes = encode(&forged);
+        let err = decode_shaped(&bytes, &expected).unwrap_err().to_string();
+        assert!(
+            err.contains("8192 wide where the pass records one 3 wide"),
+            "{err}"
+        );
+        // Another channel count, a tensor the pass does not observe, and a
+        // missing one.
+        let mut channels = stats.clone();
+        channels.tensors.insert(
+            "model.layers.0.mlp.down_proj".into(),
+            TensorStats::with_channels(4096),
+        );
+        let err = decode_shaped(&encode(&channels), &expected)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("4096 channels where the pass records 3"),
+            "{err}"
+        );
+        let mut extra = stats.clone();
+        extra.tensors.insert("zz".into(), TensorStats::new());
+        let err = decode_shaped(&encode(&extra), &expected)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not one this pass observes"), "{err}");
+        let mut missing = stats.clone();
+        missing.tensors.remove("a");
+        let err = decode_shaped(&encode(&missing), &expected)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"a\", which this pass observes, is missing"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ use qforge_calib::{Batch, HiddenStates, Job};
 use qforge_core::codec::decode;
 use qforge_core::{MergePolicy, Stats, TensorStats};
 use qforge_dist::Failure;
-use qforge_dist::cluster::{Compute, RedisAddress, WorkerOptions, serve_with};
+use qforge_dist::cluster::{ClusterKey, Compute, RedisAddress, WorkerOptions, serve_with};
 use qforge_model::Model;
 
 /// Answers every batch with the template's tensors after `delay`. The
@@ -128,6 +128,7 @@ fn run() -> Result<(), String> {
         forever: false,
         wait: Duration::from_secs(120),
         outage_limit: Duration::from_secs(60),
+        key: ClusterKey::load(None).map_err(|e| e.to_string())?.0,
     };
     let mut synthetic = Synthetic {
         template: stats,

@@ -5,7 +5,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use qforge_calib::{Batch, HiddenStates, Job, Plan, observe_batch};
-use qforge_core::Stats;
+use qforge_core::{Digest, Stats};
 use qforge_model::Model;
 
 use crate::error::{Error, Result};
@@ -29,6 +29,11 @@ pub enum Outcome {
         /// Whether it was a speculative re-execution of a task another
         /// worker still held.
         speculative: bool,
+        /// The SHA-256 of the statistics' bytes as the worker sent them,
+        /// where another copy of the same batches must have the same bytes
+        /// (a cluster result under the run's reference fingerprint): a
+        /// duplicate is compared by it.
+        digest: Option<Digest>,
     },
     /// The batches failed on a worker (a worker publishes each failed
     /// batch of a task on its own; a result that does not decode fails all
@@ -223,6 +228,8 @@ impl Backend for Embedded {
                                     worker: name.clone(),
                                     elapsed: started.elapsed(),
                                     speculative: false,
+                                    // One thread per batch: no duplicates.
+                                    digest: None,
                                 },
                                 Err(error) => Outcome::Failed {
                                     batches: vec![batch],

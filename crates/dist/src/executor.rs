@@ -13,7 +13,7 @@ use std::time::Duration;
 use qforge_calib::{Job, Pass, Session, Weights};
 
 use crate::backend::Embedded;
-use crate::cluster::{ClusterOptions, Pace, RedisAddress, RedisBackend, RunSpec};
+use crate::cluster::{ClusterKey, ClusterOptions, Pace, RedisAddress, RedisBackend, RunSpec};
 use crate::coordinator::{RunOptions, run};
 use crate::error::{Error, Result};
 use crate::record::{Progress, RunSummary};
@@ -201,6 +201,7 @@ impl ClusterSettings {
 #[derive(Debug, Clone)]
 pub struct RedisExecutor {
     redis: RedisAddress,
+    key: ClusterKey,
     run: Option<String>,
     resume: bool,
     settings: ClusterSettings,
@@ -216,16 +217,19 @@ pub struct RedisExecutor {
 
 impl RedisExecutor {
     /// Passes published on the Redis at `redis`, pass 1 as run `run`
-    /// (`None`: the session's [`Session::run_name`]); `resume` continues
-    /// each pass's results and workers instead of starting clean.
+    /// (`None`: the session's [`Session::run_name`]), sealed under run keys
+    /// derived from `key`; `resume` continues each pass's results and
+    /// workers instead of starting clean.
     pub fn new(
         redis: RedisAddress,
+        key: ClusterKey,
         run: Option<String>,
         resume: bool,
         settings: ClusterSettings,
     ) -> Self {
         Self {
             redis,
+            key,
             run,
             resume,
             settings,
@@ -257,6 +261,7 @@ impl RedisExecutor {
             resume: self.resume,
             outage_limit: self.settings.outage_limit,
             batches_per_task: self.settings.batches_per_task,
+            key: self.key.clone(),
         }
     }
 

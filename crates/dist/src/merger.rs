@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use qforge_calib::{Job, Plan};
-use qforge_core::{BatchId, MergePolicy, Provenance, Stats};
+use qforge_core::{BatchId, Digest, MergePolicy, Provenance, Stats};
 
 use crate::backend::{Failure, Next, Outcome};
 use crate::checkpoint::CheckpointStore;
@@ -18,6 +18,14 @@ use crate::record::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
 /// Rejected results named one by one in the warnings; beyond, only counted.
 const REJECTIONS_LOGGED: usize = 8;
 use crate::error::{Error, Result};
+
+/// Who sent a result of statistics, and how.
+struct ResultCopy {
+    worker: String,
+    elapsed: Duration,
+    speculative: bool,
+    digest: Option<Digest>,
+}
 
 /// The state of a run's reduce step.
 pub(crate) struct Merger<'p> {
@@ -34,6 +42,10 @@ pub(crate) struct Merger<'p> {
     workers: BTreeMap<String, WorkerReport>,
     timeline: Vec<Delivery>,
     duplicates: usize,
+    /// The digest of each merged result that carried one, with its worker,
+    /// by the batches it covered: a later copy of the same batches must
+    /// have the same bytes.
+    digests: BTreeMap<Vec<usize>, (Digest, String)>,
     /// Results refused before the merge (see [`Merger::reject`]).
     rejected: usize,
     /// Results that covered merged and unmerged batches at once.
@@ -71,6 +83,7 @@ impl<'p> Merger<'p> {
             workers: BTreeMap::new(),
             timeline: Vec::new(),
             duplicates: 0,
+            digests: BTreeMap::new(),
             rejected: 0,
             overlapping: 0,
             retries: 0,
@@ -131,7 +144,19 @@ impl<'p> Merger<'p> {
                 worker,
                 elapsed,
                 speculative,
-            } => self.accept_done(&batches, &stats, worker, elapsed, speculative),
+                digest,
+            } => {
+                if let Some(digest) = digest {
+                    self.compare_copies(&batches, digest, &worker)?;
+                }
+                let copy = ResultCopy {
+                    worker,
+                    elapsed,
+                    speculative,
+                    digest,
+                };
+                self.accept_done(&batches, &stats, copy)
+            }
             Outcome::Failed {
                 batches,
                 worker,
@@ -140,14 +165,36 @@ impl<'p> Merger<'p> {
         }
     }
 
-    fn accept_done(
-        &mut self,
-        batches: &[usize],
-        stats: &Stats,
-        worker: String,
-        elapsed: Duration,
-        speculative: bool,
-    ) -> Result<Next> {
+    /// Fails the run when the merged copy of `batches` has another digest
+    /// than `digest`: under one determinism fingerprint a
+    /// batch's statistics are the same bytes on every worker, so two copies
+    /// that differ mean one machine computed wrongly (a faulty core or
+    /// memory, another build) or a holder of the cluster key lied, and the
+    /// merged copy cannot be trusted either.
+    fn compare_copies(&mut self, batches: &[usize], digest: Digest, worker: &str) -> Result<()> {
+        match self.digests.get(batches) {
+            None => Ok(()),
+            Some((first, _)) if *first == digest => Ok(()),
+            Some((first, first_worker)) => Err(Error::Cluster(format!(
+                "{} computed twice with different statistics: worker {first_worker} sent {} and \
+                 worker {worker} sent {}, under the same determinism fingerprint. One of the \
+                 two machines computed wrongly (check its memory and CPU, and that both run \
+                 the same build) or something holding the cluster key forged a result; the \
+                 statistics cannot be trusted, so the run stops",
+                listed(batches),
+                &first.to_hex()[..16],
+                &digest.to_hex()[..16],
+            ))),
+        }
+    }
+
+    fn accept_done(&mut self, batches: &[usize], stats: &Stats, copy: ResultCopy) -> Result<Next> {
+        let ResultCopy {
+            worker,
+            elapsed,
+            speculative,
+            digest,
+        } = copy;
         self.speculative += usize::from(speculative);
         let busy_seconds = elapsed.as_secs_f64();
         self.workers.entry(worker.clone()).or_default().busy_seconds += busy_seconds;
@@ -175,6 +222,10 @@ impl<'p> Merger<'p> {
                 .count();
             self.unresolved -= fresh;
             self.done.extend(ids);
+            if let Some(digest) = digest {
+                self.digests
+                    .insert(batches.to_vec(), (digest, worker.clone()));
+            }
         }
         let at_seconds = self.started.elapsed().as_secs_f64();
         for &batch in batches {
@@ -482,12 +533,14 @@ mod tests {
     /// The merged statistics of `batches`, as a worker handed them as one
     /// task publishes them.
     fn group(batches: &[usize], stats: Stats, worker: &str, speculative: bool) -> Outcome {
+        let digest = Some(Digest::of(&encode(&stats)));
         Outcome::Done {
             batches: batches.to_vec(),
             stats: Box::new(stats),
             worker: worker.to_owned(),
             elapsed: Duration::from_millis(10),
             speculative,
+            digest,
         }
     }
 
@@ -552,6 +605,37 @@ mod tests {
             all.merge(&one, MergePolicy::Strict).unwrap();
         }
         all
+    }
+
+    #[test]
+    fn a_copy_that_differs_from_the_merged_one_fails_the_run_naming_both_workers() {
+        let (job, plan) = setup(2);
+        let genuine = stats(&job, plan.batches[0].id, &[3.0]);
+        let mut merger = Merger::new(&plan, 50);
+        merger
+            .accept(done(0, genuine.clone(), "w0", false))
+            .unwrap();
+        // The same bytes again: a duplicate, dropped.
+        let next = merger.accept(done(0, genuine.clone(), "w1", true));
+        assert_eq!(next.unwrap(), Next::Continue);
+        // A histogram count raised by 40 (a faulty core, or a forger holding
+        // the key): the run stops, naming both.
+        let mut faulty = genuine;
+        faulty
+            .tensors
+            .get_mut("layer.0")
+            .unwrap()
+            .observe(&[1.0; 40])
+            .unwrap();
+        let err = merger
+            .accept(done(0, faulty, "w2", true))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("worker w0 sent") && err.contains("worker w2 sent"),
+            "{err}"
+        );
+        assert!(err.contains("computed wrongly"), "{err}");
     }
 
     #[test]

@@ -6,20 +6,24 @@
 //! Pendulum policy and its rollouts (small, real). Faults with real processes
 //! (SIGKILL, SIGSTOP, Redis restarts) are in the CLI's cluster tests.
 
+#[path = "support/pendulum.rs"]
+mod pendulum;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use qforge_calib::{Job, Plan, Recipe, RoundedLayers, Session, Weights, load_jsonl};
+use pendulum::{
+    address, clean_bytes, fast_spec, fixture, open_run, open_spec, session, session_of, setup,
+    setup_of, test_key, worker_of,
+};
+use qforge_calib::{Job, Plan, Recipe, RoundedLayers, Session, load_jsonl};
 use qforge_core::codec::encode;
 use qforge_dist::cluster::{
-    ClusterOptions, Compute, Pace, RedisAddress, RedisBackend, RunSpec, WorkerOptions, serve,
-    serve_with,
+    ClusterOptions, Compute, Pace, RedisBackend, RunSpec, WorkerOptions, serve, serve_with,
 };
 use qforge_dist::{
     Backend, CheckpointStore, Embedded, Error, Failure, Next, Outcome, RunOptions, RunSummary, run,
@@ -27,60 +31,12 @@ use qforge_dist::{
 use qforge_model::{MlpPolicy, Model};
 use redis_server::{RedisCluster, RedisServer};
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/pendulum")
-}
-
-/// The Pendulum policy and its rollouts, planned into 19 batches of 32.
-fn session() -> Session {
-    session_of(32)
-}
-
-/// The Pendulum policy and 600 of its observations in batches of
-/// `batch_size`.
-fn session_of(batch_size: usize) -> Session {
-    let recipe = Recipe {
-        samples: 600,
-        batch_size,
-        ..Recipe::default()
-    };
-    Session::open(
-        &fixture(),
-        &fixture().join("rollouts.jsonl"),
-        &recipe,
-        false,
-        Weights::Load,
-    )
-    .unwrap()
-}
-
-fn setup() -> (Model, Job, Plan) {
-    setup_of(session())
-}
-
-fn setup_of(session: Session) -> (Model, Job, Plan) {
-    let job = session.job(&session.recipe, &[]);
-    (session.model.clone().unwrap(), job, session.plan)
-}
-
-fn clean_bytes(target: &Model, job: &Job, plan: &Plan) -> Vec<u8> {
-    let backend = Embedded::new(target.clone(), job.clone(), 1);
-    let summary = run(job, plan, &backend, &RunOptions::default(), &mut |_| {}).unwrap();
-    assert_eq!(summary.coverage, 1.0);
-    encode(&summary.stats)
-}
-
 /// A scratch directory, removed when dropped.
 fn temp_dir(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("qforge-dist-{name}-"))
         .tempdir()
         .unwrap()
-}
-
-/// The test server's address.
-fn address(server: &RedisServer) -> RedisAddress {
-    RedisAddress::new(&server.url(), None).unwrap()
 }
 
 /// The backends every test runs on: embedded always, Redis when a server
@@ -140,6 +96,7 @@ fn run_session_on(
             redis: address(server),
             resume: options.resume,
             outage_limit: Duration::from_secs(10),
+            key: test_key(),
             batches_per_task: per_task,
         },
         &RoundedLayers::default(),
@@ -153,6 +110,7 @@ fn run_session_on(
                 forever: false,
                 wait: Duration::from_secs(10),
                 outage_limit: Duration::from_secs(10),
+                key: test_key(),
             };
             scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
         }
@@ -463,6 +421,7 @@ impl Backend for Faulty<'_> {
                     stats,
                     worker,
                     elapsed,
+                    digest,
                     ..
                 } = &outcome
             {
@@ -472,6 +431,7 @@ impl Backend for Faulty<'_> {
                     worker: format!("{worker}-speculative"),
                     elapsed: *elapsed,
                     speculative: true,
+                    digest: *digest,
                 };
                 if on(copy)? == Next::Stop {
                     return Ok(Next::Stop);
@@ -691,6 +651,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
             forever: false,
             wait: Duration::from_secs(10),
             outage_limit: Duration::from_secs(10),
+            key: test_key(),
         };
         // Both load the fixture's files; the odd one then computes with
         // the perturbed weights.
@@ -1204,127 +1165,6 @@ fn await_count(connection: &mut redis::Connection, command: &str, key: &str, lea
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-}
-
-/// Opens run `name` on `server` as its coordinator, with fast heartbeats,
-/// no speculation and `per_task` batches per task (`None`: sized by the
-/// coordinator).
-fn open_run(
-    server: &RedisServer,
-    name: &str,
-    job: &Job,
-    per_task: Option<NonZeroUsize>,
-) -> RedisBackend {
-    open_spec(server, fast_spec(name, job), per_task)
-}
-
-/// The spec of run `name` over `job`, with fast heartbeats and no
-/// speculation.
-fn fast_spec(name: &str, job: &Job) -> RunSpec {
-    let mut spec = RunSpec::new(name, &session(), job).unwrap();
-    spec.speculation = 1.0;
-    spec.heartbeat_ms = 100;
-    spec.heartbeat_timeout_ms = 600;
-    spec
-}
-
-/// Opens `spec` on `server` as its coordinator, with `per_task` batches per
-/// task (`None`: sized by the coordinator).
-fn open_spec(server: &RedisServer, spec: RunSpec, per_task: Option<NonZeroUsize>) -> RedisBackend {
-    RedisBackend::open(
-        spec,
-        &ClusterOptions {
-            redis: address(server),
-            resume: false,
-            outage_limit: Duration::from_secs(10),
-            batches_per_task: per_task,
-        },
-        &RoundedLayers::default(),
-    )
-    .unwrap()
-}
-
-/// A worker of run `run` named `name`.
-fn worker_of(server: &RedisServer, run: &str, name: &str) -> WorkerOptions {
-    WorkerOptions {
-        redis: address(server),
-        run: Some(run.to_owned()),
-        name: name.to_owned(),
-        forever: false,
-        wait: Duration::from_secs(10),
-        outage_limit: Duration::from_secs(10),
-    }
-}
-
-#[test]
-fn forged_results_are_quarantined_and_the_run_goes_on() {
-    let Some(server) = RedisServer::start("forged", None) else {
-        return;
-    };
-    let (target, job, plan) = setup();
-    let backend = open_run(&server, "forged", &job, None);
-    // What a forger with access to Redis writes before any worker runs: the
-    // true reference fingerprint (so nothing is dropped for it), then batch
-    // 0 carrying batch 1's statistics, an entry naming no planned batch,
-    // and a genuine result of batch 0 at the largest sequence number (the
-    // cursor's successor overflowed).
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut connection = client.get_connection().unwrap();
-    let fingerprint = target.fingerprint().unwrap().to_hex();
-    redis::cmd("SET")
-        .arg("qforge:{forged}:reference")
-        .arg(&fingerprint)
-        .query::<()>(&mut connection)
-        .unwrap();
-    let observed = |b: usize| {
-        let hidden = qforge_calib::HiddenStates::default();
-        encode(&qforge_calib::observe_batch(&target, &plan.batches[b], &job, &hidden).unwrap())
-    };
-    let forge = |id: &str, batch: &str, batch_id: String, stats: Vec<u8>| {
-        redis::cmd("XADD")
-            .arg("qforge:{forged}:results")
-            .arg(id)
-            .arg("batches")
-            .arg(batch)
-            .arg("ids")
-            .arg(batch_id)
-            .arg("worker")
-            .arg("forger")
-            .arg("fingerprint")
-            .arg(&fingerprint)
-            .arg("stats")
-            .arg(stats)
-            .query::<String>(&mut client.get_connection().unwrap())
-            .unwrap();
-    };
-    let batch0 = plan.batches[0].id.to_string();
-    forge("1-1", "0", batch0.clone(), observed(1));
-    forge("1-2", "99999", batch0.clone(), observed(0));
-    forge("1-18446744073709551615", "0", batch0, observed(0));
-
-    let summary = std::thread::scope(|scope| {
-        for w in 0..2 {
-            let worker = worker_of(&server, "forged", &format!("forged-w{w}"));
-            scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
-        }
-        // Ending the run whatever happens lets the workers leave, so a
-        // failing coordinator fails the test instead of hanging it.
-        let summary = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {})
-        }));
-        backend.finish(matches!(summary, Ok(Ok(_)))).unwrap();
-        summary.unwrap().unwrap()
-    });
-    assert_eq!(summary.quarantined_results, 2, "{:?}", summary.warnings);
-    let named = |needle: &str| summary.warnings.iter().any(|w| w.contains(needle));
-    assert!(named("claim batch(es)"), "{:?}", summary.warnings);
-    assert!(
-        named("names no batch of this plan"),
-        "{:?}",
-        summary.warnings
-    );
-    assert!(summary.quarantined.is_empty());
-    assert_eq!(encode(&summary.stats), clean_bytes(&target, &job, &plan));
 }
 
 #[test]

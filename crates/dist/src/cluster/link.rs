@@ -21,6 +21,14 @@ const PASSWORD_FILE_LIMIT: u64 = 4096;
 /// Longer than any `BLOCK` we issue, so a stopped (SIGSTOP) Redis is noticed.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The shortest read timeout, under an outage limit shorter than
+/// [`IO_TIMEOUT`]: still longer than any `BLOCK` we issue (250 ms).
+const MIN_IO_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The shortest wait for a connection, however little of the outage limit
+/// is left.
+const MIN_CONNECT_TIMEOUT: Duration = Duration::from_millis(100);
+
 /// Redirections one command may follow in a row. A run's keys share a slot,
 /// so a command is redirected once when the cluster's slots move and twice
 /// while a slot migrates; more means its keys lie on several nodes.
@@ -257,11 +265,17 @@ impl Link {
     /// (up to the outage limit), and following a Redis Cluster's
     /// redirections. A retried command may have run already; every caller
     /// is idempotent or deduplicated downstream.
+    ///
+    /// The outage is counted from the start of the call, the last moment
+    /// Redis was known to answer, and no attempt waits past the limit: a
+    /// frozen server otherwise cost a read timeout before the count began
+    /// and another after it ended (`--outage-limit 5` gave up after 10.5 s).
     pub(crate) fn call<T>(
         &mut self,
         mut command: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
-        let mut down_since: Option<Instant> = None;
+        let started = Instant::now();
+        let mut down = false;
         let mut pause = Duration::from_millis(50);
         let mut redirects = 0;
         let mut asked: Option<Node> = None;
@@ -270,7 +284,8 @@ impl Link {
                 Some(node) => (node, true),
                 None => (self.node.clone(), false),
             };
-            let attempt = self.connection(&node, down_since.is_some()).and_then(|c| {
+            let budget = self.outage_limit.saturating_sub(started.elapsed());
+            let attempt = self.connection(&node, down, budget).and_then(|c| {
                 if asking {
                     redis::cmd("ASKING").query::<()>(c)?;
                 }
@@ -315,11 +330,12 @@ impl Link {
                 self.connections.remove(&node);
                 self.node = Node::Url;
                 redirects = 0;
-                let since = *down_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= self.outage_limit {
+                down = true;
+                let left = self.outage_limit.saturating_sub(started.elapsed());
+                if left.is_zero() {
                     return Err(self.explain(&e));
                 }
-                std::thread::sleep(pause);
+                std::thread::sleep(pause.min(left));
                 pause = (pause * 2).min(Duration::from_millis(500));
             } else {
                 return Err(self.explain(&e));
@@ -327,9 +343,15 @@ impl Link {
         }
     }
 
-    /// The open connection to `node`, opened if need be (`after_outage`:
-    /// count it as a reconnection).
-    fn connection(&mut self, node: &Node, after_outage: bool) -> RedisResult<&mut Connection> {
+    /// The open connection to `node`, opened if need be, within `budget`
+    /// (`after_outage`: count it as a reconnection). Reads and writes time
+    /// out after [`IO_TIMEOUT`], or the outage limit if shorter.
+    fn connection(
+        &mut self,
+        node: &Node,
+        after_outage: bool,
+        budget: Duration,
+    ) -> RedisResult<&mut Connection> {
         if !self.connections.contains_key(node) {
             let info = match node {
                 Node::Url => self.info.clone(),
@@ -338,9 +360,11 @@ impl Link {
                     .clone()
                     .set_addr(ConnectionAddr::Tcp(host.clone(), *port)),
             };
-            let connection = Client::open(info)?.get_connection_with_timeout(IO_TIMEOUT)?;
-            connection.set_read_timeout(Some(IO_TIMEOUT))?;
-            connection.set_write_timeout(Some(IO_TIMEOUT))?;
+            let io_timeout = IO_TIMEOUT.min(self.outage_limit).max(MIN_IO_TIMEOUT);
+            let connect_timeout = budget.clamp(MIN_CONNECT_TIMEOUT, io_timeout);
+            let connection = Client::open(info)?.get_connection_with_timeout(connect_timeout)?;
+            connection.set_read_timeout(Some(io_timeout))?;
+            connection.set_write_timeout(Some(io_timeout))?;
             if after_outage {
                 self.reconnects += 1;
             }

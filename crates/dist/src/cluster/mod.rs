@@ -17,7 +17,7 @@
 //! | `qforge:{R}:tasks`          | stream | one entry per task (batches, ids); group `workers` |
 //! | `qforge:{R}:tasks:{worker}` | stream | tasks routed to a worker (see "Routing"), as above |
 //! | `qforge:{R}:routes`         | set    | the workers with a routed task stream              |
-//! | `qforge:{R}:results`        | stream | a task's merged `.qstats`, or a batch's error      |
+//! | `qforge:{R}:results`        | stream | a task's merged `.qstats`, or a batch's error; MAC |
 //! | `qforge:{R}:hb:{worker}`    | string | heartbeat (TTL), naming the tasks held             |
 //! | `qforge:{R}:workers`        | hash   | worker → build, kernel tier, fingerprint, admitted |
 //! | `qforge:{R}:reference`      | string | the fingerprint workers must match                 |
@@ -96,6 +96,7 @@
 //! deliveries that fails a batch killing every worker applies. Speculation
 //! and reconciliation cover every stream.
 
+mod auth;
 mod keys;
 mod link;
 mod redis_backend;
@@ -103,6 +104,7 @@ mod rounding;
 mod spec;
 mod worker;
 
+pub use auth::{ClusterKey, KEY_VARIABLE, MAC_FIELD, RunKey};
 pub use keys::RunKeys;
 pub use link::RedisAddress;
 pub use redis_backend::{ClusterOptions, Pace, RedisBackend};

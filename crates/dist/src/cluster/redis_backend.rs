@@ -6,13 +6,14 @@ use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
 use qforge_calib::{Plan, RoundedLayers};
-use qforge_core::Stats;
-use qforge_core::codec::decode;
+use qforge_core::codec::{self, Shapes};
+use qforge_core::{Digest, Stats};
 use redis::Value;
 use redis::streams::{
     StreamId, StreamInfoGroupsReply, StreamPendingCountReply, StreamRangeReply, StreamReadReply,
 };
 
+use super::auth::{ClusterKey, RunKey};
 use super::keys::{
     ACTIVE, GROUP, RunKeys, entry_id, idle_pending, joined, named_batches, routed_label,
 };
@@ -36,10 +37,16 @@ pub struct ClusterOptions {
     /// time per result and the workers' time per batch (one until both are
     /// measured; see [`RedisBackend`]).
     pub batches_per_task: Option<NonZeroUsize>,
+    /// The key shared with the workers, from which the run key that seals
+    /// their results is derived.
+    pub key: ClusterKey,
 }
 
 /// How often the coordinator checks that no task was lost.
 const RECONCILE_EVERY: Duration = Duration::from_secs(1);
+
+/// Results refused for their MAC that the warnings name one by one.
+const UNSEALED_NAMED: usize = 4;
 
 /// Results read from the stream at a time.
 const READ_COUNT: usize = 16;
@@ -103,6 +110,12 @@ struct Bookkeeping {
     holders: BTreeMap<usize, String>,
     /// Tasks taken back from dead workers' routed streams.
     reassigned: usize,
+    /// The first results refused for their MAC, described (entry id, the
+    /// worker and batches they claim).
+    unsealed: Vec<String>,
+    /// The tensors the pass observes and their shapes, from its first
+    /// sealed result: later results are decoded against them.
+    shapes: Option<Shapes>,
 }
 
 impl Bookkeeping {
@@ -133,6 +146,8 @@ impl Bookkeeping {
 pub struct RedisBackend {
     link: RefCell<Link>,
     keys: RunKeys,
+    /// Seals this run's results (see [`super::auth`]).
+    run_key: RunKey,
     spec: RunSpec,
     batches_per_task: Option<NonZeroUsize>,
     token: String,
@@ -191,7 +206,7 @@ impl RedisBackend {
     /// predecessor's lease) and publishes the spec. Unless resuming,
     /// whatever an earlier run of that name left is cleared.
     pub fn open(
-        spec: RunSpec,
+        mut spec: RunSpec,
         options: &ClusterOptions,
         roundings: &RoundedLayers,
     ) -> Result<Self> {
@@ -241,6 +256,21 @@ impl RedisBackend {
                         spec.run
                     )));
                 }
+                // The results already in the stream are sealed under the
+                // run key of the previous coordinator's nonce.
+                if options
+                    .key
+                    .run_key(&spec.run, &previous.nonce)
+                    .check_value()
+                    != previous.key_check
+                {
+                    return Err(Error::Cluster(format!(
+                        "run {} was started under another cluster key than {}; resume it with that key or pick another --run",
+                        spec.run,
+                        options.key.source()
+                    )));
+                }
+                spec.nonce = previous.nonce;
             }
         } else {
             let mut stale = keys.run_wide().to_vec();
@@ -263,6 +293,8 @@ impl RedisBackend {
                     .query::<()>(c)
             })?;
         }
+        let run_key = options.key.run_key(&spec.run, &spec.nonce);
+        spec.key_check = run_key.check_value();
         let json = serde_json::to_string(&spec).expect("a spec serializes");
         link.call(|c| {
             redis::pipe()
@@ -284,6 +316,7 @@ impl RedisBackend {
             link: RefCell::new(link),
             keys,
             spec,
+            run_key,
             batches_per_task: options.batches_per_task,
             token,
             alive: Cell::new(0),
@@ -335,7 +368,8 @@ impl RedisBackend {
     /// Publishes `spec` as a run that will not happen (state `skipped`, no
     /// task): workers that follow the pass before it into this one find it
     /// and leave. Its keys expire after a day, as a finished run's.
-    pub fn skip(spec: RunSpec, options: &ClusterOptions) -> Result<()> {
+    pub fn skip(mut spec: RunSpec, options: &ClusterOptions) -> Result<()> {
+        spec.key_check = options.key.run_key(&spec.run, &spec.nonce).check_value();
         let keys = RunKeys::new(&spec.run)?;
         let mut link = Link::open(&options.redis, options.outage_limit)?;
         let json = serde_json::to_string(&spec).expect("a spec serializes");
@@ -821,34 +855,39 @@ impl RedisBackend {
             .collect())
     }
 
-    /// Turns a results entry, whose statistics (if it carries any) are
-    /// `decoded`, into an outcome; `None` (with the reason counted) for one
-    /// that must not reach the merge.
+    /// Turns a results entry, as it was `received`, into an outcome; `None`
+    /// (with the reason counted) for one that must not reach the merge.
     fn outcome(
         &self,
         link: &mut Link,
         plan: &Plan,
         entry: &StreamId,
-        decoded: Option<qforge_core::Result<Stats>>,
+        received: Received,
     ) -> Result<Option<Outcome>> {
         let text = |field: &str| entry.get::<String>(field).unwrap_or_default();
         let worker = text("worker");
-        let drop_as = |why: &str| {
-            *self
-                .book
-                .borrow_mut()
-                .dropped
-                .entry(why.to_owned())
-                .or_default() += 1;
-            Ok(None)
-        };
+        if let Received::Unsealed = received {
+            let mut book = self.book.borrow_mut();
+            if book.unsealed.len() < UNSEALED_NAMED {
+                book.unsealed.push(format!(
+                    "entry {} (claiming worker {worker:?}, batches {:?})",
+                    entry.id,
+                    text("batches")
+                ));
+            }
+            drop(book);
+            return self.drop_as(
+                "fails its MAC under this run's key: something that does not hold the cluster \
+                 key wrote it to Redis; check who can write to it",
+            );
+        }
         let Some(batches) =
             named_batches(entry).filter(|batches| batches.iter().all(|&b| b < plan.batches.len()))
         else {
-            return drop_as("names no batch of this plan");
+            return self.drop_as("names no batch of this plan");
         };
         if text("ids") != joined(batches.iter().map(|&b| plan.batches[b].id)) {
-            return drop_as("has batch ids that differ from the plan's");
+            return self.drop_as("has batch ids that differ from the plan's");
         }
         if let Some(message) = entry.get::<String>("error") {
             let kind = entry.get::<String>("failure");
@@ -865,10 +904,10 @@ impl RedisBackend {
         }
         let mixed = self.book.borrow().reference.as_deref() != Some(text("fingerprint").as_str());
         if mixed && !self.spec.allow_mixed_hardware {
-            return drop_as("came from a worker whose determinism fingerprint differs");
+            return self.drop_as("came from a worker whose determinism fingerprint differs");
         }
-        let Some(decoded) = decoded else {
-            return drop_as("carries neither statistics nor an error");
+        let Received::Stats { decoded, digest } = received else {
+            return self.drop_as("carries neither statistics nor an error");
         };
         let mut stats = match decoded {
             Ok(stats) => stats,
@@ -898,7 +937,22 @@ impl RedisBackend {
             worker,
             elapsed,
             speculative: text("speculative") == "1",
+            // Results computed under another fingerprint may differ in
+            // their last bits: only same-fingerprint copies must agree.
+            digest: (!mixed).then_some(digest),
         }))
+    }
+
+    /// Counts a result dropped for `why` (the warning reads "dropped N
+    /// result(s) that `why`").
+    fn drop_as(&self, why: &str) -> Result<Option<Outcome>> {
+        *self
+            .book
+            .borrow_mut()
+            .dropped
+            .entry(why.to_owned())
+            .or_default() += 1;
+        Ok(None)
     }
 }
 
@@ -958,11 +1012,14 @@ impl Backend for RedisBackend {
                 continue;
             }
             let started = Instant::now();
-            let decoded = decode_all(&entries);
-            for (entry, decoded) in entries.iter().zip(decoded) {
+            let mut shapes = self.book.borrow().shapes.clone();
+            let received = receive_all(&entries, &self.run_key, &mut shapes);
+            self.book.borrow_mut().shapes = shapes;
+            for (entry, received) in entries.iter().zip(received) {
+                refuse_future_id(&results, &entry.id)?;
                 cursor = entry.id.clone();
                 self.book.borrow_mut().cursor = Some(cursor.clone());
-                let Some(outcome) = self.outcome(&mut link, plan, entry, decoded)? else {
+                let Some(outcome) = self.outcome(&mut link, plan, entry, received)? else {
                     continue;
                 };
                 let covered = match &outcome {
@@ -1025,6 +1082,12 @@ impl Backend for RedisBackend {
             .iter()
             .map(|(why, n)| format!("dropped {n} result(s) that {why}"))
             .collect();
+        if !book.unsealed.is_empty() {
+            warnings.push(format!(
+                "refused unsealed result(s), first: {}",
+                book.unsealed.join("; ")
+            ));
+        }
         if book.reassigned > 0 {
             warnings.push(format!(
                 "took back {} task(s) from workers that died holding them",
@@ -1045,15 +1108,77 @@ impl Backend for RedisBackend {
     }
 }
 
-/// The statistics each results entry carries, decoded on every core the
-/// machine has, in the entries' order: decoding is most of what the
-/// coordinator spends on a result (5 of 7 ms for a SmolLM2 batch's 1 MB),
-/// while merging them stays in order on one thread.
-fn decode_all(entries: &[StreamId]) -> Vec<Option<qforge_core::Result<Stats>>> {
-    let decode_one = |entry: &StreamId| match entry.map.get("stats") {
-        Some(Value::BulkString(bytes)) => Some(decode(bytes)),
-        _ => None,
-    };
+/// A results entry as the coordinator first reads it.
+enum Received {
+    /// Its MAC does not verify under the run key: refused, never decoded.
+    Unsealed,
+    /// Sealed, without statistics (a batch's error).
+    Sealed,
+    /// Sealed statistics, decoded (or why not), with the SHA-256 of their
+    /// bytes, by which a duplicate is compared with the merged copy.
+    Stats {
+        decoded: qforge_core::Result<Stats>,
+        digest: Digest,
+    },
+}
+
+/// Each results entry checked against `run_key` and, if sealed, its
+/// statistics decoded against `shapes`, the pass's, which the first sealed
+/// statistics that decode set when unknown. Nothing of an unsealed entry is
+/// decoded, and nothing of a sealed one is allocated beyond the shapes the
+/// pass produces.
+fn receive_all(
+    entries: &[StreamId],
+    run_key: &RunKey,
+    shapes: &mut Option<Shapes>,
+) -> Vec<Received> {
+    let mut received = Vec::with_capacity(entries.len());
+    let mut rest = entries;
+    while shapes.is_none()
+        && let Some((entry, after)) = rest.split_first()
+    {
+        let first = receive_one(entry, run_key, None);
+        if let Received::Stats {
+            decoded: Ok(stats), ..
+        } = &first
+        {
+            *shapes = Some(codec::shapes(stats));
+        }
+        received.push(first);
+        rest = after;
+    }
+    received.extend(receive_in_parallel(rest, run_key, shapes.as_ref()));
+    received
+}
+
+/// One entry checked against `run_key`, its statistics decoded against
+/// `shapes` if known.
+fn receive_one(entry: &StreamId, run_key: &RunKey, shapes: Option<&Shapes>) -> Received {
+    if !run_key.verifies(&entry.map) {
+        return Received::Unsealed;
+    }
+    match entry.map.get("stats") {
+        Some(Value::BulkString(bytes)) => Received::Stats {
+            decoded: match shapes {
+                Some(shapes) => codec::decode_shaped(bytes, shapes),
+                None => codec::decode(bytes),
+            },
+            digest: Digest::of(bytes),
+        },
+        _ => Received::Sealed,
+    }
+}
+
+/// [`receive_one`] for each of `entries`, on every core the machine has, in
+/// the entries' order: decoding is most of what the coordinator spends on a
+/// result (5 of 7 ms for a SmolLM2 batch's 1 MB), while merging them stays
+/// in order on one thread.
+fn receive_in_parallel(
+    entries: &[StreamId],
+    run_key: &RunKey,
+    shapes: Option<&Shapes>,
+) -> Vec<Received> {
+    let decode_one = |entry: &StreamId| receive_one(entry, run_key, shapes);
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     if threads < 2 || entries.len() < 2 {
         return entries.iter().map(decode_one).collect();
@@ -1072,6 +1197,26 @@ fn decode_all(entries: &[StreamId]) -> Vec<Option<qforge_core::Result<Stats>>> {
             })
             .collect()
     })
+}
+
+/// An entry id dated further ahead of this machine's clock than any clock
+/// skew explains was not appended by a worker (Redis numbers entries by its
+/// clock). Ids only grow, so once one reaches
+/// `18446744073709551615-18446744073709551615` no worker can append a
+/// result again: the run fails now, saying why, rather than waiting for
+/// results that cannot come.
+fn refuse_future_id(stream: &str, id: &str) -> Result<()> {
+    const FUTURE: u128 = 24 * 3600 * 1000;
+    match entry_id(id) {
+        Some((ms, _)) if u128::from(ms) <= now_ms() + FUTURE => Ok(()),
+        _ => Err(Error::Cluster(format!(
+            "the results stream {stream} holds entry {id}, which no worker wrote: it lies more \
+             than a day ahead of this machine's clock, and once an id reaches \
+             18446744073709551615-18446744073709551615 no worker can append a result. \
+             Something that is not a worker writes to this run's keys: check who can write to \
+             Redis, then start the calibration again under another --run"
+        ))),
+    }
 }
 
 /// The routed task streams of `keys`' run that Redis lists.

@@ -5,6 +5,7 @@ use std::path::Path;
 use qforge_calib::{Job, Pass, Recipe, Session, Transform};
 use serde::{Deserialize, Serialize};
 
+use super::auth;
 use crate::error::{Error, Result};
 
 /// A file workers must reach, with the hash they must find there.
@@ -58,6 +59,12 @@ pub struct RunSpec {
     /// Cap on total executions as a multiple of the planned batches (1.2:
     /// at most 20 % speculative re-executions).
     pub speculation: f64,
+    /// The random nonce from which coordinator and workers derive the run
+    /// key that seals results (see [`super::auth`]), hex.
+    pub nonce: String,
+    /// Proof that a worker derived the coordinator's run key: the
+    /// coordinator's [`super::auth::RunKey::check_value`].
+    pub key_check: String,
 }
 
 impl RunSpec {
@@ -65,13 +72,15 @@ impl RunSpec {
     pub const FORMAT: &'static str = "qforge-run";
     /// The version this build writes and reads (2: transforms and the next
     /// pass; 3: tasks of several batches, whose entries name `batches` and
-    /// `ids`; 4: the pipeline's run, where GPTQ's roundings are).
-    pub const VERSION: u32 = 4;
+    /// `ids`; 4: the pipeline's run, where GPTQ's roundings are; 5: results
+    /// sealed under a run key, the nonce and key check).
+    pub const VERSION: u32 = 5;
 
     /// The spec of `job` over the plan of `session`, with the default
     /// settings: heartbeat every 500 ms, dead after 2 s, no mixed hardware,
-    /// speculation up to 1.2× the planned work. Paths are made absolute, as
-    /// workers on other machines must find them.
+    /// speculation up to 1.2× the planned work, a fresh nonce and no key
+    /// check yet (the coordinator's backend writes it). Paths are made
+    /// absolute, as workers on other machines must find them.
     pub fn new(run: &str, session: &Session, job: &Job) -> Result<Self> {
         Ok(Self {
             format: Self::FORMAT.into(),
@@ -96,6 +105,8 @@ impl RunSpec {
             heartbeat_timeout_ms: 2000,
             allow_mixed_hardware: false,
             speculation: 1.2,
+            nonce: auth::new_nonce(),
+            key_check: String::new(),
         })
     }
 

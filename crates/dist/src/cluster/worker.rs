@@ -16,6 +16,7 @@ use redis::streams::{
 };
 use serde_json::json;
 
+use super::auth::{ClusterKey, KEY_VARIABLE, MAC_FIELD, RunKey};
 use super::keys::{
     ACTIVE, GROUP, RunKeys, check_name, entry_id, idle_pending, joined, named_batches, routed_label,
 };
@@ -64,6 +65,9 @@ pub struct WorkerOptions {
     pub wait: Duration,
     /// Give up when Redis stays unreachable this long.
     pub outage_limit: Duration,
+    /// The key shared with the coordinator: a worker joins only runs whose
+    /// run key it derives, and seals its results with it.
+    pub key: ClusterKey,
 }
 
 /// What a worker did.
@@ -189,6 +193,16 @@ pub fn serve_with(
             return Ok(report);
         };
         let run = spec.run.clone();
+        let run_key = options.key.run_key(&run, &spec.nonce);
+        if run_key.check_value() != spec.key_check {
+            return Err(Error::Refused(format!(
+                "run {run} was published under another cluster key than this worker's (from {}): \
+                 the coordinator would refuse every result it sends. Give every worker the \
+                 coordinator's key: a copy of its key file (--cluster-key-file FILE) or the same \
+                 {KEY_VARIABLE}",
+                options.key.source()
+            )));
+        }
         let (calibration, fingerprint) = match loaded.take() {
             Some((previous, calibration, fingerprint)) if previous.same_inputs(&spec) => {
                 let same_model = previous.transforms == spec.transforms;
@@ -208,7 +222,7 @@ pub fn serve_with(
                 "fetched {fetched} of GPTQ's roundings for run {run}"
             ));
         }
-        let mut session = Session::join(options, spec, calibration, fingerprint, log)?;
+        let mut session = Session::join(options, spec, run_key, calibration, fingerprint, log)?;
         let ending = session.serve(&mut link, &*compute, &mut report, log)?;
         finished = Some(run);
         let follow = session.spec.next_pass.clone();
@@ -367,6 +381,8 @@ enum Ending {
 struct Session {
     keys: RunKeys,
     spec: RunSpec,
+    /// Seals this worker's results (see [`super::auth`]).
+    run_key: RunKey,
     calibration: Calibration,
     prepared: Prepared,
     name: String,
@@ -463,6 +479,7 @@ impl Session {
     fn join(
         options: &WorkerOptions,
         spec: RunSpec,
+        run_key: RunKey,
         calibration: Calibration,
         fingerprint: Option<String>,
         log: &mut dyn FnMut(&str),
@@ -503,6 +520,7 @@ impl Session {
         Ok(Self {
             keys: RunKeys::new(&run)?,
             spec,
+            run_key,
             calibration,
             prepared: Prepared { target, job },
             name: options.name.clone(),
@@ -1296,31 +1314,28 @@ impl Session {
         link.call(|c| {
             let mut pipe = redis::pipe();
             for answer in answers {
-                let add = pipe
-                    .cmd("XADD")
-                    .arg(&results)
-                    .arg("*")
-                    .arg("batches")
-                    .arg(&answer.batches)
-                    .arg("ids")
-                    .arg(&answer.ids)
-                    .arg("worker")
-                    .arg(&self.name)
-                    .arg("fingerprint")
-                    .arg(&self.fingerprint)
-                    .arg("elapsed_us")
-                    .arg(answer.elapsed.as_micros() as u64)
-                    .arg("speculative")
-                    .arg(if speculative { "1" } else { "0" });
+                let elapsed = (answer.elapsed.as_micros() as u64).to_string();
+                let mut fields: Vec<(&str, &[u8])> = vec![
+                    ("batches", answer.batches.as_bytes()),
+                    ("ids", answer.ids.as_bytes()),
+                    ("worker", self.name.as_bytes()),
+                    ("fingerprint", self.fingerprint.as_bytes()),
+                    ("elapsed_us", elapsed.as_bytes()),
+                    ("speculative", if speculative { b"1" } else { b"0" }),
+                ];
                 match &answer.observed {
-                    Ok(bytes) => add.arg("stats").arg(&bytes[..]),
-                    Err(failure) => add
-                        .arg("error")
-                        .arg(failure.message())
-                        .arg("failure")
-                        .arg(failure.kind()),
-                };
-                add.ignore();
+                    Ok(bytes) => fields.push(("stats", bytes)),
+                    Err(failure) => {
+                        fields.push(("error", failure.message().as_bytes()));
+                        fields.push(("failure", failure.kind().as_bytes()));
+                    }
+                }
+                let mac = self.run_key.seal(&fields);
+                let add = pipe.cmd("XADD").arg(&results).arg("*");
+                for (name, value) in &fields {
+                    add.arg(*name).arg(*value);
+                }
+                add.arg(MAC_FIELD).arg(&mac).ignore();
             }
             pipe.query::<()>(c)
         })?;

@@ -119,6 +119,18 @@ impl RedisServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP): its connections stay open and nothing
+    /// answers, as on a hung host. Dropping it still kills it.
+    pub fn freeze(&self) {
+        if let Some(child) = &self.child {
+            let status = Command::new("kill")
+                .args(["-STOP", &child.id().to_string()])
+                .status()
+                .expect("kill runs");
+            assert!(status.success(), "kill -STOP");
+        }
+    }
+
     /// Sends `signal` (e.g. "TERM", "KILL") and waits for the process to end.
     pub fn stop(&mut self, signal: &str) {
         if let Some(mut child) = self.child.take() {
