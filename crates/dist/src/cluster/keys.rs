@@ -184,6 +184,13 @@ pub(crate) fn entry_id(id: &str) -> Option<(u64, u64)> {
     Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
+/// Milliseconds since the epoch: the clock Redis numbers stream entries by.
+pub(crate) fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -99,6 +99,7 @@
 mod auth;
 mod keys;
 mod link;
+mod receive;
 mod redis_backend;
 mod rounding;
 mod spec;
