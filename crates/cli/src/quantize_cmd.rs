@@ -182,7 +182,13 @@ pub struct VerifyArgs {
     flags: OutputFlags,
 }
 
-/// `qforge verify`: re-hash every file the manifest lists.
+/// `qforge verify`: re-hash every file the manifest lists, and check an
+/// artifact's numbers as every loader does: a manifest rewritten along with
+/// an edited scale passes the hashes.
 pub fn verify_command(args: VerifyArgs) -> Result<()> {
-    print_report(&qforge_model::manifest::verified(&args.dir)?, args.flags)
+    let verified = qforge_model::manifest::verified(&args.dir)?;
+    if qforge_model::artifact::is_artifact(&args.dir) {
+        qforge_model::artifact::check_numbers(&args.dir)?;
+    }
+    print_report(&verified, args.flags)
 }

@@ -21,7 +21,7 @@ pub use compressed_tensors::{CompressedTensors, export_compressed_tensors};
 pub use error::{Error, Result};
 pub use onnx_qdq::{OnnxExport, export_onnx};
 use qforge_model::PolicyConfig;
-use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, read_config};
+use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, check_numbers, read_config};
 use qforge_model::manifest::{Manifest, hash_file, verify, write_manifest};
 use qforge_model::open::recorded_source;
 use qforge_model::output::write_dir_atomic;
@@ -82,13 +82,16 @@ pub enum Exported {
 /// atomically; an existing `dest` must be an earlier qforge output), with a
 /// manifest naming the source artifact, its manifest's SHA-256 and its
 /// provenance and guard results. Only what the guard checked is exported:
-/// an artifact that no longer matches its manifest is refused.
+/// an artifact that no longer matches its manifest is refused, and so is one
+/// whose numbers the loader refuses ([`check_numbers`]: the export reads the
+/// tensors raw, so a NaN scale or an infinite bias went straight into it).
 pub fn export(artifact: &Path, target: Target, dest: &Path) -> Result<ExportReport> {
     let source = verify(artifact).map_err(|e| {
         Error::Inconsistent(format!(
             "the artifact does not match its manifest; re-run `qforge quantize`: {e}"
         ))
     })?;
+    check_numbers(artifact)?;
     let source_manifest = hash_file(&artifact.join("manifest.json"))?.sha256;
     let mut exported = None;
     write_dir_atomic(dest, |staging| -> Result<()> {

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use qforge_calib::{HessianPass, Job, Pass, Session, Transform, write_transforms};
 use qforge_core::{Gram, Stats, TensorStats};
 use qforge_dist::{Executor, Listener, PassPosition, RunOptions, RunSummary};
-use qforge_model::artifact::{write_language_model, write_policy};
+use qforge_model::artifact::{check_numbers, write_language_model, write_policy};
 use qforge_model::manifest::write_manifest;
 use qforge_model::output::write_dir_atomic;
 use qforge_model::profile::CalibrationProfile;
@@ -897,6 +897,7 @@ impl Quantized {
         // And recorded, for new weights to go through the same ones.
         write_transforms(dir, &self.transforms)?;
         CalibrationProfile::from_stats(&self.stats.tensors).write(dir)?;
+        check_numbers(dir)?; // what every reader refuses is not written either
         let info = self.manifest_info();
         write_manifest(dir, info.clone())?;
         Ok(info)

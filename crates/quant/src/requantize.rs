@@ -19,8 +19,8 @@ use std::time::Instant;
 use qforge_calib::{Transform, apply_all, read_transforms, write_transforms};
 use qforge_core::Digest;
 use qforge_model::artifact::{
-    LayerPrecision, in_precision, int8_weights, is_artifact, read_config, write_language_model,
-    write_policy,
+    LayerPrecision, check_numbers, in_precision, int8_weights, is_artifact, read_config,
+    write_language_model, write_policy,
 };
 use qforge_model::manifest::{Manifest, read_manifest, write_manifest};
 use qforge_model::profile::PROFILE_FILE;
@@ -378,6 +378,7 @@ impl Requantized {
             std::fs::copy(&profile, dir.join(PROFILE_FILE))
                 .map_err(|e| qforge_model::Error::io(&profile, e))?;
         }
+        check_numbers(dir)?; // what every reader refuses is not written either
         let like_info = &self.like_manifest.info;
         let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or(p.to_owned());
         let info = json!({
