@@ -316,6 +316,71 @@ def feedback_flood(ctx):
     server.stop()
 
 
+def web_page(ctx):
+    server = ctx.server([])
+    act = b'{"observations": [[0, 0.1, 0, -0.1]]}'
+    # What a page's <form> or fetch() of a string posts to 127.0.0.1 without a preflight.
+    plain, _, _ = server.request("POST", "/v1/act", body=act,
+                                 headers=["Content-Type: text/plain;charset=UTF-8"])
+    form, _, _ = server.request("POST", "/v1/act", body=act,
+                                headers=["Content-Type: application/x-www-form-urlencoded"])
+    row("no token: a page's text/plain and form POSTs to /v1/act", "415, 415",
+        f"{plain}, {form}", (plain, form) == (415, 415))
+    # A page's script posting JSON names its Origin; one on this machine is served.
+    page, _, _ = server.request("POST", "/v1/act", body=act,
+                                headers=["Content-Type: application/json",
+                                         "Origin: https://attacker.example"])
+    local, _, _ = server.request("POST", "/v1/act", body=act,
+                                 headers=["Content-Type: application/json",
+                                          "Origin: http://localhost:3000"])
+    row("no token: JSON POST with Origin https://attacker.example (and localhost)",
+        "403 (localhost 200)", f"{page} (localhost {local})", (page, local) == (403, 200))
+    server.stop()
+
+
+def feedback_burst(ctx):
+    server = ctx.server([("--ab", "int8=0.5,fp=0.5"), ("--reference", ctx.model)])
+    accepted = 0
+    for i in range(40):
+        arm, reward = ("int8", 0) if i % 2 == 0 else ("fp", 500)
+        status, _, _ = server.request("POST", "/v1/feedback",
+                                      headers=[f"X-Session-Id: attacker-{i}"],
+                                      body=json.dumps({"reward": reward, "arm": arm}).encode())
+        accepted += status == 200
+    _, _, metrics = server.request("GET", "/metrics")
+    rolled = re.search(rb"^qforge_rolled_back (\d+)", metrics, re.M)
+    rolled = rolled.group(1).decode() if rolled else "?"
+    row("/v1/feedback: 40 posts from 40 sessions in a burst (20 bad int8, 20 good fp)",
+        "no rollback (a verdict needs 10 sessions per arm over a minute)",
+        f"{accepted} accepted; qforge_rolled_back {rolled}", rolled == "0")
+    server.stop()
+
+
+def huge_reward(ctx):
+    server = ctx.server([])
+    status, _, data = server.request("POST", "/v1/feedback", body=b'{"reward": 1e308}')
+    row("/v1/feedback: reward 1e308", "400 naming the bound (±1e9)",
+        f"{status}: {data.split(b'{', 1)[-1][:60].decode(errors='replace')}",
+        status == 400 and b"1e9" in data)
+    server.stop()
+
+
+def fp_label(ctx):
+    # The policy directory itself: a model with no INT8 layer.
+    directory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures",
+                             "policies", "cartpole")
+    server = Server(ctx.qforge, directory, [], known=ctx.known)
+    status, _, data = server.request("POST", "/v1/act", body=b'{"observations": [[0, 0.1, 0, -0.1]]}',
+                                     headers=["Content-Type: application/json"])
+    answer = json.loads(data.split(b"\r\n\r\n", 1)[-1] or b"null") or {}
+    header = re.search(rb"(?im)^x-qforge-arm: *(\S+)", data)
+    header = header.group(1).decode() if header else None
+    row("an unquantized policy's /v1/act answer", 'arm "fp32" (body and X-Qforge-Arm)',
+        f"{status}: arm {answer.get('arm')!r}, header {header!r}",
+        status == 200 and answer.get("arm") == header == "fp32")
+    server.stop()
+
+
 def chat_turn_forging(ctx):
     if not ctx.language_model:
         row("chat: a user message writing a system turn", "(needs the SmolLM2 GGUF)",
@@ -369,13 +434,24 @@ def main():
     parser.add_argument("model")
     parser.add_argument("language_model", nargs="?",
                         help="a language model for the chat attacks (skipped without one)")
+    parser.add_argument("--only", metavar="ATTACKS",
+                        help="run only these attacks (comma-separated function names)")
     args = parser.parse_args()
     # No server outlives the run, whatever ends it.
     signal.signal(signal.SIGTERM, stop_all)
     ctx = Context(args.qforge, args.model, args.language_model)
     try:
-        for attack in (slowloris, idle_flood, sigterm_under_trickle, oversized,
-                       unauthenticated, feedback_flood, chat_turn_forging):
+        attacks = (slowloris, idle_flood, sigterm_under_trickle, oversized, unauthenticated,
+                   feedback_flood, web_page, feedback_burst, huge_reward, fp_label,
+                   chat_turn_forging)
+        if args.only:
+            chosen = args.only.split(",")
+            unknown = set(chosen) - {a.__name__ for a in attacks}
+            if unknown:
+                sys.exit(f"unknown attacks {sorted(unknown)}; the attacks: "
+                         + ", ".join(a.__name__ for a in attacks))
+            attacks = [a for a in attacks if a.__name__ in chosen]
+        for attack in attacks:
             print(f"{attack.__name__} …", file=sys.stderr, flush=True)
             attack(ctx)
     finally:

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Replays the server attacks of issue 18 against `qforge serve` on 127.0.0.1 and prints
+# Replays the server attacks of issues 18 and 55 against `qforge serve` on 127.0.0.1 and prints
 # a table: attack, expected, observed, pass/fail (exit 1 when a row fails).
 #
 #   scripts/attack.sh                  # builds and uses target/release/qforge
 #   QFORGE=path/to/qforge scripts/attack.sh   # any build, an older one included
+#   scripts/attack.sh --only web_page,huge_reward   # some attacks (attack.py's names)
 #
 # It serves the bundled CartPole policy quantized to an INT8 artifact (or, where the
 # accuracy guard refuses it on this CPU, the policy directory itself), one fresh server
 # per attack, each on a free loopback port. Attacks: slowloris (trickled headers), an
 # idle-connection flood at a lowered descriptor limit (ulimit -n 256 for the server),
 # SIGTERM while clients trickle, oversized and stalled bodies, unauthenticated /metrics,
-# a feedback flood, and (on the SmolLM2 GGUF, when scripts/fetch-models.sh has fetched it)
+# a feedback flood from one session and a burst from 40, a reward of 1e308, a web page's
+# text/plain, form and foreign-Origin posts to a server without a token, the arm an
+# unquantized policy's answers name, and (on the
+# SmolLM2 GGUF, when scripts/fetch-models.sh has fetched it)
 # a chat message that writes a system turn or a role. Every attack is bounded in connections and time; the whole run is
 # cut at 10 minutes. Needs python3 (standard library only).
 set -euo pipefail
@@ -35,4 +39,4 @@ fi
 
 LANGUAGE_MODEL=$ROOT/models/smollm2-135m-instruct-q4_1.gguf
 [[ -f $LANGUAGE_MODEL ]] || LANGUAGE_MODEL=
-timeout 600 python3 "$ROOT/scripts/attack.py" "$QFORGE" "$MODEL" ${LANGUAGE_MODEL:+"$LANGUAGE_MODEL"}
+timeout 600 python3 "$ROOT/scripts/attack.py" "$QFORGE" "$MODEL" ${LANGUAGE_MODEL:+"$LANGUAGE_MODEL"} "$@"

@@ -1,9 +1,12 @@
 //! Calibration data in the shapes RL trainers emit, as JSONL.
 //!
-//! LLM episodes: `{"prompt": …, "completion" | "text" | "token_ids": …,
-//! "reward"?: …, "episode_id"?: …}` (a `text` or `token_ids` record needs no
-//! prompt). Policy trajectories: `{"observations": [[…], …], "actions"?: …,
-//! "rewards"?: …}`. Every line is one record; blank lines are ignored.
+//! LLM episodes: `{"prompt": …, "completion": …}`, `{"text": …}` or
+//! `{"token_ids": …}`, each with `"reward"?` and `"episode_id"?`: exactly one
+//! of the three contents (a record with two is ambiguous, so it is refused
+//! rather than one of them silently dropped), and not empty (an empty text
+//! has no token to calibrate on). Policy trajectories: `{"observations":
+//! [[…], …], "actions"?: …, "rewards"?: …}`. Every line is one record;
+//! blank lines are ignored.
 
 use std::path::Path;
 
@@ -292,6 +295,14 @@ fn parse_record(text: &str) -> std::result::Result<Record, String> {
             reward,
         });
     }
+    parse_episode(object, number("reward")?)
+}
+
+/// An LLM episode: exactly one content, not empty.
+fn parse_episode(
+    object: &serde_json::Map<String, Value>,
+    reward: Option<f64>,
+) -> std::result::Result<Record, String> {
     let string = |key: &str| -> std::result::Result<Option<String>, String> {
         match object.get(key) {
             None | Some(Value::Null) => Ok(None),
@@ -299,8 +310,8 @@ fn parse_record(text: &str) -> std::result::Result<Record, String> {
             Some(_) => Err(format!("\"{key}\" must be a string")),
         }
     };
-    let reward = number("reward")?;
-    let content = if let Some(ids) = object.get("token_ids") {
+    one_content(object)?;
+    let content = if let Some(ids) = object.get("token_ids").filter(|v| !v.is_null()) {
         let ids = ids
             .as_array()
             .ok_or("\"token_ids\" must be a list of integers")?
@@ -316,9 +327,21 @@ fn parse_record(text: &str) -> std::result::Result<Record, String> {
         }
         EpisodeContent::TokenIds(ids)
     } else if let Some(text) = string("text")? {
+        if text.is_empty() {
+            return Err(
+                "\"text\" is empty: it has no token to calibrate on; drop the line or give it text"
+                    .into(),
+            );
+        }
         EpisodeContent::Text(text)
     } else if let Some(completion) = string("completion")? {
         let prompt = string("prompt")?.ok_or("a \"completion\" record needs a \"prompt\"")?;
+        if prompt.is_empty() && completion.is_empty() {
+            return Err(
+                "\"prompt\" and \"completion\" are both empty: there is no token to calibrate on; drop the line or give it text"
+                    .into(),
+            );
+        }
         EpisodeContent::PromptCompletion { prompt, completion }
     } else {
         return Err(
@@ -327,6 +350,25 @@ fn parse_record(text: &str) -> std::result::Result<Record, String> {
         );
     };
     Ok(Record::Episode { content, reward })
+}
+
+/// Refuses an episode with more than one content: which one it meant to
+/// calibrate on cannot be known, and taking one silently drops the other.
+fn one_content(object: &serde_json::Map<String, Value>) -> std::result::Result<(), String> {
+    let given: Vec<&str> = ["token_ids", "text", "prompt", "completion"]
+        .into_iter()
+        .filter(|key| object.get(*key).is_some_and(|v| !v.is_null()))
+        .collect();
+    let contents = usize::from(given.contains(&"token_ids"))
+        + usize::from(given.contains(&"text"))
+        + usize::from(given.contains(&"prompt") || given.contains(&"completion"));
+    if contents > 1 {
+        return Err(format!(
+            "the record has {}: an episode is \"prompt\" with \"completion\", or \"text\", or \"token_ids\"; keep the one to calibrate on",
+            given.join(", ")
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -435,5 +477,44 @@ mod tests {
                 .to_string()
                 .contains("mixes")
         );
+    }
+
+    #[test]
+    fn an_empty_or_ambiguous_episode_is_refused_naming_its_line() {
+        for (record, needle) in [
+            (r#"{"text": ""}"#, "\"text\" is empty"),
+            (
+                r#"{"prompt": "", "completion": ""}"#,
+                "both empty: there is no token",
+            ),
+            (
+                r#"{"prompt": "2+2=", "completion": "4", "text": "2+2=4"}"#,
+                "has text, prompt, completion: an episode is",
+            ),
+            (r#"{"prompt": "2+2=", "text": "4"}"#, "has text, prompt"),
+            (r#"{"text": "a", "token_ids": [1]}"#, "has token_ids, text"),
+        ] {
+            let file = format!("{{\"text\": \"fine\"}}\n{record}\n");
+            let err = parse_jsonl(file.as_bytes(), "e.jsonl", false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("e.jsonl:2") && err.contains(needle),
+                "{record}: {err}"
+            );
+            let skipped = parse_jsonl(file.as_bytes(), "e.jsonl", true).unwrap();
+            assert_eq!(skipped.skipped.len(), 1, "{record}");
+        }
+        // An empty completion after a prompt still has the prompt's tokens,
+        // and a null stands for a key left out.
+        for record in [
+            r#"{"prompt": "2+2=", "completion": ""}"#,
+            r#"{"text": "2+2=4", "prompt": null, "token_ids": null}"#,
+        ] {
+            assert!(
+                parse_jsonl(record.as_bytes(), "e.jsonl", false).is_ok(),
+                "{record}"
+            );
+        }
     }
 }

@@ -130,7 +130,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0.1, value_name = "SHARE", requires = "shadow")]
     shadow_sample: f64,
     /// Roll traffic back to the reference when shadow agreement or reward
-    /// consistency falls below this.
+    /// consistency falls below this (reward consistency only with the
+    /// evidence --rollback-min-sessions and --rollback-min-span-ms ask for).
     #[arg(long, default_value_t = 0.95)]
     rollback_below: f64,
     /// Shadowed observations (tokens, for a language model) agreement is
@@ -146,6 +147,23 @@ pub struct ServeArgs {
     /// Episodes per arm (from /v1/feedback) reward consistency is judged over.
     #[arg(long, default_value_t = 20, value_name = "EPISODES")]
     reward_window: usize,
+    /// A reward rollback needs each arm's window to hold episodes of at
+    /// least this many distinct sessions (X-Session-Id). Rewards are the
+    /// clients' word: half the default window from distinct episodes, so a
+    /// few clients reporting many times cannot decide alone. At most
+    /// --reward-window.
+    #[arg(long, default_value_t = 10, value_name = "SESSIONS")]
+    rollback_min_sessions: usize,
+    /// A reward rollback needs the episodes in both windows to span at
+    /// least this long, oldest to newest: a burst of posts (40 in 0.4 s,
+    /// whatever sessions they name) is no A/B test, and an A/B test judges
+    /// over time as well as count. A minute lets a fleet that ends 40
+    /// episodes a minute still get a verdict from the default windows; under
+    /// heavier traffic raise --reward-window so a window spans the minute
+    /// (milliseconds). Neither setting authenticates: set a token
+    /// (QFORGE_SERVE_TOKEN) where clients may not be trusted.
+    #[arg(long, default_value_t = 60_000, value_name = "MS")]
+    rollback_min_span_ms: u64,
     /// Least time between two rewards one session (X-Session-Id) reports on
     /// /v1/feedback; sooner ones get 429. An episode reports its return
     /// once; 0 lifts the limit (milliseconds).
@@ -181,13 +199,8 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     if !(args.max_wait_ms.is_finite() && args.max_wait_ms >= 0.0) {
         return Err(UsageError("--max-wait-ms must be ≥ 0".into()).into());
     }
-    let mode = match (args.ab, args.shadow) {
-        (Some(split), _) => split,
-        (None, true) => RolloutMode::Shadow {
-            sample: args.shadow_sample,
-        },
-        (None, false) => RolloutMode::Int8Only,
-    };
+    let rollout = rollout_options(&args);
+    let mode = rollout.mode;
     let options = ServeOptions {
         addr: args.addr,
         max_batch: args.max_batch.unwrap_or(32),
@@ -208,14 +221,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         timeout: Duration::from_millis(args.timeout_ms),
         feedback_interval: Duration::from_millis(args.feedback_interval_ms),
         token: std::env::var(TOKEN_VARIABLE).ok().filter(|t| !t.is_empty()),
-        rollout: RolloutOptions {
-            mode,
-            threshold: args.rollback_below,
-            agreement_window: args.agreement_window,
-            reward_window: args.reward_window,
-            random_return: args.random_return,
-            logprob_mismatch_alert: args.logprob_mismatch_alert,
-        },
+        rollout,
         drift: DriftOptions {
             sample: args.drift_sample,
             window_rows: args.drift_window,
@@ -276,6 +282,28 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     ))?;
     eprintln!("qforge serve: stopped");
     Ok(())
+}
+
+/// How traffic is shared with the reference and when it rolls back, from
+/// the flags.
+fn rollout_options(args: &ServeArgs) -> RolloutOptions {
+    let mode = match (args.ab, args.shadow) {
+        (Some(split), _) => split,
+        (None, true) => RolloutMode::Shadow {
+            sample: args.shadow_sample,
+        },
+        (None, false) => RolloutMode::Int8Only,
+    };
+    RolloutOptions {
+        mode,
+        threshold: args.rollback_below,
+        agreement_window: args.agreement_window,
+        reward_window: args.reward_window,
+        min_sessions: args.rollback_min_sessions,
+        min_span: Duration::from_millis(args.rollback_min_span_ms),
+        random_return: args.random_return,
+        logprob_mismatch_alert: args.logprob_mismatch_alert,
+    }
 }
 
 /// The server's refusal of its options (inconsistent flags) as a usage

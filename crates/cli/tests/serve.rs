@@ -618,13 +618,18 @@ fn ab_split_is_sticky_by_session_and_reward_feedback_rolls_back() {
     json(&qforge_in(dir, &["quantize", "--json"]));
     let server = Server::start(
         &dir.join("qforge-out"),
-        // Sessions report several rewards in a row here.
+        // Sessions report several rewards in a row here, and the verdict
+        // comes from a few episodes in a burst: this tests the consistency.
         &[
             "--ab",
             "int8=0.5,fp=0.5",
             "--reward-window",
             "3",
             "--feedback-interval-ms",
+            "0",
+            "--rollback-min-sessions",
+            "3",
+            "--rollback-min-span-ms",
             "0",
         ],
         None,
@@ -667,6 +672,12 @@ fn ab_split_is_sticky_by_session_and_reward_feedback_rolls_back() {
             vec!["X-Session-Id: a"],
             r#"{"reward": 1, "arm": "bf16"}"#,
             "arm",
+        ),
+        // Finite, but a mean of two is not.
+        (
+            vec!["X-Session-Id: a"],
+            r#"{"reward": 1e308}"#,
+            "within ±1e9",
         ),
     ] {
         let (status, v) = server.post("/v1/feedback", &headers, body);
@@ -716,6 +727,12 @@ fn rollout_flags_are_checked() {
         (vec!["--ab", "int8=0,fp=0"], "must not all be 0"),
         (vec!["--ab", "int8=1"], "need --reference"),
         (vec!["--shadow", "--shadow-sample", "0"], "(0, 1]"),
+        // The default of 10 sessions per arm cannot fit a window of 5 (the
+        // options are checked before the missing reference).
+        (
+            vec!["--ab", "int8=1", "--reward-window", "5"],
+            "--rollback-min-sessions",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_qforge"))
             .args(["serve", "--model", &cartpole])
@@ -1720,6 +1737,108 @@ fn one_session_cannot_force_a_rollback_through_feedback() {
         r#"{"reward": 480, "arm": "int8"}"#,
     );
     assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn a_burst_of_feedback_from_many_sessions_cannot_force_a_rollback() {
+    let cartpole = cartpole();
+    let reference = cartpole.to_str().unwrap();
+    let server = Server::start(
+        &cartpole,
+        &["--ab", "int8=0.5,fp=0.5", "--reference", reference],
+        None,
+    );
+    // The attack: 20 terrible INT8 episodes and 20 perfect FP ones (the
+    // default window), each from a session of its own, in one burst.
+    let mut last = Value::Null;
+    for i in 0..40 {
+        let (arm, reward) = if i % 2 == 0 {
+            ("int8", 0.0)
+        } else {
+            ("fp", 500.0)
+        };
+        let session = format!("X-Session-Id: attacker-{i}");
+        let body = serde_json::json!({"reward": reward, "arm": arm}).to_string();
+        let (status, v) = server.post("/v1/feedback", &[&session], &body);
+        assert_eq!(status, 200, "{v}");
+        last = v;
+    }
+    // Both windows are full and disagree completely, but their episodes
+    // span far less than the default minute.
+    assert_eq!(last["reward_consistency"], 0.0, "{last}");
+    assert_eq!(last["rolled_back"], false, "{last}");
+    let why = last["rollback_withheld"].as_str().unwrap();
+    assert!(why.contains("a rollback needs 60000 ms"), "{why}");
+    assert_eq!(server.metric("qforge_rolled_back"), Some(0.0));
+}
+
+#[test]
+fn an_unquantized_policy_answers_as_fp32_and_its_feedback_takes_that_name() {
+    let server = Server::start(&cartpole(), &[], None);
+    let body = serde_json::json!({"observations": observations(1)}).to_string();
+    let (status, head, text) = server.request("POST", "/v1/act", &[], &body);
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["arm"], "fp32", "{text}");
+    assert!(head.to_lowercase().contains("x-qforge-arm: fp32"), "{head}");
+    // A client reports the episode under the arm its answers named.
+    let (status, v) = server.post(
+        "/v1/feedback",
+        &["X-Session-Id: episode-1"],
+        r#"{"reward": 200, "arm": "fp32"}"#,
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+/// Sends `request` (head and body, as written) and reads the answer.
+fn raw(server: &Server, request: &str) -> String {
+    let mut stream = server.connect();
+    stream.write_all(request.as_bytes()).unwrap();
+    read_until_closed(&mut stream, request)
+}
+
+#[test]
+fn a_web_page_cannot_drive_a_server_without_a_token() {
+    let act = r#"{"observations": [[0, 0.1, 0, -0.1]]}"#;
+    let post = |target: &str, headers: &str, body: &str| {
+        format!(
+            "POST {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let open = Server::start(&cartpole(), &[], None);
+    // What a page's form or `fetch` of a string posts without a preflight.
+    for kind in [
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+    ] {
+        let answer = raw(
+            &open,
+            &post("/v1/act", &format!("Content-Type: {kind}\r\n"), act),
+        );
+        assert!(answer.starts_with("HTTP/1.1 415"), "{kind}: {answer}");
+        assert!(
+            answer.contains("send Content-Type: application/json"),
+            "{answer}"
+        );
+    }
+    // A page's script sending JSON carries its Origin.
+    let page = "Origin: https://attacker.example\r\nContent-Type: application/json\r\n";
+    for (target, body) in [("/v1/act", act), ("/v1/feedback", r#"{"reward": 0}"#)] {
+        let answer = raw(&open, &post(target, page, body));
+        assert!(answer.starts_with("HTTP/1.1 403"), "{target}: {answer}");
+        assert!(answer.contains("QFORGE_SERVE_TOKEN"), "{answer}");
+    }
+    let local = "Origin: http://127.0.0.1:5173\r\nContent-Type: application/json\r\n";
+    assert!(raw(&open, &post("/v1/act", local, act)).starts_with("HTTP/1.1 200"));
+    // With a token a page has nothing to send: any Origin that has the
+    // token is served, and the content type is still checked.
+    let guarded = Server::start(&cartpole(), &[], Some("s3cret"));
+    let bearer = "Authorization: Bearer s3cret\r\n";
+    let answer = raw(&guarded, &post("/v1/act", &format!("{bearer}{page}"), act));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let plain = format!("{bearer}Content-Type: text/plain\r\n");
+    assert!(raw(&guarded, &post("/v1/act", &plain, act)).starts_with("HTTP/1.1 415"));
 }
 
 #[test]

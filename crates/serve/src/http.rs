@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::json;
 
-use crate::rollout::Arm;
+use crate::origin::{foreign_origin, not_json};
 use crate::state::AppState;
 use crate::token::authorized;
 
@@ -29,11 +29,12 @@ pub(crate) fn session(headers: &HeaderMap) -> Option<&str> {
     headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok())
 }
 
-/// Names the arm that answered in a header.
-pub(crate) fn with_arm(mut response: Response, arm: Arm) -> Response {
+/// Names the arm that answered in a header, by its label
+/// ([`crate::rollout::Rollout::label`]).
+pub(crate) fn with_arm(mut response: Response, label: &'static str) -> Response {
     response
         .headers_mut()
-        .insert(ARM_HEADER, HeaderValue::from_static(arm.name()));
+        .insert(ARM_HEADER, HeaderValue::from_static(label));
     response
 }
 
@@ -205,4 +206,33 @@ pub(crate) async fn require_token(
         .headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     response
+}
+
+/// Refuses, before the body is read, what a web page could have sent: a
+/// body labelled as anything but JSON (415), and on a server without a
+/// token a request from a foreign `Origin` (403). A server with a token
+/// needs no Origin check: a page cannot learn the token, and a browser
+/// never adds an `Authorization: Bearer` header of its own accord.
+pub(crate) async fn refuse_pages(
+    State((state, shape)): State<(Arc<AppState>, Shape)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(why) = not_json(request.method(), request.headers()) {
+        return closing(refusal(shape, StatusCode::UNSUPPORTED_MEDIA_TYPE, why));
+    }
+    if state.token.is_none()
+        && let Some(origin) = foreign_origin(request.headers(), state.bound)
+    {
+        let message = format!(
+            "requests from web pages are refused: Origin {origin:?} is not this machine (localhost, loopback, or {}), and this server has no token; serve with a token (QFORGE_SERVE_TOKEN) to take requests from anywhere that has it",
+            state.bound
+        );
+        let response = match shape {
+            Shape::Plain => error(StatusCode::FORBIDDEN, message),
+            Shape::OpenAi => api_error(StatusCode::FORBIDDEN, "permission_error", None, message),
+        };
+        return closing(response);
+    }
+    next.run(request).await
 }

@@ -573,10 +573,11 @@ async fn generate(state: &Arc<AppState>, headers: &HeaderMap, body: &[u8], kind:
         Err(_) => return not_admitted(timeout),
     };
     let meta = Meta::new(kind, number, &lm.name, spelling, prompt_ids, choices);
+    let label = lm.rollout.label(arm, version);
     let response = if stream {
-        streamed(meta, receivers, include_usage, permit, arm).await
+        streamed(meta, receivers, include_usage, permit, label).await
     } else {
-        collected(meta, receivers, permit, arm).await
+        collected(meta, receivers, permit, label).await
     };
     with_version(response, version)
 }
@@ -670,7 +671,7 @@ async fn streamed(
     receivers: Vec<UnboundedReceiver<Event>>,
     include_usage: bool,
     permit: OwnedSemaphorePermit,
-    arm: Arm,
+    label: &'static str,
 ) -> Response {
     let mut events = stream::select_all(receivers.into_iter().enumerate().map(|(index, r)| {
         stream::unfold(r, |mut r| async move { r.recv().await.map(|e| (e, r)) })
@@ -693,7 +694,7 @@ async fn streamed(
         include_usage,
         permit,
     );
-    with_arm(Sse::new(stream).into_response(), arm)
+    with_arm(Sse::new(stream).into_response(), label)
 }
 
 /// The whole completion, once the engine is done.
@@ -712,7 +713,7 @@ async fn collected(
     mut meta: Meta,
     receivers: Vec<UnboundedReceiver<Event>>,
     permit: OwnedSemaphorePermit,
-    arm: Arm,
+    label: &'static str,
 ) -> Response {
     // The choices run side by side in the engine; this waits for each.
     let mut completions = Vec::with_capacity(receivers.len());
@@ -724,7 +725,7 @@ async fn collected(
         }
     }
     drop(permit);
-    with_arm(axum::Json(meta.full(&completions)).into_response(), arm)
+    with_arm(axum::Json(meta.full(&completions)).into_response(), label)
 }
 
 /// Reads a request's events to the end: the completion, or the engine's

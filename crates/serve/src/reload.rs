@@ -29,7 +29,7 @@ use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
 use crate::http::{error, worker_stopped};
-use crate::rollout::Arm;
+use crate::rollout::{Arm, served_label};
 use crate::served::{Calibration, reference_for};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 
@@ -93,6 +93,12 @@ pub(crate) async fn reload(State(state): State<Arc<AppState>>, body: Bytes) -> R
         .calibration
         .map(|c| c.into_monitor(state.options.drift, &state.metrics));
     let version = state.version.load(Ordering::SeqCst) + 1;
+    // Labelled before the swap, since the new version answers from then on.
+    let rollout = match &state.backend {
+        Backend::Policy(served) => &served.rollout,
+        Backend::Language(served) => &served.rollout,
+    };
+    rollout.label_version(version, served_label(&loaded.model.linears()));
     // The reference was not calibrated: nothing to watch.
     let swaps = match &state.backend {
         Backend::Policy(served) => {

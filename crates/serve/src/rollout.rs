@@ -9,23 +9,30 @@
 //! `/v1/feedback` (episodes per arm). When either falls below the threshold
 //! every later request goes to the reference: the rollback is logged,
 //! counted in the metrics, and lasts until the server restarts (an operator
-//! decides when INT8 gets another chance).
+//! decides when INT8 gets another chance). Rewards are the clients' word,
+//! so a reward verdict also needs episodes of enough distinct sessions over
+//! enough time: a burst of posts, whatever sessions it names, is no A/B test.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use qforge_model::Linear;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::metrics::Metrics;
 
-/// Which model answers.
+/// Which model answers: the roles `--ab`, `/v1/feedback` and the metrics
+/// name. Answers name the precision of the model that computed them
+/// instead ([`Rollout::label`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arm {
-    /// The served (quantized) model.
+    /// The served (normally quantized) model; `fp32` is taken for it too,
+    /// as answers of an unquantized served model name it.
+    #[serde(alias = "fp32")]
     Int8,
     /// Its full-precision reference.
     Fp,
@@ -112,6 +119,12 @@ pub struct RolloutOptions {
     pub agreement_window: usize,
     /// Episodes per arm the reward consistency is judged over.
     pub reward_window: usize,
+    /// Distinct sessions each arm's reward window must hold episodes of
+    /// before reward consistency may roll back.
+    pub min_sessions: usize,
+    /// Least time from the oldest episode in the reward windows to the
+    /// newest before reward consistency may roll back.
+    pub min_span: Duration,
     /// The return of a random policy: consistency is
     /// `1 − |int8 − fp| / |fp − random|`, the definition `scripts/eval-return`
     /// uses (0 makes it the relative difference to FP).
@@ -131,7 +144,17 @@ struct Windows {
     agreeing: usize,
     logprob_mismatches: VecDeque<f64>,
     gap_alerting: bool,
-    rewards: [VecDeque<f64>; 2],
+    rewards: [VecDeque<Episode>; 2],
+}
+
+/// One reported episode.
+#[derive(Debug)]
+struct Episode {
+    reward: f64,
+    /// The session's [`stable_hash`]; `None`: reported without one (all
+    /// such reports count as one session, as [`FeedbackLimit`] counts them).
+    session: Option<u64>,
+    at: Instant,
 }
 
 /// What `/v1/feedback` answers.
@@ -145,6 +168,10 @@ pub struct FeedbackSummary {
     pub reward_consistency: Option<f64>,
     /// Whether traffic has been rolled back to the reference.
     pub rolled_back: bool,
+    /// Why a consistency below the threshold has not rolled back (yet):
+    /// too few sessions, or too short a time, behind the windows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rollback_withheld: Option<String>,
 }
 
 /// Episodes in each arm's window.
@@ -156,9 +183,25 @@ pub struct WindowEpisodes {
     pub fp: usize,
 }
 
+/// The label of answers the served arm computes with `linears`: `int8`
+/// when any layer runs INT8 (a mixed-precision artifact's FP fallbacks are
+/// part of its INT8 deployment), `fp32` when none does (a model served
+/// unquantized, computing in f32 whatever its file stores). Labelled
+/// `int8`, an FP model's answers claimed a quantization they never had.
+pub fn served_label(linears: &[(String, String, &Linear)]) -> &'static str {
+    if linears.iter().any(|(_, _, l)| matches!(l, Linear::Int8(_))) {
+        Arm::Int8.name()
+    } else {
+        "fp32"
+    }
+}
+
 /// The rollout state shared by every request.
 pub struct Rollout {
     options: RolloutOptions,
+    /// (first model version, [`served_label`]) of the served arm, in
+    /// version order: a reload may change the label.
+    served_labels: Mutex<Vec<(u64, &'static str)>>,
     rolled_back: AtomicBool,
     windows: Mutex<Windows>,
     /// Draws for requests without a session and for shadow sampling.
@@ -189,10 +232,12 @@ fn unit(h: u64) -> f64 {
 }
 
 impl Rollout {
-    /// The rollout for `options`, reporting into `metrics`.
-    pub fn new(options: RolloutOptions, metrics: Arc<Metrics>) -> Self {
+    /// The rollout for `options`, reporting into `metrics`, whose served
+    /// arm's model version 1 answers as `served` ([`served_label`]).
+    pub fn new(options: RolloutOptions, metrics: Arc<Metrics>, served: &'static str) -> Self {
         Self {
             options,
+            served_labels: Mutex::new(vec![(1, served)]),
             rolled_back: AtomicBool::new(false),
             windows: Mutex::new(Windows::default()),
             draws: AtomicU64::new(0),
@@ -235,6 +280,30 @@ impl Rollout {
                 } else {
                     Arm::Fp
                 }
+            }
+        }
+    }
+
+    /// Records that model `version` of the served arm answers as `label`.
+    pub fn label_version(&self, version: u64, label: &'static str) {
+        let mut labels = self.served_labels.lock().expect("labels lock");
+        // A reload refused after it was labelled left its version unused.
+        labels.retain(|&(from, _)| from < version);
+        labels.push((version, label));
+    }
+
+    /// What an answer of `arm` computed by model `version` is labelled:
+    /// the reference's `fp`, the served model's [`served_label`].
+    pub fn label(&self, arm: Arm, version: u64) -> &'static str {
+        match arm {
+            Arm::Fp => Arm::Fp.name(),
+            Arm::Int8 => {
+                let labels = self.served_labels.lock().expect("labels lock");
+                labels
+                    .iter()
+                    .rev()
+                    .find(|&&(from, _)| from <= version)
+                    .map_or(Arm::Int8.name(), |&(_, label)| label)
             }
         }
     }
@@ -320,17 +389,30 @@ impl Rollout {
         }
     }
 
-    /// Counts one episode's reward for `arm`; rolls back when the reward
-    /// consistency over full windows of both arms is below the threshold.
-    pub fn record_reward(&self, arm: Arm, reward: f64) -> FeedbackSummary {
+    /// Counts one episode's reward for `arm`, reported by `session` at
+    /// `now`; rolls back when the reward consistency over full windows of
+    /// both arms is below the threshold, and the windows hold episodes of
+    /// enough sessions over enough time.
+    pub fn record_reward(
+        &self,
+        arm: Arm,
+        reward: f64,
+        session: Option<&str>,
+        now: Instant,
+    ) -> FeedbackSummary {
         let window = self.options.reward_window;
         let mut w = self.windows.lock().expect("rollout lock");
         let rewards = &mut w.rewards[arm.index()];
-        rewards.push_back(reward);
+        rewards.push_back(Episode {
+            reward,
+            session: session.map(|s| stable_hash(s.as_bytes())),
+            at: now,
+        });
         if rewards.len() > window {
             rewards.pop_front();
         }
-        let mean = |r: &VecDeque<f64>| r.iter().sum::<f64>() / r.len().max(1) as f64;
+        let mean =
+            |r: &VecDeque<Episode>| r.iter().map(|e| e.reward).sum::<f64>() / r.len().max(1) as f64;
         let (int8, fp) = (&w.rewards[0], &w.rewards[1]);
         let means = (mean(int8), mean(fp));
         let counts = WindowEpisodes {
@@ -341,6 +423,7 @@ impl Rollout {
             let spread = (means.1 - self.options.random_return).abs().max(1e-12);
             1.0 - (means.0 - means.1).abs() / spread
         });
+        let shortfall = self.evidence_shortfall(&w.rewards, now);
         drop(w);
         let arm_label = vec![("arm".to_owned(), arm.name().to_owned())];
         self.metrics
@@ -351,9 +434,12 @@ impl Rollout {
             .mean_episode_reward
             .get_or_create(&arm_label)
             .set(if arm == Arm::Int8 { means.0 } else { means.1 });
+        let mut rollback_withheld = None;
         if let Some(c) = consistency {
             self.metrics.reward_consistency.set(c);
-            if c < self.options.threshold {
+            if c < self.options.threshold && shortfall.is_some() {
+                rollback_withheld = shortfall;
+            } else if c < self.options.threshold {
                 self.roll_back(&format!(
                     "reward consistency {:.2} % < {:.2} % over the last {window} episodes per arm (mean reward int8 {:.4}, fp {:.4})",
                     c * 100.0,
@@ -368,7 +454,38 @@ impl Rollout {
             window_episodes: counts,
             reward_consistency: consistency,
             rolled_back: self.rolled_back(),
+            rollback_withheld,
         }
+    }
+
+    /// What the reward windows lack for a verdict (`None`: nothing): each
+    /// arm's episodes from `min_sessions` distinct sessions, all of them
+    /// spread over `min_span` up to `now`.
+    fn evidence_shortfall(&self, windows: &[VecDeque<Episode>; 2], now: Instant) -> Option<String> {
+        let needed = self.options.min_sessions;
+        for (arm, episodes) in [Arm::Int8, Arm::Fp].into_iter().zip(windows) {
+            let sessions: HashSet<Option<u64>> = episodes.iter().map(|e| e.session).collect();
+            if sessions.len() < needed {
+                return Some(format!(
+                    "the {} window holds episodes of {} distinct sessions; a rollback needs {needed} (--rollback-min-sessions)",
+                    arm.name(),
+                    sessions.len()
+                ));
+            }
+        }
+        let oldest = windows
+            .iter()
+            .filter_map(|w| w.front())
+            .map(|e| e.at)
+            .min()?;
+        let span = now.saturating_duration_since(oldest);
+        (span < self.options.min_span).then(|| {
+            format!(
+                "the windows' episodes span {} ms; a rollback needs {} ms (--rollback-min-span-ms; under heavy traffic raise --reward-window so a window spans that long)",
+                span.as_millis(),
+                self.options.min_span.as_millis()
+            )
+        })
     }
 
     fn roll_back(&self, reason: &str) {
@@ -466,10 +583,13 @@ mod tests {
                 threshold: 0.95,
                 agreement_window: 100,
                 reward_window: 4,
+                min_sessions: 1,
+                min_span: Duration::ZERO,
                 random_return: 0.0,
                 logprob_mismatch_alert: 0.1,
             },
             Arc::new(Metrics::default()),
+            "int8",
         )
     }
 
@@ -542,21 +662,89 @@ mod tests {
     #[test]
     fn reward_consistency_is_judged_on_full_windows_of_both_arms() {
         let r = rollout(RolloutMode::Split { int8_share: 0.5 });
+        let now = Instant::now();
         for _ in 0..4 {
-            let s = r.record_reward(Arm::Fp, 500.0);
+            let s = r.record_reward(Arm::Fp, 500.0, None, now);
             assert_eq!(s.reward_consistency, None);
         }
         for _ in 0..3 {
-            assert_eq!(r.record_reward(Arm::Int8, 490.0).reward_consistency, None);
+            let s = r.record_reward(Arm::Int8, 490.0, None, now);
+            assert_eq!(s.reward_consistency, None);
         }
-        let s = r.record_reward(Arm::Int8, 490.0);
+        let s = r.record_reward(Arm::Int8, 490.0, None, now);
         assert_eq!(s.reward_consistency, Some(0.98));
         assert!(!s.rolled_back);
         // Worse INT8 episodes slide in: 1 − (500 − 450) / 500 = 0.90.
         for _ in 0..4 {
-            r.record_reward(Arm::Int8, 450.0);
+            r.record_reward(Arm::Int8, 450.0, None, now);
         }
         assert!(r.rolled_back());
         assert_eq!(r.arm_for(Some("any")), Arm::Fp);
+    }
+
+    #[test]
+    fn a_reward_rollback_waits_for_enough_sessions_over_enough_time() {
+        let r = Rollout::new(
+            RolloutOptions {
+                min_sessions: 3,
+                min_span: Duration::from_secs(60),
+                ..rollout(RolloutMode::Split { int8_share: 0.5 }).options
+            },
+            Arc::new(Metrics::default()),
+            "int8",
+        );
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        // The attack: terrible INT8 and perfect FP episodes from one session
+        // each, in a burst. Consistency 0, but no verdict.
+        for i in 0..4 {
+            r.record_reward(Arm::Fp, 500.0, Some("fp"), at(i));
+        }
+        let s = (0..4)
+            .map(|i| r.record_reward(Arm::Int8, 0.0, Some("int8"), at(i)))
+            .last()
+            .unwrap();
+        assert_eq!(s.reward_consistency, Some(0.0));
+        let why = s.rollback_withheld.unwrap();
+        assert!(
+            why.contains("int8 window holds episodes of 1 distinct sessions"),
+            "{why}"
+        );
+        // Distinct sessions, still within the minute.
+        for (i, session) in ["a", "b", "c", "d"].iter().enumerate() {
+            r.record_reward(Arm::Fp, 500.0, Some(session), at(10 + i as u64));
+        }
+        for (i, session) in ["e", "f", "g"].iter().enumerate() {
+            r.record_reward(Arm::Int8, 0.0, Some(session), at(10 + i as u64));
+        }
+        let s = r.record_reward(Arm::Int8, 0.0, Some("h"), at(59));
+        let why = s.rollback_withheld.unwrap();
+        assert!(
+            why.contains("span 49000 ms; a rollback needs 60000 ms"),
+            "{why}"
+        );
+        assert!(!r.rolled_back());
+        // A minute after the oldest episode in the windows: the verdict.
+        let s = r.record_reward(Arm::Int8, 0.0, Some("i"), at(71));
+        assert_eq!((s.rolled_back, s.rollback_withheld), (true, None));
+    }
+
+    #[test]
+    fn the_served_arm_is_labelled_by_each_versions_model() {
+        let r = rollout(RolloutMode::Split { int8_share: 0.5 });
+        let fp32 = Rollout::new(r.options, Arc::clone(&r.metrics), "fp32");
+        assert_eq!(fp32.label(Arm::Int8, 1), "fp32");
+        assert_eq!(fp32.label(Arm::Fp, 1), "fp");
+        // A reload to an INT8 artifact: version 2 on; a refused reload's
+        // label is replaced by the next one's.
+        fp32.label_version(2, "fp32");
+        fp32.label_version(2, "int8");
+        assert_eq!(
+            [1, 2, 3].map(|v| fp32.label(Arm::Int8, v)),
+            ["fp32", "int8", "int8"]
+        );
+        // Answers name it; feedback may name the served arm by it.
+        let arm: Arm = serde_json::from_str("\"fp32\"").unwrap();
+        assert_eq!(arm, Arm::Int8);
     }
 }

@@ -20,7 +20,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
@@ -28,9 +27,10 @@ use tokio::sync::{Semaphore, oneshot};
 use crate::batcher::{Answer, Choice, Job};
 use crate::conn;
 use crate::error::{Error, Result};
+use crate::feedback;
 use crate::http::{
-    Shape, error, read_body, require_token, session, timed_out, too_many_requests, with_arm,
-    with_version, worker_stopped,
+    Shape, error, read_body, refuse_pages, require_token, session, timed_out, too_many_requests,
+    with_arm, with_version, worker_stopped,
 };
 use crate::metrics::Metrics;
 use crate::openai;
@@ -42,16 +42,6 @@ use crate::token::token_digest;
 
 pub use crate::http::{ARM_HEADER, SESSION_HEADER};
 pub use crate::state::ServeOptions;
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FeedbackRequest {
-    /// The episode's return.
-    reward: f64,
-    /// The arm that played it; by default the session's.
-    #[serde(default)]
-    arm: Option<Arm>,
-}
 
 async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let (state, headers, body) = (&state, &headers, &body[..]);
@@ -102,7 +92,8 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
         }))) => {
             state.metrics.observations.inc_by(rows as u64);
             policy.rollout.count_answer(arm);
-            let body = json!({ "actions": actions, "log_probs": log_probs, "arm": arm });
+            let label = policy.rollout.label(arm, version);
+            let body = json!({ "actions": actions, "log_probs": log_probs, "arm": label });
             if let Some((observations, greedy)) = shadowed {
                 let int8 = Int8Answer {
                     actions,
@@ -112,7 +103,7 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
                 };
                 tokio::spawn(shadow(Arc::clone(state), observations, rows, int8));
             }
-            with_version(with_arm(axum::Json(body).into_response(), arm), version)
+            with_version(with_arm(axum::Json(body).into_response(), label), version)
         }
         Ok(Ok(Err(message))) => error(StatusCode::INTERNAL_SERVER_ERROR, message),
         Ok(Err(_)) => worker_stopped(),
@@ -411,55 +402,6 @@ fn choose(head: &qforge_model::Head, request: &Reading) -> std::result::Result<C
     Ok(Choice::Sample(Box::new(rng)))
 }
 
-async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let (state, headers, body) = (&*state, &headers, &body[..]);
-    let session = session(headers);
-    let rollout = match &state.backend {
-        Backend::Policy(policy) => &policy.rollout,
-        Backend::Language(lm) => &lm.rollout,
-    };
-    let request: FeedbackRequest = match serde_json::from_slice(body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("expected {{\"reward\": number, \"arm\"?: \"int8\"|\"fp\"}}: {e}"),
-            );
-        }
-    };
-    if !request.reward.is_finite() {
-        return error(StatusCode::BAD_REQUEST, "reward must be a finite number");
-    }
-    let arm = match (request.arm, session, rollout.options().mode) {
-        (Some(arm), _, _) => arm,
-        (None, None, RolloutMode::Split { .. }) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "sessions are split between the arms: name the episode's arm (\"arm\") or its session (X-Session-Id header)",
-            );
-        }
-        // Outside a split every session plays INT8 (until a rollback).
-        (None, session, _) => rollout.assigned_arm(session),
-    };
-    // Checked last, so a malformed report does not spend the session's turn.
-    if let Err(wait) = state.feedback.admit(session, std::time::Instant::now()) {
-        let mut response = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            format!(
-                "this session reported a reward less than {} ms ago: an episode reports its return once (retry in {} ms)",
-                state.options.feedback_interval.as_millis(),
-                wait.as_millis().max(1)
-            ),
-        );
-        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, seconds.max(1).into());
-        return response;
-    }
-    axum::Json(rollout.record_reward(arm, request.reward)).into_response()
-}
-
 /// The API, published at `/openapi.json`.
 const OPENAPI: &str = include_str!("../api/openapi.json");
 
@@ -610,9 +552,16 @@ pub async fn serve(
     options.validate()?;
     let metrics = Arc::new(Metrics::default());
     let backend = start_backend(served, &options, &metrics)?;
+    let listener = tokio::net::TcpListener::bind(options.addr)
+        .await
+        .map_err(|e| Error::Bind(options.addr, e))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::Bind(options.addr, e))?;
     let state = Arc::new(AppState {
         openapi: openapi_document(&backend, &options),
         backend,
+        bound: bound.ip(),
         token: options.token.as_deref().map(token_digest),
         metrics: Arc::clone(&metrics),
         in_flight: Arc::new(Semaphore::new(options.max_concurrency)),
@@ -622,20 +571,15 @@ pub async fn serve(
         reloading: tokio::sync::Mutex::new(()),
     });
     let app = router(state);
-    let listener = tokio::net::TcpListener::bind(options.addr)
-        .await
-        .map_err(|e| Error::Bind(options.addr, e))?;
-    let bound = listener
-        .local_addr()
-        .map_err(|e| Error::Bind(options.addr, e))?;
     on_bound(bound);
     conn::run(listener, app, options.connections, metrics, shutdown).await;
     Ok(())
 }
 
 impl ServeOptions {
-    /// Refuses limits of zero, a rollout share, rollback threshold or
-    /// window out of range, and drift settings out of range.
+    /// Refuses limits of zero, a rollout share, rollback threshold,
+    /// window or least number of sessions out of range, and drift settings
+    /// out of range.
     pub fn validate(&self) -> Result<()> {
         check_options(self)
     }
@@ -681,6 +625,12 @@ fn check_options(options: &ServeOptions) -> Result<()> {
         return Err(Error::Options(
             "the rollback threshold must be in [0, 1] and its windows at least 1".into(),
         ));
+    }
+    if !(1..=rollout.reward_window).contains(&rollout.min_sessions) {
+        return Err(Error::Options(format!(
+            "the rollback's least number of sessions per arm ({}) must be between 1 and the reward window ({} episodes), or no reward could ever roll back: lower --rollback-min-sessions or raise --reward-window",
+            rollout.min_sessions, rollout.reward_window
+        )));
     }
     if !(rollout.logprob_mismatch_alert.is_finite() && rollout.logprob_mismatch_alert >= 0.0) {
         return Err(Error::Options(
@@ -740,8 +690,9 @@ fn start_backend(
     })
 }
 
-/// The routes; the bearer token (when the server requires one) and then
-/// the body reading (limit and deadline) on all but the probes; and the
+/// The routes; the bearer token (when the server requires one), the
+/// refusal of what a web page could have sent, and then the body reading
+/// (limit and deadline) on all but the probes; and the
 /// request metrics around them all. `/health` and `/ready` stay open, so
 /// an orchestrator's probes need no secret: they tell only whether the
 /// process and its model are up.
@@ -752,6 +703,10 @@ fn router(state: Arc<AppState>) -> Router {
                 (Arc::clone(&state), shape),
                 read_body,
             ))
+            .route_layer(middleware::from_fn_with_state(
+                (Arc::clone(&state), shape),
+                refuse_pages,
+            ))
             // Added last, so it runs first: before the body is read.
             .route_layer(middleware::from_fn_with_state(
                 (Arc::clone(&state), shape),
@@ -760,7 +715,7 @@ fn router(state: Arc<AppState>) -> Router {
     };
     let policy = Router::new()
         .route("/v1/act", post(act))
-        .route("/v1/feedback", post(feedback))
+        .route("/v1/feedback", post(feedback::feedback))
         .route("/admin/reload", post(reload::reload))
         .route("/metrics", get(render_metrics))
         .route("/openapi.json", get(openapi));
@@ -886,5 +841,19 @@ mod tests {
             assert_eq!(got, status, "{body}: {message}");
             assert!(message.contains(needle), "{body}: {message}");
         }
+    }
+
+    #[test]
+    fn an_unquantized_policy_answers_as_fp32() {
+        // The CartPole directory, served as it is: no INT8 layer.
+        let server = crate::testing::TestServer::policy();
+        let (status, body) = server.request(
+            "POST",
+            "/v1/act",
+            r#"{"observations": [[0, 0.1, 0, -0.1]]}"#,
+        );
+        assert_eq!(status, 200, "{body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["arm"], "fp32", "{body}");
     }
 }

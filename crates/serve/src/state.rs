@@ -19,7 +19,7 @@ use crate::drift::{DriftMonitor, DriftOptions};
 use crate::engine::{Engine, EngineLimits};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::rollout::{Arm, FeedbackLimit, Rollout, RolloutOptions};
+use crate::rollout::{Arm, FeedbackLimit, Rollout, RolloutOptions, served_label};
 use crate::token::TokenDigest;
 
 /// How the server runs.
@@ -61,6 +61,9 @@ pub struct ServeOptions {
 
 pub(crate) struct AppState {
     pub(crate) backend: Backend,
+    /// The address the server listens on: an `Origin` with this host is
+    /// the machine's own (see [`crate::origin`]).
+    pub(crate) bound: std::net::IpAddr,
     /// The digest of the required bearer token (`options.token`).
     pub(crate) token: Option<TokenDigest>,
     /// `/openapi.json`.
@@ -135,6 +138,7 @@ impl PolicyBackend {
         }
         let observation_dim = policy.config().observation_dim;
         let head = policy.config().head.clone();
+        let label = served_label(&policy.linears());
         let start = |policy, monitor| {
             Batcher::start(
                 policy,
@@ -151,7 +155,7 @@ impl PolicyBackend {
             int8,
             fp,
             head,
-            rollout: Rollout::new(rollout, Arc::clone(metrics)),
+            rollout: Rollout::new(rollout, Arc::clone(metrics), label),
             observation_dim,
         })
     }
@@ -226,13 +230,14 @@ impl LanguageBackend {
         let context = lm.model.config().max_position_embeddings;
         let vocab_size = lm.model.config().vocab_size;
         let bytes_per_token = text.tokenizer.max_bytes_per_token();
+        let label = served_label(&lm.model.linears());
         Ok(Self {
             int8: Engine::start(lm, monitor, limits, Arc::clone(metrics))?,
             // The reference was not calibrated: nothing to watch.
             fp: reference
                 .map(|r| Engine::start(r, None, limits, Arc::clone(metrics)))
                 .transpose()?,
-            rollout: Rollout::new(options.rollout, Arc::clone(metrics)),
+            rollout: Rollout::new(options.rollout, Arc::clone(metrics), label),
             name,
             text,
             context,

@@ -51,6 +51,8 @@ pub(crate) fn options() -> ServeOptions {
             threshold: 0.95,
             agreement_window: 1000,
             reward_window: 20,
+            min_sessions: 10,
+            min_span: Duration::from_secs(60),
             random_return: 0.0,
             logprob_mismatch_alert: 0.1,
         },
@@ -166,15 +168,23 @@ impl TestServer {
         )
     }
 
-    /// A connection with `body` sent to `target`, to read the answer from.
+    /// A connection with `body` sent to `target` as JSON, to read the
+    /// answer from.
     fn send(&self, method: &str, target: &str, body: &str) -> TcpStream {
+        self.send_with(method, target, &["Content-Type: application/json"], body)
+    }
+
+    /// A connection with `body` sent to `target` under `headers` (and
+    /// nothing else but Host, Connection and Content-Length).
+    fn send_with(&self, method: &str, target: &str, headers: &[&str], body: &str) -> TcpStream {
         let mut stream = TcpStream::connect(self.addr).expect("connect");
         stream
             .set_read_timeout(Some(DEADLINE))
             .expect("a read timeout");
+        let headers: String = headers.iter().map(|h| format!("{h}\r\n")).collect();
         write!(
             stream,
-            "{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}Content-Length: {}\r\n\r\n{body}",
             body.len()
         )
         .expect("send");
@@ -183,7 +193,23 @@ impl TestServer {
 
     /// One request; the status and the body.
     pub(crate) fn request(&self, method: &str, target: &str, body: &str) -> (u16, String) {
-        let mut stream = self.send(method, target, body);
+        self.answer(self.send(method, target, body))
+    }
+
+    /// One request under `headers` only (no Content-Type unless given);
+    /// the status and the body.
+    pub(crate) fn request_with(
+        &self,
+        method: &str,
+        target: &str,
+        headers: &[&str],
+        body: &str,
+    ) -> (u16, String) {
+        self.answer(self.send_with(method, target, headers, body))
+    }
+
+    /// The status and the body of the answer on `stream`.
+    fn answer(&self, mut stream: TcpStream) -> (u16, String) {
         let mut response = String::new();
         stream.read_to_string(&mut response).expect("an answer");
         let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
