@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+import attack_offline
+
 HOST = "127.0.0.1"
 
 
@@ -418,7 +420,8 @@ def chat_turn_forging(ctx):
 
 class Context:
     def __init__(self, qforge, model, language_model):
-        self.qforge, self.model, self.language_model = qforge, model, language_model
+        self.qforge, self.model, self.language_model = os.path.abspath(qforge), model, language_model
+        self.row = row
         help_text = subprocess.run([qforge, "serve", "--help"], capture_output=True,
                                    text=True).stdout
         self.known = set(re.findall(r"(--[a-z][a-z-]+)", help_text))
@@ -443,7 +446,7 @@ def main():
     try:
         attacks = (slowloris, idle_flood, sigterm_under_trickle, oversized, unauthenticated,
                    feedback_flood, web_page, feedback_burst, huge_reward, fp_label,
-                   chat_turn_forging)
+                   chat_turn_forging, *attack_offline.ATTACKS)
         if args.only:
             chosen = args.only.split(",")
             unknown = set(chosen) - {a.__name__ for a in attacks}

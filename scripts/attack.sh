@@ -15,8 +15,13 @@
 # text/plain, form and foreign-Origin posts to a server without a token, the arm an
 # unquantized policy's answers name, and (on the
 # SmolLM2 GGUF, when scripts/fetch-models.sh has fetched it)
-# a chat message that writes a system turn or a role. Every attack is bounded in connections and time; the whole run is
-# cut at 10 minutes. Needs python3 (standard library only).
+# a chat message that writes a system turn or a role. Then, outside the server
+# (scripts/attack_offline.py, on a redis-server of its own when one is installed): a
+# results entry no worker can follow, a result appended without the cluster key, a worker
+# holding another key, Redis frozen under a worker's --outage-limit, and an artifact whose
+# weight scale was set to 1e-40 with its manifest rewritten. Every attack is bounded in
+# connections and time; the whole run is cut at 10 minutes. Needs python3 (standard
+# library only).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
