@@ -142,6 +142,37 @@ fn a_residual_rotated_model_exports_and_runs_on_candle_transformers() {
     assert_eq!(summary.ignored, ["lm_head".to_owned()]);
 }
 
+/// `lm` with the int8 layers of `points` dequantized (their int8 values
+/// times their scales) and run in floating point, activations in f32, as a
+/// weight-only runtime runs them; lm_head as loaded.
+fn dequantized(
+    lm: &LanguageModel,
+    points: &BTreeMap<String, LayerPrecision>,
+) -> qforge_model::Llama {
+    lm.model
+        .with_linears(|point, layer| {
+            if point == "lm_head" || points[point] == LayerPrecision::Fp {
+                return Ok(layer.clone());
+            }
+            let (_, bias) = layer.full_precision()?;
+            let int8 = layer.int8_weight()?;
+            let (values, scales) = (&int8.values, &int8.scales[..]);
+            let (out, inp) = layer.shape();
+            let dequantized: Vec<f32> = values
+                .chunks_exact(inp)
+                .zip(scales)
+                .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
+                .collect();
+            Linear::fp(
+                point,
+                Tensor::from_vec(dequantized, (out, inp), &Device::Cpu)?,
+                bias,
+                (out, inp),
+            )
+        })
+        .unwrap()
+}
+
 /// Writes `lm` with `points` as a native artifact, exports it, and checks
 /// that candle-transformers' Llama over the export's dequantized weights
 /// gives the logits of qforge's forward over the same dequantized weights
@@ -155,6 +186,7 @@ fn export_and_compare(
     let artifact = fresh(&format!("{name}-artifact"));
     let artifact = artifact.path();
     write_language_model(artifact, lm, points).unwrap();
+    qforge_model::manifest::write_manifest(artifact, serde_json::json!({"test": true})).unwrap();
     let dest = fresh(&format!("{name}-ct"));
     let dest = dest.path();
     let summary = export_compressed_tensors(artifact, dest).unwrap();
@@ -190,30 +222,7 @@ fn export_and_compare(
         .unwrap();
 
     // qforge over the same dequantized weights, activations in f32.
-    let ours_model = lm
-        .model
-        .with_linears(|point, layer| {
-            if point == "lm_head" || points[point] == LayerPrecision::Fp {
-                return Ok(layer.clone());
-            }
-            let (_, bias) = layer.full_precision()?;
-            let int8 = layer.int8_weight()?;
-            let (values, scales) = (&int8.values, &int8.scales[..]);
-            let (out, inp) = layer.shape();
-            let dequantized: Vec<f32> = values
-                .chunks_exact(inp)
-                .zip(scales)
-                .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v) * s))
-                .collect();
-            Linear::fp(
-                point,
-                Tensor::from_vec(dequantized, (out, inp), &Device::Cpu)?,
-                bias,
-                (out, inp),
-            )
-        })
-        .unwrap();
-    let ours = last_logits(&ours_model, &tokens);
+    let ours = last_logits(&dequantized(lm, points), &tokens);
     let diff = max_abs_diff(&ours, &theirs);
     eprintln!("max |Δ logit| vs candle-transformers: {diff}");
     assert!(diff < 2e-3, "max |Δ logit| {diff}");
@@ -222,5 +231,151 @@ fn export_and_compare(
     let fp_diff = max_abs_diff(&fp, &theirs);
     eprintln!("max |Δ logit| of the f32 model: {fp_diff}");
     assert!(fp_diff > 10.0 * diff.max(1e-4), "{fp_diff} vs {diff}");
+    reads_back_as_the_artifact(artifact, dest, &tokens);
     (summary, config)
+}
+
+/// qforge opens the export as it opens any compressed-tensors checkpoint:
+/// every int8 layer comes back with the artifact's scales and input
+/// quantization, and the model gives the artifact's logits bit for bit once
+/// the artifact's head is the export's (the export ties or copies it in
+/// floating point).
+fn reads_back_as_the_artifact(artifact: &Path, export: &Path, tokens: &[u32]) {
+    let language = |path: &Path| match qforge_model::open(path).unwrap() {
+        qforge_model::Model::Language(lm) => lm,
+        other => panic!("{} opened as {other:?}", path.display()),
+    };
+    let (native, exported) = (language(artifact), language(export));
+    let layers = |lm: &LanguageModel| -> BTreeMap<String, Linear> {
+        lm.model
+            .linears()
+            .into_iter()
+            .map(|(_, point, layer)| (point, layer.clone()))
+            .collect()
+    };
+    let (native_layers, exported_layers) = (layers(&native), layers(&exported));
+    for (point, layer) in &native_layers {
+        if point == "lm_head" {
+            continue;
+        }
+        let theirs = &exported_layers[point];
+        match (layer, theirs) {
+            // The values themselves are checked by the logits below.
+            (Linear::Int8(a), Linear::Int8(b)) => {
+                assert_eq!(a.activations(), b.activations(), "{point}");
+                assert_eq!(a.weight_scales(), b.weight_scales(), "{point}");
+            }
+            (Linear::Int8(_), _) | (_, Linear::Int8(_)) => {
+                panic!("{point} is int8 on one side only")
+            }
+            _ => {}
+        }
+    }
+    let head = exported_layers["lm_head"].clone();
+    let as_exported = native
+        .model
+        .with_linears(|point, layer| {
+            Ok(if point == "lm_head" {
+                head.clone()
+            } else {
+                layer.clone()
+            })
+        })
+        .unwrap();
+    assert_eq!(
+        last_logits(&exported.model, tokens),
+        last_logits(&as_exported, tokens),
+        "the export read back differs from the artifact"
+    );
+}
+
+/// A change to an export's `quantization_config`.
+type ConfigEdit<'a> = dyn Fn(&mut serde_json::Value) + 'a;
+
+/// One export, its `config.json` rewritten as llm-compressor writes its own
+/// (the class `Linear` as target, `lm_head` ignored by a pattern), as a
+/// weight-only (W8A16) checkpoint, and as schemes qforge cannot run: the
+/// first reads back as the export, the second runs its layers in floating
+/// point, the others are refused naming what they hold.
+#[test]
+fn llm_compressor_layouts_load_and_other_schemes_are_refused_by_name() {
+    let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(gguf.exists(), "run scripts/fetch-models.sh");
+    let lm = LanguageModel::load(&gguf).unwrap();
+    let points: BTreeMap<String, LayerPrecision> = lm
+        .model
+        .linears()
+        .iter()
+        .map(|(_, point, _)| (point.clone(), LayerPrecision::Int8Dynamic))
+        .collect();
+    let artifact = fresh("layouts-artifact");
+    write_language_model(artifact.path(), &lm, &points).unwrap();
+    let export = fresh("layouts-ct");
+    export_compressed_tensors(artifact.path(), export.path()).unwrap();
+    let config_path = export.path().join("config.json");
+    let original: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let tokens = lm.text.tokenizer.encode("Two plus two is").unwrap();
+    let with_config = |edit: &ConfigEdit<'_>| {
+        let mut config = original.clone();
+        edit(&mut config["quantization_config"]);
+        std::fs::write(&config_path, config.to_string()).unwrap();
+        LanguageModel::load(export.path())
+    };
+    let exported = last_logits(&with_config(&|_| {}).unwrap().model, &tokens);
+
+    let group = |q: &mut serde_json::Value| q["config_groups"]["group_0"].take();
+    let compressor = with_config(&|q| {
+        let mut g = group(q);
+        g["targets"] = serde_json::json!(["Linear"]);
+        q["config_groups"] = serde_json::json!({ "group_0": g });
+        q["ignore"] = serde_json::json!(["re:.*lm_head$"]);
+    })
+    .unwrap();
+    assert_eq!(last_logits(&compressor.model, &tokens), exported);
+
+    let weight_only = with_config(&|q| {
+        q["config_groups"]["group_0"]["input_activations"] = serde_json::Value::Null;
+    })
+    .unwrap();
+    assert!(
+        weight_only
+            .model
+            .linears()
+            .iter()
+            .all(|(_, _, layer)| !matches!(layer, Linear::Int8(_)))
+    );
+    // Weight-only: the int8 weights times their scales, inputs in f32.
+    let w8a16 = last_logits(&weight_only.model, &tokens);
+    let expected = last_logits(&dequantized(&lm, &points), &tokens);
+    let diff = max_abs_diff(&w8a16, &expected);
+    assert!(
+        diff < 1e-4,
+        "W8A16 vs the dequantized model: max |Δ logit| {diff}"
+    );
+    assert!(max_abs_diff(&w8a16, &exported) > 100.0 * diff.max(1e-6));
+
+    let refusals: [(&ConfigEdit<'_>, &str); 4] = [
+        (
+            &|q| q["format"] = "pack-quantized".into(),
+            "format \"pack-quantized\"",
+        ),
+        (
+            &|q| q["config_groups"]["group_0"]["input_activations"]["symmetric"] = false.into(),
+            "symmetric Some(false)",
+        ),
+        (
+            &|q| q["config_groups"]["group_0"]["weights"]["num_bits"] = 4.into(),
+            "weights of Some(4) bits",
+        ),
+        (
+            &|q| q["kv_cache_scheme"] = serde_json::json!({"num_bits": 8}),
+            "quantizes the KV cache",
+        ),
+    ];
+    for (edit, named) in refusals {
+        let err = with_config(edit).unwrap_err().to_string();
+        assert!(err.contains(named), "{err}");
+        assert!(err.contains("qforge reads W8A8 INT8"), "{err}");
+    }
 }

@@ -44,12 +44,12 @@ pub fn check_numbers(dir: &Path) -> Result<()> {
 /// Whether `scale` can step int8 levels up to `qmax`: positive, finite and
 /// normal (so its reciprocal, at most 2^126, is finite too), with the top
 /// level `scale × qmax` finite.
-fn usable_scale(scale: f32, qmax: f32) -> bool {
+pub(crate) fn usable_scale(scale: f32, qmax: f32) -> bool {
     scale.is_normal() && scale > 0.0 && (scale * qmax).is_finite()
 }
 
 /// Why a scale is refused, for every message that refuses one.
-fn scale_rule(qmax: f32) -> String {
+pub(crate) fn scale_rule(qmax: f32) -> String {
     format!(
         "a scale must be a positive finite normal f32 (its reciprocal finite) whose top level, \
          scale × {qmax}, is finite"

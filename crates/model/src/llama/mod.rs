@@ -8,6 +8,7 @@
 //! rotary embedding serves every source.
 
 mod attention;
+mod compressed;
 mod config;
 mod decode;
 mod named;
@@ -343,6 +344,8 @@ fn rope_row_order(rows: usize, heads: usize) -> Vec<usize> {
 struct SafetensorsSource {
     tensors: Arc<candle_core::safetensors::MmapedSafetensors>,
     names: std::collections::HashSet<String>,
+    /// The compressed-tensors quantization `config.json` declares, if any.
+    scheme: Option<compressed::Scheme>,
 }
 
 impl WeightSource for SafetensorsSource {
@@ -361,6 +364,11 @@ impl WeightSource for SafetensorsSource {
     fn linear(&self, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
         let weight_name = format!("{name}.weight");
         let b = self.bias(name, bias)?;
+        if let Some(scheme) = &self.scheme
+            && let Some(quantized) = scheme.linear(&self.tensors, name, b.clone(), shape)?
+        {
+            return Ok(quantized);
+        }
         let mapped = MappedTensor::new(self.tensors.clone(), &weight_name)?;
         if !matches!(mapped.dtype(), DType::BF16 | DType::F16) {
             return Linear::fp(name, self.tensor(&weight_name)?, b, shape);
@@ -410,6 +418,7 @@ impl Llama {
             serde_json::from_slice(&crate::files::read_config(&config_path)?)
                 .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
         let config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
+        let scheme = compressed::Scheme::from_config(&json, &config_path)?;
         let files: Vec<_> = safetensors_files(dir)?
             .into_iter()
             .map(|(_, path)| path)
@@ -424,7 +433,11 @@ impl Llama {
             .map_err(|e| Error::Format(format!("{}: {e}", dir.display())))?;
         let tensors = Arc::new(tensors);
         let names = tensors.tensors().into_iter().map(|(n, _)| n).collect();
-        let source = SafetensorsSource { tensors, names };
+        let source = SafetensorsSource {
+            tensors,
+            names,
+            scheme,
+        };
         Self::load(config, &source).map_err(|e| e.in_file(dir))
     }
 
