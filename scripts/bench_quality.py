@@ -36,7 +36,7 @@ NO_FALLBACK = ["--max-perplexity-increase", "1000"]
 # (label, quantize flags); None: the GGUF itself in f32, the reference.
 METHODS = [
     ("f32 (the GGUF dequantized)", None),
-    ("dynamic per-token, every linear (as `--precision int8-dynamic`)",
+    ("dynamic per-token, every linear (as `--precision int8-dynamic-plain`)",
      ["--activations", "dynamic", *NO_FALLBACK]),
     ("dynamic + GPTQ", ["--activations", "dynamic", "--gptq", *NO_FALLBACK]),
     ("dynamic + Hadamard on every linear input", ["--activations", "dynamic", "--hadamard", "all",

@@ -16,9 +16,9 @@ Arms, on the same seeds (prompts, sampler seeds, initial weights):
   int8       rollouts on qforge's INT8 engine, the loss uncorrected.
   int8-tis   the same rollouts, each token's term weighted by min(pi_train / pi_behaviour,
              C), C = 2: token-level truncated importance sampling (FlashRL).
-`--rollout-precision` picks the INT8 recipe: `int8-dynamic` (plain per-token dynamic
-INT8, no calibration) or the path of a `qforge quantize` artifact (its recipe, e.g. the
-residual rotation).
+`--rollout-precision` picks the INT8 recipe: `int8-dynamic` (per-token dynamic INT8 on
+the residual stream rotated with fixed random signs, no calibration), `int8-dynamic-plain`
+(the same without the rotation) or the path of a `qforge quantize` artifact (its recipe).
 
 Every `--eval-every` updates (and before the first and after the last) the trained
 weights are loaded into a separate f32 engine and scored greedily on the 300 held-out
@@ -385,7 +385,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arm", choices=ARMS)
     parser.add_argument("--rollout-precision", default="int8-dynamic",
-                        help="the INT8 arms' engine: int8-dynamic, or a qforge artifact's path")
+                        help="the INT8 arms' engine: int8-dynamic, int8-dynamic-plain, or a "
+                             "qforge artifact's path")
     parser.add_argument("--updates", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per update (B)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (G)")

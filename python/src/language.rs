@@ -50,13 +50,17 @@ pub struct LanguageModel {
 }
 
 impl LanguageModel {
-    /// `lm`, opened from `path` in `precision`, with its rollout engine.
+    /// `opened` (the model at `path` as opened) in `precision`, with its
+    /// rollout engine.
     pub fn new(
-        lm: qforge_model::LanguageModel,
+        opened: qforge_model::LanguageModel,
         path: &Path,
         precision: RunPrecision,
         size: EngineSize,
     ) -> Result<Self, Failure> {
+        let name = precision.to_string();
+        let sync = WeightSync::new(path, precision, &opened)?;
+        let lm = sync.serve(opened)?;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let limits = EngineLimits {
             max_sequences: size.max_sequences,
@@ -68,9 +72,8 @@ impl LanguageModel {
         let engine = Engine::start(lm.clone(), None, limits, Arc::new(Metrics::default()))
             .map_err(|e| failed_with(&e.to_string()))?;
         let context = lm.model.config().max_position_embeddings.min(MAX_POSITIONS);
-        let name = precision.to_string();
         Ok(Self {
-            sync: WeightSync::new(path, precision, &lm)?,
+            sync,
             served: RwLock::new(Served {
                 lm: Arc::new(lm),
                 version: 1,

@@ -18,9 +18,10 @@ use crate::language::{EngineSize, LanguageModel};
 
 /// Opens the model at `path` (a GGUF file, a Hugging Face directory, a
 /// policy directory, an ONNX policy or a native artifact) in `precision`:
-/// `f32` (an artifact: its stored precisions), `int8-dynamic`, or
-/// `int8-static` with the statistics `stats` of a `qforge calibrate` run and
-/// a `calibrator`. Returns a `Policy` or a `LanguageModel`; a language
+/// `f32` (an artifact: its stored precisions), `int8-dynamic` (a language
+/// model's residual stream rotated first, with fixed signs and no data),
+/// `int8-dynamic-plain` (without the rotation), or `int8-static` with the
+/// statistics `stats` of a `qforge calibrate` run and a `calibrator`. Returns a `Policy` or a `LanguageModel`; a language
 /// model's rollout engine (`generate_batch`, `score`) runs at most
 /// `max_sequences` sequences and `kv_budget_tokens` KV-cache positions at
 /// once.
@@ -55,8 +56,7 @@ pub fn open(
                 precision: precision.to_string(),
             })),
             Model::Language(lm) => {
-                let lm = precision.apply_language(*lm)?;
-                Opened::Language(Box::new(LanguageModel::new(lm, &path, precision, limits)?))
+                Opened::Language(Box::new(LanguageModel::new(*lm, &path, precision, limits)?))
             }
         })
     })?;

@@ -45,7 +45,7 @@ def log_softmax(x):
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
 
-@pytest.mark.parametrize("precision", ["f32", "int8-dynamic"])
+@pytest.mark.parametrize("precision", ["f32", "int8-dynamic", "int8-dynamic-plain"])
 def test_a_policy_acts_as_the_cli_and_its_log_probs_are_its_own(tmp_path, precision):
     obs = observations()
     data = tmp_path / "obs.jsonl"
@@ -164,3 +164,19 @@ def test_a_language_model_scores_its_own_tokens_as_one_forward_does():
                             "--max-tokens", "8", "--json"))
     assert theirs.keys() == generated.keys()
     assert (theirs["tokens"], theirs["precision"]) == (generated["tokens"], generated["precision"])
+
+
+def test_int8_dynamic_rotates_the_residual_as_the_cli_does_and_plain_does_not():
+    question = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+    runs = {}
+    for precision in ["int8-dynamic", "int8-dynamic-plain"]:
+        lm = qforge.open(SMOLLM2, precision=precision)
+        assert lm.precision == precision
+        ours = lm.generate(question, max_tokens=24)
+        theirs = json.loads(cli("generate", "--model", SMOLLM2, "--prompt", question,
+                                "--max-tokens", "24", "--precision", precision, "--json"))
+        assert (ours["tokens"], ours["precision"]) == (theirs["tokens"], theirs["precision"])
+        tokens = lm.encode("The quick brown fox jumps over the lazy dog near the river bank.")
+        runs[precision] = lm.logprobs(tokens[:4], tokens[4:])
+    # The rotation changes the INT8 model: its log-probs of the same text are not plain's.
+    assert not np.array_equal(runs["int8-dynamic"], runs["int8-dynamic-plain"])

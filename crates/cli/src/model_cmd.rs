@@ -21,8 +21,14 @@ pub enum Precision {
     F32,
     /// qforge's INT8 engine with no calibration: every linear layer (lm_head
     /// included) with int8 per-channel weights and activations quantized per
-    /// token at run time.
+    /// token at run time, a language model's residual stream first rotated
+    /// by a randomized Hadamard matrix (fixed signs, no data, no run-time
+    /// cost). Perplexity over f32, SmolLM2-135M on 31 875 tokens of held-out
+    /// text: +0.96 %.
     Int8Dynamic,
+    /// int8-dynamic without the residual rotation (every weight quantized as
+    /// loaded, as int8-dynamic did before): +3.83 % on the same text.
+    Int8DynamicPlain,
     /// qforge's INT8 engine with one activation scale per layer input, from
     /// calibration statistics (--stats) and a calibrator (--calibrator).
     Int8Static,
@@ -184,7 +190,8 @@ pub struct LayersArgs {
     /// Trajectories (JSONL) whose observations feed a policy.
     #[arg(long, value_name = "FILE", conflicts_with = "text")]
     observations: Option<PathBuf>,
-    /// The INT8 configuration to measure (int8-dynamic or int8-static).
+    /// The INT8 configuration to measure (int8-dynamic, int8-dynamic-plain or
+    /// int8-static).
     #[command(flatten)]
     precision: PrecisionArgs,
     #[command(flatten)]
@@ -312,7 +319,7 @@ fn layers(args: LayersArgs) -> Result<()> {
     let precision = args.precision.resolve(&args.model)?;
     let Some(activations) = precision.int8_activations() else {
         return Err(UsageError(
-            "eval layers measures an INT8 configuration: pass --precision int8-dynamic or int8-static"
+            "eval layers measures an INT8 configuration: pass --precision int8-dynamic, int8-dynamic-plain or int8-static"
                 .into(),
         )
         .into());
@@ -323,6 +330,9 @@ fn layers(args: LayersArgs) -> Result<()> {
         &args.observations,
     ) {
         (Model::Language(lm), Some(text), _) => {
+            // The layers as this precision quantizes them (int8-dynamic's
+            // rotated), against their own full-precision outputs.
+            let lm = precision.transform_language(*lm)?;
             let mut tokens = read_text_tokens(&lm, text)?;
             tokens.truncate(args.ctx);
             llm_layer_sqnr(&lm.model, &tokens, &activations)?

@@ -29,6 +29,11 @@ use crate::requantize::{WeightChange, frozen_transforms};
 /// How a served language model's weights are made from full-precision ones.
 pub struct WeightSync {
     recipe: Recipe,
+    /// Whether the model as opened tied lm_head to the embedding, as a
+    /// trainer's weights then do: a run precision may untie them in the
+    /// served model (int8-dynamic's residual rotation makes lm_head its
+    /// own matrix).
+    tied: bool,
 }
 
 enum Recipe {
@@ -61,13 +66,14 @@ pub struct CodeChange {
 }
 
 impl WeightSync {
-    /// The sync of the model opened from `path` in `precision` (an artifact
-    /// opens as [`RunPrecision::Stored`]), serving as `served`.
-    pub fn new(path: &Path, precision: RunPrecision, served: &LanguageModel) -> Result<Self> {
+    /// The sync of `opened`, the model at `path` as opened, to be served in
+    /// `precision` (an artifact opens as [`RunPrecision::Stored`]); the
+    /// model to serve is [`WeightSync::serve`]`(opened)`.
+    pub fn new(path: &Path, precision: RunPrecision, opened: &LanguageModel) -> Result<Self> {
         let recipe = match precision {
             RunPrecision::Stored if is_artifact(path) => {
                 let manifest = read_manifest(path)?;
-                let old = Model::Language(Box::new(served.clone()));
+                let old = Model::Language(Box::new(opened.clone()));
                 Recipe::Artifact {
                     transforms: frozen_transforms(&old, path, &manifest)?,
                     points: read_config(path)?.points,
@@ -81,7 +87,19 @@ impl WeightSync {
             }
             precision => Recipe::Run(precision),
         };
-        Ok(Self { recipe })
+        Ok(Self {
+            recipe,
+            tied: opened.model.tied_embeddings(),
+        })
+    }
+
+    /// `opened` (the model [`WeightSync::new`] was given) in the precision
+    /// it is served in: a run precision applied, an artifact as stored.
+    pub fn serve(&self, opened: LanguageModel) -> Result<LanguageModel> {
+        Ok(match &self.recipe {
+            Recipe::Run(precision) => precision.apply_language(opened)?,
+            Recipe::Artifact { .. } => opened,
+        })
     }
 
     /// `served` with the weights `tensors` (Hugging Face names, every
@@ -95,11 +113,7 @@ impl WeightSync {
     ) -> Result<Synced> {
         let started = Instant::now();
         let fresh = LanguageModel {
-            model: Llama::from_tensors(
-                served.model.config().clone(),
-                served.model.tied_embeddings(),
-                tensors,
-            )?,
+            model: Llama::from_tensors(served.model.config().clone(), self.tied, tensors)?,
             text: served.text.clone(),
             source: served.source.clone(),
         };

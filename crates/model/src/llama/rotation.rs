@@ -243,6 +243,18 @@ impl Llama {
     /// layers and no online rotations yet (those come after, on o_proj's and
     /// down_proj's inputs, which the residual does not reach).
     pub fn residual_rotated(&self, seed: u64) -> Result<Llama> {
+        self.residual_rotated_into(seed, |layer| Ok(layer.clone()))
+    }
+
+    /// [`Llama::residual_rotated`] with every linear layer (lm_head
+    /// included) then replaced by `convert(layer)` as soon as it is
+    /// rotated: the rotated f32 copies live one decoder layer per thread at
+    /// a time, never the whole model's at once (an 8B model's are 32 GB).
+    pub fn residual_rotated_into(
+        &self,
+        seed: u64,
+        convert: impl Fn(&Linear) -> Result<Linear> + Sync,
+    ) -> Result<Llama> {
         if let Some(input) = self.rotated_inputs().first() {
             return Err(Error::Unsupported(format!(
                 "the {} inputs of this model are rotated online already; rotate the residual stream first",
@@ -279,10 +291,25 @@ impl Llama {
             )?;
             layer.o_proj = rotate_outputs(&layer.o_proj, &rotation, &signs)?;
             layer.down_proj = rotate_outputs(&layer.down_proj, &rotation, &signs)?;
+            let linears = [
+                &mut layer.q_proj,
+                &mut layer.k_proj,
+                &mut layer.v_proj,
+                &mut layer.o_proj,
+                &mut layer.gate_proj,
+                &mut layer.up_proj,
+                &mut layer.down_proj,
+            ];
+            for linear in linears {
+                *linear = convert(linear)?;
+            }
             Ok::<(), Error>(())
         })?;
         let gain = signed(&model.norm.to_vec1::<f32>()?, &signs);
-        model.lm_head = rotate_weight(&model.lm_head.scale_inputs(&gain)?, &rotation)?;
+        model.lm_head = convert(&rotate_weight(
+            &model.lm_head.scale_inputs(&gain)?,
+            &rotation,
+        )?)?;
         model.norm = model.norm.ones_like()?;
         model.tied_embeddings = false;
         Ok(model)
