@@ -38,19 +38,21 @@ def test_export_reads_back_as_w8a8(tmp_path):
            "--ctx", "128", "-o", "artifact", cwd=tmp_path)
     summary = qforge("export", "--model", "artifact", "--format", "compressed-tensors",
                      "-o", "ct", cwd=tmp_path)
-    assert summary["lm_head"] == "tied"
+    # The int8 head the guard measured, untied, rather than the tied embedding.
+    assert summary["lm_head"] == "int8"
 
     config = json.loads((tmp_path / "ct/config.json").read_text())
     q = config["quantization_config"]
     assert q["quant_method"] == "compressed-tensors"
     assert q["format"] == "int-quantized"
     assert q["quantization_status"] == "compressed"
-    assert q["ignore"] == [FP_POINT, "lm_head"]
-    assert config["tie_word_embeddings"] is True
+    assert q["ignore"] == [FP_POINT]
+    assert config["tie_word_embeddings"] is False
     groups = list(q["config_groups"].values())
     static = [g for g in groups if g["input_activations"]["strategy"] == "tensor"]
     dynamic = [g for g in groups if g["input_activations"]["strategy"] == "token"]
-    assert len(static) == 1 and len(dynamic) == 0  # lm_head, the only dynamic layer, is ignored
+    assert len(static) == 1 and len(dynamic) == 1
+    assert dynamic[0]["targets"] == ["lm_head"]  # the static recipe's one dynamic layer
     targets = static[0]["targets"]
     layers = config["num_hidden_layers"]
     assert len(targets) == 7 * layers - 1  # every linear but lm_head and the FP down_proj
@@ -58,11 +60,11 @@ def test_export_reads_back_as_w8a8(tmp_path):
     # The reader vLLM's side of the format needs: every target's tensors, and
     # dequantized weights equal to the native artifact's.
     summary = check(tmp_path / "ct", tmp_path / "artifact")
-    assert summary["quantized_layers"] == len(targets)
+    assert summary["quantized_layers"] == len(targets) + 1
     assert summary["static_layers"] == len(targets)
 
     tensors = load_file(str(tmp_path / "ct/model.safetensors"))
-    assert "lm_head.weight" not in tensors  # tied: vLLM reuses the embedding
+    assert tensors["lm_head.weight"].dtype == np.int8
     assert tensors[f"{FP_POINT}.weight"].dtype == np.float32
     assert f"{FP_POINT}.weight_scale" not in tensors
     hidden = config["hidden_size"]

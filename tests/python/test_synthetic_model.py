@@ -148,8 +148,9 @@ def test_token_ids_quantize_exactly_on_any_worker_count_and_export(tmp_path):
     assert not (tmp_path / "ct/tokenizer.json").exists()
     summary = check(tmp_path / "ct", tmp_path / "w1")
     assert summary["torch_dtype"] == "bfloat16"
-    # The embedding, 2 norms per layer, the final norm and lm_head.
-    assert summary["float_tensors"] == 1 + 2 * config["num_hidden_layers"] + 1 + 1
+    # The embedding, 2 norms per layer and the final norm; lm_head is int8, untied.
+    assert summary["float_tensors"] == 1 + 2 * config["num_hidden_layers"] + 1
+    assert exported["lm_head"] == "int8" and config["tie_word_embeddings"] is False
     name = "model.layers.3.mlp.down_proj.weight"
     for artifact in ("ct", "w1"):  # the artifact keeps the source's bf16 too
         with safe_open(tmp_path / artifact / "model.safetensors", framework="numpy") as f:

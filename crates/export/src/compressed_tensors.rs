@@ -5,8 +5,7 @@
 //! "compressed"`, one config group for the layers with static per-tensor
 //! input scales and one for those with dynamic per-token activations
 //! (weights int8, symmetric, per output channel, static, in both), and an
-//! `ignore` list: `lm_head` (vLLM keeps it unquantized) and every layer the
-//! guard left in full precision — whole fused groups, since the native
+//! `ignore` list: every layer the guard left in full precision — whole fused groups, since the native
 //! artifact decides per layer input. Tensors: `NAME.weight` int8 `[out,
 //! in]`, `NAME.weight_scale` f32 `[out, 1]`, `NAME.input_scale` f32 `[1]`
 //! for static inputs, no zero points. Smoothing factors are already folded
@@ -19,11 +18,13 @@
 //! else f32. vLLM runs a model in 16 bits either way, so bf16 loses nothing
 //! there.
 //!
-//! `lm_head`: dropped when the source tied it to the embedding (vLLM ties it
-//! again); otherwise written in the checkpoint's dtype — dequantized from
-//! int8 when the artifact quantized it, since the artifact keeps no other
-//! copy (the export's manifest says so), and then rounded to nearest when
-//! the dtype is bf16.
+//! `lm_head`: an int8 head is written like every int8 layer, its config
+//! group's target, and `tie_word_embeddings` turned off: vLLM then runs the
+//! head the guard measured (a W8A8 `ParallelLMHead`), not the tied
+//! full-precision embedding, which on SmolLM2 is 1.7 % of perplexity apart.
+//! A full-precision head is in `ignore`: dropped when the source tied it to
+//! the embedding (vLLM ties it again), else written in the checkpoint's
+//! dtype.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -43,8 +44,8 @@ pub struct CompressedTensors {
     pub quantized_layers: usize,
     /// Layers in `ignore` (FP), `lm_head` included.
     pub ignored: Vec<String>,
-    /// How `lm_head` was written: `tied`, `copied`, or `dequantized from
-    /// int8`.
+    /// How `lm_head` was written: `int8` (quantized as the artifact holds
+    /// it, untied), or, for a full-precision head, `tied` or `copied`.
     pub lm_head: &'static str,
     /// The checkpoint's `torch_dtype`: `bfloat16` or `float32`.
     pub dtype: &'static str,
@@ -97,14 +98,9 @@ fn full_precision<'a, 'b>(
 
 /// Writes `out`'s full-precision tensors in one dtype, which it returns as
 /// the checkpoint's `torch_dtype`: bf16 when each holds bf16 values exactly,
-/// `rounded` (a tensor whose values are bf16 by no design, the dequantized
-/// lm_head) aside, which is then rounded; else f32, bf16 ones widened.
-fn to_checkpoint_dtype(
-    out: &mut BTreeMap<String, TensorOut<'_>>,
-    rounded: Option<&str>,
-) -> &'static str {
+/// else f32, bf16 ones widened.
+fn to_checkpoint_dtype(out: &mut BTreeMap<String, TensorOut<'_>>) -> &'static str {
     let exact = full_precision(out)
-        .filter(|(name, _)| Some(name.as_str()) != rounded)
         .all(|(_, (dtype, _, bytes))| *dtype == Dtype::BF16 || holds_bf16(bytes));
     let target = if exact { Dtype::BF16 } else { Dtype::F32 };
     for (_, (dtype, _, bytes)) in full_precision(out) {
@@ -131,12 +127,17 @@ fn map_weights(weights_path: &Path) -> Result<memmap2::Mmap> {
     Ok(map)
 }
 
-/// Everything but lm_head, copied as stored (the int8 layout is already
-/// compressed-tensors'); lm_head depends on tying, see [`lm_head`].
-fn copied_tensors<'a>(source: &SafeTensors<'a>) -> BTreeMap<String, TensorOut<'a>> {
+/// Everything but a full-precision lm_head, copied as stored (the int8
+/// layout is already compressed-tensors'); such a head depends on tying,
+/// see [`lm_head`]. An int8 head (`int8_head`) is copied like every int8
+/// layer.
+fn copied_tensors<'a>(
+    source: &SafeTensors<'a>,
+    int8_head: bool,
+) -> BTreeMap<String, TensorOut<'a>> {
     let mut out = BTreeMap::new();
     for (name, view) in source.tensors() {
-        if !name.starts_with("lm_head.") {
+        if int8_head || !name.starts_with("lm_head.") {
             out.insert(
                 name,
                 (
@@ -163,10 +164,12 @@ struct Targets {
 }
 
 impl Targets {
-    /// Sorts every linear layer but lm_head by the precision of its
-    /// observation point, adding `NAME.input_scale` to `out` for static
-    /// inputs. A point `qforge.json` omits is an error even for lm_head:
-    /// the artifact would be incomplete.
+    /// Sorts every linear layer but a full-precision lm_head (see
+    /// [`lm_head`]) by the precision of its observation point, adding
+    /// `NAME.input_scale` to `out` for static inputs. An int8 lm_head is a
+    /// target like any int8 layer: the export runs the head the guard
+    /// measured, not the tied embedding in its place. A point `qforge.json`
+    /// omits is an error even for lm_head: the artifact would be incomplete.
     fn sort(
         llama: &LlamaConfig,
         points: &BTreeMap<String, LayerPrecision>,
@@ -177,7 +180,7 @@ impl Targets {
             let precision = points.get(&point).copied().ok_or_else(|| {
                 Error::Inconsistent(format!("qforge.json gives no precision for {point}"))
             })?;
-            if layer == "lm_head" {
+            if layer == "lm_head" && precision == LayerPrecision::Fp {
                 continue;
             }
             match precision {
@@ -237,11 +240,9 @@ impl Targets {
     }
 }
 
-/// `lm_head.weight`, always in `ignore` (vLLM keeps it unquantized): left
-/// out when the source tied it (vLLM ties it again), else added to `out` as
-/// the artifact stores it (f32 or bf16), or in f32 dequantized when the
-/// artifact stores it as int8 (it keeps no other copy). Returns how it was
-/// written, for the manifest.
+/// A full-precision `lm_head.weight`, in `ignore`: left out when the source
+/// tied it (vLLM ties it again), else added to `out` as the artifact stores
+/// it (f32 or bf16). Returns how it was written, for the manifest.
 fn lm_head<'a>(
     tied: bool,
     source: &SafeTensors<'a>,
@@ -257,41 +258,19 @@ fn lm_head<'a>(
             .map_err(|e| Error::Inconsistent(format!("{}: {name}: {e}", weights_path.display())))
     };
     let weight = tensor("lm_head.weight")?;
-    let (dtype, bytes, how) = match weight.dtype() {
-        // In full precision: as the artifact stores it (bf16 for a bf16
-        // source's, see `artifact`).
-        dtype @ (Dtype::F32 | Dtype::BF16) => (dtype, Cow::Borrowed(weight.data()), "copied"),
-        Dtype::I8 => {
-            let scales = tensor("lm_head.weight_scale")?;
-            let cols = weight.shape()[1];
-            let scales: Vec<f32> = scales
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            let values = weight
-                .data()
-                .chunks_exact(cols)
-                .zip(&scales)
-                .flat_map(|(row, &s)| row.iter().map(move |&v| f32::from(v as i8) * s));
-            (
-                Dtype::F32,
-                Cow::Owned(f32_bytes(values)),
-                "dequantized from int8",
-            )
-        }
-        other => {
-            return Err(Error::Inconsistent(format!(
-                "{}: lm_head.weight is {other:?}",
-                weights_path.display()
-            )));
-        }
+    // As the artifact stores it (bf16 for a bf16 source's, see `artifact`).
+    let dtype @ (Dtype::F32 | Dtype::BF16) = weight.dtype() else {
+        return Err(Error::Inconsistent(format!(
+            "{}: lm_head.weight is {:?}, but qforge.json keeps lm_head in full precision",
+            weights_path.display(),
+            weight.dtype()
+        )));
     };
     out.insert(
         "lm_head.weight".into(),
-        (dtype, weight.shape().to_vec(), bytes),
+        (dtype, weight.shape().to_vec(), Cow::Borrowed(weight.data())),
     );
-    Ok(how)
+    Ok("copied")
 }
 
 /// Writes the export's tensors as `dest/model.safetensors`.
@@ -361,14 +340,21 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
     let map = map_weights(&weights_path)?;
     let source = SafeTensors::deserialize(&map)
         .map_err(|e| Error::Inconsistent(format!("{}: {e}", weights_path.display())))?;
-    let mut out = copied_tensors(&source);
+    let int8_head = config
+        .points
+        .get("lm_head")
+        .is_some_and(|p| *p != LayerPrecision::Fp);
+    let mut out = copied_tensors(&source, int8_head);
     let mut targets = Targets::sort(&llama, &config.points, &mut out)?;
-    targets.ignored.push("lm_head".to_owned());
-    let lm_head = lm_head(tied, &source, &weights_path, &mut out)?;
-    let dtype = to_checkpoint_dtype(
-        &mut out,
-        (lm_head == "dequantized from int8").then_some("lm_head.weight"),
-    );
+    let lm_head = if int8_head {
+        // Its own int8 matrix now, whatever the source tied.
+        hf["tie_word_embeddings"] = false.into();
+        "int8"
+    } else {
+        targets.ignored.push("lm_head".to_owned());
+        lm_head(tied, &source, &weights_path, &mut out)?
+    };
+    let dtype = to_checkpoint_dtype(&mut out);
 
     hf["quantization_config"] = targets.quantization_config();
     hf["torch_dtype"] = dtype.into();
@@ -422,7 +408,7 @@ mod tests {
         let mut out = BTreeMap::new();
         let how = lm_head(false, &source, Path::new("model.safetensors"), &mut out).unwrap();
         assert_eq!(how, "copied");
-        assert_eq!(to_checkpoint_dtype(&mut out, None), "bfloat16");
+        assert_eq!(to_checkpoint_dtype(&mut out), "bfloat16");
         let (dtype, shape, copied) = &out["lm_head.weight"];
         assert_eq!((*dtype, shape.as_slice()), (Dtype::BF16, [2, 2].as_slice()));
         assert_eq!(copied.as_ref(), bytes.as_slice());
@@ -450,12 +436,10 @@ mod tests {
         out.insert("a.weight_scale".into(), tensor(&[0.1]));
         out.insert("a.input_scale".into(), tensor(&[0.3]));
 
-        let mut rounded = out.clone();
-        assert_eq!(
-            to_checkpoint_dtype(&mut rounded, Some("lm_head.weight")),
-            "bfloat16"
-        );
-        let dtypes: Vec<Dtype> = rounded.values().map(|(dtype, _, _)| *dtype).collect();
+        let mut exact = out.clone();
+        exact.insert("lm_head.weight".into(), tensor(&[0.5, -0.25]));
+        assert_eq!(to_checkpoint_dtype(&mut exact), "bfloat16");
+        let dtypes: Vec<Dtype> = exact.values().map(|(dtype, _, _)| *dtype).collect();
         // In name order: a.input_scale, a.weight_scale, lm_head, embedding, norm.
         assert_eq!(
             dtypes,
@@ -468,20 +452,16 @@ mod tests {
             ]
         );
         assert_eq!(
-            rounded["model.embed_tokens.weight"],
+            exact["model.embed_tokens.weight"],
             out["model.embed_tokens.weight"]
         );
-        // 0.1 is 0x3dcc_cccd and 0.2 is 0x3e4c_cccd: both round up.
-        assert_eq!(
-            bf16_values(&rounded["lm_head.weight"].2),
-            [f32::from_bits(0x3dcd_0000), f32::from_bits(0x3e4d_0000)]
-        );
-        assert_eq!(bf16_values(&rounded["model.norm.weight"].2), [1.0, 0.5]);
+        assert_eq!(bf16_values(&exact["lm_head.weight"].2), [0.5, -0.25]);
+        assert_eq!(bf16_values(&exact["model.norm.weight"].2), [1.0, 0.5]);
 
         // lm_head copied from the artifact counts: 0.1 is no bf16. The
         // checkpoint is f32, the bf16 embedding widened into it.
         let mut widened = out.clone();
-        assert_eq!(to_checkpoint_dtype(&mut widened, None), "float32");
+        assert_eq!(to_checkpoint_dtype(&mut widened), "float32");
         let embedding = widened.remove("model.embed_tokens.weight").unwrap();
         assert_eq!(
             embedding,

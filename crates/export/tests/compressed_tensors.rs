@@ -105,14 +105,16 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
     let groups = &config["quantization_config"]["config_groups"];
     assert_eq!(groups["group_0"]["input_activations"]["strategy"], "tensor");
     assert_eq!(groups["group_1"]["input_activations"]["dynamic"], true);
-    assert_eq!(summary.lm_head, "tied");
-    assert_eq!(
-        summary.ignored,
-        [
-            "model.layers.2.mlp.down_proj".to_owned(),
-            "lm_head".to_owned()
-        ]
+    // The int8 head the artifact holds, untied: vLLM runs what was measured.
+    assert_eq!(summary.lm_head, "int8");
+    assert_eq!(config["tie_word_embeddings"], false);
+    assert!(
+        groups["group_1"]["targets"]
+            .as_array()
+            .unwrap()
+            .contains(&"lm_head".into())
     );
+    assert_eq!(summary.ignored, ["model.layers.2.mlp.down_proj".to_owned()]);
 }
 
 /// The residual rotation (`--hadamard residual`) leaves a plain Llama: its
@@ -144,14 +146,14 @@ fn a_residual_rotated_model_exports_and_runs_on_candle_transformers() {
 
 /// `lm` with the int8 layers of `points` dequantized (their int8 values
 /// times their scales) and run in floating point, activations in f32, as a
-/// weight-only runtime runs them; lm_head as loaded.
+/// weight-only runtime runs them.
 fn dequantized(
     lm: &LanguageModel,
     points: &BTreeMap<String, LayerPrecision>,
 ) -> qforge_model::Llama {
     lm.model
         .with_linears(|point, layer| {
-            if point == "lm_head" || points[point] == LayerPrecision::Fp {
+            if points[point] == LayerPrecision::Fp {
                 return Ok(layer.clone());
             }
             let (_, bias) = layer.full_precision()?;
@@ -306,7 +308,15 @@ fn llm_compressor_layouts_load_and_other_schemes_are_refused_by_name() {
         .model
         .linears()
         .iter()
-        .map(|(_, point, _)| (point.clone(), LayerPrecision::Int8Dynamic))
+        .map(|(_, point, _)| {
+            // llm-compressor leaves the head in floating point.
+            let precision = if point == "lm_head" {
+                LayerPrecision::Fp
+            } else {
+                LayerPrecision::Int8Dynamic
+            };
+            (point.clone(), precision)
+        })
         .collect();
     let artifact = fresh("layouts-artifact");
     write_language_model(artifact.path(), &lm, &points).unwrap();
