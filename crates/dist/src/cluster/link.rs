@@ -292,7 +292,17 @@ impl Link {
                 command(c)
             });
             let e = match attempt {
-                Ok(value) => return Ok(value),
+                Ok(value) => {
+                    let timeout = Some(self.io_timeout());
+                    if down && let Some(connection) = self.connections.get_mut(&node) {
+                        // Best effort: a socket that refuses keeps the shorter
+                        // timeout, which errs toward noticing an outage.
+                        let _ = connection
+                            .set_read_timeout(timeout)
+                            .and_then(|()| connection.set_write_timeout(timeout));
+                    }
+                    return Ok(value);
+                }
                 Err(e) => e,
             };
             if let Some((host, port, ask)) = redirection(&e) {
@@ -343,9 +353,15 @@ impl Link {
         }
     }
 
+    /// How long a read or write waits: [`IO_TIMEOUT`], or the outage limit
+    /// if shorter, but never less than [`MIN_IO_TIMEOUT`].
+    fn io_timeout(&self) -> Duration {
+        IO_TIMEOUT.min(self.outage_limit).max(MIN_IO_TIMEOUT)
+    }
+
     /// The open connection to `node`, opened if need be, within `budget`
     /// (`after_outage`: count it as a reconnection). Reads and writes time
-    /// out after [`IO_TIMEOUT`], or the outage limit if shorter.
+    /// out after [`Link::io_timeout`], or within `budget` after an outage.
     fn connection(
         &mut self,
         node: &Node,
@@ -360,11 +376,20 @@ impl Link {
                     .clone()
                     .set_addr(ConnectionAddr::Tcp(host.clone(), *port)),
             };
-            let io_timeout = IO_TIMEOUT.min(self.outage_limit).max(MIN_IO_TIMEOUT);
+            let io_timeout = self.io_timeout();
             let connect_timeout = budget.clamp(MIN_CONNECT_TIMEOUT, io_timeout);
             let connection = Client::open(info)?.get_connection_with_timeout(connect_timeout)?;
-            connection.set_read_timeout(Some(io_timeout))?;
-            connection.set_write_timeout(Some(io_timeout))?;
+            // Mid-outage, a server that accepts and never answers (stopped,
+            // or a hung host whose kernel still completes handshakes) must
+            // not hold the command past the limit either; the timeouts go
+            // back to normal once it answers (`Link::call`).
+            let timeout = if after_outage {
+                budget.clamp(MIN_IO_TIMEOUT, io_timeout)
+            } else {
+                io_timeout
+            };
+            connection.set_read_timeout(Some(timeout))?;
+            connection.set_write_timeout(Some(timeout))?;
             if after_outage {
                 self.reconnects += 1;
             }
