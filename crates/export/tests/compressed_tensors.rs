@@ -64,6 +64,30 @@ fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
     out
 }
 
+/// SmolLM2-135M-Instruct from the GGUF fixture.
+fn smollm2() -> LanguageModel {
+    let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
+    assert!(gguf.exists(), "run scripts/fetch-models.sh");
+    LanguageModel::load(&gguf).unwrap()
+}
+
+/// Every linear of `lm` int8 with dynamic inputs, but lm_head in full
+/// precision.
+fn dynamic_with_fp_head(lm: &LanguageModel) -> BTreeMap<String, LayerPrecision> {
+    lm.model
+        .linears()
+        .iter()
+        .map(|(_, point, _)| {
+            let precision = if point == "lm_head" {
+                LayerPrecision::Fp
+            } else {
+                LayerPrecision::Int8Dynamic
+            };
+            (point.clone(), precision)
+        })
+        .collect()
+}
+
 fn last_logits(model: &qforge_model::Llama, tokens: &[u32]) -> Vec<f32> {
     model
         .forward(&[tokens.to_vec()], None, None, Logits::Last)
@@ -83,9 +107,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn candle_transformers_runs_the_export_with_qforges_logits() {
-    let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
-    assert!(gguf.exists(), "run scripts/fetch-models.sh");
-    let lm = LanguageModel::load(&gguf).unwrap();
+    let lm = smollm2();
     let points: BTreeMap<String, LayerPrecision> = lm
         .model
         .linears()
@@ -121,23 +143,9 @@ fn candle_transformers_runs_the_export_with_qforges_logits() {
 /// export runs on the peer like any other, lm_head now its own matrix.
 #[test]
 fn a_residual_rotated_model_exports_and_runs_on_candle_transformers() {
-    let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
-    assert!(gguf.exists(), "run scripts/fetch-models.sh");
-    let mut lm = LanguageModel::load(&gguf).unwrap();
+    let mut lm = smollm2();
     lm.model = lm.model.residual_rotated(0).unwrap();
-    let points: BTreeMap<String, LayerPrecision> = lm
-        .model
-        .linears()
-        .iter()
-        .map(|(_, point, _)| {
-            let precision = if point == "lm_head" {
-                LayerPrecision::Fp
-            } else {
-                LayerPrecision::Int8Dynamic
-            };
-            (point.clone(), precision)
-        })
-        .collect();
+    let points = dynamic_with_fp_head(&lm);
     let (summary, _) = export_and_compare(&lm, &points, "residual");
     assert_eq!(summary.lm_head, "copied");
     assert_eq!(summary.dtype, "float32");
@@ -301,23 +309,9 @@ type ConfigEdit<'a> = dyn Fn(&mut serde_json::Value) + 'a;
 /// point, the others are refused naming what they hold.
 #[test]
 fn llm_compressor_layouts_load_and_other_schemes_are_refused_by_name() {
-    let gguf = root().join("models/smollm2-135m-instruct-q4_1.gguf");
-    assert!(gguf.exists(), "run scripts/fetch-models.sh");
-    let lm = LanguageModel::load(&gguf).unwrap();
-    let points: BTreeMap<String, LayerPrecision> = lm
-        .model
-        .linears()
-        .iter()
-        .map(|(_, point, _)| {
-            // llm-compressor leaves the head in floating point.
-            let precision = if point == "lm_head" {
-                LayerPrecision::Fp
-            } else {
-                LayerPrecision::Int8Dynamic
-            };
-            (point.clone(), precision)
-        })
-        .collect();
+    let lm = smollm2();
+    // llm-compressor leaves the head in floating point.
+    let points = dynamic_with_fp_head(&lm);
     let artifact = fresh("layouts-artifact");
     write_language_model(artifact.path(), &lm, &points).unwrap();
     let export = fresh("layouts-ct");

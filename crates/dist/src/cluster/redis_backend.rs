@@ -1011,7 +1011,7 @@ impl Backend for RedisBackend {
                 continue;
             }
             let started = Instant::now();
-            let mut shapes = self.book.borrow().shapes.clone();
+            let mut shapes = self.book.borrow_mut().shapes.take();
             let received = receive_all(&entries, &self.run_key, &mut shapes);
             self.book.borrow_mut().shapes = shapes;
             for (entry, received) in entries.iter().zip(received) {
