@@ -15,10 +15,8 @@
 //! `((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`; the softmax's denominator sums key
 //! `t` in lane `t mod 8` with the same tree; each output value accumulates
 //! the keys in order with fused multiply-adds and is divided by the
-//! denominator once at the end. `exp` is a degree-7 polynomial after the
-//! usual `x = n·ln 2 + r` reduction (as Cephes' `expf`), within 2 ulp of the
-//! exact value, and exactly 0 below `ln(f32::MIN_POSITIVE)` (a term that
-//! small moves no f32 sum whose largest term is 1). A wider tier (AVX-512)
+//! denominator once at the end. `exp` is [`crate::exp`]'s, the same bits
+//! on both tiers. A wider tier (AVX-512)
 //! would have to keep eight lanes to keep the bits, so there is none: a
 //! machine with AVX-512 and one without compute the same activations.
 //!
@@ -33,6 +31,7 @@
 use std::cell::RefCell;
 
 use crate::error::{Error, Result};
+use crate::exp::exp;
 
 thread_local! {
     /// One group's padded rows of scores and their softmax denominators,
@@ -42,27 +41,6 @@ thread_local! {
 
 /// Lanes of the fixed summation order.
 const LANES: usize = 8;
-/// Below `ln(f32::MIN_POSITIVE)`, `exp` is 0 (no subnormal results).
-const EXP_MIN: f32 = -87.336_55;
-const LOG2_E: f32 = std::f32::consts::LOG2_E;
-/// `ln 2` split so that `n · LN2_HI` is exact for |n| ≤ 2⁸ and the reduced
-/// argument keeps its precision.
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-/// Taylor coefficients of `e^r`, highest first (`r` within ±ln 2 / 2, where
-/// the degree-8 term is below 6e-9 relative).
-const EXP_POLY: [f32; 8] = [
-    1.0 / 5040.0,
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-    1.0,
-    1.0,
-];
-/// Adding then subtracting 1.5 · 2²³ rounds to the nearest integer.
-const ROUNDER: f32 = 12_582_912.0;
 
 /// A CPU tier of the attention kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -266,21 +244,6 @@ fn tree_sum(l: [f32; LANES]) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
-/// `e^x` in the kernel's arithmetic (see the module's note); NaN stays NaN.
-fn exp(x: f32) -> f32 {
-    if x < EXP_MIN {
-        return 0.0;
-    }
-    let n = (x * LOG2_E + ROUNDER) - ROUNDER;
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    let p = EXP_POLY[1..]
-        .iter()
-        .fold(EXP_POLY[0], |p, &c| p.mul_add(r, c));
-    // `n` is in [-126, 0] for x in [EXP_MIN, 0], so 2^n is a normal float
-    // (a NaN `x` makes `p` NaN, whatever this gives).
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
 mod portable {
     use super::*;
 
@@ -355,6 +318,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::*;
+    use crate::exp::x86::exp;
 
     /// Keys whose values are accumulated for every query of the tile before
     /// the next block is read: 64 values of 128 dimensions are 32 KiB.
@@ -760,29 +724,6 @@ mod x86 {
         let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)))
     }
-
-    /// [`super::exp`] of eight values.
-    #[target_feature(enable = "avx2,fma")]
-    fn exp(x: __m256) -> __m256 {
-        // Not below the minimum; true for NaN, as the scalar comparison.
-        let keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_NLT_UQ);
-        let rounder = _mm256_set1_ps(ROUNDER);
-        let n = _mm256_sub_ps(
-            _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2_E)), rounder),
-            rounder,
-        );
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-        let mut p = _mm256_set1_ps(EXP_POLY[0]);
-        for &c in &EXP_POLY[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let bits = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-            23,
-        );
-        _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep)
-    }
 }
 
 #[cfg(test)]
@@ -939,20 +880,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn exp_is_within_two_ulp_and_vanishes_below_the_normal_range() {
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let exact = (x as f64).exp();
-            let ulp = (exact as f32).to_bits().abs_diff(exp(x).to_bits());
-            assert!(ulp <= 2, "exp({x}) = {} vs {exact} ({ulp} ulp)", exp(x));
-            x += 0.0137;
-        }
-        assert_eq!(exp(0.0), 1.0);
-        assert_eq!(exp(-88.0), 0.0);
-        assert!(exp(f32::NAN).is_nan());
     }
 
     #[test]

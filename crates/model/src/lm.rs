@@ -1,10 +1,12 @@
 //! A language model ready to use: decoder, tokenizer and chat template, with
 //! generation and evaluation (perplexity, comparison of two models).
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{D, Tensor};
+use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
@@ -412,29 +414,78 @@ impl std::fmt::Display for GenerationReport {
 
 /// Picks the next token from one position's logits: the argmax when
 /// `temperature` is `None` or 0, else a draw from softmax(logits / t).
+///
+/// The draw is one uniform f64 from `rng` times the softmax's total, found
+/// among [`SOFTMAX_BLOCK`] block sums, then among that block's weights
+/// ([`softmax_weights`]: the same bits on every CPU tier), so a seed draws
+/// the same tokens on every machine. A row without a finite, positive
+/// total (NaN or infinite logits) gives its argmax.
 pub fn sample(logits: &[f32], temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {
-    match temperature {
-        None | Some(0.0) => Ok(argmax(logits)),
-        Some(t) if t > 0.0 && t.is_finite() => {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let weights: Vec<f64> = logits
-                .iter()
-                .map(|&l| ((f64::from(l) - f64::from(max)) / t).exp())
-                .collect();
-            let total: f64 = weights.iter().sum();
-            let mut target = rng.random::<f64>() * total;
-            for (i, w) in weights.iter().enumerate() {
-                target -= w;
-                if target <= 0.0 {
-                    return Ok(i as u32);
+    let t = match temperature {
+        None | Some(0.0) => return Ok(argmax(logits)),
+        Some(t) if t > 0.0 && t.is_finite() => t,
+        Some(t) => {
+            return Err(Error::Shape(format!(
+                "temperature must be ≥ 0 and finite, got {t}"
+            )));
+        }
+    };
+    let uniform = rng.random::<f64>();
+    Ok(with_softmax(logits, t, |weights, block_sums| {
+        let total: f64 = block_sums.iter().sum();
+        if !(total > 0.0 && total.is_finite()) {
+            return argmax(logits);
+        }
+        let mut target = uniform * total;
+        for (block, &sum) in block_sums.iter().enumerate() {
+            if target > sum {
+                target -= sum;
+                continue;
+            }
+            let first = block * SOFTMAX_BLOCK;
+            let weights = &weights[first..(first + SOFTMAX_BLOCK).min(weights.len())];
+            let mut last_drawable = None;
+            for (i, &w) in weights.iter().enumerate() {
+                if w > 0.0 {
+                    last_drawable = Some(i);
+                }
+                target -= f64::from(w);
+                if target <= 0.0 && w > 0.0 {
+                    return (first + i) as u32;
                 }
             }
-            Ok(argmax(logits))
+            // The block's sum is its weights' in another order; what
+            // rounding leaves over belongs to its last token.
+            if let Some(i) = last_drawable {
+                return (first + i) as u32;
+            }
         }
-        Some(t) => Err(Error::Shape(format!(
-            "temperature must be ≥ 0 and finite, got {t}"
-        ))),
-    }
+        argmax(logits)
+    }))
+}
+
+thread_local! {
+    /// One vocabulary's softmax weights and block sums, per thread (the
+    /// engine draws for many sequences in parallel).
+    static SOFTMAX: RefCell<(Vec<f32>, Vec<f64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Runs `f` on the weights and block sums of softmax(logits / t) (see
+/// [`softmax_weights`]), in this thread's buffers: a draw allocates nothing.
+fn with_softmax<T>(logits: &[f32], t: f64, f: impl FnOnce(&[f32], &[f64]) -> T) -> T {
+    SOFTMAX.with(|buffers| {
+        let (weights, block_sums) = &mut *buffers.borrow_mut();
+        weights.resize(logits.len(), 0.0);
+        block_sums.resize(logits.len().div_ceil(SOFTMAX_BLOCK), 0.0);
+        // `t` > 0 and finite: a scale that overflows f32 is an infinite
+        // one, whose softmax is the argmax's (as a NaN-total row falls to).
+        let scale = ((1.0 / t) as f32).min(f32::MAX);
+        if softmax_weights(logits, scale, weights, block_sums).is_err() {
+            // Only a scale that rounds to 0 is refused: t above 1e38.
+            block_sums.fill(f64::NAN);
+        }
+        f(weights, block_sums)
+    })
 }
 
 /// A token's log-probability under the distribution it was drawn from,
@@ -454,7 +505,8 @@ pub struct TokenLogProb {
 /// the distribution [`sample`] draws from at `temperature`:
 /// log softmax(logits / t), with t = 1 when greedy (greedy draws from no
 /// distribution; the model's own is the one a trainer scores against).
-/// Computed in f64, so the figures do not depend on the vocabulary's size.
+/// The softmax's total is [`sample`]'s (f32 weights summed in f64), the
+/// rest f64, so the figures do not depend on the vocabulary's size.
 pub fn token_log_prob(
     logits: &[f32],
     temperature: Option<f64>,
@@ -467,7 +519,9 @@ pub fn token_log_prob(
     };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let shifted = |l: f32| (f64::from(l) - f64::from(max)) / t;
-    let log_total = logits.iter().map(|&l| shifted(l).exp()).sum::<f64>().ln();
+    let log_total = with_softmax(logits, t, |_, block_sums| {
+        block_sums.iter().sum::<f64>().ln()
+    });
     let log_prob = |i: usize| shifted(logits[i]) - log_total;
     // The `top` best so far, best first; the vocabulary is read once.
     let mut best: Vec<usize> = Vec::with_capacity(top + 1);

@@ -24,6 +24,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{D, DType, Device, Tensor};
+use qforge_kernels::exp::silu_product;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -1191,8 +1192,7 @@ impl Llama {
             }
             let gated = self.rotate_input(
                 RotatedInput::MlpProduct,
-                (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
-                    * layer.up_proj.forward(&h)?)?,
+                swiglu(&layer.gate_proj.forward(&h)?, &layer.up_proj.forward(&h)?)?,
             )?;
             observe(
                 &mut observer,
@@ -1375,4 +1375,12 @@ fn safetensors_files(dir: &Path) -> Result<Vec<(String, std::path::PathBuf)>> {
 /// Log-softmax over the last dimension, in f32.
 pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::ops::log_softmax(logits, D::Minus1)?)
+}
+
+/// `silu(gate) · up` with the decoder's arithmetic ([`silu_product`]), so
+/// that the tensor forward and the decoder give the same bits.
+fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let mut product = gate.flatten_all()?.to_vec1::<f32>()?;
+    silu_product(&mut product, &up.flatten_all()?.to_vec1::<f32>()?)?;
+    Ok(Tensor::from_vec(product, gate.shape(), gate.device())?)
 }

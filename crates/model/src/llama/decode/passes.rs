@@ -5,6 +5,7 @@ use std::cell::RefCell;
 
 use qforge_kernels::Team;
 use qforge_kernels::attention::{KeyValues, Queries, attend, reserve};
+use qforge_kernels::exp::silu_product;
 
 use super::super::{KvCache, RotatedInput, Rotations};
 use crate::error::Result;
@@ -144,14 +145,14 @@ pub(super) fn swiglu(
     up: &[f32],
 ) -> Result<()> {
     let width = gate.len() / n;
+    let failure = FirstFailure::new();
     team.run_rows(n, [&mut gate[..n * width]], |rows, [gate]| {
-        for (g, &u) in gate
-            .iter_mut()
-            .zip(&up[rows.start * width..rows.end * width])
-        {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
+        failure.note(silu_product(
+            gate,
+            &up[rows.start * width..rows.end * width],
+        ));
     });
+    failure.into_result()?;
     rotate_rows(team, rotations, RotatedInput::MlpProduct, n, gate)
 }
 
