@@ -95,10 +95,20 @@
 //! enqueues their batches on the shared stream, where the count of
 //! deliveries that fails a batch killing every worker applies. Speculation
 //! and reconciliation cover every stream.
+//!
+//! # Code
+//!
+//! `redis_backend.rs` (and `redis_backend/`) is the coordinator's side,
+//! `worker.rs` (and `worker/`) the worker's. Both read Redis and carry out
+//! what `policy.rs` decides: which task to take, whom to steal from, what
+//! to reclaim or re-execute, how to size, pace and route tasks, and what a
+//! dead worker or Redis lost. The decisions are plain functions of what was
+//! read, tested table by table without a server.
 
 mod auth;
 mod keys;
 mod link;
+mod policy;
 mod receive;
 mod redis_backend;
 mod rounding;
