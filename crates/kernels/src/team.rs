@@ -45,6 +45,9 @@ struct Shared {
 pub struct Team {
     shared: Arc<Shared>,
     helpers: Vec<JoinHandle<()>>,
+    /// [`Team::run_rows_by_cost`]'s first row of each thread's share (and
+    /// the end), kept so that a run allocates nothing.
+    bounds: Vec<usize>,
 }
 
 impl std::fmt::Debug for Team {
@@ -70,6 +73,7 @@ impl Team {
         let mut team = Self {
             shared,
             helpers: Vec::with_capacity(helpers),
+            bounds: Vec::with_capacity(helpers + 2),
         };
         for index in 0..helpers {
             let shared = Arc::clone(&team.shared);
@@ -126,6 +130,65 @@ impl Team {
     ) where
         F: Fn(Range<usize>, [&mut [T]; B]) + Sync,
     {
+        let threads = self.threads();
+        self.run_shares(rows, buffers, |thread| share(rows, threads, thread), f);
+    }
+
+    /// [`Team::run_rows`] with shares of near-equal cost instead of
+    /// near-equal length: row `r` costs `cost(r)`, and each thread takes
+    /// the consecutive whole rows whose costs start in its `1 / threads` of
+    /// the total. For passes whose rows differ in work, such as attention
+    /// over caches of different lengths, where equal rows leave one thread
+    /// waiting for the other.
+    ///
+    /// # Panics
+    /// As [`Team::run_rows`].
+    pub fn run_rows_by_cost<T: Send, const B: usize, F, C>(
+        &mut self,
+        rows: usize,
+        cost: C,
+        buffers: [&mut [T]; B],
+        f: F,
+    ) where
+        F: Fn(Range<usize>, [&mut [T]; B]) + Sync,
+        C: Fn(usize) -> usize + Sync,
+    {
+        // The bounds are found here, once, so that the shares are disjoint
+        // whatever `cost` returns.
+        let threads = self.threads();
+        let mut bounds = std::mem::take(&mut self.bounds);
+        bounds.clear();
+        bounds.push(0);
+        let total: usize = (0..rows).map(&cost).sum();
+        let mut before = 0;
+        for r in 0..rows {
+            // Row `r` goes to the thread whose part of the total holds the
+            // cost before it: thread `t` owns [total·t, total·(t+1)) / threads.
+            let owner = (before * threads).checked_div(total).unwrap_or(0);
+            while bounds.len() <= owner.min(threads - 1) {
+                bounds.push(r);
+            }
+            before += cost(r);
+        }
+        bounds.resize(threads + 1, rows);
+        let share_by_cost = |thread: usize| bounds[thread]..bounds[thread + 1];
+        self.run_shares(rows, buffers, share_by_cost, f);
+        self.bounds = bounds;
+    }
+
+    /// Runs `f(share(thread), chunks)` on every thread, where the shares
+    /// are disjoint ranges of `0..rows` and `chunks[b]` is those rows of
+    /// `buffers[b]` (see [`Team::run_rows`]).
+    fn run_shares<T: Send, const B: usize, F, S>(
+        &mut self,
+        rows: usize,
+        buffers: [&mut [T]; B],
+        share: S,
+        f: F,
+    ) where
+        F: Fn(Range<usize>, [&mut [T]; B]) + Sync,
+        S: Fn(usize) -> Range<usize> + Sync,
+    {
         let widths = buffers.each_ref().map(|b| {
             assert!(
                 rows > 0 && b.len().is_multiple_of(rows) || b.is_empty(),
@@ -135,9 +198,8 @@ impl Team {
             b.len().checked_div(rows).unwrap_or(0)
         });
         let bases = buffers.map(|b| SendPtr(b.as_mut_ptr()));
-        let threads = self.threads();
         self.run(&|thread| {
-            let share = share(rows, threads, thread);
+            let share = share(thread);
             // SAFETY: every thread index runs exactly once per `run`, the
             // shares of distinct threads are disjoint row ranges, so their
             // chunks are disjoint ranges of each buffer, and every buffer is
@@ -319,6 +381,54 @@ mod tests {
                 })
                 .collect();
             assert_eq!(data, want);
+        }
+    }
+
+    #[test]
+    fn shares_by_cost_cover_every_row_once_and_balance_the_cost() {
+        for threads in [1, 2, 3] {
+            let mut team = Team::new(threads).unwrap();
+            // One expensive row, then many cheap ones: equal rows would
+            // give the first thread most of the work.
+            let cost = |r: usize| if r == 0 { 90 } else { 1 + r % 3 };
+            let rows = 60;
+            let mut owner = vec![usize::MAX; rows];
+            team.run_rows_by_cost(rows, cost, [&mut owner], |share, [owner]| {
+                let thread = std::thread::current().name().map_or(0, |name| {
+                    name.rsplit('-')
+                        .next()
+                        .and_then(|i| i.parse().ok())
+                        .unwrap_or(0)
+                });
+                for (o, r) in owner.iter_mut().zip(share) {
+                    assert_eq!(*o, usize::MAX, "row {r} given twice");
+                    *o = thread;
+                }
+            });
+            assert!(owner.iter().all(|&o| o < threads), "{owner:?}");
+            // Row `r` belongs to the thread whose part of the total holds
+            // the cost before it.
+            let total: usize = (0..rows).map(cost).sum();
+            let mut before = 0;
+            for (r, &o) in owner.iter().enumerate() {
+                assert_eq!(o, (before * threads / total).min(threads - 1), "row {r}");
+                before += cost(r);
+            }
+            if threads == 2 {
+                // The expensive row's thread takes far fewer rows.
+                assert!(owner.iter().filter(|&&o| o == 0).count() < rows / 3);
+            }
+            // Rows without cost all go to the first thread.
+            let mut none = vec![usize::MAX; 4];
+            team.run_rows_by_cost(
+                4,
+                |_| 0,
+                [&mut none],
+                |share, [none]| {
+                    none.fill(share.start);
+                },
+            );
+            assert_eq!(none, vec![0; 4]);
         }
     }
 

@@ -209,16 +209,20 @@ pub(super) struct AttentionShape {
     pub(super) scale: f32,
 }
 
+/// What a unit of [`attend_all`] costs beside its positions, in positions.
+const UNIT_OVERHEAD_POSITIONS: usize = 8;
+
 /// Attention of every row's query heads (`q`, rotated here for the row's
 /// position) over its sequence's cache up to and including that position,
 /// into `out`; `rows` gives each row's sequence and position.
 ///
 /// Every (row, head) pair is one unit and each thread takes a contiguous
-/// share of them, a key/value head's query heads of one row attended
-/// together so that its cache is read once per thread: one row's heads
-/// split over the threads (SmolLM2's 9 heads 4:5 over two), many rows split
-/// by row. A head's result depends on nothing but its query and its
-/// sequence's cache.
+/// share of them of near-equal cost (a unit costs its visible positions: in
+/// a server's batch the rows' caches differ in length several times over),
+/// a key/value head's query heads of one row attended together so that its
+/// cache is read once per thread: one row's heads split over the threads,
+/// many rows split by row. A head's result depends on nothing but its query
+/// and its sequence's cache.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend_all(
     team: &mut Team,
@@ -241,8 +245,12 @@ pub(super) fn attend_all(
     // rather than by the growing length.
     let longest = caches.iter().map(|c| c.capacity).max().unwrap_or(1);
     let failure = FirstFailure::new();
-    team.run_rows(
+    // A unit's work is its keys and values read, plus the query's own
+    // (rotated, its scores set up): about as much as a few positions.
+    let cost = |unit: usize| positions[unit / heads] + 1 + UNIT_OVERHEAD_POSITIONS;
+    team.run_rows_by_cost(
         rows * heads,
+        cost,
         [&mut out[..rows * heads * dim]],
         |units, [mut out]| {
             // Sized once per thread for the largest cache, so that steps do not
