@@ -76,6 +76,18 @@ pub(crate) fn smollm2() -> LanguageModel {
     }
 }
 
+/// SmolLM2 with every linear layer on the INT8 engine: its steps run on
+/// the batched decoder, where a sequence's draws do not depend on the
+/// batch.
+pub(crate) fn smollm2_int8() -> LanguageModel {
+    let mut lm = smollm2();
+    lm.model = lm
+        .model
+        .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+        .expect("SmolLM2's linear layers quantize");
+    lm
+}
+
 /// A running server; dropping it shuts it down.
 pub(crate) struct TestServer {
     addr: SocketAddr,
@@ -206,6 +218,16 @@ impl TestServer {
         body: &str,
     ) -> (u16, String) {
         self.answer(self.send_with(method, target, headers, body))
+    }
+
+    /// `POST /v1/completions` with `body`; the status and the answer as
+    /// JSON (null when it is none).
+    pub(crate) fn post_completion(&self, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let (status, text) = self.request("POST", "/v1/completions", &body.to_string());
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+        )
     }
 
     /// The status and the body of the answer on `stream`.
