@@ -244,6 +244,10 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     assert_eq!(result["accepted"], true, "{result}");
     let increase = result["after"]["perplexity_increase"].as_f64().unwrap();
     assert!(increase <= 0.03, "{result}");
+    // The guard says how far its held-out chunks let it trust that figure.
+    let interval = &result["after"]["perplexity_increase_interval"];
+    let (low, high) = (interval[0].as_f64().unwrap(), interval[1].as_f64().unwrap());
+    assert!(low < increase && increase < high, "{result}");
     // Static scales everywhere cost far more than the budget: the ladder worked.
     let before = result["before"]["perplexity_increase"].as_f64().unwrap();
     assert!(

@@ -72,6 +72,12 @@ pub struct GuardMetrics {
     /// Language models: relative perplexity increase over FP.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perplexity_increase: Option<f64>,
+    /// Language models: a 95 % interval of that increase from its spread
+    /// over the held-out chunks ([`qforge_model::lm::increase_interval`]),
+    /// when the text has two chunks or more: how far the held-out text
+    /// alone lets the guard trust its figure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perplexity_increase_interval: Option<[f64; 2]>,
     /// Language models: mean KL(FP ‖ quantized) of next-token distributions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<f64>,
@@ -274,6 +280,7 @@ impl<'a> Guard<'a> {
                 agreement: Some(1.0),
                 perplexity: None,
                 perplexity_increase: None,
+                perplexity_increase_interval: None,
                 kl_divergence: None,
                 top1_agreement: None,
                 passes: true,
@@ -282,6 +289,7 @@ impl<'a> Guard<'a> {
                 agreement: None,
                 perplexity: Some(log_probs.perplexity()),
                 perplexity_increase: Some(0.0),
+                perplexity_increase_interval: None,
                 kl_divergence: Some(0.0),
                 top1_agreement: Some(1.0),
                 passes: true,
@@ -305,6 +313,7 @@ impl<'a> Guard<'a> {
                     agreement: Some(agreement),
                     perplexity: None,
                     perplexity_increase: None,
+                    perplexity_increase_interval: None,
                     kl_divergence: None,
                     top1_agreement: None,
                     passes: agreement >= self.recipe.guard.min_agreement,
@@ -318,6 +327,7 @@ impl<'a> Guard<'a> {
                     agreement: None,
                     perplexity: Some(c.perplexity),
                     perplexity_increase: Some(increase),
+                    perplexity_increase_interval: c.increase_interval,
                     kl_divergence: Some(c.kl_divergence),
                     top1_agreement: Some(c.top1_agreement),
                     passes: increase <= self.recipe.guard.max_perplexity_increase,
@@ -898,9 +908,16 @@ pub fn describe(metrics: &GuardMetrics) -> String {
     match (metrics.agreement, metrics.perplexity_increase) {
         (Some(a), _) => format!("action agreement {:.2} % ({verdict})", 100.0 * a),
         (_, Some(p)) => format!(
-            "perplexity {:.4} ({:+.2} %, {verdict})",
+            "perplexity {:.4} ({:+.2} %{}, {verdict})",
             metrics.perplexity.unwrap_or(f64::NAN),
-            100.0 * p
+            100.0 * p,
+            metrics
+                .perplexity_increase_interval
+                .map_or(String::new(), |[low, high]| format!(
+                    "; 95 % interval {:+.2} … {:+.2} %",
+                    100.0 * low,
+                    100.0 * high
+                ))
         ),
         _ => verdict.into(),
     }

@@ -246,11 +246,17 @@ impl<'a> Pipeline<'a> {
         }
         let (chosen, prepared) = best.expect("the search runs at least one method");
         let (method, stage) = &stages[chosen];
-        let reason = if trials[chosen].before.passes {
+        let mut reason = if trials[chosen].before.passes {
             "the cheapest method whose plan met the guard's budget before any fallback"
         } else {
             "no method met the guard's budget before fallback; the one that came closest, then the fallback"
-        };
+        }
+        .to_string();
+        let budget = stage.recipe.guard.max_perplexity_increase;
+        if let Some(caution) = interval_caution(&trials[chosen].before, budget) {
+            listener.message(&format!("warning: method {}: {caution}", method.name()));
+            reason = format!("{reason}; {caution}");
+        }
         listener.message(&format!("method: {} ({reason})", method.name()));
         let judged = Judged {
             reference: reference.as_ref().expect("measured with the first method"),
@@ -260,7 +266,7 @@ impl<'a> Pipeline<'a> {
         let mut quantized = stage.finish(session, original, prepared, judged, listener)?;
         quantized.report.method = Some(MethodSearch {
             chosen: method.name().into(),
-            reason: reason.into(),
+            reason,
             tried: trials,
         });
         Ok(quantized)
@@ -967,5 +973,56 @@ impl Quantized {
                 "total_layers": d.total_layers,
             },
         })
+    }
+}
+
+/// What to say when a plan that meets the perplexity budget does so only
+/// by its point estimate: the guard's 95 % interval reaches past the
+/// budget, so the held-out text is too short to tell whether it holds.
+fn interval_caution(metrics: &GuardMetrics, budget: f64) -> Option<String> {
+    let [low, high] = metrics.perplexity_increase_interval?;
+    (metrics.passes && high > budget).then(|| {
+        format!(
+            "its perplexity increase's 95 % interval ({:+.2} … {:+.2} %) reaches past the budget ({:+.2} %): the held-out text cannot tell whether the budget holds (a longer --eval-data text narrows the interval)",
+            100.0 * low,
+            100.0 * high,
+            100.0 * budget
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measured(increase: f64, interval: Option<[f64; 2]>, passes: bool) -> GuardMetrics {
+        GuardMetrics {
+            agreement: None,
+            perplexity: Some(20.0),
+            perplexity_increase: Some(increase),
+            perplexity_increase_interval: interval,
+            kl_divergence: Some(0.01),
+            top1_agreement: Some(0.9),
+            passes,
+        }
+    }
+
+    #[test]
+    fn a_pass_whose_interval_reaches_past_the_budget_is_said_to_be_uncertain() {
+        let budget = 0.01;
+        let uncertain = measured(0.008, Some([0.004, 0.012]), true);
+        let caution = interval_caution(&uncertain, budget).unwrap();
+        assert!(caution.contains("+0.40 … +1.20 %"), "{caution}");
+        assert!(caution.contains("budget (+1.00 %)"), "{caution}");
+        assert_eq!(
+            interval_caution(&measured(0.008, Some([0.006, 0.0099]), true), budget),
+            None
+        );
+        // A failing plan, or one measured on a single chunk, has nothing to add.
+        assert_eq!(
+            interval_caution(&measured(0.02, Some([0.015, 0.025]), false), budget),
+            None
+        );
+        assert_eq!(interval_caution(&measured(0.008, None, true), budget), None);
     }
 }

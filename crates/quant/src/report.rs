@@ -368,6 +368,13 @@ fn metrics_text(m: &GuardMetrics) -> String {
     if let Some(p) = m.perplexity_increase {
         parts.push(format!("{:+.2} %", 100.0 * p));
     }
+    if let Some([low, high]) = m.perplexity_increase_interval {
+        parts.push(format!(
+            "95 % interval {:+.2} … {:+.2} %",
+            100.0 * low,
+            100.0 * high
+        ));
+    }
     if let Some(k) = m.kl_divergence {
         parts.push(format!("KL {k:.5}"));
     }
