@@ -183,14 +183,7 @@ pub fn quantize<'py>(
         max_fp_fraction,
         ctx,
     };
-    let recipe = match recipe {
-        Some(path) => {
-            let text = qforge_model::files::read_config_text(&path).map_err(Failure::from)?;
-            QuantRecipe::from_toml(&text).map_err(Failure::from)?
-        }
-        None => QuantRecipe::default(),
-    };
-    let recipe = recipe.with_overrides(&overrides).map_err(Failure::from)?;
+    let recipe = recipe_with(recipe, &overrides)?;
     let inputs = match (model, data) {
         (Some(model), Some(data)) => (model, data),
         (None, None) => (
@@ -222,6 +215,19 @@ pub fn quantize<'py>(
         .report
         .outcome(&inputs.model, &quantized.held_out, &output);
     to_python(py, &outcome)
+}
+
+/// The recipe file `path` (the defaults without one) with `overrides`
+/// applied, as `qforge quantize` reads it.
+fn recipe_with(path: Option<PathBuf>, overrides: &Overrides) -> PyResult<QuantRecipe> {
+    let recipe = match path {
+        Some(path) => {
+            let text = qforge_model::files::read_config_text(&path).map_err(Failure::from)?;
+            QuantRecipe::from_toml(&text).map_err(Failure::from)?
+        }
+        None => QuantRecipe::default(),
+    };
+    Ok(recipe.with_overrides(overrides).map_err(Failure::from)?)
 }
 
 /// `qforge requantize`: the new weights `model` quantized like the artifact

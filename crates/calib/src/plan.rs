@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use qforge_core::{BatchId, Digest, DigestBuilder};
+use qforge_core::{BatchId, Digest, DigestBuilder, SplitMix64};
 use qforge_model::Statistics;
 use serde::{Deserialize, Serialize};
 
@@ -210,12 +210,12 @@ impl Plan {
     }
 }
 
-/// SplitMix64 of `x`: the platform-independent sort key of the shuffle.
-fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// The platform-independent sort key of candidate `i` in the shuffle seeded
+/// with `seed`: SplitMix64's first draw from `seed` mixed with the first draw
+/// from `i`. Fixed forever, since batch ids follow the order.
+fn sort_key(seed: u64, i: usize) -> u64 {
+    let first_draw = |x| SplitMix64::new(x).next_u64();
+    first_draw(seed ^ first_draw(i as u64))
 }
 
 /// Turns an LLM episode into token ids (the caller's tokenizer and chat
@@ -257,7 +257,7 @@ pub fn plan(dataset: &Dataset, recipe: &Recipe, tokenize: Option<Tokenize<'_>>) 
     let (order, strata) = match recipe.stratify {
         Stratify::None => {
             let mut order: Vec<usize> = (0..candidates.len()).collect();
-            order.sort_by_key(|&i| (mix(recipe.seed ^ mix(i as u64)), i));
+            order.sort_by_key(|&i| (sort_key(recipe.seed, i), i));
             order.truncate(recipe.samples);
             (order, Vec::new())
         }
@@ -320,7 +320,7 @@ fn stratified(
                 drawn: 0,
             });
             let mut group: Vec<usize> = by_reward[lo..hi].iter().map(|&(_, i)| i).collect();
-            group.sort_by_key(|&i| (mix(recipe.seed ^ mix(i as u64)), i));
+            group.sort_by_key(|&i| (sort_key(recipe.seed, i), i));
             group.reverse(); // pop() takes from the front of the shuffle
             group
         })

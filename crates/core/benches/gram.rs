@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use qforge_core::{Gram, GramTier, MergePolicy, Provenance, Stats, TensorStats};
+use qforge_core::{CpuTier, Gram, GramTier, MergePolicy, Provenance, Stats, TensorStats};
 use rand::{SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, Normal};
 
@@ -29,7 +29,7 @@ fn bench_gram(c: &mut Criterion) {
         group.throughput(Throughput::Elements(
             (rows * width * (width + 1) / 2) as u64,
         ));
-        for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
+        for &tier in GramTier::ALL {
             if !tier.is_supported() {
                 eprintln!("SKIPPED: {tier:?} is not supported on this CPU");
                 continue;

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use qforge_core::{Histogram, ObserveTier};
+use qforge_core::{CpuTier, Histogram, ObserveTier};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, Normal};
 
@@ -38,7 +38,7 @@ fn bench_observe(c: &mut Criterion) {
     let mut group = c.benchmark_group("observe");
     group.throughput(Throughput::Elements(LEN as u64));
     for (name, values) in inputs() {
-        for tier in ObserveTier::ALL {
+        for &tier in ObserveTier::ALL {
             if !tier.is_supported() {
                 eprintln!("skipped: tier {tier:?} is not supported on this CPU");
                 continue;

@@ -1,7 +1,8 @@
 //! The one CPU-feature probe. Every kernel tier (histogram observation here,
 //! the quantizers and the GEMM in `qforge-kernels`) asks it which
 //! instructions it may use, and `qforge info` prints what it found, so what
-//! a machine runs is stated in one place.
+//! a machine runs is stated in one place. [`CpuTier`] is the one rule that
+//! turns what it found into each kernel's tier.
 
 use std::sync::OnceLock;
 
@@ -76,4 +77,28 @@ fn probe() -> CpuFeatures {
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn probe() -> CpuFeatures {
     CpuFeatures::default()
+}
+
+/// A CPU tier of a kernel: one copy of its code compiled for an instruction
+/// set. Every tier of a kernel computes the same bits (each kernel's tests
+/// check it), so the choice is speed alone, and [`CpuTier::detect`] makes it
+/// the same way for every kernel.
+pub trait CpuTier: Copy + 'static {
+    /// Every tier, slowest first within each architecture; the first runs on
+    /// every CPU.
+    const ALL: &'static [Self];
+
+    /// Whether this CPU can run the tier.
+    fn is_supported(self) -> bool;
+
+    /// The fastest tier this CPU supports: the last supported one in
+    /// [`CpuTier::ALL`].
+    fn detect() -> Self {
+        Self::ALL
+            .iter()
+            .rev()
+            .copied()
+            .find(|t| t.is_supported())
+            .unwrap_or(Self::ALL[0])
+    }
 }

@@ -23,6 +23,7 @@
 
 use rayon::prelude::*;
 
+use crate::cpu::CpuTier;
 use crate::error::{Error, Result};
 
 /// Rows per chunk of an observation whose f32 sums are rounded to fixed point
@@ -71,17 +72,10 @@ pub enum GramTier {
     Avx512,
 }
 
-impl GramTier {
-    /// The fastest tier this CPU supports.
-    pub fn detect() -> Self {
-        [Self::Avx512, Self::Avx2]
-            .into_iter()
-            .find(|t| t.is_supported())
-            .unwrap_or(Self::Portable)
-    }
+impl CpuTier for GramTier {
+    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2, Self::Avx512];
 
-    /// Whether this CPU can run the tier.
-    pub fn is_supported(self) -> bool {
+    fn is_supported(self) -> bool {
         let cpu = crate::CpuFeatures::get();
         match self {
             Self::Portable => true,
@@ -89,7 +83,9 @@ impl GramTier {
             Self::Avx512 => cpu.avx512f,
         }
     }
+}
 
+impl GramTier {
     /// `portable`, `avx2` or `avx512`, as `qforge info` prints it.
     pub fn name(self) -> &'static str {
         match self {
@@ -662,7 +658,7 @@ mod tests {
             let v = values(rows, width, (rows * width) as u64);
             let exponent = Gram::exponent_for(4.0, rows as u64).unwrap();
             let expected = reference(&v, width, exponent);
-            for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
+            for &tier in GramTier::ALL {
                 let mut gram = Gram::new(width, exponent).unwrap();
                 match gram.observe_with(tier, &v) {
                     Ok(()) => {
@@ -778,7 +774,7 @@ mod tests {
             (first_panel, "entry (0, 35)"),
             (middle_panel, "entry (16, 20)"),
         ] {
-            for tier in [GramTier::Portable, GramTier::Avx2, GramTier::Avx512] {
+            for &tier in GramTier::ALL {
                 if !tier.is_supported() {
                     continue;
                 }

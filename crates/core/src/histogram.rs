@@ -29,6 +29,7 @@
 //! table against a sparse map (see BENCHMARKS.md); dense wins by more than an order
 //! of magnitude on the hot path, and only the non-empty bins are serialized.
 
+use crate::cpu::CpuTier;
 use crate::error::{Error, Result};
 
 /// Mantissa bits kept in a bin index (see the module docs for the choice).
@@ -534,20 +535,18 @@ pub enum ObserveTier {
 }
 
 impl ObserveTier {
-    /// Every tier; within each architecture, slowest first.
-    pub const ALL: [ObserveTier; 3] = [Self::Portable, Self::Avx2, Self::Neon];
-
-    /// The fastest tier this CPU supports.
+    /// [`CpuTier::detect`], callable where the trait is not imported:
+    /// `crates/dist`'s worker reports its tier so. To be removed once it
+    /// imports `CpuTier`.
     pub fn detect() -> Self {
-        Self::ALL
-            .into_iter()
-            .rev()
-            .find(|t| t.is_supported())
-            .unwrap_or(Self::Portable)
+        <Self as CpuTier>::detect()
     }
+}
 
-    /// Whether this CPU can run the tier.
-    pub fn is_supported(self) -> bool {
+impl CpuTier for ObserveTier {
+    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2, Self::Neon];
+
+    fn is_supported(self) -> bool {
         let cpu = crate::CpuFeatures::get();
         match self {
             Self::Portable => true,

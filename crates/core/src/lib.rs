@@ -18,6 +18,8 @@
 //! - [`error_metrics`]: MSE, SQNR and max-abs error.
 //! - [`codec`]: the `.qstats` file format, bytes in and bytes out.
 //! - [`demo`]: the exactness promise shown on seeded synthetic activations.
+//! - [`SplitMix64`]: the seeded stream for draws that are part of qforge's
+//!   output (plan order, fingerprint probes, rotation signs), fixed forever.
 //!
 //! It must not depend on any other qforge crate, and performs no file or network
 //! I/O and no async: callers hand it bytes and slices.
@@ -32,14 +34,16 @@ pub mod histogram;
 pub mod metrics;
 pub mod params;
 pub mod report;
+pub mod splitmix;
 pub mod stats;
 
 pub use calibrate::Calibrator;
-pub use cpu::CpuFeatures;
+pub use cpu::{CpuFeatures, CpuTier};
 pub use error::{Error, Result};
 pub use gram::{Gram, GramTier};
 pub use histogram::{Histogram, ObserveTier};
 pub use metrics::{ErrorMetrics, error_metrics};
 pub use params::{Fit, QuantParams, RangeWarning};
 pub use report::StatsReport;
+pub use splitmix::SplitMix64;
 pub use stats::{BatchId, Digest, DigestBuilder, MergePolicy, Provenance, Stats, TensorStats};

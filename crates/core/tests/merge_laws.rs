@@ -6,7 +6,7 @@
 
 use proptest::prelude::*;
 use qforge_core::codec::{decode, encode};
-use qforge_core::{BatchId, Digest, Gram, MergePolicy, Provenance, Stats, TensorStats};
+use qforge_core::{BatchId, Digest, Gram, MergePolicy, Provenance, SplitMix64, Stats, TensorStats};
 
 const CHANNELS: usize = 4;
 
@@ -103,12 +103,12 @@ proptest! {
         for (i, s) in stats.iter().enumerate() {
             workers[assignment[i]].push(s.clone());
         }
-        let mut seed = order_seed;
+        let mut draws = SplitMix64::new(order_seed);
         let mut partials: Vec<Stats> = workers.into_iter().map(|mut w| {
-            shuffle(&mut w, &mut seed);
+            shuffle(&mut w, &mut draws);
             merged(&w)
         }).collect();
-        shuffle(&mut partials, &mut seed);
+        shuffle(&mut partials, &mut draws);
         let sharded = merged(&partials);
         prop_assert_eq!(&encode(&sharded), &single);
         prop_assert_eq!(decode(&single).unwrap(), sharded.clone());
@@ -157,14 +157,9 @@ proptest! {
 }
 
 /// Fisher–Yates with a SplitMix64 stream, so the order is part of the case.
-fn shuffle<T>(items: &mut [T], seed: &mut u64) {
+fn shuffle<T>(items: &mut [T], draws: &mut SplitMix64) {
     for i in (1..items.len()).rev() {
-        *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = *seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        items.swap(i, (z % (i as u64 + 1)) as usize);
+        items.swap(i, (draws.next_u64() % (i as u64 + 1)) as usize);
     }
 }
 

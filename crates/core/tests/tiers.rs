@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 use qforge_core::histogram::observe_reference;
-use qforge_core::{CpuFeatures, Histogram, ObserveTier};
+use qforge_core::{CpuFeatures, CpuTier, Histogram, ObserveTier};
 
 /// Tier tests skip what the CPU lacks, so a probe that stopped seeing a
 /// feature would turn them into passes that ran nothing. Where the CPU is
@@ -28,7 +28,8 @@ fn the_probe_finds_every_feature_the_runner_names() {
 
 fn supported_tiers() -> Vec<ObserveTier> {
     ObserveTier::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|tier| {
             let ok = tier.is_supported();
             if !ok {
@@ -98,7 +99,7 @@ fn tiers_match_on_finite_blocks_without_specials() {
 
 #[test]
 fn unsupported_tier_is_an_error_not_a_silent_fallback() {
-    for tier in ObserveTier::ALL {
+    for &tier in ObserveTier::ALL {
         let result = Histogram::new().observe_with(tier, &[1.0]);
         assert_eq!(result.is_ok(), tier.is_supported(), "{tier:?}");
     }

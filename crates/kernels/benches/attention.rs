@@ -10,6 +10,7 @@
 //! positions per second.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use qforge_core::CpuTier;
 use qforge_kernels::attention::{AttentionTier, KeyValues, Queries, attend_with};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -35,7 +36,7 @@ fn attention(c: &mut Criterion) {
         let mut out = vec![0f32; heads * hd];
         for visible in POSITIONS {
             group.throughput(Throughput::Elements(visible as u64));
-            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+            for &tier in AttentionTier::ALL.iter().filter(|t| t.is_supported()) {
                 let id = BenchmarkId::new(format!("{name}/{tier:?}"), visible);
                 group.bench_function(id, |b| {
                     b.iter(|| {

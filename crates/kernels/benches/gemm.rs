@@ -8,6 +8,7 @@
 
 use candle_core::{Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use qforge_core::CpuTier;
 use qforge_kernels::{Activations, GemmTier, Int8Linear, PackedWeights, Scratch};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

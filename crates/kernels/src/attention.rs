@@ -30,6 +30,8 @@
 
 use std::cell::RefCell;
 
+use qforge_core::CpuTier;
+
 use crate::error::{Error, Result};
 use crate::exp::exp;
 
@@ -51,21 +53,10 @@ pub enum AttentionTier {
     Avx2,
 }
 
-impl AttentionTier {
-    /// Every tier, slowest first.
-    pub const ALL: [AttentionTier; 2] = [Self::Portable, Self::Avx2];
+impl CpuTier for AttentionTier {
+    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2];
 
-    /// The fastest tier this CPU supports.
-    pub fn detect() -> Self {
-        if Self::Avx2.is_supported() {
-            Self::Avx2
-        } else {
-            Self::Portable
-        }
-    }
-
-    /// Whether this CPU can run the tier.
-    pub fn is_supported(self) -> bool {
+    fn is_supported(self) -> bool {
         let cpu = qforge_core::CpuFeatures::get();
         match self {
             Self::Portable => true,
@@ -835,7 +826,7 @@ mod tests {
     fn every_tier_gives_the_same_bits() {
         for case in &CASES {
             let (.., reference) = run(AttentionTier::Portable, case, 3.0);
-            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+            for &tier in AttentionTier::ALL.iter().filter(|t| t.is_supported()) {
                 let (.., out) = run(tier, case, 3.0);
                 let same = out
                     .iter()
@@ -853,7 +844,7 @@ mod tests {
     #[test]
     fn attention_matches_the_exact_softmax() {
         for case in &CASES {
-            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+            for &tier in AttentionTier::ALL.iter().filter(|t| t.is_supported()) {
                 // A spread of 6 gives scores tens of nats apart.
                 let (q, keys, values, out) = run(tier, case, 6.0);
                 let hd = case.hd;
@@ -889,7 +880,7 @@ mod tests {
         let mut keys = seeded(10 * hd, 4, 1.0);
         keys[3 * hd + 5] = f32::NAN;
         let values = seeded(10 * hd, 5, 1.0);
-        for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+        for &tier in AttentionTier::ALL.iter().filter(|t| t.is_supported()) {
             let mut out = vec![0f32; hd];
             attend_with(
                 tier,
@@ -1001,7 +992,7 @@ mod tests {
                 };
                 attend_with(AttentionTier::Portable, queries, kv, hd, scale, out).unwrap();
             }
-            for tier in AttentionTier::ALL.into_iter().filter(|t| t.is_supported()) {
+            for &tier in AttentionTier::ALL.iter().filter(|t| t.is_supported()) {
                 let mut tile = vec![0f32; positions * group * hd];
                 let queries = Queries {
                     rows: &q,

@@ -34,6 +34,7 @@
 
 use std::ops::Range;
 
+use qforge_core::CpuTier;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -95,9 +96,8 @@ pub enum GemmTier {
     NeonI8mm,
 }
 
-impl GemmTier {
-    /// Every tier; within each architecture, slowest first.
-    pub const ALL: [GemmTier; 6] = [
+impl CpuTier for GemmTier {
+    const ALL: &'static [Self] = &[
         Self::Portable,
         Self::Avx2,
         Self::Avx512Vnni,
@@ -106,17 +106,7 @@ impl GemmTier {
         Self::NeonI8mm,
     ];
 
-    /// The fastest tier this CPU supports.
-    pub fn detect() -> Self {
-        Self::ALL
-            .into_iter()
-            .rev()
-            .find(|t| t.is_supported())
-            .unwrap_or(Self::Portable)
-    }
-
-    /// Whether this CPU can run the tier.
-    pub fn is_supported(self) -> bool {
+    fn is_supported(self) -> bool {
         let cpu = qforge_core::CpuFeatures::get();
         match self {
             Self::Portable => true,
@@ -127,7 +117,9 @@ impl GemmTier {
             Self::NeonI8mm => cpu.neon && cpu.i8mm,
         }
     }
+}
 
+impl GemmTier {
     /// Rows of the tier's register tile.
     fn rows_per_tile(self) -> usize {
         match self {

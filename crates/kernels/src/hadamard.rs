@@ -17,6 +17,8 @@
 
 use std::cell::RefCell;
 
+use qforge_core::CpuTier;
+
 use crate::error::{Error, Result};
 
 thread_local! {
@@ -38,21 +40,10 @@ pub enum HadamardTier {
     Avx512,
 }
 
-impl HadamardTier {
-    /// Every tier, slowest first.
-    pub const ALL: [HadamardTier; 3] = [Self::Portable, Self::Avx2, Self::Avx512];
+impl CpuTier for HadamardTier {
+    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2, Self::Avx512];
 
-    /// The fastest tier this CPU supports.
-    pub fn detect() -> Self {
-        Self::ALL
-            .into_iter()
-            .rev()
-            .find(|t| t.is_supported())
-            .unwrap_or(Self::Portable)
-    }
-
-    /// Whether this CPU can run the tier.
-    pub fn is_supported(self) -> bool {
+    fn is_supported(self) -> bool {
         let cpu = qforge_core::CpuFeatures::get();
         match self {
             Self::Portable => true,
@@ -371,7 +362,7 @@ mod tests {
         let mut reference = x.clone();
         h.rotate_with(HadamardTier::Portable, &mut reference)
             .unwrap();
-        for tier in HadamardTier::ALL.into_iter().filter(|t| t.is_supported()) {
+        for &tier in HadamardTier::ALL.iter().filter(|t| t.is_supported()) {
             let mut y = x.clone();
             h.rotate_with(tier, &mut y).unwrap();
             let same = y

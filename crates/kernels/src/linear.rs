@@ -1,5 +1,7 @@
 //! The INT8 linear layer: `y = x Wᵀ + b` with int8 weights and activations.
 
+use qforge_core::CpuTier;
+
 use crate::error::{Error, Result};
 use crate::gemm::{GemmTier, PANEL, PackedWeights, WEIGHT_QMAX};
 use crate::quantize::{ROUNDER, ZERO_POINT, quantize_per_token, quantize_static};

@@ -6,6 +6,8 @@
 //! scale, so that, as in f32, its outputs become NaN instead of silently
 //! finite.
 
+use qforge_core::CpuTier;
+
 use crate::error::{Error, Result};
 
 /// The u8 that stands for 0.
@@ -28,18 +30,10 @@ pub enum QuantizeTier {
     Avx2,
 }
 
-impl QuantizeTier {
-    /// The fastest tier this CPU supports.
-    pub fn detect() -> Self {
-        if Self::Avx2.is_supported() {
-            Self::Avx2
-        } else {
-            Self::Portable
-        }
-    }
+impl CpuTier for QuantizeTier {
+    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2];
 
-    /// Whether this CPU can run the tier.
-    pub fn is_supported(self) -> bool {
+    fn is_supported(self) -> bool {
         let cpu = qforge_core::CpuFeatures::get();
         match self {
             Self::Portable => true,

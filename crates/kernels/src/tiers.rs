@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use qforge_core::{CpuFeatures, GramTier, ObserveTier};
+use qforge_core::{CpuFeatures, CpuTier, GramTier, ObserveTier};
 use serde::Serialize;
 
 use crate::{AttentionTier, GemmTier, HadamardTier, QuantizeTier};

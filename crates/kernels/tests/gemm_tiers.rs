@@ -4,6 +4,7 @@
 //! weights, on the worst-case operands of each tier, and a layer split over
 //! two threads (by inputs and by channels) equals the same layer on one.
 
+use qforge_core::CpuTier;
 use qforge_kernels::gemm::{GemmTier, MAX_INPUTS, PANEL, PackedWeights, WEIGHT_QMAX};
 use qforge_kernels::{Activations, Int8Linear, Scratch};
 use rand::rngs::StdRng;
@@ -90,7 +91,7 @@ fn every_tier_equals_the_definition_on_random_shapes() {
         (13, 192, 64),
         (1, 576, 1536),
     ];
-    for tier in GemmTier::ALL {
+    for &tier in GemmTier::ALL {
         if !supported(tier) {
             continue;
         }
@@ -121,7 +122,7 @@ fn worst_case_operands_do_not_saturate_any_tier() {
     // tiers form, and reaches i32's limit on the longest allowed row; 0
     // (q = −128, which the quantizer never writes) gives AVX2's largest pair
     // sums, 2 · 128 · 127.
-    for tier in GemmTier::ALL {
+    for &tier in GemmTier::ALL {
         if !supported(tier) {
             continue;
         }
@@ -155,7 +156,7 @@ fn worst_case_operands_do_not_saturate_any_tier() {
 
 #[test]
 fn asymmetric_weights_and_rows_beyond_i32_are_refused() {
-    for tier in GemmTier::ALL {
+    for &tier in GemmTier::ALL {
         if !supported(tier) {
             continue;
         }
@@ -228,7 +229,7 @@ fn differing_values_count_the_changed_weights_exactly() {
             changed += 1;
         }
     }
-    for tier in GemmTier::ALL {
+    for &tier in GemmTier::ALL {
         if !supported(tier) {
             continue;
         }

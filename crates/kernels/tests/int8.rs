@@ -4,6 +4,7 @@
 //! worst-case operands; the INT8 layer agrees with a dequantize-then-f32
 //! simulation within the derived rounding bound.
 
+use qforge_core::CpuTier;
 use qforge_kernels::quantize::{quantize_per_token_reference, quantize_per_token_with};
 use qforge_kernels::{
     Activations, GemmTier, Int8Linear, QuantizeTier, Scratch, WEIGHT_QMAX, ZERO_POINT,
@@ -27,7 +28,7 @@ fn gaussian(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
 #[test]
 fn quantizer_tiers_equal_the_scalar_twin() {
     let mut rng = StdRng::seed_from_u64(1);
-    for tier in [QuantizeTier::Portable, QuantizeTier::Avx2] {
+    for &tier in QuantizeTier::ALL {
         if !tier.is_supported() {
             eprintln!("SKIPPED: this CPU lacks the {tier:?} quantizer tier");
             continue;

@@ -50,7 +50,6 @@ use crate::mlp::{MlpPolicy, PolicyConfig};
 
 mod numbers;
 pub use numbers::check_numbers;
-pub(crate) use numbers::{scale_rule, usable_scale};
 
 /// The file that marks a directory as a native artifact.
 pub const ARTIFACT_FILE: &str = "qforge.json";

@@ -3,7 +3,7 @@
 //! (bit for bit) and so the same calibration statistics; matching instruction
 //! sets are not enough, since matmul blocking can follow cache sizes.
 
-use qforge_core::{Digest, DigestBuilder};
+use qforge_core::{Digest, DigestBuilder, SplitMix64};
 
 use crate::error::Result;
 use crate::llama::{Llama, Logits};
@@ -25,15 +25,9 @@ impl Observer for HashingObserver {
     }
 }
 
-/// SplitMix64: a fixed, platform-independent stream (the probe inputs, a
-/// rotation's signs); what it draws for a seed never changes.
-pub(crate) fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// The seed of both probes' draws ("QFORGE"): a fingerprint compares
+/// machines only while every build draws the same probe.
+const PROBE_SEED: u64 = 0x5146_4f52_4745;
 
 /// Fingerprint of a decoder: a batch of two sequences (16 and 11 tokens, so
 /// padding is exercised) of pseudo-random token ids.
@@ -50,14 +44,10 @@ pub fn llm_fingerprint(model: &Llama) -> Result<Digest> {
 /// returns the last position's logits.
 pub fn llm_probe(model: &Llama, observer: &mut dyn Observer) -> Result<candle_core::Tensor> {
     let vocab = model.config().vocab_size as u64;
-    let mut state = 0x5146_4f52_4745; // "QFORGE"
+    let mut draws = SplitMix64::new(PROBE_SEED);
     let batch: Vec<Vec<u32>> = [16usize, 11]
         .iter()
-        .map(|&n| {
-            (0..n)
-                .map(|_| (splitmix(&mut state) % vocab) as u32)
-                .collect()
-        })
+        .map(|&n| (0..n).map(|_| (draws.next_u64() % vocab) as u32).collect())
         .collect();
     model.forward(&batch, None, Some(observer), Logits::Last)
 }
@@ -76,9 +66,9 @@ pub fn policy_fingerprint(policy: &MlpPolicy) -> Result<Digest> {
 /// returns the head's outputs.
 pub fn policy_probe(policy: &MlpPolicy, observer: &mut dyn Observer) -> Result<Vec<f32>> {
     let dim = policy.config().observation_dim;
-    let mut state = 0x5146_4f52_4745;
+    let mut draws = SplitMix64::new(PROBE_SEED);
     let observations: Vec<f32> = (0..64 * dim)
-        .map(|_| (splitmix(&mut state) >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
+        .map(|_| (draws.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
         .collect();
     policy.forward(&observations, Some(observer))
 }

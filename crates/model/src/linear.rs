@@ -11,6 +11,21 @@ use qforge_kernels::{Activations, Int8Linear, Scratch, WEIGHT_QMAX, quantize_row
 
 use crate::error::{Error, Result};
 
+/// Whether `scale` can step int8 levels up to `qmax`: positive, finite and
+/// normal (so its reciprocal, at most 2^126, is finite too), with the top
+/// level `scale × qmax` finite.
+pub(crate) fn usable_scale(scale: f32, qmax: f32) -> bool {
+    scale.is_normal() && scale > 0.0 && (scale * qmax).is_finite()
+}
+
+/// Why a scale is refused, for every message that refuses one.
+pub(crate) fn scale_rule(qmax: f32) -> String {
+    format!(
+        "a scale must be a positive finite normal f32 (its reciprocal finite) whose top level, \
+         scale × {qmax}, is finite"
+    )
+}
+
 /// One linear layer, `y = x Wᵀ + b`. Each layer of a model picks its own
 /// variant, so a model can mix precisions; full precision is the reference
 /// that calibration observes.

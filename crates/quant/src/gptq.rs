@@ -12,6 +12,7 @@
 //! independent and may run on any thread), so equal Hessians give equal
 //! bits.
 
+use qforge_core::CpuTier;
 use qforge_kernels::WEIGHT_QMAX;
 use qforge_model::Int8Weight;
 use rayon::prelude::*;
@@ -116,16 +117,8 @@ enum Tier {
     Avx512,
 }
 
-impl Tier {
-    const ALL: [Tier; 3] = [Tier::Baseline, Tier::Avx2, Tier::Avx512];
-
-    fn detect() -> Self {
-        Self::ALL
-            .into_iter()
-            .rev()
-            .find(|t| t.is_supported())
-            .unwrap_or(Tier::Baseline)
-    }
+impl CpuTier for Tier {
+    const ALL: &'static [Self] = &[Tier::Baseline, Tier::Avx2, Tier::Avx512];
 
     fn is_supported(self) -> bool {
         let cpu = qforge_core::CpuFeatures::get();
@@ -980,7 +973,7 @@ mod tests {
             (g.factor(), g.round(&weight, out).unwrap())
         };
         let baseline = on(Tier::Baseline);
-        for tier in Tier::ALL.into_iter().filter(|t| t.is_supported()) {
+        for &tier in Tier::ALL.iter().filter(|t| t.is_supported()) {
             let (factor, rounded) = on(tier);
             let same_factor = factor
                 .iter()

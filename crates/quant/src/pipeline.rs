@@ -231,33 +231,11 @@ impl<'a> Pipeline<'a> {
                 break;
             }
         }
-        if done < count {
-            // Workers following the pipeline wait for the pass after the
-            // last one run: tell them it will not come.
-            let job = session.job(&first, &[]);
-            self.executor.skip_pass(
-                &session,
-                &job,
-                PassPosition {
-                    index: done + 1,
-                    count,
-                },
-            )?;
-        }
+        self.skip_passes_after(&session, &first, done, count)?;
         let (chosen, prepared) = best.expect("the search runs at least one method");
         let (method, stage) = &stages[chosen];
-        let mut reason = if trials[chosen].before.passes {
-            "the cheapest method whose plan met the guard's budget before any fallback"
-        } else {
-            "no method met the guard's budget before fallback; the one that came closest, then the fallback"
-        }
-        .to_string();
         let budget = stage.recipe.guard.max_perplexity_increase;
-        if let Some(caution) = interval_caution(&trials[chosen].before, budget) {
-            listener.message(&format!("warning: method {}: {caution}", method.name()));
-            reason = format!("{reason}; {caution}");
-        }
-        listener.message(&format!("method: {} ({reason})", method.name()));
+        let reason = search_reason(*method, &trials[chosen].before, budget, listener);
         let judged = Judged {
             reference: reference.as_ref().expect("measured with the first method"),
             probed: Some(trials[chosen].before.clone()),
@@ -270,6 +248,27 @@ impl<'a> Pipeline<'a> {
             tried: trials,
         });
         Ok(quantized)
+    }
+
+    /// Tells the workers following the pipeline, who wait for the pass after
+    /// the last one run, that none comes after pass `done` of `count` (the
+    /// search stopped before its last method).
+    fn skip_passes_after(
+        &self,
+        session: &Session,
+        first: &qforge_calib::Recipe,
+        done: usize,
+        count: usize,
+    ) -> Result<()> {
+        if done < count {
+            let job = session.job(first, &[]);
+            let next = PassPosition {
+                index: done + 1,
+                count,
+            };
+            self.executor.skip_pass(session, &job, next)?;
+        }
+        Ok(())
     }
 
     /// Opens the session over `inputs` with `first` (the first pass's
@@ -341,7 +340,6 @@ impl<'a> Pipeline<'a> {
         count: usize,
         listener: &mut dyn Listener,
     ) -> Result<Prepared> {
-        let rotation = &self.recipe.rotation;
         let first = session.recipe.clone();
         // Every Hessian sums at the exponent the plan's row count implies, so
         // the first group's can be summed beside the activation histograms.
@@ -360,16 +358,7 @@ impl<'a> Pipeline<'a> {
             // input is not smoothable); the rotation comes after smoothing,
             // before the pass that chooses the scales.
             if pass == Pass::Activation {
-                if rotation.residual {
-                    transforms.push(Transform::RotateResidual {
-                        seed: rotation.seed,
-                    });
-                }
-                if !rotation.inputs.is_empty() {
-                    transforms.push(Transform::Rotate {
-                        inputs: rotation.inputs.clone(),
-                    });
-                }
+                transforms.extend(self.rotations());
             }
             let pass = match (pass, groups.first()) {
                 (Pass::Activation, Some(group)) => {
@@ -435,6 +424,23 @@ impl<'a> Pipeline<'a> {
             gptq,
             smoothing,
         })
+    }
+
+    /// The recipe's rotations, as the transforms that apply them.
+    fn rotations(&self) -> Vec<Transform> {
+        let rotation = &self.recipe.rotation;
+        let mut transforms = Vec::new();
+        if rotation.residual {
+            transforms.push(Transform::RotateResidual {
+                seed: rotation.seed,
+            });
+        }
+        if !rotation.inputs.is_empty() {
+            transforms.push(Transform::Rotate {
+                inputs: rotation.inputs.clone(),
+            });
+        }
+        transforms
     }
 
     /// The full-precision `original`'s behaviour on the held-out data, which
@@ -974,6 +980,30 @@ impl Quantized {
             },
         })
     }
+}
+
+/// Why the search chose `method`, whose plan measured `before`, also told to
+/// the listener: it met the budget first or came closest, with the caution
+/// of an interval that reaches past the budget.
+fn search_reason(
+    method: Method,
+    before: &GuardMetrics,
+    budget: f64,
+    listener: &mut dyn Listener,
+) -> String {
+    let name = method.name();
+    let mut reason = if before.passes {
+        "the cheapest method whose plan met the guard's budget before any fallback"
+    } else {
+        "no method met the guard's budget before fallback; the one that came closest, then the fallback"
+    }
+    .to_string();
+    if let Some(caution) = interval_caution(before, budget) {
+        listener.message(&format!("warning: method {name}: {caution}"));
+        reason = format!("{reason}; {caution}");
+    }
+    listener.message(&format!("method: {name} ({reason})"));
+    reason
 }
 
 /// What to say when a plan that meets the perplexity budget does so only

@@ -170,78 +170,8 @@ impl RedisBackend {
         )?;
         let token = format!("{}-{}", std::process::id(), now_ms());
         let lease = spec.heartbeat_timeout_ms;
-        let waited = Instant::now();
-        loop {
-            let took: Option<String> = link.call(|c| {
-                redis::cmd("SET")
-                    .arg(keys.coordinator())
-                    .arg(&token)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(lease)
-                    .query(c)
-            })?;
-            if took.is_some() {
-                break;
-            }
-            if waited.elapsed() > Duration::from_millis(2 * lease + 500) {
-                return Err(Error::Cluster(format!(
-                    "run {} already has a live coordinator; give this one another --run name",
-                    spec.run
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let existing: Option<String> =
-            link.call(|c| redis::cmd("GET").arg(keys.spec()).query(c))?;
-        if options.resume {
-            if let Some(json) = existing {
-                let previous: RunSpec = serde_json::from_str(&json).map_err(|e| {
-                    Error::Cluster(format!("run {} holds an unreadable spec: {e}", spec.run))
-                })?;
-                if !previous.same_job(&spec) {
-                    return Err(Error::Cluster(format!(
-                        "run {} in Redis is a different calibration (model, data or recipe); resume it with the same inputs or pick another --run",
-                        spec.run
-                    )));
-                }
-                // The results already in the stream are sealed under the
-                // run key of the previous coordinator's nonce.
-                if options
-                    .key
-                    .run_key(&spec.run, &previous.nonce)
-                    .check_value()
-                    != previous.key_check
-                {
-                    return Err(Error::Cluster(format!(
-                        "run {} was started under another cluster key than {}; resume it with that key or pick another --run",
-                        spec.run,
-                        options.key.source()
-                    )));
-                }
-                spec.nonce = previous.nonce;
-            }
-        } else {
-            let mut stale = keys.run_wide().to_vec();
-            stale.extend(routed_streams(&mut link, &keys)?);
-            // A worker following this pass into the next must wait for this
-            // run's next pass, not leave on what an earlier run of the same
-            // name left there.
-            if let Some(next) = &spec.next_pass {
-                let next = RunKeys::new(next)?;
-                stale.extend(next.run_wide());
-                stale.extend(routed_streams(&mut link, &next)?);
-            }
-            link.call(|c| redis::cmd("DEL").arg(&stale[..]).query::<i64>(c))?;
-            link.call(|c| {
-                redis::cmd("SET")
-                    .arg(keys.coordinator())
-                    .arg(&token)
-                    .arg("PX")
-                    .arg(lease)
-                    .query::<()>(c)
-            })?;
-        }
+        take_coordinator_role(&mut link, &keys, &token, lease, &spec.run)?;
+        resume_or_clear(&mut link, &keys, &mut spec, options, (&token, lease))?;
         let run_key = options.key.run_key(&spec.run, &spec.nonce);
         spec.key_check = run_key.check_value();
         let json = serde_json::to_string(&spec).expect("a spec serializes");
@@ -541,4 +471,101 @@ impl Backend for RedisBackend {
 fn routed_streams(link: &mut Link, keys: &RunKeys) -> Result<Vec<String>> {
     let routes: Vec<String> = link.call(|c| redis::cmd("SMEMBERS").arg(keys.routes()).query(c))?;
     Ok(routes.iter().map(|r| keys.routed_tasks(r)).collect())
+}
+
+/// Takes the coordinator role of a run (`SET NX` with a `lease`), waiting
+/// out a crashed predecessor's lease; a live coordinator keeps it.
+fn take_coordinator_role(
+    link: &mut Link,
+    keys: &RunKeys,
+    token: &str,
+    lease: u64,
+    run: &str,
+) -> Result<()> {
+    let waited = Instant::now();
+    loop {
+        let took: Option<String> = link.call(|c| {
+            redis::cmd("SET")
+                .arg(keys.coordinator())
+                .arg(token)
+                .arg("NX")
+                .arg("PX")
+                .arg(lease)
+                .query(c)
+        })?;
+        if took.is_some() {
+            break;
+        }
+        if waited.elapsed() > Duration::from_millis(2 * lease + 500) {
+            return Err(Error::Cluster(format!(
+                "run {} already has a live coordinator; give this one another --run name",
+                run
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// Resuming: checks that the run in Redis is this calibration under this
+/// cluster key and adopts its nonce (its sealed results stay readable).
+/// Otherwise: clears whatever an earlier run of the name left, and renews
+/// the coordinator's lease on `token`.
+fn resume_or_clear(
+    link: &mut Link,
+    keys: &RunKeys,
+    spec: &mut RunSpec,
+    options: &ClusterOptions,
+    (token, lease): (&str, u64),
+) -> Result<()> {
+    let existing: Option<String> = link.call(|c| redis::cmd("GET").arg(keys.spec()).query(c))?;
+    if options.resume {
+        if let Some(json) = existing {
+            let previous: RunSpec = serde_json::from_str(&json).map_err(|e| {
+                Error::Cluster(format!("run {} holds an unreadable spec: {e}", spec.run))
+            })?;
+            if !previous.same_job(spec) {
+                return Err(Error::Cluster(format!(
+                    "run {} in Redis is a different calibration (model, data or recipe); resume it with the same inputs or pick another --run",
+                    spec.run
+                )));
+            }
+            // The results already in the stream are sealed under the
+            // run key of the previous coordinator's nonce.
+            if options
+                .key
+                .run_key(&spec.run, &previous.nonce)
+                .check_value()
+                != previous.key_check
+            {
+                return Err(Error::Cluster(format!(
+                    "run {} was started under another cluster key than {}; resume it with that key or pick another --run",
+                    spec.run,
+                    options.key.source()
+                )));
+            }
+            spec.nonce = previous.nonce;
+        }
+    } else {
+        let mut stale = keys.run_wide().to_vec();
+        stale.extend(routed_streams(link, keys)?);
+        // A worker following this pass into the next must wait for this
+        // run's next pass, not leave on what an earlier run of the same
+        // name left there.
+        if let Some(next) = &spec.next_pass {
+            let next = RunKeys::new(next)?;
+            stale.extend(next.run_wide());
+            stale.extend(routed_streams(link, &next)?);
+        }
+        link.call(|c| redis::cmd("DEL").arg(&stale[..]).query::<i64>(c))?;
+        link.call(|c| {
+            redis::cmd("SET")
+                .arg(keys.coordinator())
+                .arg(token)
+                .arg("PX")
+                .arg(lease)
+                .query::<()>(c)
+        })?;
+    }
+    Ok(())
 }

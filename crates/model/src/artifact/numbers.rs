@@ -24,6 +24,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::{ARTIFACT_FILE, ArtifactConfig, LayerPrecision, WEIGHTS_FILE, read_config};
 use crate::error::{Error, Result};
+use crate::linear::{scale_rule, usable_scale};
 use crate::profile::{CalibrationProfile, PROFILE_FILE, PointProfile};
 
 /// What to do about an artifact whose numbers are refused.
@@ -39,21 +40,6 @@ pub fn check_numbers(dir: &Path) -> Result<()> {
     let config = read_config(dir)?;
     check_static_ranges(dir, &config)?;
     check_tensors(dir, f32::from(config.weight_qmax))
-}
-
-/// Whether `scale` can step int8 levels up to `qmax`: positive, finite and
-/// normal (so its reciprocal, at most 2^126, is finite too), with the top
-/// level `scale × qmax` finite.
-pub(crate) fn usable_scale(scale: f32, qmax: f32) -> bool {
-    scale.is_normal() && scale > 0.0 && (scale * qmax).is_finite()
-}
-
-/// Why a scale is refused, for every message that refuses one.
-pub(crate) fn scale_rule(qmax: f32) -> String {
-    format!(
-        "a scale must be a positive finite normal f32 (its reciprocal finite) whose top level, \
-         scale × {qmax}, is finite"
-    )
 }
 
 /// Checks the activation scale `input_scale` of `point`, read from `path`

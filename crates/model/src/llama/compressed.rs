@@ -33,9 +33,9 @@ use regex::Regex;
 use safetensors::Dtype;
 use serde_json::Value;
 
-use crate::artifact::{scale_rule, usable_scale};
 use crate::error::{Error, Result};
 use crate::linear::{Linear, bf16_values};
+use crate::linear::{scale_rule, usable_scale};
 
 /// Levels of a symmetric int8 quantizer.
 const QMAX: f32 = 127.0;

@@ -155,10 +155,10 @@ fn rotate_outputs(layer: &Linear, rotation: &Hadamard, signs: &[f32]) -> Result<
 /// from `seed` by SplitMix64 (the top bit of each draw): fixed forever, so
 /// an artifact records only the seed.
 fn random_signs(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed;
+    let mut draws = qforge_core::SplitMix64::new(seed);
     (0..n)
         .map(|_| {
-            if crate::fingerprint::splitmix(&mut state) >> 63 == 1 {
+            if draws.next_u64() >> 63 == 1 {
                 -1.0
             } else {
                 1.0
