@@ -198,18 +198,25 @@ pub struct LayersArgs {
     flags: OutputFlags,
 }
 
-/// Arguments of `qforge eval perplexity`.
+/// The text `eval perplexity` and `eval compare` score, chunk by chunk.
 #[derive(Args)]
-pub struct PerplexityArgs {
-    /// Model: a GGUF file or a Hugging Face directory.
-    #[arg(long, value_name = "PATH")]
-    model: PathBuf,
+pub struct ChunkedText {
     /// UTF-8 text file.
     #[arg(long, value_name = "FILE")]
     text: PathBuf,
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
+}
+
+/// Arguments of `qforge eval perplexity`.
+#[derive(Args)]
+pub struct PerplexityArgs {
+    /// Model: a GGUF file or a Hugging Face directory.
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    #[command(flatten)]
+    chunks: ChunkedText,
     #[command(flatten)]
     precision: PrecisionArgs,
     #[command(flatten)]
@@ -225,12 +232,8 @@ pub struct CompareArgs {
     /// Reference model (usually the full-precision original).
     #[arg(long, value_name = "PATH")]
     reference: PathBuf,
-    /// UTF-8 text file.
-    #[arg(long, value_name = "FILE")]
-    text: PathBuf,
-    /// Tokens per chunk.
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
+    #[command(flatten)]
+    chunks: ChunkedText,
     /// Precision of the model under test (the reference runs in f32).
     #[command(flatten)]
     precision: PrecisionArgs,
@@ -274,13 +277,16 @@ fn check_ctx(ctx: usize) -> Result<()> {
 pub fn eval(command: EvalCommand) -> Result<()> {
     match command {
         EvalCommand::Perplexity(args) => {
-            check_ctx(args.ctx)?;
+            check_ctx(args.chunks.ctx)?;
             let (lm, _) = args.precision.language(&args.model)?;
-            let tokens = read_text_tokens(&lm, &args.text)?;
-            print_report(&perplexity(&lm.model, &tokens, args.ctx)?, args.flags)
+            let tokens = read_text_tokens(&lm, &args.chunks.text)?;
+            print_report(
+                &perplexity(&lm.model, &tokens, args.chunks.ctx)?,
+                args.flags,
+            )
         }
         EvalCommand::Compare(args) => {
-            check_ctx(args.ctx)?;
+            check_ctx(args.chunks.ctx)?;
             let (lm, _) = args.precision.language(&args.model)?;
             let reference = qforge_model::open(&args.reference)?.into_language(&args.reference)?;
             let (ours, theirs) = (
@@ -292,8 +298,8 @@ pub fn eval(command: EvalCommand) -> Result<()> {
                     "the models have different vocabularies ({ours} vs {theirs} tokens); compare needs the same tokenizer"
                 );
             }
-            let tokens = read_text_tokens(&reference, &args.text)?;
-            let comparison = compare(&lm.model, &reference.model, &tokens, args.ctx)?;
+            let tokens = read_text_tokens(&reference, &args.chunks.text)?;
+            let comparison = compare(&lm.model, &reference.model, &tokens, args.chunks.ctx)?;
             print_report(&comparison, args.flags)
         }
         EvalCommand::Layers(args) => layers(args),

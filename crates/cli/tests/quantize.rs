@@ -278,40 +278,9 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
     );
 
     // `eval perplexity` on the artifact reproduces the guard's figure.
-    let ppl = json(&qforge_in(
-        dir,
-        &[
-            "eval",
-            "perplexity",
-            "--model",
-            "out",
-            "--text",
-            &text,
-            "--ctx",
-            "128",
-            "--json",
-        ],
-    ));
-    let guard_ppl = result["after"]["perplexity"].as_f64().unwrap();
-    assert_eq!(ppl["perplexity"].as_f64().unwrap(), guard_ppl);
+    reproduces_the_guard_perplexity(dir, &text, &result);
 
-    let generated = json(&qforge_in(
-        dir,
-        &[
-            "generate",
-            "--model",
-            "out",
-            "--prompt",
-            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-            "--max-tokens",
-            "8",
-            "--json",
-        ],
-    ));
-    assert!(
-        generated["text"].as_str().unwrap().contains("Paris"),
-        "{generated}"
-    );
+    answers_paris(dir);
     json(&qforge_in(dir, &["verify", "out", "--json"]));
 
     // New weights go through the transforms the artifact records (the
@@ -395,41 +364,8 @@ fn smollm2_rotated_by_quarot_runs_on_qforge_and_refuses_export() {
             {"kind": "rotate", "inputs": ["mlp.down_proj"]}
         ])
     );
-    let ppl = json(&qforge_in(
-        dir,
-        &[
-            "eval",
-            "perplexity",
-            "--model",
-            "out",
-            "--text",
-            &text,
-            "--ctx",
-            "128",
-            "--json",
-        ],
-    ));
-    assert_eq!(
-        ppl["perplexity"].as_f64().unwrap(),
-        result["after"]["perplexity"].as_f64().unwrap()
-    );
-    let generated = json(&qforge_in(
-        dir,
-        &[
-            "generate",
-            "--model",
-            "out",
-            "--prompt",
-            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-            "--max-tokens",
-            "8",
-            "--json",
-        ],
-    ));
-    assert!(
-        generated["text"].as_str().unwrap().contains("Paris"),
-        "{generated}"
-    );
+    reproduces_the_guard_perplexity(dir, &text, &result);
+    answers_paris(dir);
     requantizes_to_its_own_bytes(dir, &gguf);
     let export = qforge_in(
         dir,
@@ -558,4 +494,51 @@ fn requantize_writes_an_artifact_like_the_given_one() {
     );
     assert_eq!(threshold.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&threshold.stderr).contains("--drift-threshold must be"));
+}
+
+/// Asks the quantized artifact `dir/out` the question that the original
+/// model answers right, with the prompt in the chat template it was trained
+/// on, and checks that quantization kept the answer.
+fn answers_paris(dir: &std::path::Path) {
+    let generated = json(&qforge_in(
+        dir,
+        &[
+            "generate",
+            "--model",
+            "out",
+            "--prompt",
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+            "--max-tokens",
+            "8",
+            "--json",
+        ],
+    ));
+    assert!(
+        generated["text"].as_str().unwrap().contains("Paris"),
+        "{generated}"
+    );
+}
+
+/// Checks that `eval perplexity` on the artifact `dir/out` gives, to the bit,
+/// the perplexity the guard reported in `result` for the same text and
+/// `--ctx`: the artifact runs as the guard measured it.
+fn reproduces_the_guard_perplexity(dir: &std::path::Path, text: &str, result: &Value) {
+    let ppl = json(&qforge_in(
+        dir,
+        &[
+            "eval",
+            "perplexity",
+            "--model",
+            "out",
+            "--text",
+            text,
+            "--ctx",
+            "128",
+            "--json",
+        ],
+    ));
+    assert_eq!(
+        ppl["perplexity"].as_f64().unwrap(),
+        result["after"]["perplexity"].as_f64().unwrap()
+    );
 }

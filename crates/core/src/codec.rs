@@ -573,39 +573,30 @@ impl<'a> Reader<'a> {
     }
 
     fn varint(&mut self, what: &str) -> Result<u64> {
-        let mut value = 0u64;
-        for shift in (0..64).step_by(7) {
-            let byte = self.byte(what)?;
-            let bits = u64::from(byte & 0x7F);
-            if shift == 63 && bits > 1 {
-                break;
-            }
-            value |= bits << shift;
-            if byte & 0x80 == 0 {
-                // A final zero byte after the first would be a second encoding
-                // of the same number.
-                if byte == 0 && shift > 0 {
-                    break;
-                }
-                return Ok(value);
-            }
-        }
-        Err(Error::Corrupt(format!(
-            "{what}: malformed varint ending at body offset {}",
-            self.offset
-        )))
+        Ok(u64::try_from(self.varint_bits(64, what)?).expect("at most 64 bits"))
     }
 
     fn varint128(&mut self, what: &str) -> Result<u128> {
+        self.varint_bits(128, what)
+    }
+
+    /// Reads a LEB128 number of at most `bits` bits, refusing one that overflows
+    /// them or is longer than its shortest encoding, so that every number has
+    /// exactly one encoding and the digest of a body is well defined.
+    fn varint_bits(&mut self, bits: u32, what: &str) -> Result<u128> {
+        let last = (bits - 1) / 7 * 7;
+        let last_max = (1u128 << (bits - last)) - 1;
         let mut value = 0u128;
-        for shift in (0..128).step_by(7) {
+        for shift in (0..bits).step_by(7) {
             let byte = self.byte(what)?;
-            let bits = u128::from(byte & 0x7F);
-            if shift == 126 && bits > 3 {
+            let group = u128::from(byte & 0x7F);
+            if shift == last && group > last_max {
                 break;
             }
-            value |= bits << shift;
+            value |= group << shift;
             if byte & 0x80 == 0 {
+                // A final zero byte after the first would be a second encoding
+                // of the same number.
                 if byte == 0 && shift > 0 {
                     break;
                 }

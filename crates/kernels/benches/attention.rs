@@ -9,6 +9,8 @@
 //! 8 calls of one position each (as decode steps attend); throughput in query
 //! positions per second.
 
+mod support;
+
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use qforge_core::CpuTier;
 use qforge_kernels::attention::{AttentionTier, KeyValues, Queries, attend_with};
@@ -121,10 +123,7 @@ fn prefill(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(std::time::Duration::from_millis(500))
-        .measurement_time(std::time::Duration::from_secs(2))
-        .sample_size(20);
+    config = support::config();
     targets = attention, prefill
 }
 criterion_main!(benches);

@@ -6,6 +6,8 @@
 //! candle's f32 matmul. All on rayon's default pool. Throughput is in
 //! multiply-accumulates (m·n·k) per second.
 
+mod support;
+
 use candle_core::{Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use qforge_core::CpuTier;
@@ -122,10 +124,7 @@ fn read_bandwidth(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(std::time::Duration::from_millis(500))
-        .measurement_time(std::time::Duration::from_secs(2))
-        .sample_size(20);
+    config = support::config();
     targets = gemm, read_bandwidth
 }
 criterion_main!(benches);

@@ -3,6 +3,8 @@
 //! Llama-3-8B's MLP (14 336), on every tier. Throughput is in values rotated
 //! per second.
 
+mod support;
+
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use qforge_core::CpuTier;
 use qforge_kernels::{Hadamard, HadamardTier};
@@ -32,10 +34,7 @@ fn hadamard(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(std::time::Duration::from_millis(500))
-        .measurement_time(std::time::Duration::from_secs(2))
-        .sample_size(20);
+    config = support::config();
     targets = hadamard
 }
 criterion_main!(benches);

@@ -45,25 +45,7 @@ thread_local! {
 const LANES: usize = 8;
 
 /// A CPU tier of the attention kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionTier {
-    /// Compiled for the target's baseline instruction set.
-    Portable,
-    /// AVX2 with FMA (x86-64 only).
-    Avx2,
-}
-
-impl CpuTier for AttentionTier {
-    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2];
-
-    fn is_supported(self) -> bool {
-        let cpu = qforge_core::CpuFeatures::get();
-        match self {
-            Self::Portable => true,
-            Self::Avx2 => cpu.avx2 && cpu.fma,
-        }
-    }
-}
+pub type AttentionTier = crate::fma_tier::FmaTier;
 
 /// The query heads of one GQA group at one or more consecutive query
 /// positions: head `g` of position `p` at `p · position_stride + g ·

@@ -9,8 +9,8 @@
 //! * [`attention`]: one GQA group's attention over its keys and values, in
 //!   a fixed arithmetic order that the AVX2 tier and its scalar twin share.
 //!
-//! * [`exp`]: `e^x` for `x ≤ 0` with the same bits on every tier, and what
-//!   the decoder builds on it: the sampler's softmax weights, SwiGLU's gate.
+//! * [`exp`]: `e^x` for `x ≤ 0` with the same bits on every tier, and the
+//!   sampler's softmax weights built on it.
 //!
 //! * [`Hadamard`]: the normalized Walsh–Hadamard rotation that spreads an
 //!   outlier channel over all channels before a layer's input is quantized.
@@ -24,6 +24,7 @@
 pub mod attention;
 pub mod error;
 pub mod exp;
+pub mod fma_tier;
 pub mod gemm;
 pub mod hadamard;
 pub mod linear;

@@ -22,25 +22,7 @@ const QMAX: f32 = 127.0;
 pub(crate) const ROUNDER: f32 = 12_582_912.0;
 
 /// A CPU tier of the quantizers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QuantizeTier {
-    /// Compiled for the target's baseline instruction set.
-    Portable,
-    /// Compiled with AVX2 and FMA (x86-64 only).
-    Avx2,
-}
-
-impl CpuTier for QuantizeTier {
-    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2];
-
-    fn is_supported(self) -> bool {
-        let cpu = qforge_core::CpuFeatures::get();
-        match self {
-            Self::Portable => true,
-            Self::Avx2 => cpu.avx2 && cpu.fma,
-        }
-    }
-}
+pub type QuantizeTier = crate::fma_tier::FmaTier;
 
 fn check(x: &[f32], cols: usize, q: &[u8], scales: &[f32]) -> Result<usize> {
     if cols == 0

@@ -350,21 +350,29 @@ mod tests {
         ladder
     }
 
+    /// Searches `ladder` with a fake evaluation that scores a prefix by its
+    /// length, and returns what it found and the lengths it evaluated, in
+    /// order, since the tests check how few evaluations the bisection spends.
+    fn search(ladder: &Ladder, passes: impl Fn(&usize) -> bool) -> (Search<usize>, Vec<usize>) {
+        let mut seen = Vec::new();
+        let found = ladder
+            .shortest_passing(
+                |steps| {
+                    seen.push(steps);
+                    Ok(steps)
+                },
+                passes,
+            )
+            .expect("fake evaluation cannot fail");
+        (found, seen)
+    }
+
     #[test]
     fn bisection_finds_the_shortest_passing_prefix() {
         for n in [1, 2, 3, 7, 8, 100] {
             let ladder = ladder_of(n);
             for threshold in 1..=n {
-                let mut seen = Vec::new();
-                let found = ladder
-                    .shortest_passing(
-                        |steps| {
-                            seen.push(steps);
-                            Ok(steps)
-                        },
-                        |&steps| steps >= threshold,
-                    )
-                    .expect("fake evaluation cannot fail");
+                let (found, seen) = search(&ladder, |&steps| steps >= threshold);
                 assert_eq!(found, Search::Passes(threshold), "n {n}");
                 assert_eq!(seen[0], n, "the whole ladder first");
                 assert!(!seen.contains(&0), "the plan is known to fail");
@@ -377,16 +385,7 @@ mod tests {
     #[test]
     fn bisection_reports_a_ladder_that_fails_throughout() {
         let ladder = ladder_of(5);
-        let mut seen = Vec::new();
-        let found = ladder
-            .shortest_passing(
-                |steps| {
-                    seen.push(steps);
-                    Ok(steps)
-                },
-                |_| false,
-            )
-            .expect("fake evaluation cannot fail");
+        let (found, seen) = search(&ladder, |_| false);
         assert_eq!(found, Search::Exhausted(5));
         assert_eq!(seen, [5]);
 

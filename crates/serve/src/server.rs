@@ -218,7 +218,7 @@ impl<'de> Visitor<'de> for ActBody<'_> {
                 return Err(de::Error::duplicate_field(FIELDS[field]));
             }
             match field {
-                0 => map.next_value_seed(Rows(&mut *self.0))?,
+                0 => map.next_value_seed(Seq(Rows(&mut *self.0)))?,
                 1 => self.0.sample = map.next_value()?,
                 _ => self.0.seed = Some(map.next_value()?),
             }
@@ -230,19 +230,23 @@ impl<'de> Visitor<'de> for ActBody<'_> {
     }
 }
 
-/// `observations`: rows, at most `max_rows` of them.
-struct Rows<'a>(&'a mut Reading);
+/// Reads a JSON list through the visitor it wraps, so that `Rows` and `Row`
+/// share one `DeserializeSeed` instead of two identical ones.
+struct Seq<V>(V);
 
-impl<'de> DeserializeSeed<'de> for Rows<'_> {
+impl<'de, V: Visitor<'de, Value = ()>> DeserializeSeed<'de> for Seq<V> {
     type Value = ();
 
     fn deserialize<D: Deserializer<'de>>(
         self,
         deserializer: D,
     ) -> std::result::Result<(), D::Error> {
-        deserializer.deserialize_seq(self)
+        deserializer.deserialize_seq(self.0)
     }
 }
+
+/// `observations`: rows, at most `max_rows` of them.
+struct Rows<'a>(&'a mut Reading);
 
 impl<'de> Visitor<'de> for Rows<'_> {
     type Value = ();
@@ -265,7 +269,7 @@ impl<'de> Visitor<'de> for Rows<'_> {
                 }
                 return Ok(());
             }
-            if seq.next_element_seed(Row(&mut *reading))?.is_none() {
+            if seq.next_element_seed(Seq(Row(&mut *reading)))?.is_none() {
                 return Ok(());
             }
             reading.rows += 1;
@@ -275,17 +279,6 @@ impl<'de> Visitor<'de> for Rows<'_> {
 
 /// One observation: exactly `dim` finite numbers.
 struct Row<'a>(&'a mut Reading);
-
-impl<'de> DeserializeSeed<'de> for Row<'_> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(
-        self,
-        deserializer: D,
-    ) -> std::result::Result<(), D::Error> {
-        deserializer.deserialize_seq(self)
-    }
-}
 
 impl<'de> Visitor<'de> for Row<'_> {
     type Value = ();

@@ -24,3 +24,17 @@ pub(crate) use worker::{
     is_straggler, overdue, reclaim_between_batches, reclaim_every, steal, straggler_floor,
     suspects, task_size, task_sources, within_speculation_budget,
 };
+
+/// What the tables of both files' tests are written in.
+#[cfg(test)]
+mod test_support {
+    use std::time::Duration;
+
+    /// The unit of the tables' times.
+    pub(super) const MS: Duration = Duration::from_millis(1);
+
+    /// Worker names, owned as Redis hands them back.
+    pub(super) fn names(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| (*n).to_owned()).collect()
+    }
+}

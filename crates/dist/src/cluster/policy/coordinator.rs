@@ -277,15 +277,8 @@ pub(crate) fn unresolved(batches: Option<Vec<usize>>, open: &BTreeSet<usize>) ->
 }
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-
-    const MS: Duration = Duration::from_millis(1);
-
-    fn names(names: &[&str]) -> Vec<String> {
-        names.iter().map(|n| (*n).to_owned()).collect()
-    }
+    use crate::cluster::policy::test_support::{MS, names};
 
     #[test]
     fn a_batch_goes_to_its_holder_while_it_lives_else_to_the_next_live_route() {

@@ -299,12 +299,7 @@ pub(crate) fn reclaim_between_batches(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const MS: Duration = Duration::from_millis(1);
-
-    fn names(names: &[&str]) -> Vec<String> {
-        names.iter().map(|n| (*n).to_owned()).collect()
-    }
+    use crate::cluster::policy::test_support::{MS, names};
 
     #[test]
     fn a_worker_reads_its_own_stream_then_the_shared_one_then_steals_then_waits() {
