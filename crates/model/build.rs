@@ -2,7 +2,7 @@
 //!
 //! protox compiles the proto in pure Rust, so building needs no `protoc`;
 //! prost-build turns the descriptors into `$OUT_DIR/onnx.rs`, which
-//! `src/onnx.rs` includes.
+//! `src/onnx/mod.rs` includes.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/onnx.proto");

@@ -1,0 +1,424 @@
+//! A language model ready to use: decoder, tokenizer and chat template, with
+//! generation. Evaluation lives in files of its own, one job each: sampling
+//! and token log-probabilities ([`sample`], [`token_log_prob`]), perplexity
+//! ([`perplexity()`]) and the comparison of two models ([`compare()`]).
+//! Their public items are re-exported here, so `qforge_model::lm::…` names
+//! them as it did when this was one file.
+
+mod compare;
+mod perplexity;
+mod sampling;
+
+pub use compare::{
+    Comparison, ReferenceLogProbs, compare, compare_from, compare_to, increase_interval,
+};
+pub use perplexity::{Perplexity, perplexity};
+pub use sampling::{TokenLogProb, continuation_log_probs, sample, token_log_prob};
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rand::{SeedableRng, rngs::StdRng};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::llama::{Decoder, Llama, LlamaConfig, Logits, Residency};
+use crate::tokenizer::TextTokenizer;
+
+/// What turns text into token ids: the tokenizer and the chat template.
+/// Loading it reads no weights, so a coordinator can plan a calibration
+/// without holding the model in memory.
+#[derive(Debug, Clone)]
+pub struct TextSide {
+    /// The tokenizer.
+    pub tokenizer: TextTokenizer,
+    /// The chat template (Jinja), when the model ships one.
+    pub chat_template: Option<String>,
+}
+
+impl TextSide {
+    /// Whether `other` tokenizes and templates text exactly as this does.
+    pub fn same_as(&self, other: &TextSide) -> bool {
+        self.chat_template == other.chat_template && self.tokenizer.same_as(&other.tokenizer)
+    }
+
+    /// The tokenizer and chat template of a GGUF file or a Hugging Face
+    /// directory (`config.json`, `tokenizer.json`, `tokenizer_config.json`).
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let config_path = path.join("config.json");
+            let json: serde_json::Value =
+                serde_json::from_slice(&crate::files::read_config(&config_path)?)
+                    .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            let c = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
+            Self::from_hf_dir(path, &c)
+        } else {
+            Self::from_gguf(&GgufFile::open(path)?, path)
+        }
+    }
+
+    /// A directory without `tokenizer.json` (nothing at that path, not even a
+    /// broken link) gives a tokenizer that takes token ids only.
+    fn from_hf_dir(dir: &Path, c: &LlamaConfig) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let (bos, add_bos, eos) = (c.bos_token_id, hf_adds_bos(dir)?, c.eos_token_ids.clone());
+        let tokenizer = match path.symlink_metadata() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                TextTokenizer::ids_only(&path, c.vocab_size, bos, add_bos, eos)
+            }
+            _ => TextTokenizer::from_file(&path, bos, add_bos, eos)?,
+        };
+        let chat_template =
+            tokenizer_config(dir)?.and_then(|j| j["chat_template"].as_str().map(str::to_owned));
+        Ok(Self {
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    fn from_gguf(file: &GgufFile, path: &Path) -> Result<Self> {
+        let tokenizer = TextTokenizer::from_gguf(&file.header).map_err(|e| e.in_file(path))?;
+        let chat_template = file
+            .header
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned);
+        Ok(Self {
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    /// Renders a prompt and a completion as one conversation with the model's
+    /// chat template (a user turn and an assistant turn), or concatenates them
+    /// when the model has no template.
+    pub fn chat_text(&self, prompt: &str, completion: &str) -> Result<String> {
+        let Some(template) = &self.chat_template else {
+            return Ok(format!("{prompt}{completion}"));
+        };
+        let messages = [
+            ChatMessage {
+                role: "user".into(),
+                content: prompt.into(),
+            },
+            ChatMessage {
+                role: "assistant".into(),
+                content: completion.into(),
+            },
+        ];
+        self.render_chat(template, &messages, false)
+    }
+
+    /// The prompt that asks the model for the next assistant turn after
+    /// `messages`, rendered with its chat template: text to show, not to
+    /// tokenize, since a special token's string in a message would read as
+    /// that token ([`Self::chat_prompt_ids`] tokenizes it safely).
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
+        let Some(template) = &self.chat_template else {
+            return Err(Error::Unsupported(
+                "the model has no chat template; send plain text to /v1/completions".into(),
+            ));
+        };
+        self.render_chat(template, messages, true)
+    }
+
+    /// The token ids of [`Self::chat_prompt`], with every message's content
+    /// read as plain text: a special token's string in it (`<|im_end|>`)
+    /// stays the characters it is made of, so no message can open or close
+    /// a turn of another role. Only the roles `system`, `user` and
+    /// `assistant` are taken.
+    ///
+    /// The template is rendered with each content between two
+    /// noncharacters, which mark where the contents lie in the rendered
+    /// text and are then taken out; the text is tokenized as one, special
+    /// tokens recognised only outside those spans. A conversation whose
+    /// messages spell no special token gets the ids its rendered text gets.
+    pub fn chat_prompt_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        for message in messages {
+            if !CHAT_ROLES.contains(&message.role.as_str()) {
+                return Err(Error::Request(format!(
+                    "role {:?} is not one of {}",
+                    message.role,
+                    CHAT_ROLES.join(", ")
+                )));
+            }
+            if message.content.contains([MARK_START, MARK_END]) {
+                return Err(Error::Request(
+                    "a message holds the noncharacter U+FDD0 or U+FDD1, which chat prompts reserve"
+                        .into(),
+                ));
+            }
+        }
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage {
+                role: m.role.clone(),
+                content: format!("{MARK_START}{}{MARK_END}", m.content),
+            })
+            .collect();
+        let rendered = self.chat_prompt(&marked)?;
+        let mut text = String::with_capacity(rendered.len());
+        let mut contents = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some((markup, marked)) = rest.split_once(MARK_START) {
+            text.push_str(markup);
+            let (content, after) = marked
+                .split_once(MARK_END)
+                .ok_or_else(|| Error::Format("chat template: it cut a message's content".into()))?;
+            contents.push(text.len()..text.len() + content.len());
+            text.push_str(content);
+            rest = after;
+        }
+        if rest.contains(MARK_END) {
+            return Err(Error::Format(
+                "chat template: it cut a message's content".into(),
+            ));
+        }
+        text.push_str(rest);
+        let mut ids = self.tokenizer.bos_ids();
+        ids.extend(self.tokenizer.encode_with_plain(&text, &contents)?);
+        Ok(ids)
+    }
+
+    fn render_chat(
+        &self,
+        template: &str,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let mut env = minijinja::Environment::new();
+        env.add_template("chat", template)
+            .map_err(|e| Error::Format(format!("chat template: {e}")))?;
+        let token = |id: Option<u32>| {
+            id.and_then(|i| self.tokenizer.decode(&[i]).ok())
+                .unwrap_or_default()
+        };
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|m| minijinja::context! { role => m.role, content => m.content })
+            .collect();
+        let context = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => token(self.tokenizer.bos),
+            eos_token => token(self.tokenizer.eos.first().copied()),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(context))
+            .map_err(|e| Error::Format(format!("chat template: {e}")))
+    }
+}
+
+/// The roles a chat message may have.
+const CHAT_ROLES: [&str; 3] = ["system", "user", "assistant"];
+
+/// Noncharacters around a message's index where the chat template puts its
+/// content (see [`TextSide::chat_prompt_ids`]).
+const MARK_START: char = '\u{FDD0}';
+const MARK_END: char = '\u{FDD1}';
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text of the turn.
+    pub content: String,
+}
+
+/// A decoder with the text side that feeds it.
+#[derive(Debug, Clone)]
+pub struct LanguageModel {
+    /// The decoder.
+    pub model: Llama,
+    /// Its tokenizer and chat template.
+    pub text: TextSide,
+    /// Where it was loaded from.
+    pub source: PathBuf,
+}
+
+impl LanguageModel {
+    /// Loads a GGUF file or a Hugging Face directory (`config.json`,
+    /// safetensors, `tokenizer.json`). A native artifact is not read here
+    /// (the artifact loader builds on this module): open any model,
+    /// artifacts included, with [`crate::open()`].
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let model = Llama::from_hf_dir(path)?;
+            let text = TextSide::from_hf_dir(path, model.config())?;
+            return Ok(Self {
+                model,
+                text,
+                source: path.to_owned(),
+            });
+        }
+        // One parse of the header serves the tokenizer and the decoder.
+        let file = GgufFile::open(path)?;
+        let text = TextSide::from_gguf(&file, path)?;
+        Ok(Self {
+            model: Llama::from_gguf_file(file, Residency::Auto)?,
+            text,
+            source: path.to_owned(),
+        })
+    }
+
+    /// Generates up to `options.max_tokens` tokens after `prompt`, stopping at
+    /// an end-of-sequence token.
+    pub fn generate(&self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
+        if prompt.is_empty() {
+            return Err(Error::Shape("the prompt has no tokens".into()));
+        }
+        let mut cache = self.model.new_cache();
+        cache.reserve(prompt.len() + options.max_tokens);
+        let mut rng = StdRng::seed_from_u64(options.seed);
+        let started = Instant::now();
+        let logits =
+            self.model
+                .forward(&[prompt.to_vec()], Some(&mut cache), None, Logits::Last)?;
+        let prefill = started.elapsed().as_secs_f64();
+        let mut next = sample(
+            &logits.flatten_all()?.to_vec1::<f32>()?,
+            options.temperature,
+            &mut rng,
+        )?;
+        let mut tokens = Vec::new();
+        let started = Instant::now();
+        // An all-INT8 model decodes on the allocation-free decoder, on every
+        // thread of the current pool.
+        let mut decoder = Decoder::supports(&self.model)
+            .then(|| Decoder::new(rayon::current_num_threads()))
+            .transpose()?;
+        while tokens.len() < options.max_tokens && !self.text.tokenizer.eos.contains(&next) {
+            tokens.push(next);
+            if tokens.len() == options.max_tokens {
+                break;
+            }
+            let logits = match decoder.as_mut() {
+                Some(decoder) => decoder.step(&self.model, &mut [&mut cache], &[next], None)?,
+                None => &self
+                    .model
+                    .forward(&[vec![next]], Some(&mut cache), None, Logits::Last)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            };
+            next = sample(logits, options.temperature, &mut rng)?;
+        }
+        Ok(Generation {
+            prompt_tokens: prompt.len(),
+            tokens,
+            prefill_seconds: prefill,
+            decode_seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// A Hugging Face directory's `tokenizer_config.json`: `None` when it is
+/// absent or not JSON (it is optional, and only a few of its keys are read);
+/// a file that cannot be read (not a regular file, too large) is an error.
+fn tokenizer_config(dir: &Path) -> Result<Option<serde_json::Value>> {
+    let path = dir.join("tokenizer_config.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    Ok(serde_json::from_slice(&crate::files::read_config(&path)?).ok())
+}
+
+/// Whether a Hugging Face tokenizer config asks for BOS.
+fn hf_adds_bos(dir: &Path) -> Result<bool> {
+    Ok(tokenizer_config(dir)?
+        .and_then(|j| j["add_bos_token"].as_bool())
+        .unwrap_or(false))
+}
+
+/// How to generate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GenerateOptions {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// `None`: greedy; `Some(t)`: sample from softmax(logits / t).
+    pub temperature: Option<f64>,
+    /// Seed of the sampler.
+    pub seed: u64,
+}
+
+/// The result of a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Generated tokens (without the prompt or the final EOS).
+    pub tokens: Vec<u32>,
+    /// Seconds spent on the prompt.
+    pub prefill_seconds: f64,
+    /// Seconds spent generating.
+    pub decode_seconds: f64,
+}
+
+impl Generation {
+    /// Prompt tokens per second.
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_seconds.max(1e-9)
+    }
+
+    /// Generated tokens per second (the first comes from the prefill, so
+    /// `tokens − 1` decode steps are timed).
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        self.tokens.len().saturating_sub(1) as f64 / self.decode_seconds.max(1e-9)
+    }
+}
+
+/// What `qforge generate` reports: the text and how fast it came.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerationReport {
+    /// The generated text (`None` for a model without a tokenizer, which
+    /// gives token ids only).
+    pub text: Option<String>,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Prompt tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Generated tokens per second.
+    pub decode_tokens_per_s: f64,
+    /// Bytes every decode step reads from the linear layers' weights.
+    pub linear_weight_bytes: usize,
+    /// The precision the model ran in.
+    pub precision: String,
+}
+
+impl GenerationReport {
+    /// The report of `generation` by `lm`, run in `precision`.
+    pub fn new(lm: &LanguageModel, generation: Generation, precision: String) -> Result<Self> {
+        Ok(Self {
+            text: if lm.text.tokenizer.reads_text() {
+                Some(lm.text.tokenizer.decode(&generation.tokens)?)
+            } else {
+                None
+            },
+            prompt_tokens: generation.prompt_tokens,
+            prefill_tokens_per_s: generation.prefill_tokens_per_second(),
+            decode_tokens_per_s: generation.decode_tokens_per_second(),
+            tokens: generation.tokens,
+            linear_weight_bytes: lm.model.linear_weight_bytes(),
+            precision,
+        })
+    }
+}
+
+/// The speed, as a line (the text is the report's `text`).
+impl std::fmt::Display for GenerationReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s",
+            self.prompt_tokens,
+            self.prefill_tokens_per_s,
+            self.tokens.len(),
+            self.decode_tokens_per_s
+        )
+    }
+}
