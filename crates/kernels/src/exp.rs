@@ -1,6 +1,6 @@
-//! `e^x` for `x ≤ 0` in fixed f32 arithmetic, and the element-wise passes
-//! built on it: attention's softmax (in [`crate::attention`]), the
-//! sampler's softmax weights over a vocabulary, and SwiGLU's gate.
+//! `e^x` for `x ≤ 0` in fixed f32 arithmetic, and the softmaxes built on
+//! it: attention's (in [`crate::attention`]) and the sampler's weights over
+//! a vocabulary.
 //!
 //! `exp` is a degree-7 polynomial after the usual `x = n·ln 2 + r`
 //! reduction (as Cephes' `expf`), within 2 ulp of the exact value, and
@@ -10,10 +10,14 @@
 //! a machine with AVX2 and one without (or an aarch64 one) draw the same
 //! tokens for the same seed.
 //!
-//! The libm `exp` these replace cost the serving engine a tenth of its
-//! time: a draw at temperature 1 took one f64 `exp` per vocabulary entry
-//! (49 152 for SmolLM2) and SwiGLU one f32 `exp` per hidden value, each a
-//! call the compiler cannot vectorize.
+//! The libm `exp` the sampler's weights replace cost the serving engine a
+//! tenth of its time: a draw at temperature 1 took one f64 `exp` per
+//! vocabulary entry (49 152 for SmolLM2), a call the compiler cannot
+//! vectorize. SwiGLU keeps libm's `expf` (candle's `silu`): the tensor
+//! forward and the decoder must agree to the bit, and INT8 perplexity
+//! moved 0.3–0.7 % on an 811-token text when its arithmetic moved by an
+//! ulp (one rounding flip of a dynamic quantizer cascades), which would
+//! have moved every figure measured before for 1 % of a step.
 
 use crate::error::{Error, Result};
 
@@ -121,28 +125,6 @@ fn weigh_block(logits: &[f32], scale: f32, max: f32, weights: &mut [f32]) -> f64
     portable::weigh_block(logits, scale, max, weights)
 }
 
-/// SwiGLU's product in place: `gate[i] = silu(gate[i]) · up[i]`, with
-/// `silu(g) = g / (1 + e^-g)` computed as `g / (1 + e)` for `g ≥ 0` and
-/// `g·e / (1 + e)` for `g < 0`, `e = e^-|g|`, so that `exp` stays in its
-/// range.
-pub fn silu_product(gate: &mut [f32], up: &[f32]) -> Result<()> {
-    if gate.len() != up.len() {
-        return Err(Error::Shape(format!(
-            "SwiGLU over {} gate values and {} up values",
-            gate.len(),
-            up.len()
-        )));
-    }
-    #[cfg(target_arch = "x86_64")]
-    if avx2() {
-        // SAFETY: the CPU has AVX2 and FMA (checked above).
-        unsafe { x86::silu_product(gate, up) };
-        return Ok(());
-    }
-    portable::silu_product(gate, up);
-    Ok(())
-}
-
 /// The lanes' sum in the fixed tree.
 fn tree_sum(l: [f64; LANES]) -> f64 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
@@ -170,19 +152,6 @@ mod portable {
 
     pub(super) fn weigh_block(logits: &[f32], scale: f32, max: f32, weights: &mut [f32]) -> f64 {
         weigh_from(logits, scale, max, weights, 0, [0.0; LANES])
-    }
-
-    /// One gate value through [`super::silu_product`].
-    pub(super) fn silu(g: f32, u: f32) -> f32 {
-        let e = exp(-g.abs());
-        let numerator = if g < 0.0 { g * e } else { g };
-        numerator / (1.0 + e) * u
-    }
-
-    pub(super) fn silu_product(gate: &mut [f32], up: &[f32]) {
-        for (g, &u) in gate.iter_mut().zip(up) {
-            *g = silu(*g, u);
-        }
     }
 }
 
@@ -245,30 +214,6 @@ pub(crate) mod x86 {
             _mm256_storeu_pd(lanes.as_mut_ptr().add(4), high);
         }
         portable::weigh_from(logits, scale, max, weights, full, lanes)
-    }
-
-    /// [`portable::silu_product`] eight values at a time.
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and FMA; `up` is as long as `gate`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn silu_product(gate: &mut [f32], up: &[f32]) {
-        let full = gate.len() / LANES * LANES;
-        let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
-        for at in (0..full).step_by(LANES) {
-            // SAFETY: `at + 8 ≤ full ≤ len` for both slices.
-            let g = unsafe { _mm256_loadu_ps(gate.as_ptr().add(at)) };
-            let u = unsafe { _mm256_loadu_ps(up.as_ptr().add(at)) };
-            // -|g|: the sign bit set.
-            let e = exp(_mm256_or_ps(g, sign));
-            let negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-            let numerator = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), negative);
-            let silu = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
-            unsafe { _mm256_storeu_ps(gate.as_mut_ptr().add(at), _mm256_mul_ps(silu, u)) };
-        }
-        for (g, &u) in gate[full..].iter_mut().zip(&up[full..]) {
-            *g = portable::silu(*g, u);
-        }
     }
 }
 
@@ -374,31 +319,5 @@ mod tests {
         assert!(error.to_string().contains("2 block sums"), "{error}");
         let error = softmax_weights(&logits, 0.0, &mut weights, &mut sums).unwrap_err();
         assert!(error.to_string().contains("must be positive"), "{error}");
-    }
-
-    #[test]
-    fn silu_product_is_the_same_bits_on_every_tier_and_matches_the_definition() {
-        let mut gate = seeded(1027, 3, 30.0);
-        gate.extend([0.0, -0.0, -100.0, 100.0, f32::NAN]);
-        let up = seeded(gate.len(), 5, 4.0);
-        let mut portable_out = gate.clone();
-        portable::silu_product(&mut portable_out, &up);
-        let mut fastest = gate.clone();
-        silu_product(&mut fastest, &up).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&fastest), bits(&portable_out));
-        for ((&g, &u), &out) in gate.iter().zip(&up).zip(&fastest) {
-            let exact = f64::from(g) / (1.0 + (-f64::from(g)).exp()) * f64::from(u);
-            if g.is_nan() {
-                assert!(out.is_nan());
-            } else {
-                let error = (f64::from(out) - exact).abs();
-                assert!(
-                    error <= 1e-6 * exact.abs().max(1e-30),
-                    "silu({g})·{u} = {out} vs {exact}"
-                );
-            }
-        }
-        assert!(silu_product(&mut [0.0; 3], &[0.0; 2]).is_err());
     }
 }

@@ -5,7 +5,6 @@
 //! the values the forward computes.
 
 use candle_core::Tensor;
-use qforge_kernels::exp::silu_product;
 
 use super::{Llama, RotatedInput};
 use crate::error::Result;
@@ -71,7 +70,8 @@ impl Llama {
             }
             let gated = self.rotate_input(
                 RotatedInput::MlpProduct,
-                swiglu(&layer.gate_proj.forward(&h)?, &layer.up_proj.forward(&h)?)?,
+                (candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?
+                    * layer.up_proj.forward(&h)?)?,
             )?;
             observe(
                 &mut observer,
@@ -202,12 +202,4 @@ fn observe(
         observer.observe(point, &values[start..start + len * width], width)?;
     }
     Ok(())
-}
-
-/// `silu(gate) · up` with the decoder's arithmetic ([`silu_product`]), so
-/// that the tensor forward and the decoder give the same bits.
-fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let mut product = gate.flatten_all()?.to_vec1::<f32>()?;
-    silu_product(&mut product, &up.flatten_all()?.to_vec1::<f32>()?)?;
-    Ok(Tensor::from_vec(product, gate.shape(), gate.device())?)
 }

@@ -5,7 +5,6 @@ use std::cell::RefCell;
 
 use qforge_kernels::Team;
 use qforge_kernels::attention::{KeyValues, Queries, attend, reserve};
-use qforge_kernels::exp::silu_product;
 
 use super::super::{KvCache, RotatedInput, Rotations};
 use crate::error::Result;
@@ -145,14 +144,17 @@ pub(super) fn swiglu(
     up: &[f32],
 ) -> Result<()> {
     let width = gate.len() / n;
-    let failure = FirstFailure::new();
     team.run_rows(n, [&mut gate[..n * width]], |rows, [gate]| {
-        failure.note(silu_product(
-            gate,
-            &up[rows.start * width..rows.end * width],
-        ));
+        for (g, &u) in gate
+            .iter_mut()
+            .zip(&up[rows.start * width..rows.end * width])
+        {
+            // candle's `silu`, which the tensor forward runs: the same bits.
+            // (A vectorized exp here moved INT8 perplexity on an 811-token
+            // text by 0.3–0.7 %, a rounding cascade, for 1 % of a step.)
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
     });
-    failure.into_result()?;
     rotate_rows(team, rotations, RotatedInput::MlpProduct, n, gate)
 }
 
