@@ -219,13 +219,16 @@ def engines(args):
     return found
 
 
-def shapes(levels):
-    """(label, clients, jobs, engines that take it) per measured load."""
+def shapes(levels, grpo_shapes=True):
+    """(label, clients, jobs, engines that take it) per measured load; GRPO's two shapes
+    after the levels unless left out."""
     out = []
     for c in levels:
         count = c if c >= 256 else max(8, 2 * c)
         out.append((f"{c} concurrent", c,
                     [(p, i, 1) for i, p in enumerate(prompts(count, f"level-{c}"))], None))
+    if not grpo_shapes:
+        return out
     grpo = prompts(GRPO_PROMPTS, "grpo")
     out.append((f"GRPO {GRPO_PROMPTS} × n = {GRPO_SAMPLES}", GRPO_PROMPTS,
                 [(p, GRPO_SAMPLES * i, GRPO_SAMPLES) for i, p in enumerate(grpo)],
@@ -270,6 +273,9 @@ def main():
     parser.add_argument("--vllm-model", help="qforge's compressed-tensors export")
     parser.add_argument("--levels", default="1,16,64,256")
     parser.add_argument("--gemm-peak", type=float, help="INT8 GEMM peak, G MAC/s")
+    parser.add_argument("--no-grpo", action="store_true",
+                        help="measure the levels only (a repeat of one level takes minutes, "
+                             "GRPO's shapes five more)")
     args = parser.parse_args()
     if args.llama_server and not args.llama_model:
         parser.error("--llama-server needs --llama-model")
@@ -279,7 +285,7 @@ def main():
     servers = engines(args)
     rows = []
     try:
-        for label, clients, jobs, only in shapes(levels):
+        for label, clients, jobs, only in shapes(levels, not args.no_grpo):
             for engine in servers:
                 if only is not None and engine.name not in only:
                     continue
