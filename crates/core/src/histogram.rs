@@ -534,15 +534,6 @@ pub enum ObserveTier {
     Neon,
 }
 
-impl ObserveTier {
-    /// [`CpuTier::detect`], callable where the trait is not imported:
-    /// `crates/dist`'s worker reports its tier so. To be removed once it
-    /// imports `CpuTier`.
-    pub fn detect() -> Self {
-        <Self as CpuTier>::detect()
-    }
-}
-
 impl CpuTier for ObserveTier {
     const ALL: &'static [Self] = &[Self::Portable, Self::Avx2, Self::Neon];
 

@@ -20,6 +20,7 @@ use crate::cluster::link::Link;
 use crate::cluster::policy;
 use crate::cluster::spec::RunSpec;
 use crate::error::{Error, Result};
+use qforge_core::{CpuTier, ObserveTier};
 
 impl Session {
     /// Checks that `calibration` is what `spec` describes, applies the
@@ -109,7 +110,7 @@ impl Session {
         let admitted = matches || self.spec.allow_mixed_hardware;
         let record = json!({
             "build": crate::BUILD,
-            "kernel_tier": format!("{:?}", qforge_core::ObserveTier::detect()).to_lowercase(),
+            "kernel_tier": format!("{:?}", ObserveTier::detect()).to_lowercase(),
             "fingerprint": fingerprint,
             "host": hostname(),
             "pid": std::process::id(),
