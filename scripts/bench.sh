@@ -36,7 +36,7 @@ done
 python3 scripts/bench_cluster.py
 # The Redis backend at 16, 64 and 256 worker processes with a synthetic forward.
 cargo bench -p qforge-core --bench codec
-cargo build --release -p qforge-dist --example synthetic_worker
+cargo build --release -p qforge-runner --example synthetic_worker
 python3 scripts/bench_cluster_scale.py
 # Accuracy of SmolLM2 under each W8A8 method on the handbook text (~64 000 tokens).
 scripts/fetch-eval-text.sh

@@ -1,5 +1,5 @@
 """The Redis backend at scale: one coordinator, one redis-server and 16, 64 or 256 worker
-processes whose forward is synthetic (crates/dist/examples/synthetic_worker.rs: a fixed
+processes whose forward is synthetic (crates/runner/examples/synthetic_worker.rs: a fixed
 delay, then the tensors of a real SmolLM2 batch's statistics, 121 tensors).
 
 Per worker count it measures, over one run of BATCHES batches:
@@ -339,7 +339,7 @@ def main():
     for tool in (QFORGE, WORKER):
         if not os.path.exists(tool):
             sys.exit(f"{tool} is missing: cargo build --release -p qforge-cli && "
-                     "cargo build --release -p qforge-dist --example synthetic_worker")
+                     "cargo build --release -p qforge-runner --example synthetic_worker")
     if shutil.which("redis-server") is None:
         sys.exit("redis-server is not installed (scripts/test.sh installs it)")
     work = tempfile.mkdtemp(prefix="qforge-bench-scale-")

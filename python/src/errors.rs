@@ -96,11 +96,11 @@ impl From<qforge_calib::Error> for Failure {
     }
 }
 
-impl From<qforge_dist::Error> for Failure {
-    fn from(error: qforge_dist::Error) -> Self {
+impl From<qforge_runner::Error> for Failure {
+    fn from(error: qforge_runner::Error) -> Self {
         match error {
-            qforge_dist::Error::Request(why) => Failure(usage(why)),
-            qforge_dist::Error::Model(e) => e.into(),
+            qforge_runner::Error::Request(why) => Failure(usage(why)),
+            qforge_runner::Error::Model(e) => e.into(),
             other => failed(&other),
         }
     }

@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 
 use pyo3::prelude::*;
 use qforge_calib::{Pass, Recipe, Stratify};
-use qforge_dist::{Calibration, EmbeddedExecutor};
 use qforge_quant::recipe::{ActivationScheme, Overrides};
 use qforge_quant::returns::bundled;
 use qforge_quant::{Inputs, Pipeline, QuantRecipe};
+use qforge_runner::{Calibration, EmbeddedExecutor};
 use serde::Serialize;
 
 use crate::errors::{Failure, usage};

@@ -8,8 +8,8 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use qforge_calib::{Pass, Recipe, Stratify};
-use qforge_dist::cluster::{ClusterKey, RedisAddress, WorkerOptions, hostname, serve};
-use qforge_dist::{Calibration, ClusterSettings, EmbeddedExecutor, Executor, RedisExecutor};
+use qforge_runner::cluster::{ClusterKey, RedisAddress, WorkerOptions, hostname, serve};
+use qforge_runner::{Calibration, ClusterSettings, EmbeddedExecutor, Executor, RedisExecutor};
 
 use crate::output::print_written;
 use crate::terminal::Terminal;

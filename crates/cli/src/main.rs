@@ -187,7 +187,7 @@ fn is_misuse(error: &anyhow::Error) -> bool {
             .is_some_and(qforge_calib::Error::is_request)
         || error
             .downcast_ref()
-            .is_some_and(qforge_dist::Error::is_request)
+            .is_some_and(qforge_runner::Error::is_request)
         || error
             .downcast_ref()
             .is_some_and(qforge_quant::Error::is_request)

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
-use qforge_dist::Listener;
 use qforge_model::Format;
 use qforge_quant::recipe::Overrides;
 use qforge_quant::returns::{ReturnCheck, bundled};
 use qforge_quant::{Inputs, Pipeline, QuantRecipe};
+use qforge_runner::Listener;
 
 use crate::calibrate_cmd::BackendArgs;
 use crate::output::{print_json, print_report};

@@ -3,7 +3,7 @@
 //! the library's messages on stderr (only warnings with `--json`).
 
 use indicatif::{ProgressBar, ProgressStyle};
-use qforge_dist::{Listener, PassEvent, PassPosition};
+use qforge_runner::{Listener, PassEvent, PassPosition};
 
 pub struct Terminal {
     bar: ProgressBar,

@@ -7,7 +7,7 @@
 //! layers; a 64-observation batch takes tens of milliseconds) so that faults
 //! land mid-batch, observed on the CartPole rollouts.
 
-#[path = "../../dist/tests/support/redis_server.rs"]
+#[path = "../../runner/tests/support/redis_server.rs"]
 mod redis_server;
 mod support;
 

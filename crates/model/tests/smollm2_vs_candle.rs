@@ -133,7 +133,7 @@ fn int8_linear_weights_take_a_quarter_of_f32_and_logits_stay_close() {
 /// outliers (≈ 3000 in some rows) make per-token scales so coarse that an
 /// f32 summation-order difference of 1e-7 can flip an int8 step. The tight
 /// step-by-step comparison is on random Llama and Qwen2 models
-/// (`llama_forward.rs`).
+/// (`llama_int8_decoder.rs`).
 #[test]
 fn int8_decoder_first_steps_match_the_tensor_forward() {
     let fp = Llama::from_gguf_with(&smollm2_path(), Residency::Dequantized).unwrap();

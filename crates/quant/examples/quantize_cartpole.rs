@@ -2,8 +2,8 @@
 //! recipe, calibration on this machine's cores, the guard, and the artifact.
 use std::path::Path;
 
-use qforge_dist::EmbeddedExecutor;
 use qforge_quant::{Inputs, Pipeline, QuantRecipe};
+use qforge_runner::EmbeddedExecutor;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let policy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/cartpole");

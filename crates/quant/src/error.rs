@@ -23,7 +23,7 @@ pub enum Error {
     Calib(#[from] qforge_calib::Error),
     /// A calibration pass failed (a backend, the coordinator, coverage).
     #[error(transparent)]
-    Dist(#[from] qforge_dist::Error),
+    Runner(#[from] qforge_runner::Error),
     /// GPTQ cannot round a layer (its Hessian or weights are unusable).
     #[error("GPTQ: {0}")]
     Gptq(String),
@@ -42,7 +42,7 @@ impl Error {
         match self {
             Error::Model(e) => e.is_request(),
             Error::Calib(e) => e.is_request(),
-            Error::Dist(e) => e.is_request(),
+            Error::Runner(e) => e.is_request(),
             _ => false,
         }
     }

@@ -4,7 +4,7 @@
 //! * [`recipe`]: the TOML quantization recipe (calibration pass, activation
 //!   scheme, calibrators per layer input, ignore list, guard budgets).
 //! * [`pipeline`]: a recipe's calibration passes run on any
-//!   `qforge_dist::Executor` (worker threads or Redis), the transforms their
+//!   `qforge_runner::Executor` (worker threads or Redis), the transforms their
 //!   merged results imply (SmoothQuant), the guard, and the artifact.
 //! * [`guard`]: the initial per-layer plan, sensitivity ranking, the
 //!   fallback ladder (static → dynamic → FP, whole fused groups) and the
@@ -21,9 +21,9 @@
 //!   memory (the Python package's `load_weights`).
 //!
 //! It depends on `qforge-core`, `qforge-model`, `qforge-calib` and
-//! `qforge-dist` (the executor is the caller's choice: the pipeline never
+//! `qforge-runner` (the executor is the caller's choice: the pipeline never
 //! knows where batches were observed). It must not depend on serving or the
-//! CLI, and reports through return values and a [`qforge_dist::Listener`], never by
+//! CLI, and reports through return values and a [`qforge_runner::Listener`], never by
 //! printing.
 
 pub mod error;

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::collections::BTreeMap;
 
 use plotters::prelude::*;
-use qforge_dist::{Delivery, WorkerReport};
+use qforge_runner::{Delivery, WorkerReport};
 use serde::Serialize;
 
 use crate::error::{Error, Result};

@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use qforge_dist::EmbeddedExecutor;
 use qforge_quant::smoothing::ALPHA_GRID;
 use qforge_quant::{Inputs, Pipeline, QuantRecipe};
+use qforge_runner::EmbeddedExecutor;
 
 fn cartpole() -> PathBuf {
     policy("cartpole")
@@ -213,7 +213,7 @@ fn an_input_beyond_the_hessians_range_rounds_to_nearest_with_the_reason() {
 #[derive(Default)]
 struct Messages(Vec<String>);
 
-impl qforge_dist::Listener for Messages {
+impl qforge_runner::Listener for Messages {
     fn message(&mut self, line: &str) {
         self.0.push(line.to_owned());
     }

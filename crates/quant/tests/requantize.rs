@@ -4,11 +4,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use qforge_dist::EmbeddedExecutor;
 use qforge_model::artifact::{LayerPrecision, int8_weights, read_config};
 use qforge_model::{MlpPolicy, PolicyConfig};
 use qforge_quant::requantize::requantize;
 use qforge_quant::{Inputs, Pipeline, QuantRecipe};
+use qforge_runner::EmbeddedExecutor;
 use safetensors::tensor::TensorView;
 
 fn fixture(name: &str) -> PathBuf {

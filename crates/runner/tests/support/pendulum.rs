@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use qforge_calib::{Job, Plan, Recipe, RoundedLayers, Session, Weights};
 use qforge_core::codec::encode;
-use qforge_dist::cluster::{
-    ClusterKey, ClusterOptions, RedisAddress, RedisBackend, RunSpec, WorkerOptions,
-};
-use qforge_dist::{Embedded, RunOptions, run};
 use qforge_model::Model;
+use qforge_runner::cluster::{
+    ClusterKey, ClusterOptions, Compute, RedisAddress, RedisBackend, RunSpec, WorkerOptions,
+};
+use qforge_runner::{Embedded, Failure, RunOptions, run};
 
 use super::redis_server::RedisServer;
 
@@ -130,5 +130,41 @@ pub fn worker_of(server: &RedisServer, run: &str, name: &str) -> WorkerOptions {
         wait: Duration::from_secs(10),
         outage_limit: Duration::from_secs(10),
         key: test_key(),
+    }
+}
+
+/// The model's own forward, slowed down so that a task of several batches
+/// outlasts the heartbeat timeout.
+pub struct Slow(pub Duration);
+
+impl Compute for Slow {
+    fn observe(
+        &self,
+        target: &Model,
+        batch: &qforge_calib::Batch,
+        job: &Job,
+        hidden_states: &qforge_calib::HiddenStates,
+    ) -> Result<qforge_core::Stats, Failure> {
+        std::thread::sleep(self.0);
+        qforge_calib::observe_batch(target, batch, job, hidden_states)
+            .map_err(|e| Failure::Data(e.to_string()))
+    }
+}
+
+/// Waits until `command` (a count: `HLEN`, `EXISTS`, …) of `key` reaches
+/// `least`, for a minute at most.
+pub fn await_count(connection: &mut redis::Connection, command: &str, key: &str, least: i64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while redis::cmd(command)
+        .arg(key)
+        .query::<i64>(connection)
+        .unwrap()
+        < least
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{command} {key} never reached {least}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
     }
 }

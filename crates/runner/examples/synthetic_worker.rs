@@ -20,9 +20,9 @@ use std::time::Duration;
 use qforge_calib::{Batch, HiddenStates, Job};
 use qforge_core::codec::decode;
 use qforge_core::{MergePolicy, Stats, TensorStats};
-use qforge_dist::Failure;
-use qforge_dist::cluster::{ClusterKey, Compute, RedisAddress, WorkerOptions, serve_with};
 use qforge_model::Model;
+use qforge_runner::Failure;
+use qforge_runner::cluster::{ClusterKey, Compute, RedisAddress, WorkerOptions, serve_with};
 
 /// Answers every batch with the template's tensors after `delay`. The
 /// template is held as decoded (its histograms sparse, about 1 MB for

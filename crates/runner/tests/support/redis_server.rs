@@ -1,6 +1,6 @@
 //! A real `redis-server` for tests: started on a free loopback port with AOF
 //! persistence (`appendfsync everysec`, as the deploy docs recommend), in its
-//! own directory, killed when dropped. Shared by the dist and CLI tests.
+//! own directory, killed when dropped. Shared by the runner and CLI tests.
 
 #![allow(dead_code)] // each test crate uses a different subset
 

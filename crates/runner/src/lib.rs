@@ -1,4 +1,5 @@
-//! `qforge-dist`: where calibration passes run.
+//! `qforge-runner`: where calibration passes run, on worker threads in this
+//! process or on a Redis cluster.
 //!
 //! It owns the [`Backend`] trait (the map step: batches in, outcomes out), the
 //! embedded backend (worker threads in this process), the [`Executor`]s that

@@ -1,6 +1,6 @@
-//! The error type of `qforge-dist`.
+//! The error type of `qforge-runner`.
 
-/// Errors of `qforge-dist`. Each says whether retrying can help.
+/// Errors of `qforge-runner`. Each says whether retrying can help.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Observing a batch failed.
@@ -87,5 +87,5 @@ impl Error {
     }
 }
 
-/// Result type of `qforge-dist`.
+/// Result type of `qforge-runner`.
 pub type Result<T> = std::result::Result<T, Error>;

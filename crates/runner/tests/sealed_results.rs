@@ -15,9 +15,9 @@ mod redis_server;
 use qforge_calib::{HiddenStates, Job, Plan, observe_batch};
 use qforge_core::codec::encode;
 use qforge_core::{Gram, Stats, TensorStats};
-use qforge_dist::cluster::{ClusterKey, MAC_FIELD, RedisBackend, RunKey, RunSpec, serve};
-use qforge_dist::{Error, RunOptions, RunSummary, run};
 use qforge_model::Model;
+use qforge_runner::cluster::{ClusterKey, MAC_FIELD, RedisBackend, RunKey, RunSpec, serve};
+use qforge_runner::{Error, RunOptions, RunSummary, run};
 use redis_server::RedisServer;
 
 use pendulum::{clean_bytes, open_run, setup, test_key, worker_of};
@@ -118,7 +118,7 @@ fn run_with_workers(
     job: &Job,
     plan: &Plan,
     backend: &RedisBackend,
-) -> qforge_dist::Result<RunSummary> {
+) -> qforge_runner::Result<RunSummary> {
     std::thread::scope(|scope| {
         for w in 0..2 {
             let worker = worker_of(server, name, &format!("{name}-w{w}"));

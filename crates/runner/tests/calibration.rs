@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use qforge_calib::Recipe;
-use qforge_dist::{Calibration, EmbeddedExecutor, Error, Listener, PassEvent, PassPosition};
+use qforge_runner::{Calibration, EmbeddedExecutor, Error, Listener, PassEvent, PassPosition};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/policies/pendulum")

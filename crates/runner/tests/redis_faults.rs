@@ -9,7 +9,7 @@ mod redis_server;
 
 use std::time::{Duration, Instant};
 
-use qforge_dist::cluster::serve;
+use qforge_runner::cluster::serve;
 use redis_server::RedisServer;
 
 use pendulum::worker_of;
