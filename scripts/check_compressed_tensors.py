@@ -15,7 +15,14 @@ weight dequantizes to the native artifact's:
 - every `ignore`d layer but a tied `lm_head` is present in floating point;
 - every other tensor (embedding, norms, full-precision layers) is in `torch_dtype`
   (`bfloat16` or `float32`) and holds the native artifact's values, rounded to nearest
-  (ties to even) when bf16.
+  (ties to even) when bf16;
+- `transform_config` (online rotations): every scheme an online `random-hadamard` input
+  transform without blocks, permutations or inverse; the modules its `re:` targets match
+  (from the start of the name, as Python's `re.match`) are exactly the layers reading the
+  inputs the native artifact's `qforge.json` rotates online (`online_rotations`), in every
+  decoder layer; each holds `NAME.SCHEME_input.weight`, `[n, n]` for its `n` inputs, every
+  entry ±1 and `H Hᵀ = n I` (so `H / √n`, what vLLM applies, is orthogonal); and all of a
+  scheme's matrices are the same, because vLLM loads them into one shared tensor.
 
 Tensors are read one at a time, int8 ones whole and floating-point ones a block at a
 time, so an 8 GB export needs memory for its largest int8 tensor, not for the file.
@@ -25,6 +32,7 @@ Prints a JSON summary; exits 1 with the first failed check.
 """
 
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -143,6 +151,60 @@ def check_layer(name, static, export, native):
     return weight.nbytes
 
 
+# The modules of a decoder layer that read each input qforge rotates online.
+CONSUMERS = {
+    "self_attn.q_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "self_attn.o_proj": ["self_attn.o_proj"],
+    "mlp.gate_proj": ["mlp.gate_proj", "mlp.up_proj"],
+    "mlp.down_proj": ["mlp.down_proj"],
+}
+
+
+def check_transforms(config, native_dir, export, raw_export, in_features):
+    """The online transforms against the native artifact's online rotations; gives the
+    names of the transform tensors and each scheme's modules."""
+    native = json.loads((native_dir / "qforge.json").read_text())
+    rotated = native.get("online_rotations", [])
+    expected = {f"model.layers.{i}.{m}" for i in range(config["num_hidden_layers"])
+                for r in rotated for m in CONSUMERS[r]}
+    groups = (config["quantization_config"].get("transform_config") or {}).get("config_groups")
+    groups = groups or {}
+    tensors, transformed = set(), {}
+    for scheme, group in groups.items():
+        require((group["type"], group.get("head_dim"), group.get("randomize", False))
+                == ("random-hadamard", None, False), f"transform {scheme}: {group}")
+        first = None
+        for args in group["apply"]:
+            require((args["location"], args.get("inverse", False)) == ("input", False),
+                    f"transform {scheme}: {args}")
+            patterns = [re.compile(t[3:]) for t in args["targets"]]
+            require(all(t.startswith("re:") for t in args["targets"]),
+                    f"transform {scheme}: targets {args['targets']}")
+            for module in in_features:
+                if not any(p.match(module) for p in patterns):
+                    continue
+                require(module not in transformed, f"{module}: two online input transforms")
+                transformed[module] = scheme
+                key = f"{module}.{scheme}_input.weight"
+                require(key in export.keys(), f"{key}: missing")
+                n = in_features[module]
+                h = np.concatenate(list(raw_export.floats(key)))
+                require(h.size == n * n, f"{key}: {h.size} values, not {n}×{n}")
+                h = h.reshape(n, n)
+                if first is None:
+                    require(np.all(np.abs(h) == 1), f"{key}: an entry is not ±1")
+                    gram = h.astype(np.float64) @ h.T.astype(np.float64)
+                    require(np.array_equal(gram, n * np.eye(n)), f"{key}: H Hᵀ ≠ n I")
+                    first = h
+                require(np.array_equal(h, first),
+                        f"{key}: differs from the scheme's other matrices (vLLM shares one)")
+                tensors.add(key)
+    require(set(transformed) == expected,
+            f"online transforms on {sorted(set(transformed) ^ expected)[:4]}…: the artifact "
+            f"rotates {rotated} online")
+    return tensors, sorted(set(transformed.values()))
+
+
 def check(export_dir, native_dir):
     config = json.loads((export_dir / "config.json").read_text())
     groups = check_groups(config["quantization_config"])
@@ -168,14 +230,20 @@ def check(export_dir, native_dir):
                 require("lm_head.weight" not in names, "a tied lm_head is written")
                 continue
             require(f"{name}.weight" in names, f"{name}: ignored but not written")
-    raw_export = RawTensors(export_dir / "model.safetensors")
+        raw_export = RawTensors(export_dir / "model.safetensors")
+        in_features = {n[:-len(".weight")]: raw_export.header[n]["shape"][1] for n in names
+                       if n.endswith("_proj.weight")}
+        transforms, schemes = check_transforms(config, native_dir, export, raw_export,
+                                               in_features)
     raw_native = RawTensors(native_dir / "model.safetensors")
     quantized = {f"{name}.{part}" for targets, _ in groups for name in targets
                  for part in ("weight", "weight_scale", "input_scale")}
-    for name in sorted(names - quantized):
+    for name in sorted(names - quantized - transforms):
         check_float(name, dtype, raw_export, raw_native)
         summary["float_tensors"] = summary.get("float_tensors", 0) + 1
     summary["ignored"] = config["quantization_config"]["ignore"]
+    summary["transform_schemes"] = schemes
+    summary["transform_tensors"] = len(transforms)
     summary["torch_dtype"] = config["torch_dtype"]
     return summary
 

@@ -7,8 +7,9 @@ For each recipe (dynamic, quarot, static by default):
 
   1. `qforge quantize` the GGUF with the recipe's flags (calibration `--calib`, guard on
      `--guard-text`, `--samples 32 --seq-len 512` as BENCHMARKS.md's quality table);
-  2. `qforge export --format compressed-tensors`. A refusal (QuaRot's online Hadamard
-     rotation cannot be carried by compressed-tensors) is that row's result;
+  2. `qforge export --format compressed-tensors`. A refusal is that row's result (online
+     rotations export as compressed-tensors transforms; only a rotation of lm_head's input
+     is refused, since vLLM applies no transform to its LM head);
   3. the held-out windows: the text `--text` tokenized with the artifact's tokenizer.json
      (the `tokenizers` library qforge's Rust side uses, no BOS where the model adds none),
      cut into chunks of `--ctx` tokens, the second half of each scored (llama.cpp's
@@ -242,9 +243,11 @@ def vllm_child(args):
     job = json.loads(Path(args.job).read_text())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    workarounds = cpu_transform_workaround()
+    # In this process (no worker processes), so that the workaround reaches the model.
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True,
               max_model_len=max(2048, job["ctx"] + job["max_new"] + 64),
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=False, seed=0, distributed_executor_backend="uni")
 
     def schemes(model):
         found = {}
@@ -262,7 +265,13 @@ def vllm_child(args):
             entry["count"] += 1
         return found
 
-    result = {"schemes": llm.apply_model(schemes)[0]}
+    def transforms(model):
+        return sorted({f"{type(m).__name__} {name.rsplit('.', 1)[-1]}"
+                       for name, m in model.named_modules()
+                       if type(m).__name__ == "HadamardTransform"})
+
+    result = {"schemes": llm.apply_model(schemes)[0], "workarounds": workarounds,
+              "transforms": llm.apply_model(transforms)[0]}
     start = time.monotonic()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in job["windows"]], params,
@@ -284,6 +293,23 @@ def vllm_child(args):
     result["greedy"] = [list(o.outputs[0].token_ids) for o in outputs]
     result["greedy_s"] = time.monotonic() - start
     Path(args.result).write_text(json.dumps(result))
+
+
+def cpu_transform_workaround():
+    """vLLM's CPU build (0.32) applies a compressed-tensors online transform densely through
+    `layer.cpu_linear`, an attribute its unquantized CPU linears get when their weights are
+    processed but its `HadamardTransform` module never does: the forward fails with
+    "'HadamardTransform' object has no attribute 'cpu_linear'". Give the class the function
+    vLLM installs for a plain unquantized CPU linear (`torch.nn.functional.linear`, as
+    `UnquantizedLinearMethod` does); vLLM's own code still loads, scales and applies the
+    transform. Returns what was set, for the report; nothing when vLLM has the attribute."""
+    import torch
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import (
+        HadamardTransform)
+    if hasattr(HadamardTransform, "cpu_linear"):
+        return []
+    HadamardTransform.cpu_linear = staticmethod(torch.nn.functional.linear)
+    return ["HadamardTransform.cpu_linear = torch.nn.functional.linear"]
 
 
 def run_vllm(python, export, windows_ids, ctx, prompt_ids, max_new, workdir, timeout):
@@ -406,6 +432,7 @@ def check_recipe(args, name, row):
     row["vllm_ppl"], row["vllm_s"] = theirs["perplexity"], theirs["seconds"]
     row["vllm_ppl_s"], row["vllm_greedy_s"] = theirs["perplexity_s"], theirs["greedy_s"]
     row["schemes"], row["kernels"] = theirs["schemes"], theirs["kernels"]
+    row["transforms"], row["workarounds"] = theirs["transforms"], theirs["workarounds"]
 
     log(f"{name}: qforge greedy on {len(prompt_ids)} prompts")
     greedy = qforge_greedy(args.qforge, artifact, PROMPTS[:args.prompts], encode,
@@ -456,6 +483,10 @@ def scheme_text(row):
     text = "; ".join(f"{k} ×{v['count']}" for k, v in sorted(quantized.items()))
     if row.get("kernels"):
         text += " (" + ", ".join(row["kernels"]) + ")"
+    if row.get("transforms"):
+        text += "; online transforms: " + ", ".join(row["transforms"])
+    if row.get("workarounds"):
+        text += "; with " + ", ".join(row["workarounds"])
     return text
 
 

@@ -8,6 +8,8 @@ the dequantized weights equal the native artifact's.
 
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +92,50 @@ def test_export_reads_back_as_w8a8(tmp_path):
     (tampered / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="weights"):
         check(tampered, tmp_path / "artifact")
+
+
+def test_online_rotations_export_as_transforms(tmp_path):
+    """QuaRot (`--hadamard quarot`: the residual rotated offline, down_proj's input online)
+    exports its online rotation as a compressed-tensors transform vLLM applies: one
+    `random-hadamard` input scheme on every layer's down_proj, its ±1 matrix stored per
+    layer (the reader checks them against the artifact's `online_rotations`); a matrix that
+    differs from the others, which vLLM would load into its one shared tensor, is refused;
+    and a rotation of lm_head's input, which vLLM cannot apply, is not exported."""
+    common = ["--model", str(ROOT / "models/smollm2-135m-instruct-q4_1.gguf"),
+              "--data", str(ROOT / "fixtures/episodes/arithmetic.jsonl"), "--samples", "8",
+              "--seq-len", "64", "--activations", "dynamic",
+              "--max-perplexity-increase", "1000", "--eval-data",
+              str(ROOT / "fixtures/text/eval.txt"), "--ctx", "128"]
+    qforge("quantize", *common, "--hadamard", "quarot", "-o", "artifact", cwd=tmp_path)
+    summary = qforge("export", "--model", "artifact", "--format", "compressed-tensors",
+                     "-o", "ct", cwd=tmp_path)
+    assert summary["online_rotations"] == ["mlp.down_proj"]
+    config = json.loads((tmp_path / "ct/config.json").read_text())
+    schemes = config["quantization_config"]["transform_config"]["config_groups"]
+    assert list(schemes) == ["hadamard_mlp_down_proj"]
+    assert schemes["hadamard_mlp_down_proj"]["type"] == "random-hadamard"
+
+    checked = check(tmp_path / "ct", tmp_path / "artifact")
+    assert checked["transform_schemes"] == ["hadamard_mlp_down_proj"]
+    assert checked["transform_tensors"] == config["num_hidden_layers"]
+
+    # One sign flipped in layer 3's matrix: bf16 stores the sign in its high byte.
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tmp_path / "ct", tampered)
+    weights = tampered / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    key = "model.layers.3.mlp.down_proj.hadamard_mlp_down_proj_input.weight"
+    assert header[key]["dtype"] == "BF16"
+    data[8 + length + header[key]["data_offsets"][0] + 1] ^= 0x80
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match=f"{key}: differs from the scheme's other matrices"):
+        check(tampered, tmp_path / "artifact")
+
+    qforge("quantize", *common, "--hadamard", "lm_head", "-o", "head", cwd=tmp_path)
+    out = subprocess.run([QFORGE, "export", "--model", "head", "--format",
+                          "compressed-tensors", "-o", "head-ct"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "rotates lm_head's input online, which vLLM cannot apply" in out.stderr

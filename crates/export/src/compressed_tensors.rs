@@ -25,13 +25,27 @@
 //! A full-precision head is in `ignore`: dropped when the source tied it to
 //! the embedding (vLLM ties it again), else written in the checkpoint's
 //! dtype.
+//!
+//! Online rotations (QuaRot's Hadamard before `down_proj`, or any input
+//! `--hadamard` rotates online) become compressed-tensors transforms: one
+//! `transform_config` scheme per rotated input, of type `random-hadamard`,
+//! applied at the `input` of every layer that reads it, and the ±1 matrix
+//! `H` (qforge's Hadamard construction, [`input_transform_matrix`]) stored for each such
+//! layer as `NAME.SCHEME_input.weight` in bf16 (exact): vLLM multiplies the
+//! input by `H / √n` before the layer, as qforge's engine does. The type is
+//! `random-hadamard`, not `hadamard`, because vLLM computes a `hadamard`
+//! transform with its own Sylvester kernel instead of reading the matrix;
+//! only the stored matrix is qforge's (`H_m ⊗ H_2^k`, e.g. 1 536 = 12 · 128
+//! for SmolLM2's down_proj). A rotation of lm_head's input is refused: vLLM
+//! applies online transforms to linear layers only, not to its LM head.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, read_config};
-use qforge_model::{Llama, LlamaConfig};
+use qforge_model::llama::compressed::{input_transform_key, input_transform_matrix};
+use qforge_model::{Llama, LlamaConfig, RotatedInput};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};
 
@@ -49,6 +63,9 @@ pub struct CompressedTensors {
     pub lm_head: &'static str,
     /// The checkpoint's `torch_dtype`: `bfloat16` or `float32`.
     pub dtype: &'static str,
+    /// The inputs rotated online, written as transforms (their
+    /// observation-point suffixes, e.g. `mlp.down_proj`).
+    pub online_rotations: Vec<&'static str>,
 }
 
 /// A tensor to write: dtype, shape, little-endian bytes (borrowed from the
@@ -289,6 +306,101 @@ fn write_tensors(out: &BTreeMap<String, TensorOut<'_>>, dest: &Path) -> Result<(
     )?)
 }
 
+/// An online rotation as the export writes it: its transform scheme and
+/// its matrix, little-endian bf16.
+struct RotationMatrix {
+    input: RotatedInput,
+    scheme: String,
+    size: usize,
+    bf16: Vec<u8>,
+}
+
+/// The matrices of `rotations` for a model of config `llama`; a rotation
+/// vLLM cannot apply (lm_head's input) is refused, naming the way out.
+fn rotation_matrices(
+    artifact: &Path,
+    rotations: &[RotatedInput],
+    llama: &LlamaConfig,
+) -> Result<Vec<RotationMatrix>> {
+    rotations
+        .iter()
+        .map(|&input| {
+            if input == RotatedInput::Head {
+                return Err(Error::Unsupported(format!(
+                    "{} rotates lm_head's input online, which vLLM cannot apply (it runs \
+                     compressed-tensors' online transforms on linear layers only, not on its \
+                     LM head); to export to vLLM, quantize again without lm_head in --hadamard \
+                     (`--hadamard quarot` rotates the residual offline and down_proj online)",
+                    artifact.display()
+                )));
+            }
+            let size = input.width(llama);
+            let signs = input_transform_matrix(input, llama)?;
+            Ok(RotationMatrix {
+                input,
+                scheme: format!("hadamard_{}", input.name().replace('.', "_")),
+                size,
+                bf16: to_bf16(&f32_bytes(signs)),
+            })
+        })
+        .collect()
+}
+
+/// Adds each rotation's matrix to `out` once for every layer reading its
+/// input, under the name vLLM loads it from.
+fn add_rotation_matrices<'a>(
+    rotations: &'a [RotationMatrix],
+    llama: &LlamaConfig,
+    out: &mut BTreeMap<String, TensorOut<'a>>,
+) {
+    for rotation in rotations {
+        for layer in 0..llama.num_layers {
+            for module in rotation.input.consumers() {
+                out.insert(
+                    input_transform_key(
+                        &format!("model.layers.{layer}.{module}"),
+                        &rotation.scheme,
+                    ),
+                    (
+                        Dtype::BF16,
+                        vec![rotation.size, rotation.size],
+                        Cow::Borrowed(&rotation.bf16),
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// `quantization_config.transform_config`: one online `random-hadamard`
+/// scheme per rotation, at the input of the modules reading it (a pattern
+/// matched from the start of a module's name, as compressed-tensors and
+/// vLLM match `re:` targets).
+fn transform_config(rotations: &[RotationMatrix]) -> Value {
+    let groups: serde_json::Map<String, Value> = rotations
+        .iter()
+        .map(|rotation| {
+            let modules: Vec<String> = rotation
+                .input
+                .consumers()
+                .iter()
+                .map(|m| m.replace('.', "\\."))
+                .collect();
+            let target = format!("re:model\\.layers\\.\\d+\\.({})$", modules.join("|"));
+            let scheme = json!({
+                "type": "random-hadamard",
+                "apply": [{"targets": [target], "location": "input", "inverse": false, "ignore": []}],
+                "randomize": false,
+                "requires_grad": false,
+                "head_dim": null,
+                "precision": "float32",
+            });
+            (rotation.scheme.clone(), scheme)
+        })
+        .collect();
+    json!({ "config_groups": groups })
+}
+
 /// Writes `dest/config.json` (the artifact's, with `quantization_config`)
 /// and copies the tokenizer files, which the export does not change (an
 /// artifact of a model that shipped no `tokenizer.json` has none to copy:
@@ -317,23 +429,9 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
                 .into(),
         ));
     }
-    if !config.online_rotations.is_empty() {
-        // vLLM would load the rotated weights and feed them unrotated inputs:
-        // a model that loads and answers garbage. qforge does not write
-        // compressed-tensors' transform configuration, so it refuses.
-        return Err(Error::Unsupported(format!(
-            "{} rotates the inputs of {} online (a Hadamard rotation qforge's engine applies), which a compressed-tensors checkpoint cannot carry here; to export to vLLM, quantize again with `--hadamard residual` (the residual stream rotated offline, nothing online) or without --hadamard",
-            artifact.display(),
-            config
-                .online_rotations
-                .iter()
-                .map(|r| r.name())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
-    }
     let mut hf = read_json(&artifact.join("config.json"))?;
     let llama = LlamaConfig::from_hf(&hf)?;
+    let rotations = rotation_matrices(artifact, &config.online_rotations, &llama)?;
     let tied = hf["tie_word_embeddings"].as_bool().unwrap_or(false);
 
     let weights_path = artifact.join(WEIGHTS_FILE);
@@ -355,8 +453,13 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
         lm_head(tied, &source, &weights_path, &mut out)?
     };
     let dtype = to_checkpoint_dtype(&mut out);
+    // After the dtype choice: ±1 is exact in bf16, whatever the rest holds.
+    add_rotation_matrices(&rotations, &llama, &mut out);
 
     hf["quantization_config"] = targets.quantization_config();
+    if !rotations.is_empty() {
+        hf["quantization_config"]["transform_config"] = transform_config(&rotations);
+    }
     hf["torch_dtype"] = dtype.into();
     write_tensors(&out, dest)?;
     write_config_and_tokenizer(&hf, artifact, dest)?;
@@ -365,6 +468,7 @@ pub fn export_compressed_tensors(artifact: &Path, dest: &Path) -> Result<Compres
         ignored: targets.ignored,
         lm_head,
         dtype,
+        online_rotations: rotations.iter().map(|r| r.input.name()).collect(),
     })
 }
 

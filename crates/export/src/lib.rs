@@ -64,6 +64,8 @@ pub enum Exported {
         lm_head: &'static str,
         /// The checkpoint's `torch_dtype`.
         dtype: &'static str,
+        /// Inputs rotated online, written as compressed-tensors transforms.
+        online_rotations: Vec<&'static str>,
     },
     /// See [`OnnxExport`].
     Onnx {
@@ -103,6 +105,7 @@ pub fn export(artifact: &Path, target: Target, dest: &Path) -> Result<ExportRepo
                     ignore: result.ignored,
                     lm_head: result.lm_head,
                     dtype: result.dtype,
+                    online_rotations: result.online_rotations,
                 }
             }
             Target::Onnx { f32 } => onnx(artifact, &source, f32, staging)?,
@@ -166,11 +169,22 @@ impl fmt::Display for ExportReport {
                 ignore,
                 lm_head,
                 dtype,
-            } => write!(
-                f,
-                "wrote {dest} (compressed-tensors, {dtype}): {quantized_layers} int8 layers, {} left unquantized (lm_head {lm_head})",
-                ignore.len()
-            ),
+                online_rotations,
+            } => {
+                write!(
+                    f,
+                    "wrote {dest} (compressed-tensors, {dtype}): {quantized_layers} int8 layers, {} left unquantized (lm_head {lm_head})",
+                    ignore.len()
+                )?;
+                if !online_rotations.is_empty() {
+                    write!(
+                        f,
+                        "; inputs rotated online by transforms: {}",
+                        online_rotations.join(", ")
+                    )?;
+                }
+                Ok(())
+            }
             Exported::Onnx {
                 opset,
                 int8_layers,

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::llama as peer;
 use qforge_export::export_compressed_tensors;
 use qforge_model::artifact::{LayerPrecision, write_language_model};
-use qforge_model::{LanguageModel, Linear, Logits};
+use qforge_model::{LanguageModel, Linear, Logits, RotatedInput};
 use safetensors::{Dtype, SafeTensors};
 
 fn root() -> PathBuf {
@@ -34,7 +34,8 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
 }
 
 /// The export's tensors as the peer takes them: int8 weights times their
-/// per-row scales, f32 and bf16 as stored; scales themselves left out.
+/// per-row scales, f32 and bf16 as stored; scales themselves left out; each
+/// online input transform folded into the weight of the layer it feeds.
 fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -61,7 +62,44 @@ fn dequantized_tensors(dir: &Path) -> HashMap<String, Tensor> {
         };
         out.insert(name, Tensor::from_vec(values, shape, &Device::Cpu).unwrap());
     }
+    fold_input_transforms(dir, &mut out);
     out
+}
+
+/// Folds each online input transform of the export's `transform_config`
+/// into the weight it feeds, by the format's definition rather than
+/// qforge's code: the runtime computes `(x H/√n) Wᵀ = x (W (H/√n)ᵀ)ᵀ` for
+/// the stored `H` of `NAME.SCHEME_input.weight`, so `W` becomes `W (H/√n)ᵀ`.
+fn fold_input_transforms(dir: &Path, tensors: &mut HashMap<String, Tensor>) {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let Some(groups) =
+        config["quantization_config"]["transform_config"]["config_groups"].as_object()
+    else {
+        return;
+    };
+    for (scheme, group) in groups {
+        let apply = &group["apply"][0];
+        assert_eq!(
+            (&apply["location"], &apply["inverse"]),
+            (&"input".into(), &false.into())
+        );
+        let suffix = format!(".{scheme}_input.weight");
+        let matrices: Vec<String> = tensors
+            .keys()
+            .filter(|k| k.ends_with(&suffix))
+            .cloned()
+            .collect();
+        assert!(!matrices.is_empty(), "no matrix of {scheme}");
+        for key in matrices {
+            let h = tensors.remove(&key).unwrap();
+            let n = h.dims()[0] as f64;
+            let weight_key = format!("{}.weight", key.strip_suffix(&suffix).unwrap());
+            let w = &tensors[&weight_key];
+            let folded = w.matmul(&(h / n.sqrt()).unwrap().t().unwrap()).unwrap();
+            tensors.insert(weight_key, folded);
+        }
+    }
 }
 
 /// SmolLM2-135M-Instruct from the GGUF fixture.
@@ -150,6 +188,106 @@ fn a_residual_rotated_model_exports_and_runs_on_candle_transformers() {
     assert_eq!(summary.lm_head, "copied");
     assert_eq!(summary.dtype, "float32");
     assert_eq!(summary.ignored, ["lm_head".to_owned()]);
+}
+
+/// Online rotations (QuaRot: the residual offline and down_proj's input
+/// online, here with o_proj's too; and every other input on its own,
+/// q/k/v and gate/up being vLLM's fused layers) export as compressed-tensors
+/// transforms: candle-transformers over the export's weights with the
+/// transforms folded in by the format's definition gives qforge's logits,
+/// and qforge reads the export back to the artifact's logits bit for bit.
+#[test]
+fn online_rotations_export_as_transforms_that_run_on_the_peer_and_read_back() {
+    let lm = smollm2();
+    let recipes: [(&str, bool, &[RotatedInput]); 2] = [
+        (
+            "quarot",
+            true,
+            &[RotatedInput::AttentionOutput, RotatedInput::MlpProduct],
+        ),
+        (
+            "inputs",
+            false,
+            &[RotatedInput::Attention, RotatedInput::Mlp],
+        ),
+    ];
+    for (name, residual, inputs) in recipes {
+        let mut rotated = lm.clone();
+        if residual {
+            rotated.model = rotated.model.residual_rotated(0).unwrap();
+        }
+        rotated.model = rotated.model.rotated(inputs).unwrap();
+        let points = dynamic_with_fp_head(&rotated);
+        let (summary, config) = export_and_compare(&rotated, &points, name);
+        let names: Vec<&str> = inputs.iter().map(|r| r.name()).collect();
+        assert_eq!(summary.online_rotations, names);
+        let groups = config["quantization_config"]["transform_config"]["config_groups"]
+            .as_object()
+            .unwrap();
+        assert_eq!(groups.len(), inputs.len());
+        assert!(groups.values().all(|g| g["type"] == "random-hadamard"));
+    }
+}
+
+/// What qforge cannot carry or run is refused by name: an export of a
+/// rotated lm_head input (vLLM applies no transform to its LM head), and a
+/// checkpoint whose transform matrix is not qforge's Hadamard, or that
+/// rotates down_proj's input in some layers only.
+#[test]
+fn rotations_vllm_or_qforge_cannot_apply_are_refused_by_name() {
+    let mut lm = smollm2();
+    lm.model = lm.model.rotated(&[RotatedInput::Head]).unwrap();
+    let artifact = fresh("head-artifact");
+    write_language_model(artifact.path(), &lm, &dynamic_with_fp_head(&lm)).unwrap();
+    let err = export_compressed_tensors(artifact.path(), fresh("head-ct").path())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rotates lm_head's input online"), "{err}");
+
+    let mut lm = smollm2();
+    lm.model = lm.model.rotated(&[RotatedInput::MlpProduct]).unwrap();
+    let artifact = fresh("tamper-artifact");
+    write_language_model(artifact.path(), &lm, &dynamic_with_fp_head(&lm)).unwrap();
+    let export = fresh("tamper-ct");
+    export_compressed_tensors(artifact.path(), export.path()).unwrap();
+    assert!(LanguageModel::load(export.path()).is_ok());
+    let weights = export.path().join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    let key = "model.layers.3.mlp.down_proj.hadamard_mlp_down_proj_input.weight";
+    let rewrite = |edit: &TensorEdit<'_>| {
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let kept: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .filter_map(|(name, view)| {
+                let data = edit(&name, view.data())?;
+                Some((name, view.dtype(), view.shape().to_vec(), data))
+            })
+            .collect();
+        let views = kept.iter().map(|(name, dtype, shape, data)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        });
+        safetensors::serialize_to_file(views, None, &weights).unwrap();
+        LanguageModel::load(export.path()).unwrap_err().to_string()
+    };
+    // One sign flipped (bf16 1.0 = 0x3f80, -1.0 = 0xbf80).
+    let err = rewrite(&|name, data| {
+        let mut data = data.to_vec();
+        if name == key {
+            data[1] ^= 0x80;
+        }
+        Some(data)
+    });
+    assert!(
+        err.contains("is not qforge's Hadamard matrix of size 1536"),
+        "{err}"
+    );
+    let err = rewrite(&|name, data| (name != key).then(|| data.to_vec()));
+    assert!(err.contains(key), "{err}");
+    assert!(err.contains("transform_config"), "{err}");
 }
 
 /// `lm` with the int8 layers of `points` dequantized (their int8 values
@@ -298,6 +436,10 @@ fn reads_back_as_the_artifact(artifact: &Path, export: &Path, tokens: &[u32]) {
         "the export read back differs from the artifact"
     );
 }
+
+/// A tensor of an export rewritten (`Some(bytes)`) or dropped (`None`), by
+/// name and bytes.
+type TensorEdit<'a> = dyn Fn(&str, &[u8]) -> Option<Vec<u8>> + 'a;
 
 /// A change to an export's `quantization_config`.
 type ConfigEdit<'a> = dyn Fn(&mut serde_json::Value) + 'a;

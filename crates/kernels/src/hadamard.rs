@@ -102,6 +102,24 @@ impl Hadamard {
         self.n == 0
     }
 
+    /// The unnormalized matrix `H` (row-major, every entry ±1) with
+    /// [`Hadamard::rotate`]`(x) = x H / √n`: row `i` holds the signs of the
+    /// rotated `eᵢ`. Formats that store a rotation as a matrix (Hugging Face
+    /// compressed-tensors' transforms) carry it so; its ±1 entries are exact
+    /// in any float width, bf16 included.
+    pub fn signs(&self) -> Vec<f32> {
+        let n = self.n;
+        let mut rows = vec![0f32; n * n];
+        for i in 0..n {
+            rows[i * n + i] = 1.0;
+        }
+        self.rotate_with(HadamardTier::Portable, &mut rows)
+            .expect("n × n values are n rows, and the portable tier runs anywhere");
+        // Entries are ±1/√n (a Hadamard matrix, normalized): never zero.
+        rows.iter_mut().for_each(|v| *v = v.signum());
+        rows
+    }
+
     /// Rotates every row of `rows` (rows of [`Hadamard::len`] values) in
     /// place, on the fastest tier.
     pub fn rotate(&self, rows: &mut [f32]) -> Result<()> {
@@ -311,6 +329,24 @@ mod tests {
             let norm = 1.0 / (n as f64).sqrt();
             assert!(q.iter().all(|v| (v.abs() - norm).abs() < 1e-6), "n {n}");
         }
+    }
+
+    #[test]
+    fn the_sign_matrix_over_root_n_is_the_rotation() {
+        for n in [1, 12, 64, 576] {
+            let h = Hadamard::new(n).unwrap();
+            let signs = h.signs();
+            assert!(signs.iter().all(|v| v.abs() == 1.0), "n {n}");
+            let q = dense(&h);
+            let norm = 1.0 / (n as f64).sqrt();
+            for (s, v) in signs.iter().zip(&q) {
+                assert!((f64::from(*s) * norm - v).abs() < 1e-6, "n {n}");
+            }
+        }
+        // Paley's factor is not symmetric, so the orientation matters:
+        // row i is eᵢ rotated, not column i.
+        let signs = Hadamard::new(12).unwrap().signs();
+        assert!((0..12).any(|i| (0..12).any(|j| signs[i * 12 + j] != signs[j * 12 + i])));
     }
 
     #[test]

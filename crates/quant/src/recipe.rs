@@ -658,9 +658,10 @@ pub struct Overrides {
     /// [rotation] rotate by Hadamard matrices: comma-separated among
     /// `residual` (the residual stream, offline: no run-time cost, exports
     /// unchanged) and the linear inputs q_proj, o_proj, gate_proj,
-    /// down_proj, lm_head (online in qforge's engine: such an artifact does
-    /// not export); `all` (every input online) or `quarot` (residual,
-    /// down_proj).
+    /// down_proj, lm_head (online: qforge's engine rotates the input, and
+    /// compressed-tensors carries the rotation as a transform vLLM applies,
+    /// but for lm_head's); `all` (every input online) or `quarot`
+    /// (residual, down_proj).
     #[cfg_attr(feature = "clap", arg(long, value_name = "INPUTS"))]
     pub hadamard: Option<String>,
     /// [gptq] round int8 weights with GPTQ: the activation pass (and Hessian

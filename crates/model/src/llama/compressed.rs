@@ -21,7 +21,10 @@
 //!
 //! Anything else (4-bit or float8 formats, groups, asymmetric zero points,
 //! output or KV-cache quantization) is refused naming what the checkpoint
-//! holds, rather than run with other numerics than its writer meant.
+//! holds, rather than run with other numerics than its writer meant. Online
+//! Hadamard transforms (`transform_config`) are read by [`transforms`].
+
+mod transforms;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -36,6 +39,8 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::linear::{Linear, bf16_values};
 use crate::linear::{scale_rule, usable_scale};
+pub(crate) use transforms::online_rotations;
+pub use transforms::{input_transform_key, input_transform_matrix};
 
 /// Levels of a symmetric int8 quantizer.
 const QMAX: f32 = 127.0;

@@ -235,12 +235,23 @@ impl Llama {
             .map_err(|e| Error::Format(format!("{}: {e}", dir.display())))?;
         let tensors = Arc::new(tensors);
         let names = tensors.tensors().into_iter().map(|(n, _)| n).collect();
+        let rotations = match &scheme {
+            Some(_) => compressed::online_rotations(
+                &json["quantization_config"],
+                &config,
+                &tensors,
+                &config_path,
+            )?,
+            None => Vec::new(),
+        };
         let source = SafetensorsSource {
             tensors,
             names,
             scheme,
         };
-        Self::load(config, &source).map_err(|e| e.in_file(dir))
+        Self::load(config, &source)
+            .and_then(|model| model.with_rotations(&rotations))
+            .map_err(|e| e.in_file(dir))
     }
 
     /// Builds the decoder from its config and a tensor source.

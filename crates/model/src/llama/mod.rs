@@ -18,7 +18,7 @@
 
 mod attention;
 mod cache;
-mod compressed;
+pub mod compressed;
 mod config;
 mod decode;
 mod forward;

@@ -89,12 +89,25 @@ impl RotatedInput {
         Ok(inputs)
     }
 
+    /// The linear layers that read this input, by their module names within
+    /// a decoder layer (`lm_head`: the model's own).
+    pub fn consumers(self) -> &'static [&'static str] {
+        match self {
+            Self::Attention => &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            Self::AttentionOutput => &["self_attn.o_proj"],
+            Self::Mlp => &["mlp.gate_proj", "mlp.up_proj"],
+            Self::MlpProduct => &["mlp.down_proj"],
+            Self::Head => &["lm_head"],
+        }
+    }
+
     /// Whether the observation point `point` is this input.
     pub fn is_point(self, point: &str) -> bool {
         point == self.name() || point.ends_with(&format!(".{}", self.name()))
     }
 
-    fn width(self, c: &LlamaConfig) -> usize {
+    /// The width of this input in a model of config `c`.
+    pub fn width(self, c: &LlamaConfig) -> usize {
         match self {
             Self::Attention | Self::Mlp | Self::Head => c.hidden_size,
             Self::AttentionOutput => c.num_heads * c.head_dim,
