@@ -29,12 +29,18 @@ request latency, and the machine's CPU use. With --gemm-peak (G MAC/s, the GEMM
 benchmark's best two-thread figure on this machine) the table also gives each rate as a
 share of the INT8 roofline: peak ÷ the model's linear multiply-adds per token.
 
+Sampled completions end where their draws end them, so two runs (two builds of an A/B
+comparison) do different work. With --fixed-length every request carries `"ignore_eos":
+true` (vLLM's field, which llama-server and qforge take too): each completion runs to
+max_tokens, every answer is checked to have that many tokens (a server that ignored the
+field fails the run), and the JSON and the table say so.
+
 Engines left out of the arguments are skipped. Standard library only. Writes
 target/bench-rollouts.json and prints a Markdown table.
 
   python3 scripts/bench_rollouts.py --qforge-model ARTIFACT \\
       [--llama-server BIN --llama-model Q8_0.gguf] [--vllm-python PY --vllm-model DIR] \\
-      [--levels 1,16,64,256] [--gemm-peak 900]
+      [--levels 1,16,64,256] [--gemm-peak 900] [--fixed-length]
 """
 
 import argparse
@@ -122,14 +128,17 @@ class Engine:
         self.process = None
 
 
-def request(port, prompt, seed, n, conn=None):
-    """One chat completion; returns (latency s, completion tokens)."""
+def request(port, prompt, seed, n, conn=None, fixed_length=False):
+    """One chat completion; returns (latency s, completion tokens). `fixed_length`:
+    past the end of sequence to max_tokens, checked."""
     own = conn is None
     conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": seed}
     if n > 1:
         body["n"] = n
+    if fixed_length:
+        body["ignore_eos"] = True
     started = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
@@ -143,12 +152,17 @@ def request(port, prompt, seed, n, conn=None):
     answer = json.loads(data)
     if len(answer["choices"]) != n:
         raise SystemExit(f"{n} choices asked, {len(answer['choices'])} given")
-    return latency, answer["usage"]["completion_tokens"]
+    tokens = answer["usage"]["completion_tokens"]
+    if fixed_length and tokens != n * MAX_TOKENS:
+        raise SystemExit(f"ignore_eos asked for {n} × {MAX_TOKENS} tokens on port {port}, "
+                         f"{tokens} given: the server does not honour it")
+    return latency, tokens
 
 
-def load(engine, jobs, clients):
+def load(engine, jobs, clients, fixed_length):
     """Sends `jobs` [(prompt, seed, n)] from `clients` threads, each taking the next job
-    when its last one is answered. Returns the row's figures."""
+    when its last one is answered (with `ignore_eos` when `fixed_length`). Returns the
+    row's figures."""
     results, failures, lock, queue = [], [], threading.Lock(), list(reversed(jobs))
 
     def client():
@@ -159,7 +173,7 @@ def load(engine, jobs, clients):
                     break
                 prompt, seed, n = queue.pop()
             try:
-                outcome = request(engine.port, prompt, seed, n, conn)
+                outcome = request(engine.port, prompt, seed, n, conn, fixed_length)
             except (Exception, SystemExit) as e:  # noqa: BLE001 - reported below
                 with lock:
                     failures.append(f"{type(e).__name__}: {e}")
@@ -239,7 +253,7 @@ def shapes(levels, grpo_shapes=True):
     return out
 
 
-def markdown(rows, peak):
+def markdown(rows, peak, fixed_length):
     head = "| load | engine | requests | tokens/s | p50 ms | p99 ms | machine cores |"
     rule = "|---|---|---|---|---|---|---|"
     if peak:
@@ -258,6 +272,13 @@ def markdown(rows, peak):
         lines.append(f"INT8 roofline: {peak} G MAC/s ÷ {LINEAR_MACS_PER_TOKEN / 1e6:.1f} M "
                      f"linear multiply-adds per token = {peak * 1e9 / LINEAR_MACS_PER_TOKEN:.0f} "
                      "tokens/s.")
+    lines.append("")
+    if fixed_length:
+        lines.append(f"Fixed length (--fixed-length, ignore_eos): every completion ran to "
+                     f"max_tokens = {MAX_TOKENS}.")
+    else:
+        lines.append(f"Completions end at their end of sequence or max_tokens = {MAX_TOKENS} "
+                     "(their lengths follow the draws).")
     return "\n".join(lines)
 
 
@@ -273,6 +294,9 @@ def main():
     parser.add_argument("--vllm-model", help="qforge's compressed-tensors export")
     parser.add_argument("--levels", default="1,16,64,256")
     parser.add_argument("--gemm-peak", type=float, help="INT8 GEMM peak, G MAC/s")
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="send ignore_eos: true, so that every completion runs to "
+                             f"max_tokens ({MAX_TOKENS}) and two runs do the same work")
     parser.add_argument("--no-grpo", action="store_true",
                         help="measure the levels only (a repeat of one level takes minutes, "
                              "GRPO's shapes five more)")
@@ -291,7 +315,7 @@ def main():
                     continue
                 log(f"{label}: {engine.name} …")
                 engine.start(clients)
-                row = load(engine, jobs, clients)
+                row = load(engine, jobs, clients, args.fixed_length)
                 row["load"] = label
                 log(f"  {row}")
                 rows.append(row)
@@ -300,8 +324,9 @@ def main():
             engine.stop()
     os.makedirs("target", exist_ok=True)
     with open("target/bench-rollouts.json", "w") as f:
-        json.dump({"rows": rows, "gemm_peak": args.gemm_peak}, f, indent=1)
-    print(markdown(rows, args.gemm_peak))
+        json.dump({"rows": rows, "gemm_peak": args.gemm_peak,
+                   "fixed_length": args.fixed_length, "max_tokens": MAX_TOKENS}, f, indent=1)
+    print(markdown(rows, args.gemm_peak, args.fixed_length))
 
 
 if __name__ == "__main__":

@@ -176,6 +176,7 @@ fn submit(
     let request = Request {
         prompt,
         max_tokens: sampling.max_tokens,
+        ignore_eos: false,
         temperature: sampling.temperature,
         seed: first.seed,
         stop: sampling.stop.clone(),

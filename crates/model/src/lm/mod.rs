@@ -1,6 +1,6 @@
 //! A language model ready to use: decoder, tokenizer and chat template, with
 //! generation. Evaluation lives in files of its own, one job each: sampling
-//! and token log-probabilities ([`sample`], [`token_log_prob`]), perplexity
+//! and token log-probabilities from one softmax ([`with_distribution`]), perplexity
 //! ([`perplexity()`]) and the comparison of two models ([`compare()`]).
 //! Their public items are re-exported here, so `qforge_model::lm::…` names
 //! them as it did when this was one file.
@@ -13,7 +13,9 @@ pub use compare::{
     Comparison, ReferenceLogProbs, compare, compare_from, compare_to, increase_interval,
 };
 pub use perplexity::{Perplexity, perplexity};
-pub use sampling::{TokenLogProb, continuation_log_probs, sample, token_log_prob};
+pub use sampling::{
+    Distribution, TokenLogProb, continuation_log_probs, sample, token_log_prob, with_distribution,
+};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

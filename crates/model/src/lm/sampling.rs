@@ -1,8 +1,11 @@
-//! Drawing the next token from a position's logits ([`sample`]) and the
-//! log-probabilities of tokens under that same distribution
-//! ([`token_log_prob`], [`continuation_log_probs`]): the sampler and the
-//! figures a trainer scores against share one softmax, summed in this
-//! thread's buffers.
+//! Drawing the next token from a position's logits and the
+//! log-probabilities of tokens under that same distribution. A
+//! [`Distribution`] ([`with_distribution`]) computes the tempered softmax
+//! at most once, in this thread's buffers, and both draws from it and
+//! scores any token against it: a rollout that asks for log-probs pays for
+//! one pass of `exp` over the vocabulary per token, not two.
+//! [`sample`], [`token_log_prob`] and [`continuation_log_probs`] are its
+//! one-job uses.
 
 use std::cell::RefCell;
 
@@ -12,56 +15,10 @@ use rand::{Rng, rngs::StdRng};
 use crate::error::{Error, Result};
 use crate::llama::{Llama, Logits};
 
-/// Picks the next token from one position's logits: the argmax when
-/// `temperature` is `None` or 0, else a draw from softmax(logits / t).
-///
-/// The draw is one uniform f64 from `rng` times the softmax's total, found
-/// among [`SOFTMAX_BLOCK`] block sums, then among that block's weights
-/// ([`softmax_weights`]: the same bits on every CPU tier), so a seed draws
-/// the same tokens on every machine. A row without a finite, positive
-/// total (NaN or infinite logits) gives its argmax.
+/// Picks the next token from one position's logits (see
+/// [`Distribution::sample`]).
 pub fn sample(logits: &[f32], temperature: Option<f64>, rng: &mut StdRng) -> Result<u32> {
-    let t = match temperature {
-        None | Some(0.0) => return Ok(argmax(logits)),
-        Some(t) if t > 0.0 && t.is_finite() => t,
-        Some(t) => {
-            return Err(Error::Shape(format!(
-                "temperature must be ≥ 0 and finite, got {t}"
-            )));
-        }
-    };
-    let uniform = rng.random::<f64>();
-    Ok(with_softmax(logits, t, |weights, block_sums| {
-        let total: f64 = block_sums.iter().sum();
-        if !(total > 0.0 && total.is_finite()) {
-            return argmax(logits);
-        }
-        let mut target = uniform * total;
-        for (block, &sum) in block_sums.iter().enumerate() {
-            if target > sum {
-                target -= sum;
-                continue;
-            }
-            let first = block * SOFTMAX_BLOCK;
-            let weights = &weights[first..(first + SOFTMAX_BLOCK).min(weights.len())];
-            let mut last_drawable = None;
-            for (i, &w) in weights.iter().enumerate() {
-                if w > 0.0 {
-                    last_drawable = Some(i);
-                }
-                target -= f64::from(w);
-                if target <= 0.0 && w > 0.0 {
-                    return (first + i) as u32;
-                }
-            }
-            // The block's sum is its weights' in another order; what
-            // rounding leaves over belongs to its last token.
-            if let Some(i) = last_drawable {
-                return (first + i) as u32;
-            }
-        }
-        argmax(logits)
-    }))
+    with_distribution(logits, temperature, |distribution| distribution.sample(rng))
 }
 
 thread_local! {
@@ -70,22 +27,172 @@ thread_local! {
     static SOFTMAX: RefCell<(Vec<f32>, Vec<f64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Runs `f` on the weights and block sums of softmax(logits / t) (see
-/// [`softmax_weights`]), in this thread's buffers: a draw allocates nothing.
-fn with_softmax<T>(logits: &[f32], t: f64, f: impl FnOnce(&[f32], &[f64]) -> T) -> T {
+/// Runs `f` on the distribution of one position's `logits` at
+/// `temperature`, whose softmax lives in this thread's buffers: a draw
+/// allocates nothing. `f` must not call back into this module's free
+/// functions (the buffers are borrowed for its duration).
+pub fn with_distribution<T>(
+    logits: &[f32],
+    temperature: Option<f64>,
+    f: impl FnOnce(&mut Distribution<'_>) -> T,
+) -> T {
     SOFTMAX.with(|buffers| {
         let (weights, block_sums) = &mut *buffers.borrow_mut();
-        weights.resize(logits.len(), 0.0);
-        block_sums.resize(logits.len().div_ceil(SOFTMAX_BLOCK), 0.0);
-        // `t` > 0 and finite: a scale that overflows f32 is an infinite
-        // one, whose softmax is the argmax's (as a NaN-total row falls to).
-        let scale = ((1.0 / t) as f32).min(f32::MAX);
-        if softmax_weights(logits, scale, weights, block_sums).is_err() {
-            // Only a scale that rounds to 0 is refused: t above 1e38.
-            block_sums.fill(f64::NAN);
-        }
-        f(weights, block_sums)
+        f(&mut Distribution {
+            logits,
+            temperature,
+            weights,
+            block_sums,
+            softmax: None,
+        })
     })
+}
+
+/// One position's logits at a temperature, with the softmax that drawing
+/// and scoring share, computed on first need. Greedy draws need none (the
+/// argmax), and greedy scores use temperature 1, so a greedy draw without
+/// log-probs never runs the softmax.
+pub struct Distribution<'a> {
+    logits: &'a [f32],
+    temperature: Option<f64>,
+    weights: &'a mut Vec<f32>,
+    block_sums: &'a mut Vec<f64>,
+    /// What `weights` and `block_sums` hold, once computed.
+    softmax: Option<Softmax>,
+}
+
+/// A softmax computed into a [`Distribution`]'s buffers.
+#[derive(Clone, Copy)]
+struct Softmax {
+    /// The temperature it was computed at.
+    t: f64,
+    /// The weights' total: the block sums summed in order (NaN when the
+    /// kernel refused the scale).
+    total: f64,
+    /// The largest logit, when the kernel's `max x` is it exactly (its
+    /// scale is 1: every request at temperature 1 and every greedy score),
+    /// which spares [`Distribution::log_prob`] a pass over the vocabulary.
+    max: Option<f32>,
+}
+
+impl Distribution<'_> {
+    /// Picks the next token: the argmax when the temperature is `None` or
+    /// 0, else a draw from softmax(logits / t).
+    ///
+    /// The draw is one uniform f64 from `rng` times the softmax's total,
+    /// found among [`SOFTMAX_BLOCK`] block sums, then among that block's
+    /// weights ([`softmax_weights`]: the same bits on every CPU tier), so a
+    /// seed draws the same tokens on every machine. A row without a finite,
+    /// positive total (NaN or infinite logits) gives its argmax.
+    pub fn sample(&mut self, rng: &mut StdRng) -> Result<u32> {
+        let t = match self.temperature {
+            None | Some(0.0) => return Ok(argmax(self.logits)),
+            Some(t) if t > 0.0 && t.is_finite() => t,
+            Some(t) => {
+                return Err(Error::Shape(format!(
+                    "temperature must be ≥ 0 and finite, got {t}"
+                )));
+            }
+        };
+        let uniform = rng.random::<f64>();
+        let total = self.softmax(t).total;
+        if !(total > 0.0 && total.is_finite()) {
+            return Ok(argmax(self.logits));
+        }
+        let mut target = uniform * total;
+        for (block, &sum) in self.block_sums.iter().enumerate() {
+            if target > sum {
+                target -= sum;
+                continue;
+            }
+            let first = block * SOFTMAX_BLOCK;
+            let weights = &self.weights[first..(first + SOFTMAX_BLOCK).min(self.weights.len())];
+            let mut last_drawable = None;
+            for (i, &w) in weights.iter().enumerate() {
+                if w > 0.0 {
+                    last_drawable = Some(i);
+                }
+                target -= f64::from(w);
+                if target <= 0.0 && w > 0.0 {
+                    return Ok((first + i) as u32);
+                }
+            }
+            // The block's sum is its weights' in another order; what
+            // rounding leaves over belongs to its last token.
+            if let Some(i) = last_drawable {
+                return Ok((first + i) as u32);
+            }
+        }
+        Ok(argmax(self.logits))
+    }
+
+    /// The log-probability of `token` (any token, not only a drawn one),
+    /// and of the `top` likeliest tokens, under the distribution
+    /// [`Distribution::sample`] draws from: log softmax(logits / t), with
+    /// t = 1 when greedy (greedy draws from no distribution; the model's
+    /// own is the one a trainer scores against). The softmax's total is
+    /// the draw's (f32 weights summed in f64), the rest f64, so the
+    /// figures do not depend on the vocabulary's size.
+    pub fn log_prob(&mut self, token: u32, top: usize) -> TokenLogProb {
+        let t = match self.temperature {
+            Some(t) if t > 0.0 => t,
+            _ => 1.0,
+        };
+        let softmax = self.softmax(t);
+        let logits = self.logits;
+        let max = softmax
+            .max
+            .unwrap_or_else(|| logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+        let log_total = softmax.total.ln();
+        let log_prob = |i: usize| (f64::from(logits[i]) - f64::from(max)) / t - log_total;
+        // The `top` best so far, best first; the vocabulary is read once.
+        let mut best: Vec<usize> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (i, &l) in logits.iter().enumerate() {
+                if best.len() == top && l <= logits[best[top - 1]] {
+                    continue;
+                }
+                let at = best.partition_point(|&b| logits[b] >= l);
+                best.insert(at, i);
+                best.truncate(top);
+            }
+        }
+        TokenLogProb {
+            token,
+            log_prob: log_prob(token as usize),
+            top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
+        }
+    }
+
+    /// The softmax of logits / `t` (see [`softmax_weights`]) in the
+    /// buffers, computed unless they already hold it.
+    fn softmax(&mut self, t: f64) -> Softmax {
+        if let Some(softmax) = self.softmax.filter(|softmax| softmax.t == t) {
+            return softmax;
+        }
+        self.weights.resize(self.logits.len(), 0.0);
+        self.block_sums
+            .resize(self.logits.len().div_ceil(SOFTMAX_BLOCK), 0.0);
+        // `t` > 0: a scale that overflows f32 is an infinite one, whose
+        // softmax is the argmax's (as a NaN-total row falls to).
+        let scale = ((1.0 / t) as f32).min(f32::MAX);
+        let max = match softmax_weights(self.logits, scale, self.weights, self.block_sums) {
+            // `max x` is the largest logit times the scale, rounded.
+            Ok(max) => (scale == 1.0).then_some(max),
+            // Only a scale that rounds to 0 is refused: t above 1e38.
+            Err(_) => {
+                self.block_sums.fill(f64::NAN);
+                None
+            }
+        };
+        let softmax = Softmax {
+            t,
+            total: self.block_sums.iter().sum(),
+            max,
+        };
+        self.softmax = Some(softmax);
+        softmax
+    }
 }
 
 /// A token's log-probability under the distribution it was drawn from,
@@ -101,45 +208,17 @@ pub struct TokenLogProb {
     pub top: Vec<(u32, f64)>,
 }
 
-/// The log-probability of `token`, and of the `top` likeliest tokens, under
-/// the distribution [`sample`] draws from at `temperature`:
-/// log softmax(logits / t), with t = 1 when greedy (greedy draws from no
-/// distribution; the model's own is the one a trainer scores against).
-/// The softmax's total is [`sample`]'s (f32 weights summed in f64), the
-/// rest f64, so the figures do not depend on the vocabulary's size.
+/// The log-probability of `token`, and of the `top` likeliest tokens, at
+/// `temperature` (see [`Distribution::log_prob`]).
 pub fn token_log_prob(
     logits: &[f32],
     temperature: Option<f64>,
     token: u32,
     top: usize,
 ) -> TokenLogProb {
-    let t = match temperature {
-        Some(t) if t > 0.0 => t,
-        _ => 1.0,
-    };
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let shifted = |l: f32| (f64::from(l) - f64::from(max)) / t;
-    let log_total = with_softmax(logits, t, |_, block_sums| {
-        block_sums.iter().sum::<f64>().ln()
-    });
-    let log_prob = |i: usize| shifted(logits[i]) - log_total;
-    // The `top` best so far, best first; the vocabulary is read once.
-    let mut best: Vec<usize> = Vec::with_capacity(top + 1);
-    if top > 0 {
-        for (i, &l) in logits.iter().enumerate() {
-            if best.len() == top && l <= logits[best[top - 1]] {
-                continue;
-            }
-            let at = best.partition_point(|&b| logits[b] >= l);
-            best.insert(at, i);
-            best.truncate(top);
-        }
-    }
-    TokenLogProb {
-        token,
-        log_prob: log_prob(token as usize),
-        top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
-    }
+    with_distribution(logits, temperature, |distribution| {
+        distribution.log_prob(token, top)
+    })
 }
 
 /// The log-probability of each token of `continuation` after `prompt`
@@ -186,6 +265,233 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
+
+    /// The draw and the score as they were before one softmax served both
+    /// (two passes of `exp`, the largest logit found twice), word for word:
+    /// what the users' seeds and the recorded figures were made with.
+    mod before {
+        use std::cell::RefCell;
+
+        use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
+        use rand::{Rng, rngs::StdRng};
+
+        use super::super::{TokenLogProb, argmax};
+        use crate::error::{Error, Result};
+
+        pub(super) fn sample(
+            logits: &[f32],
+            temperature: Option<f64>,
+            rng: &mut StdRng,
+        ) -> Result<u32> {
+            let t = match temperature {
+                None | Some(0.0) => return Ok(argmax(logits)),
+                Some(t) if t > 0.0 && t.is_finite() => t,
+                Some(t) => {
+                    return Err(Error::Shape(format!(
+                        "temperature must be ≥ 0 and finite, got {t}"
+                    )));
+                }
+            };
+            let uniform = rng.random::<f64>();
+            Ok(with_softmax(logits, t, |weights, block_sums| {
+                let total: f64 = block_sums.iter().sum();
+                if !(total > 0.0 && total.is_finite()) {
+                    return argmax(logits);
+                }
+                let mut target = uniform * total;
+                for (block, &sum) in block_sums.iter().enumerate() {
+                    if target > sum {
+                        target -= sum;
+                        continue;
+                    }
+                    let first = block * SOFTMAX_BLOCK;
+                    let weights = &weights[first..(first + SOFTMAX_BLOCK).min(weights.len())];
+                    let mut last_drawable = None;
+                    for (i, &w) in weights.iter().enumerate() {
+                        if w > 0.0 {
+                            last_drawable = Some(i);
+                        }
+                        target -= f64::from(w);
+                        if target <= 0.0 && w > 0.0 {
+                            return (first + i) as u32;
+                        }
+                    }
+                    // The block's sum is its weights' in another order; what
+                    // rounding leaves over belongs to its last token.
+                    if let Some(i) = last_drawable {
+                        return (first + i) as u32;
+                    }
+                }
+                argmax(logits)
+            }))
+        }
+
+        thread_local! {
+            /// One vocabulary's softmax weights and block sums, per thread (the
+            /// engine draws for many sequences in parallel).
+            static SOFTMAX: RefCell<(Vec<f32>, Vec<f64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+        }
+
+        fn with_softmax<T>(logits: &[f32], t: f64, f: impl FnOnce(&[f32], &[f64]) -> T) -> T {
+            SOFTMAX.with(|buffers| {
+                let (weights, block_sums) = &mut *buffers.borrow_mut();
+                weights.resize(logits.len(), 0.0);
+                block_sums.resize(logits.len().div_ceil(SOFTMAX_BLOCK), 0.0);
+                // `t` > 0 and finite: a scale that overflows f32 is an infinite
+                // one, whose softmax is the argmax's (as a NaN-total row falls to).
+                let scale = ((1.0 / t) as f32).min(f32::MAX);
+                if softmax_weights(logits, scale, weights, block_sums).is_err() {
+                    // Only a scale that rounds to 0 is refused: t above 1e38.
+                    block_sums.fill(f64::NAN);
+                }
+                f(weights, block_sums)
+            })
+        }
+
+        pub(super) fn token_log_prob(
+            logits: &[f32],
+            temperature: Option<f64>,
+            token: u32,
+            top: usize,
+        ) -> TokenLogProb {
+            let t = match temperature {
+                Some(t) if t > 0.0 => t,
+                _ => 1.0,
+            };
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let shifted = |l: f32| (f64::from(l) - f64::from(max)) / t;
+            let log_total = with_softmax(logits, t, |_, block_sums| {
+                block_sums.iter().sum::<f64>().ln()
+            });
+            let log_prob = |i: usize| shifted(logits[i]) - log_total;
+            // The `top` best so far, best first; the vocabulary is read once.
+            let mut best: Vec<usize> = Vec::with_capacity(top + 1);
+            if top > 0 {
+                for (i, &l) in logits.iter().enumerate() {
+                    if best.len() == top && l <= logits[best[top - 1]] {
+                        continue;
+                    }
+                    let at = best.partition_point(|&b| logits[b] >= l);
+                    best.insert(at, i);
+                    best.truncate(top);
+                }
+            }
+            TokenLogProb {
+                token,
+                log_prob: log_prob(token as usize),
+                top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
+            }
+        }
+    }
+
+    /// Whether two figures are the same to the last bit (any NaN is NaN).
+    fn same(a: f64, b: f64) -> bool {
+        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    /// Logits like a model's: mostly spread over a few nats, a few far
+    /// above, ties, and entries no draw can reach.
+    fn row(vocab: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..vocab)
+            .map(|i| match rng.random_range(0..100) {
+                0 => 12.0 + rng.random_range(0.0f32..4.0),
+                1 => f32::NEG_INFINITY,
+                2 => -200.0,
+                3 => 1.5,
+                _ => rng.random_range(-6.0f32..6.0) + (i % 7) as f32 * 0.01,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_softmax_draws_and_scores_to_the_bit_what_sample_and_token_log_prob_did() {
+        let temperatures = [
+            None,
+            Some(0.0),
+            Some(0.05),
+            Some(0.3),
+            Some(0.7),
+            Some(1.0),
+            Some(1.3),
+            Some(4.0),
+            Some(1e-30),
+        ];
+        let mut rows: Vec<(Vec<f32>, u64)> = Vec::new();
+        for seed in 0..24 {
+            rows.push((row(49_152, seed), seed));
+        }
+        for seed in 0..200 {
+            rows.push((row(1 + (seed as usize * 37) % 700, seed), seed));
+        }
+        // Rows the draw falls back to the argmax for.
+        rows.push((vec![1.0, f32::NAN, 3.0], 1));
+        rows.push((vec![1.0, f32::INFINITY, 3.0], 2));
+        rows.push((vec![f32::NEG_INFINITY; 5], 3));
+        let (mut draws, mut not_argmax) = (0, 0);
+        for (logits, seed) in &rows {
+            for temperature in temperatures {
+                let mut old_rng = StdRng::seed_from_u64(*seed);
+                let mut new_rng = StdRng::seed_from_u64(*seed);
+                for step in 0..3u64 {
+                    let forced = ((seed * 7_919 + step * 104_729) % logits.len() as u64) as u32;
+                    let old = before::sample(logits, temperature, &mut old_rng).unwrap();
+                    let (new, drawn, other) = with_distribution(logits, temperature, |d| {
+                        let new = d.sample(&mut new_rng).unwrap();
+                        (new, d.log_prob(new, 3), d.log_prob(forced, 0))
+                    });
+                    assert_eq!(new, old, "seed {seed}, {temperature:?}, step {step}");
+                    for (entry, token, top) in [(drawn, old, 3), (other, forced, 0)] {
+                        let expected = before::token_log_prob(logits, temperature, token, top);
+                        assert_eq!(entry.token, token);
+                        assert!(
+                            same(entry.log_prob, expected.log_prob),
+                            "seed {seed}, {temperature:?}, token {token}: {} vs {}",
+                            entry.log_prob,
+                            expected.log_prob
+                        );
+                        assert_eq!(entry.top.len(), expected.top.len());
+                        for (&(i, a), &(j, b)) in entry.top.iter().zip(&expected.top) {
+                            assert!(i == j && same(a, b), "top {i} {a} vs {j} {b}");
+                        }
+                    }
+                    draws += 1;
+                    not_argmax += usize::from(new != argmax(logits));
+                }
+                // Both consumed the same uniforms.
+                assert_eq!(old_rng.random::<u64>(), new_rng.random::<u64>());
+            }
+        }
+        // The draws spread (about a third left the argmax; greedy and
+        // cold rows are a third of them), so the block search was compared.
+        assert!(not_argmax > draws / 4, "{not_argmax} of {draws}");
+    }
+
+    #[test]
+    fn a_greedy_draw_without_scores_runs_no_softmax_and_a_score_reuses_the_draws() {
+        let logits = row(1_000, 5);
+        with_distribution(&logits, Some(0.0), |d| {
+            d.sample(&mut StdRng::seed_from_u64(1)).unwrap();
+            assert!(d.softmax.is_none());
+            // A greedy score is at temperature 1, whose largest logit the
+            // kernel gives exactly.
+            d.log_prob(0, 0);
+            assert!(d.softmax.is_some_and(|s| s.t == 1.0 && s.max.is_some()));
+        });
+        with_distribution(&logits, Some(0.7), |d| {
+            d.sample(&mut StdRng::seed_from_u64(1)).unwrap();
+            let computed = d.softmax.unwrap();
+            // A score that ran the softmax again would not see this total.
+            d.softmax = Some(Softmax {
+                total: 1.0,
+                ..computed
+            });
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let expected = (f64::from(logits[0]) - f64::from(max)) / 0.7;
+            assert!(same(d.log_prob(0, 0).log_prob, expected));
+            assert!(computed.max.is_none(), "scale 1/0.7 is not 1");
+        });
+    }
 
     #[test]
     fn log_probs_are_a_distribution_at_every_temperature_and_top_is_ranked() {

@@ -34,7 +34,8 @@ pub enum Event {
         /// The text.
         text: String,
         /// The token ids, in order (a stop string's included; the end of
-        /// sequence not).
+        /// sequence that ends the completion not, one passed under
+        /// [`Request::ignore_eos`] included).
         tokens: Vec<u32>,
         /// One entry per token, in order.
         log_probs: Vec<TokenLogProb>,
@@ -58,6 +59,11 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// Most tokens to generate (at least 1).
     pub max_tokens: usize,
+    /// Whether the end of sequence is an ordinary token: the completion
+    /// runs to `max_tokens` (or a stop string), every end of sequence in it
+    /// counted, scored and sent like any other token (vLLM's
+    /// `ignore_eos`). Load of a fixed length, for benchmarks.
+    pub ignore_eos: bool,
     /// `None`: greedy.
     pub temperature: Option<f64>,
     /// Seed of this request's sampler.
@@ -128,6 +134,7 @@ pub struct Replay {
 pub struct Script {
     prompt: Vec<u32>,
     max_tokens: usize,
+    ignore_eos: bool,
     temperature: Option<f64>,
     seed: u64,
     stop: Vec<String>,
@@ -157,6 +164,7 @@ impl Request {
         Script {
             prompt: self.prompt.clone(),
             max_tokens: self.max_tokens,
+            ignore_eos: self.ignore_eos,
             temperature: self.temperature,
             seed: self.seed,
             stop: self.stop.clone(),
@@ -174,6 +182,8 @@ impl Script {
             request: Request {
                 prompt: self.prompt,
                 max_tokens: self.max_tokens,
+                // The forced tokens pass any end of sequence INT8 passed.
+                ignore_eos: self.ignore_eos,
                 temperature: self.temperature,
                 seed: self.seed,
                 stop: self.stop,

@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use qforge_model::KvCache;
-use qforge_model::lm::{TokenLogProb, sample, token_log_prob};
+use qforge_model::lm::{TokenLogProb, with_distribution};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -61,20 +61,28 @@ impl Sequence {
 
     /// Draws the next token from one position's logits (or takes the
     /// forced one), noting its log-probability when the request asks for
-    /// them.
+    /// them: the draw and the score share one softmax over the vocabulary.
     pub(super) fn draw(&mut self, logits: &[f32]) -> qforge_model::Result<u32> {
-        let temperature = self.request.temperature;
-        let drawn = sample(logits, temperature, &mut self.rng)?;
-        let token = match &self.request.forced {
-            // `accept` ends the sequence at the last forced token.
-            Some(forced) => *forced.get(self.chosen.len()).ok_or_else(|| {
-                qforge_model::Error::Shape("no forced token is left to take".into())
-            })?,
-            None => drawn,
-        };
+        let request = &self.request;
+        let rng = &mut self.rng;
+        let position = self.chosen.len();
+        let (drawn, token, entry) =
+            with_distribution(logits, request.temperature, |distribution| {
+                let drawn = distribution.sample(rng)?;
+                let token = match &request.forced {
+                    // `accept` ends the sequence at the last forced token.
+                    Some(forced) => *forced.get(position).ok_or_else(|| {
+                        qforge_model::Error::Shape("no forced token is left to take".into())
+                    })?,
+                    None => drawn,
+                };
+                let entry = request
+                    .log_probs
+                    .map(|top| distribution.log_prob(token, top));
+                Ok::<_, qforge_model::Error>((drawn, token, entry))
+            })?;
         self.chosen.push(drawn);
-        if let Some(top) = self.request.log_probs {
-            let entry = token_log_prob(logits, temperature, token, top);
+        if let Some(entry) = entry {
             self.scored.push(entry.log_prob);
             self.pending.push(entry);
         }
@@ -94,6 +102,7 @@ impl Sequence {
                 let request = Request {
                     prompt: request.prompt.clone(),
                     max_tokens: request.max_tokens,
+                    ignore_eos: request.ignore_eos,
                     temperature: request.temperature,
                     seed: sibling.seed,
                     stop: request.stop.clone(),

@@ -113,6 +113,11 @@ struct Body {
     /// tokenizer, whose completions have no text.
     #[serde(default)]
     return_token_ids: Option<bool>,
+    /// vLLM's and llama-server's switch: generate `max_tokens` tokens even
+    /// past the end of sequence, so that a benchmark's runs do the same
+    /// work whatever they draw.
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 /// What `prompt` may hold: OpenAI's text or token ids. Anything else (a
@@ -139,6 +144,8 @@ pub(super) struct Checked {
     /// Whether the response gives token ids.
     pub(super) token_ids: bool,
     pub(super) max_tokens: usize,
+    /// Whether the end of sequence is an ordinary token (`ignore_eos`).
+    pub(super) ignore_eos: bool,
     pub(super) temperature: Option<f64>,
     /// Samples of the prompt (`n`).
     pub(super) choices: usize,
@@ -169,6 +176,7 @@ pub(super) fn check(lm: &LanguageBackend, body: &[u8], kind: Kind) -> Checking<C
             .return_token_ids
             .unwrap_or(!lm.text.tokenizer.reads_text()),
         max_tokens,
+        ignore_eos: sampling.ignore_eos,
         temperature: (temperature > 0.0).then_some(temperature),
         choices,
         seed: sampling.seed,

@@ -359,4 +359,74 @@ mod tests {
         let message = answer["error"]["message"].as_str().unwrap();
         assert!(message.contains("synthetic/tokenizer.json"), "{message}");
     }
+
+    /// `ignore_eos` takes the end of sequence as an ordinary token: a
+    /// greedy answer that ends early goes on, through it, to exactly
+    /// `max_tokens` tokens (the same tokens up to it), streamed or not, on
+    /// both endpoints.
+    #[test]
+    fn ignore_eos_generates_max_tokens_past_the_end_of_sequence() {
+        let lm = smollm2();
+        let eos = lm.text.tokenizer.eos.clone();
+        let server = TestServer::serving(lm, options());
+        let max_tokens = 64;
+        let chat = |ignore_eos: bool| {
+            let body = json!({"messages": [{"role": "user", "content": "Say hi"}],
+                              "max_tokens": max_tokens, "temperature": 0,
+                              "return_token_ids": true, "ignore_eos": ignore_eos});
+            let (status, text) = server.request("POST", "/v1/chat/completions", &body.to_string());
+            assert_eq!(status, 200, "{text}");
+            serde_json::from_str::<Value>(&text).unwrap()
+        };
+        let (ended, full) = (chat(false), chat(true));
+        assert_eq!(ended["choices"][0]["finish_reason"], "stop", "{ended}");
+        let early = ended["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(early < max_tokens - 1, "the answer ends early: {ended}");
+        assert_eq!(full["choices"][0]["finish_reason"], "length", "{full}");
+        assert_eq!(full["usage"]["completion_tokens"], json!(max_tokens));
+        let content = |answer: &Value| answer["choices"][0]["message"]["content"].clone();
+        assert!(
+            content(&full)
+                .as_str()
+                .unwrap()
+                .starts_with(content(&ended).as_str().unwrap())
+        );
+
+        // The same prompt as ids on /v1/completions, scored: the ended
+        // answer's ids, then an end of sequence, then more, each scored.
+        let prompt = ended["choices"][0]["prompt_token_ids"].clone();
+        let completion = |ignore_eos: bool| {
+            json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                   "return_token_ids": true, "logprobs": 0, "ignore_eos": ignore_eos})
+        };
+        let (status, ended) = server.post_completion(&completion(false));
+        assert_eq!(status, 200, "{ended}");
+        let (status, full) = server.post_completion(&completion(true));
+        assert_eq!(status, 200, "{full}");
+        let ids = |answer: &Value| -> Vec<u32> {
+            serde_json::from_value(answer["choices"][0]["token_ids"].clone()).unwrap()
+        };
+        let (ended_ids, full_ids) = (ids(&ended), ids(&full));
+        assert_eq!(ended["choices"][0]["finish_reason"], "stop", "{ended}");
+        assert_eq!(ended_ids.len() as u64, early, "{ended}");
+        assert_eq!(full["choices"][0]["finish_reason"], "length", "{full}");
+        assert_eq!(full_ids.len() as u64, max_tokens, "{full}");
+        assert_eq!(full["usage"]["completion_tokens"], json!(max_tokens));
+        assert_eq!(full_ids[..ended_ids.len()], ended_ids[..]);
+        assert!(eos.contains(&full_ids[ended_ids.len()]), "{full_ids:?}");
+        let scored = full["choices"][0]["logprobs"]["token_logprobs"].as_array();
+        assert_eq!(scored.map(Vec::len), Some(max_tokens as usize), "{full}");
+        let mut streamed = completion(true);
+        streamed["stream"] = json!(true);
+        let (status, events) = server.request("POST", "/v1/completions", &streamed.to_string());
+        assert_eq!(status, 200, "{events}");
+        let (choices, _) = streamed_choices(&events);
+        assert_eq!(choices, [(full_ids, json!("length"))]);
+
+        // Checked like the other fields.
+        let mut refused = completion(true);
+        refused["ignore_eos"] = json!("yes");
+        let (status, answer) = server.post_completion(&refused);
+        assert_eq!(status, 400, "{answer}");
+    }
 }

@@ -51,6 +51,7 @@ pub(super) fn submit(
     let request = Request {
         prompt: checked.prompt,
         max_tokens: checked.max_tokens,
+        ignore_eos: checked.ignore_eos,
         temperature: checked.temperature,
         seed,
         stop: checked.stop,

@@ -258,7 +258,8 @@ impl<'a> Scheduler<'a> {
     /// Takes `token` into `sequence` and sends the text it completes;
     /// returns whether the sequence is finished (its `Done` sent).
     fn accept(&self, sequence: &mut Sequence, token: u32) -> bool {
-        let eos = self.lm.text.tokenizer.eos.contains(&token);
+        // Under `ignore_eos` an end of sequence is a token like any other.
+        let eos = !sequence.request.ignore_eos && self.lm.text.tokenizer.eos.contains(&token);
         if !eos {
             sequence.generated.push(token);
             self.metrics.generated_tokens.inc();
@@ -387,6 +388,7 @@ mod tests {
         let request = Request {
             prompt,
             max_tokens,
+            ignore_eos: false,
             temperature: None,
             seed: 0,
             stop: Vec::new(),
