@@ -26,17 +26,15 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::gptq::{Gptq, GptqOptions};
-use crate::guard::{
-    Decision, FpModel, GuardMetrics, HeldOut, Reference, describe, probe, quantize,
-};
+use crate::guard::{Decision, FpModel, GuardMetrics, HeldOut, Reference, quantize};
 use crate::held_out::held_out;
 use crate::recipe::ActivationScheme;
-use crate::recipe::{Method, QuantRecipe};
-use crate::report::{
-    CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, PassRecord, Report,
-};
+use crate::recipe::QuantRecipe;
+use crate::report::{CalibrationSummary, GptqRecord, PassRecord, Report};
 use crate::returns::ReturnCheck;
 use crate::smoothing::{Smoothing, SmoothingRecord};
+
+mod search;
 
 /// Where the pipeline reads its inputs.
 #[derive(Debug, Clone)]
@@ -153,101 +151,6 @@ impl<'a> Pipeline<'a> {
             held_description,
         };
         self.finish(session, original, prepared, judged, listener)
-    }
-
-    /// The method search: every candidate recipe's passes and the guard's
-    /// measurement of its plan, until one meets the budget; the chosen one
-    /// then goes through the guard's fallback. The candidates share one
-    /// session and number their passes on from each other, so the workers of
-    /// a cluster follow from one method's passes into the next.
-    fn search(
-        &self,
-        candidates: Vec<(Method, QuantRecipe)>,
-        inputs: &Inputs,
-        listener: &mut dyn Listener,
-    ) -> Result<Quantized> {
-        let first = self.recipe.calibration_recipe();
-        let mut session = self.open_session(inputs, &first, listener)?;
-        let stages: Vec<(Method, Pipeline<'_>)> = candidates
-            .into_iter()
-            .map(|(method, recipe)| Pipeline::new(recipe, self.executor).map(|p| (method, p)))
-            .collect::<Result<_>>()?;
-        let mut groups = Vec::new();
-        if stages.iter().any(|(_, stage)| stage.recipe.gptq.enabled) {
-            groups = stages[0].1.hessian_groups_for(&mut session)?;
-        }
-        let groups_of = |stage: &Pipeline<'_>| {
-            if stage.recipe.gptq.enabled {
-                &groups[..]
-            } else {
-                &[]
-            }
-        };
-        let count: usize = stages
-            .iter()
-            .map(|(_, stage)| stage.pass_count(groups_of(stage)))
-            .sum();
-        let original = session.load_model()?.clone();
-        let (held, held_description) = self.held_out(&session, &original, inputs, listener)?;
-        // Measured after the first method's passes, so that a cluster's
-        // workers start calibrating at once.
-        let mut reference = None;
-        let mut trials: Vec<MethodTrial> = Vec::new();
-        let mut best: Option<(usize, Prepared)> = None;
-        let mut done = 0;
-        for (i, (method, stage)) in stages.iter().enumerate() {
-            listener.message(&format!("method {}: calibrating", method.name()));
-            let started = std::time::Instant::now();
-            let stage_groups = groups_of(stage);
-            let prepared = stage.prepare(&mut session, stage_groups, done, count, listener)?;
-            done += stage.pass_count(stage_groups);
-            if reference.is_none() {
-                reference = Some(self.reference(&original, &held, listener)?);
-            }
-            let reference = reference.as_ref().expect("measured above");
-            let before = probe(
-                fp_model(&prepared.model),
-                reference,
-                &prepared.stats,
-                &stage.recipe,
-            )?;
-            listener.message(&format!(
-                "method {}: before any fallback, {}",
-                method.name(),
-                describe(&before)
-            ));
-            let closer = best
-                .as_ref()
-                .is_none_or(|(b, _)| before.shortfall() < trials[*b].before.shortfall());
-            trials.push(MethodTrial {
-                method: method.name().into(),
-                before,
-                seconds: started.elapsed().as_secs_f64(),
-            });
-            if closer {
-                best = Some((i, prepared));
-            }
-            if trials[i].before.passes {
-                break;
-            }
-        }
-        self.skip_passes_after(&session, &first, done, count)?;
-        let (chosen, prepared) = best.expect("the search runs at least one method");
-        let (method, stage) = &stages[chosen];
-        let budget = stage.recipe.guard.max_perplexity_increase;
-        let reason = search_reason(*method, &trials[chosen].before, budget, listener);
-        let judged = Judged {
-            reference: reference.as_ref().expect("measured with the first method"),
-            probed: Some(trials[chosen].before.clone()),
-            held_description,
-        };
-        let mut quantized = stage.finish(session, original, prepared, judged, listener)?;
-        quantized.report.method = Some(MethodSearch {
-            chosen: method.name().into(),
-            reason,
-            tried: trials,
-        });
-        Ok(quantized)
     }
 
     /// Tells the workers following the pipeline, who wait for the pass after
@@ -979,80 +882,5 @@ impl Quantized {
                 "total_layers": d.total_layers,
             },
         })
-    }
-}
-
-/// Why the search chose `method`, whose plan measured `before`, also told to
-/// the listener: it met the budget first or came closest, with the caution
-/// of an interval that reaches past the budget.
-fn search_reason(
-    method: Method,
-    before: &GuardMetrics,
-    budget: f64,
-    listener: &mut dyn Listener,
-) -> String {
-    let name = method.name();
-    let mut reason = if before.passes {
-        "the cheapest method whose plan met the guard's budget before any fallback"
-    } else {
-        "no method met the guard's budget before fallback; the one that came closest, then the fallback"
-    }
-    .to_string();
-    if let Some(caution) = interval_caution(before, budget) {
-        listener.message(&format!("warning: method {name}: {caution}"));
-        reason = format!("{reason}; {caution}");
-    }
-    listener.message(&format!("method: {name} ({reason})"));
-    reason
-}
-
-/// What to say when a plan that meets the perplexity budget does so only
-/// by its point estimate: the guard's 95 % interval reaches past the
-/// budget, so the held-out text is too short to tell whether it holds.
-fn interval_caution(metrics: &GuardMetrics, budget: f64) -> Option<String> {
-    let [low, high] = metrics.perplexity_increase_interval?;
-    (metrics.passes && high > budget).then(|| {
-        format!(
-            "its perplexity increase's 95 % interval ({:+.2} … {:+.2} %) reaches past the budget ({:+.2} %): the held-out text cannot tell whether the budget holds (a longer --eval-data text narrows the interval)",
-            100.0 * low,
-            100.0 * high,
-            100.0 * budget
-        )
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn measured(increase: f64, interval: Option<[f64; 2]>, passes: bool) -> GuardMetrics {
-        GuardMetrics {
-            agreement: None,
-            perplexity: Some(20.0),
-            perplexity_increase: Some(increase),
-            perplexity_increase_interval: interval,
-            kl_divergence: Some(0.01),
-            top1_agreement: Some(0.9),
-            passes,
-        }
-    }
-
-    #[test]
-    fn a_pass_whose_interval_reaches_past_the_budget_is_said_to_be_uncertain() {
-        let budget = 0.01;
-        let uncertain = measured(0.008, Some([0.004, 0.012]), true);
-        let caution = interval_caution(&uncertain, budget).unwrap();
-        assert!(caution.contains("+0.40 … +1.20 %"), "{caution}");
-        assert!(caution.contains("budget (+1.00 %)"), "{caution}");
-        assert_eq!(
-            interval_caution(&measured(0.008, Some([0.006, 0.0099]), true), budget),
-            None
-        );
-        // A failing plan, or one measured on a single chunk, has nothing to add.
-        assert_eq!(
-            interval_caution(&measured(0.02, Some([0.015, 0.025]), false), budget),
-            None
-        );
-        assert_eq!(interval_caution(&measured(0.008, None, true), budget), None);
     }
 }

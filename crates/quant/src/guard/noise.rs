@@ -1,0 +1,211 @@
+//! How noisy each layer input is at each integer rung: the sensitivity
+//! rankings (output SQNR per point, and for language models the output KL
+//! with only that point quantized) that order the guard's ladder.
+
+use std::collections::BTreeMap;
+
+use qforge_model::lm::{ReferenceLogProbs, compare_from};
+use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
+use qforge_model::{Activations, Llama};
+
+use super::{FpModel, HeldOut, LadderStep, PointReport};
+use crate::error::Result;
+use crate::ladder::{Ladder, Rung};
+
+/// Per-point worst layer SQNR with activations chosen by `activations`.
+fn sensitivity(
+    model: FpModel<'_>,
+    held_out: &HeldOut,
+    activations: &dyn Fn(&str) -> qforge_model::Result<Activations>,
+) -> Result<BTreeMap<String, Option<f64>>> {
+    // Sensitivity needs a few hundred tokens or observations, not the whole
+    // held-out set: it ranks, it does not judge.
+    let layers: Vec<LayerSqnr> = match (model, held_out) {
+        (FpModel::Policy(p), HeldOut::Observations(obs)) => {
+            let dim = p.config().observation_dim;
+            let rows = (obs.len() / dim).min(1024);
+            policy_layer_sqnr(p, &obs[..rows * dim], activations)?
+        }
+        (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
+            llm_layer_sqnr(m, &tokens[..tokens.len().min(256)], activations)?
+        }
+        _ => unreachable!("checked in Guard::new"),
+    };
+    let mut worst: BTreeMap<String, Option<f64>> = BTreeMap::new();
+    for layer in layers {
+        let entry = worst.entry(layer.point).or_insert(layer.sqnr_db);
+        // None is exact (infinite SQNR): any finite value is worse.
+        *entry = match (*entry, layer.sqnr_db) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Ok(worst)
+}
+
+/// Tokens the KL sensitivity runs on: a few chunks' worth ranks reliably
+/// (measured on SmolLM2: the ladder it orders is monotone in perplexity where
+/// the SQNR order was not), at one forward per layer input and rung.
+const SENSITIVITY_TOKENS: usize = 128;
+
+/// Language models: for every point, the mean KL(FP ‖ model with only that
+/// point's layers quantized with `activations`), on the first
+/// [`SENSITIVITY_TOKENS`] held-out tokens. The end-to-end effect of one group,
+/// which a layer's own SQNR does not see (a noisy `v_proj` can matter less
+/// than a cleaner `down_proj`).
+fn kl_sensitivity(
+    model: &Llama,
+    tokens: &[u32],
+    activations: &dyn Fn(&str) -> Option<Activations>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<BTreeMap<String, f64>> {
+    let tokens = &tokens[..tokens.len().min(SENSITIVITY_TOKENS)];
+    // Only the point's own layer on differs from the reference: each run
+    // starts from the reference's hidden state entering it.
+    let reference = ReferenceLogProbs::keeping_states(model, tokens, tokens.len())?;
+    let points: Vec<String> = {
+        let mut p: Vec<String> = model.linears().into_iter().map(|(_, p, _)| p).collect();
+        p.dedup();
+        p
+    };
+    let mut out = BTreeMap::new();
+    for (i, point) in points.iter().enumerate() {
+        let Some(act) = activations(point) else {
+            continue;
+        };
+        let single = model.with_linears(|p, layer| {
+            if p == point {
+                layer.to_int8(act)
+            } else {
+                Ok(layer.clone())
+            }
+        })?;
+        let layer = Llama::layer_of(point).unwrap_or(model.config().num_layers);
+        out.insert(
+            point.clone(),
+            compare_from(&single, &reference, tokens, layer)?.kl_divergence,
+        );
+        if (i + 1) % 20 == 0 {
+            progress(&format!("  {}/{} layer inputs ranked", i + 1, points.len()));
+        }
+    }
+    Ok(out)
+}
+
+/// How noisy each point is at each integer rung: worst layer output SQNR
+/// (`None`: exact) and, for language models whose plan fails the guard, the
+/// output KL with only that point quantized.
+pub(super) struct Noise {
+    is_language: bool,
+    static_sqnr: BTreeMap<String, Option<f64>>,
+    dynamic_sqnr: BTreeMap<String, Option<f64>>,
+    static_kl: BTreeMap<String, f64>,
+    dynamic_kl: BTreeMap<String, f64>,
+}
+
+impl Noise {
+    /// The SQNR ranking, at the static rung only where some point has a
+    /// static scale.
+    pub(super) fn rank_sqnr(
+        model: FpModel<'_>,
+        held_out: &HeldOut,
+        static_scales: &BTreeMap<String, f32>,
+    ) -> Result<Self> {
+        let dynamic_sqnr = sensitivity(model, held_out, &|_| Ok(Activations::Dynamic))?;
+        let static_sqnr = if static_scales.is_empty() {
+            BTreeMap::new()
+        } else {
+            sensitivity(model, held_out, &|point| {
+                Ok(static_scales
+                    .get(point)
+                    .map_or(Activations::Dynamic, |&s| Activations::Static(s)))
+            })?
+        };
+        Ok(Self {
+            is_language: matches!(model, FpModel::Language(_)),
+            static_sqnr,
+            dynamic_sqnr,
+            static_kl: BTreeMap::new(),
+            dynamic_kl: BTreeMap::new(),
+        })
+    }
+
+    /// Adds the KL ranking: dynamic for every point, static for the points
+    /// `rungs` has static.
+    pub(super) fn rank_kl(
+        &mut self,
+        model: &Llama,
+        tokens: &[u32],
+        rungs: &BTreeMap<String, Rung>,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        progress("ranking layer inputs by output KL (dynamic activations)");
+        self.dynamic_kl = kl_sensitivity(model, tokens, &|_| Some(Activations::Dynamic), progress)?;
+        if rungs.values().any(|r| matches!(r, Rung::Static(_))) {
+            progress("ranking layer inputs by output KL (static scales)");
+            self.static_kl = kl_sensitivity(
+                model,
+                tokens,
+                &|p| match rungs.get(p) {
+                    Some(Rung::Static(scale)) => Some(Activations::Static(*scale)),
+                    _ => None,
+                },
+                progress,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Copies the rankings into the reports.
+    pub(super) fn annotate(&self, reports: &mut BTreeMap<String, PointReport>) {
+        for (point, report) in reports {
+            report.sqnr_dynamic_db = self.dynamic_sqnr.get(point).copied().flatten();
+            report.sqnr_static_db = self.static_sqnr.get(point).copied().flatten();
+            report.kl_dynamic = self.dynamic_kl.get(point).copied();
+            report.kl_static = self.static_kl.get(point).copied();
+        }
+    }
+
+    fn sqnr_at(&self, point: &str, rung: Rung) -> Option<f64> {
+        match rung {
+            Rung::Static(_) => self.static_sqnr.get(point).copied().flatten(),
+            Rung::Dynamic => self.dynamic_sqnr.get(point).copied().flatten(),
+            Rung::Fp => None,
+        }
+    }
+
+    fn kl_at(&self, point: &str, rung: Rung) -> Option<f64> {
+        match rung {
+            Rung::Static(_) => self.static_kl.get(point).copied(),
+            Rung::Dynamic => self.dynamic_kl.get(point).copied(),
+            Rung::Fp => None,
+        }
+    }
+
+    /// How noisy `point` is at `rung`, higher worse: output KL for language
+    /// models, −SQNR for policies (an exact layer is the least noisy).
+    pub(super) fn at(&self, point: &str, rung: Rung) -> f64 {
+        if self.is_language {
+            self.kl_at(point, rung).unwrap_or(0.0)
+        } else {
+            self.sqnr_at(point, rung)
+                .map_or(f64::NEG_INFINITY, |db| -db)
+        }
+    }
+
+    /// The report's view of the ladder: each step with the noise of the rung
+    /// it left.
+    pub(super) fn ladder_steps(&self, ladder: &Ladder) -> Vec<LadderStep> {
+        ladder
+            .demotions()
+            .iter()
+            .map(|d| LadderStep {
+                point: d.point.clone(),
+                from: d.from.name(),
+                to: d.to.name(),
+                sqnr_db: self.sqnr_at(&d.point, d.from),
+                kl: self.kl_at(&d.point, d.from),
+            })
+            .collect()
+    }
+}
