@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use qforge_model::Model;
 use qforge_serve::{
     ConnectionLimits, DriftOptions, EngineLimits, RolloutMode, RolloutOptions, ServeOptions,
     Served, reference_for, serve, termination_signal,
@@ -201,7 +202,7 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     }
     let rollout = rollout_options(&args);
     let mode = rollout.mode;
-    let options = ServeOptions {
+    let mut options = ServeOptions {
         addr: args.addr,
         max_batch: args.max_batch.unwrap_or(32),
         max_wait: Duration::from_secs_f64(args.max_wait_ms / 1000.0),
@@ -209,6 +210,8 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         max_rows: args.max_rows,
         max_tokens: args.max_tokens,
         max_prompt_tokens: args.max_prompt_tokens,
+        model_name: model_name(&args),
+        engine: engine_limits(&args),
         max_concurrency: args.max_concurrency,
         connections: ConnectionLimits {
             header_timeout: Duration::from_millis(args.header_timeout_ms),
@@ -239,32 +242,19 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     if let Some(path) = &reference {
         eprintln!("qforge serve: FP reference {}", path.display());
     }
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let limits = EngineLimits {
-        max_sequences: args.max_batch.unwrap_or(256),
-        // Without the flag, set below from the model's size once it is open.
-        kv_budget_tokens: args.kv_budget_tokens.unwrap_or(0),
-        threads: args.engine_threads.unwrap_or(cores),
-        prefill_threads: args.prefill_threads.unwrap_or(cores),
-        prefill_chunk: args.prefill_chunk,
-    };
-    let mut served = Served::open(
-        &args.model,
-        reference.as_deref(),
-        args.served_model_name.clone(),
-        limits,
-    )?;
-    if let Served::Language { model, limits, .. } = &mut served
-        && args.kv_budget_tokens.is_none()
-    {
-        limits.kv_budget_tokens = DEFAULT_KV_BYTES / model.model.kv_bytes_per_position();
-    }
-    if let Served::Language { name, limits, .. } = &served {
+    let served = Served::open(&args.model, reference.as_deref())?;
+    if let Model::Language(lm) = &served.model {
+        let bytes_per_position = lm.model.kv_bytes_per_position();
+        let engine = &mut options.engine;
+        if args.kv_budget_tokens.is_none() {
+            engine.kv_budget_tokens = DEFAULT_KV_BYTES / bytes_per_position;
+        }
         eprintln!(
-            "qforge serve: {name}: up to {} sequences per step, KV budget {} tokens ({:.0} MiB)",
-            limits.max_sequences,
-            limits.kv_budget_tokens,
-            served.kv_bytes(limits.kv_budget_tokens) as f64 / (1 << 20) as f64
+            "qforge serve: {}: up to {} sequences per step, KV budget {} tokens ({:.0} MiB)",
+            options.model_name,
+            engine.max_sequences,
+            engine.kv_budget_tokens,
+            (engine.kv_budget_tokens * bytes_per_position) as f64 / (1 << 20) as f64
         );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -282,6 +272,30 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     ))?;
     eprintln!("qforge serve: stopped");
     Ok(())
+}
+
+/// The name a language model answers to: `--served-model-name`, else the
+/// model file's stem.
+fn model_name(args: &ServeArgs) -> String {
+    args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().into_owned())
+    })
+}
+
+/// The language model's engine limits from the flags; without
+/// `--kv-budget-tokens` the budget is set from the model's size once it is
+/// open.
+fn engine_limits(args: &ServeArgs) -> EngineLimits {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    EngineLimits {
+        max_sequences: args.max_batch.unwrap_or(256),
+        kv_budget_tokens: args.kv_budget_tokens.unwrap_or(0),
+        threads: args.engine_threads.unwrap_or(cores),
+        prefill_threads: args.prefill_threads.unwrap_or(cores),
+        prefill_chunk: args.prefill_chunk,
+    }
 }
 
 /// How traffic is shared with the reference and when it rolls back, from

@@ -30,7 +30,7 @@ use tokio::sync::oneshot;
 use crate::error::{Error, Result};
 use crate::http::{error, worker_stopped};
 use crate::rollout::{Arm, served_label};
-use crate::served::{Calibration, reference_for};
+use crate::served::{Served, reference_for};
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 
 #[derive(Deserialize)]
@@ -38,13 +38,6 @@ use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 struct ReloadRequest {
     /// The artifact directory, on the server's file system.
     model: PathBuf,
-}
-
-/// What a reload swaps in.
-struct Loaded {
-    model: Model,
-    reference: Option<Model>,
-    calibration: Option<Calibration>,
 }
 
 /// Why a reload was refused.
@@ -157,23 +150,15 @@ fn count(state: &AppState, outcome: &str) {
 
 /// Opens the artifact at `path` (checked against its manifest) and, when
 /// `needs_reference`, the FP source its manifest records.
-fn load(path: &Path, needs_reference: bool) -> Result<Loaded> {
+fn load(path: &Path, needs_reference: bool) -> Result<Served> {
     if !is_artifact(path) {
         return Err(Error::Options(format!(
             "{} is not a qforge artifact (no qforge.json); reload an output of `qforge quantize` or `qforge requantize`",
             path.display()
         )));
     }
-    let model = qforge_model::open(path)?;
-    let calibration = Calibration::of(path)?;
-    let reference = reference_for(path, None, needs_reference)?
-        .map(|p| qforge_model::open(&p))
-        .transpose()?;
-    Ok(Loaded {
-        model,
-        reference,
-        calibration,
-    })
+    let reference = reference_for(path, None, needs_reference)?;
+    Served::open(path, reference.as_deref())
 }
 
 fn conflict(message: String) -> Refusal {

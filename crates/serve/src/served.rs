@@ -1,50 +1,36 @@
 //! What a server runs, and how it is opened from a path: the model (checked
 //! against its manifest when it is an artifact), its full-precision
 //! reference, and the calibration profile the drift monitor compares with.
-//! The CLI's `qforge serve` opens its model here, as a reload would.
+//! The CLI's `qforge serve` and a reload open their models here.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use qforge_model::Model;
 use qforge_model::artifact::{LayerPrecision, is_artifact, read_config};
 use qforge_model::manifest::read_manifest;
 use qforge_model::open::recorded_source;
 use qforge_model::profile::CalibrationProfile;
-use qforge_model::{LanguageModel, MlpPolicy, Model};
 
 use crate::drift::{DriftMonitor, DriftOptions};
-use crate::engine::EngineLimits;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 
-/// What a server runs.
-// One value per process, moved once into `serve`: variant sizes do not matter.
-#[allow(clippy::large_enum_variant)]
-pub enum Served {
-    /// A control policy behind `/v1/act`.
-    Policy {
-        /// The model that answers (normally an INT8 artifact).
-        model: MlpPolicy,
-        /// Its full-precision reference, for A/B and shadow rollouts.
-        reference: Option<MlpPolicy>,
-        /// What the model's inputs looked like in calibration; without it
-        /// there is no drift monitor.
-        calibration: Option<Calibration>,
-    },
-    /// A language model behind `/v1/completions` and `/v1/chat/completions`.
-    Language {
-        /// The model.
-        model: LanguageModel,
-        /// Its full-precision reference, for A/B and shadow rollouts.
-        reference: Option<LanguageModel>,
-        /// The name clients may give as `model` (and `/v1/models` lists).
-        name: String,
-        /// As for a policy.
-        calibration: Option<Calibration>,
-        /// The continuous-batching engine's limits.
-        limits: EngineLimits,
-    },
+/// What a server runs, or a reload swaps in: the model, its full-precision
+/// reference and the calibration its inputs are compared with. The model
+/// is a [`Model`] as `qforge_model` opened it; how a language model is
+/// served (its name, the engine's limits) is in [`crate::ServeOptions`].
+pub struct Served {
+    /// The model that answers (normally an INT8 artifact).
+    pub model: Model,
+    /// Its full-precision reference, for A/B and shadow rollouts; of the
+    /// same kind as the model ([`Served::open`] checks, and the server
+    /// refuses another).
+    pub reference: Option<Model>,
+    /// What the model's inputs looked like in calibration; without it
+    /// there is no drift monitor.
+    pub calibration: Option<Calibration>,
 }
 
 /// The calibration facts the drift monitor compares against.
@@ -56,63 +42,31 @@ pub struct Calibration {
 }
 
 impl Served {
-    /// Bytes of KV cache `tokens` positions take (K and V, f32, per layer
-    /// and KV head); 0 for a policy.
-    pub fn kv_bytes(&self, tokens: usize) -> usize {
-        match self {
-            Served::Policy { .. } => 0,
-            Served::Language { model, .. } => tokens * model.model.kv_bytes_per_position(),
-        }
-    }
-
     /// Opens the model at `path` and, if given, its full-precision
-    /// `reference` (of the same kind); a language model answers to `name`
-    /// (default: the file's stem) within `limits`.
-    pub fn open(
-        path: &Path,
-        reference: Option<&Path>,
-        name: Option<String>,
-        limits: EngineLimits,
-    ) -> Result<Self> {
+    /// `reference` (of the same kind).
+    pub fn open(path: &Path, reference: Option<&Path>) -> Result<Self> {
         // Open first: for an artifact that checks every file against the
         // manifest, calibration.json included.
         let model = qforge_model::open(path)?;
         let calibration = Calibration::of(path)?;
-        let mismatch = |reference: &Path| {
-            Error::Options(format!(
-                "{} and its reference {} are not the same kind of model (a policy and a language model)",
-                path.display(),
-                reference.display()
-            ))
-        };
         let reference = match reference {
-            Some(p) => Some((qforge_model::open(p)?, p)),
+            Some(reference_path) => {
+                let reference = qforge_model::open(reference_path)?;
+                if reference.kind() != model.kind() {
+                    return Err(Error::Options(format!(
+                        "{} and its reference {} are not the same kind of model (a policy and a language model)",
+                        path.display(),
+                        reference_path.display()
+                    )));
+                }
+                Some(reference)
+            }
             None => None,
         };
-        Ok(match (model, reference) {
-            (Model::Policy(model), reference) => Served::Policy {
-                model: *model,
-                reference: match reference {
-                    None => None,
-                    Some((Model::Policy(r), _)) => Some(*r),
-                    Some((Model::Language(_), p)) => return Err(mismatch(p)),
-                },
-                calibration,
-            },
-            (Model::Language(model), reference) => Served::Language {
-                model: *model,
-                reference: match reference {
-                    None => None,
-                    Some((Model::Language(r), _)) => Some(*r),
-                    Some((Model::Policy(_), p)) => return Err(mismatch(p)),
-                },
-                name: name.unwrap_or_else(|| {
-                    path.file_stem()
-                        .map_or("model".into(), |s| s.to_string_lossy().into_owned())
-                }),
-                calibration,
-                limits,
-            },
+        Ok(Self {
+            model,
+            reference,
+            calibration,
         })
     }
 }

@@ -18,6 +18,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use qforge_model::Model;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -36,7 +37,7 @@ use crate::metrics::Metrics;
 use crate::openai;
 use crate::reload;
 use crate::rollout::{Arm, FeedbackLimit, RolloutMode};
-use crate::served::{Calibration, Served};
+use crate::served::Served;
 use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 use crate::token::token_digest;
 
@@ -650,37 +651,32 @@ fn start_backend(
     options: &ServeOptions,
     metrics: &Arc<Metrics>,
 ) -> Result<Backend> {
-    let monitor = |calibration: Option<Calibration>| {
-        calibration.map(|c| c.into_monitor(options.drift, metrics))
+    let monitor = served
+        .calibration
+        .map(|c| c.into_monitor(options.drift, metrics));
+    let policy = |model, reference, monitor| {
+        PolicyBackend::start(model, reference, monitor, options, metrics).map(Backend::Policy)
     };
-    Ok(match served {
-        Served::Policy {
-            model,
-            reference,
-            calibration,
-        } => Backend::Policy(PolicyBackend::start(
-            model,
-            reference,
-            monitor(calibration),
-            options,
-            metrics,
-        )?),
-        Served::Language {
-            model,
-            reference,
-            name,
-            calibration,
-            limits,
-        } => Backend::Language(LanguageBackend::start(
-            model,
-            reference,
-            name,
-            monitor(calibration),
-            limits,
-            options,
-            metrics,
-        )?),
-    })
+    let language = |model, reference, monitor| {
+        LanguageBackend::start(model, reference, monitor, options, metrics).map(Backend::Language)
+    };
+    match (served.model, served.reference) {
+        (Model::Policy(model), None) => policy(*model, None, monitor),
+        (Model::Policy(model), Some(Model::Policy(reference))) => {
+            policy(*model, Some(*reference), monitor)
+        }
+        (Model::Language(model), None) => language(*model, None, monitor),
+        (Model::Language(model), Some(Model::Language(reference))) => {
+            language(*model, Some(*reference), monitor)
+        }
+        // `Served::open` refuses this, naming the paths; a value built
+        // otherwise is refused here.
+        (model, Some(reference)) => Err(Error::Options(format!(
+            "the model is a {} and its reference a {}: they must be the same kind of model",
+            model.kind(),
+            reference.kind()
+        ))),
+    }
 }
 
 /// The routes; the bearer token (when the server requires one), the

@@ -40,6 +40,11 @@ pub struct ServeOptions {
     /// Most tokens a prompt may have; a longer one gets 400 before it is
     /// admitted.
     pub max_prompt_tokens: usize,
+    /// The name clients may give a language model as `model` (and
+    /// `/v1/models` lists).
+    pub model_name: String,
+    /// The continuous-batching engine's limits, for a language model.
+    pub engine: EngineLimits,
     /// Requests in flight beyond which new ones get 429.
     pub max_concurrency: usize,
     /// Read deadlines and the connection cap (see [`crate::conn`]).
@@ -196,16 +201,15 @@ pub(crate) struct LanguageBackend {
 
 impl LanguageBackend {
     /// Starts an engine for `lm` and one for its `reference` (each with
-    /// `limits`: the reference's KV cache is its own).
+    /// the options' engine limits: the reference's KV cache is its own).
     pub(crate) fn start(
         lm: LanguageModel,
         reference: Option<LanguageModel>,
-        name: String,
         monitor: Option<DriftMonitor>,
-        limits: EngineLimits,
         options: &ServeOptions,
         metrics: &Arc<Metrics>,
     ) -> Result<Self> {
+        let limits = options.engine;
         if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 || limits.prefill_chunk == 0 {
             return Err(Error::Options(
                 "the engine needs at least 1 sequence, a KV budget of at least 2 tokens and a prefill chunk of at least 1 token".into(),
@@ -238,7 +242,7 @@ impl LanguageBackend {
                 .map(|r| Engine::start(r, None, limits, Arc::clone(metrics)))
                 .transpose()?,
             rollout: Rollout::new(options.rollout, Arc::clone(metrics), label),
-            name,
+            name: options.model_name.clone(),
             text,
             context,
             vocab_size,

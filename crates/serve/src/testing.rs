@@ -35,6 +35,14 @@ pub(crate) fn options() -> ServeOptions {
         max_rows: 4096,
         max_tokens: 1024,
         max_prompt_tokens: 4096,
+        model_name: "smollm2".into(),
+        engine: EngineLimits {
+            max_sequences: 4,
+            kv_budget_tokens: 512,
+            threads: 1,
+            prefill_threads: 1,
+            prefill_chunk: 256,
+        },
         max_concurrency: 256,
         connections: ConnectionLimits {
             header_timeout: Duration::from_secs(10),
@@ -131,8 +139,8 @@ impl TestServer {
     /// The CartPole policy directory.
     pub(crate) fn policy() -> Self {
         match qforge_model::open(&repository("fixtures/policies/cartpole")) {
-            Ok(Model::Policy(model)) => Self::start(Served::Policy {
-                model: *model,
+            Ok(model @ Model::Policy(_)) => Self::start(Served {
+                model,
                 reference: None,
                 calibration: None,
             }),
@@ -163,18 +171,10 @@ impl TestServer {
         options: ServeOptions,
     ) -> Self {
         Self::start_with(
-            Served::Language {
-                model,
-                reference,
-                name: "smollm2".into(),
+            Served {
+                model: Model::Language(Box::new(model)),
+                reference: reference.map(|r| Model::Language(Box::new(r))),
                 calibration: None,
-                limits: EngineLimits {
-                    max_sequences: 4,
-                    kv_budget_tokens: 512,
-                    threads: 1,
-                    prefill_threads: 1,
-                    prefill_chunk: 256,
-                },
             },
             options,
         )
