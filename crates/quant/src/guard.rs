@@ -448,6 +448,62 @@ pub fn probe(
     guard.measure(&plan.precisions())
 }
 
+/// The share of linear layers a static recipe keeps static when the method
+/// search measures it with its noisiest inputs moved to dynamic
+/// activations ([`probe_mostly_static`]): a plan that meets the budget so is
+/// still a static plan, and exports as one.
+pub const MOSTLY_STATIC: f64 = 0.9;
+
+/// The guard's measurement of a static recipe's plan with its noisiest
+/// static inputs (worst output SQNR at their static scale; fused groups
+/// whole) moved to dynamic per-token activations, as many as keep
+/// [`MOSTLY_STATIC`] of the linear layers static; with the count of layers
+/// moved. What a static method search compares when a plan misses the
+/// budget as it stands: one method's miss may be a few inputs that dynamic
+/// scales fix, another's spread over every layer, which only full precision
+/// fixes. Costs one sensitivity pass (two forwards) and one measurement; no
+/// KL ranking, no ladder. `None` when no input can move (a small policy's
+/// tenth of its layers is less than one fused group).
+pub fn probe_mostly_static(
+    model: FpModel<'_>,
+    reference: &Reference<'_>,
+    stats: &Stats,
+    recipe: &QuantRecipe,
+) -> Result<Option<(GuardMetrics, usize)>> {
+    recipe.validate()?;
+    let guard = Guard::new(model, reference, recipe)?;
+    let linears = model.linears();
+    let layers_of = layers_by_point(&linears);
+    let static_allowed = stats.provenance.coverage() >= recipe.calibration.min_coverage;
+    let plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut Vec::new())?;
+    let noise = Noise::rank_sqnr(model, reference.held_out, &plan.static_scales)?;
+    let mut noisiest: Vec<(&String, f64)> = plan
+        .rungs
+        .iter()
+        .filter(|(_, rung)| matches!(rung, Rung::Static(_)))
+        .map(|(point, &rung)| {
+            let sqnr = noise.sqnr_at(point, rung).unwrap_or(f64::INFINITY);
+            (point, sqnr)
+        })
+        .collect();
+    noisiest.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let allowed = ((1.0 - MOSTLY_STATIC) * linears.len() as f64).floor() as usize;
+    let mut points = plan.precisions();
+    let mut moved = 0;
+    for (point, _) in noisiest {
+        let layers = layers_of[point].len();
+        if moved + layers > allowed {
+            continue;
+        }
+        moved += layers;
+        points.insert(point.clone(), LayerPrecision::Int8Dynamic);
+    }
+    if moved == 0 {
+        return Ok(None);
+    }
+    Ok(Some((guard.measure(&points)?, moved)))
+}
+
 /// The linear layers fed by each observation point (a fused group).
 fn layers_by_point(linears: &[(String, String, &Linear)]) -> BTreeMap<String, Vec<String>> {
     let mut layers_of: BTreeMap<String, Vec<String>> = BTreeMap::new();

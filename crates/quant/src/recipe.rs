@@ -227,7 +227,8 @@ pub enum Method {
     /// cost, and the artifact exports like a plain one.
     ResidualHadamard,
     /// QuaRot: the residual offline, down_proj's input online (language
-    /// models; a little run-time cost, qforge's engine only).
+    /// models; a little run-time cost; compressed-tensors carries the online
+    /// rotation as a transform).
     Quarot,
     /// QuaRot, then GPTQ's rounding (Hessian passes and a solve per layer).
     QuarotGptq,
@@ -267,9 +268,10 @@ impl Method {
 pub struct RotationSection {
     /// Linear inputs rotated by the normalized Hadamard matrix of their
     /// width (QuaRot): offline in the weights, online in qforge's engine.
-    /// Spreads outlier channels over all channels; such an artifact exports
-    /// to no other format. Names: `self_attn.q_proj`, `self_attn.o_proj`,
-    /// `mlp.gate_proj`, `mlp.down_proj`, `lm_head`.
+    /// Spreads outlier channels over all channels. compressed-tensors
+    /// carries every online rotation but lm_head's as a transform. Names:
+    /// `self_attn.q_proj`, `self_attn.o_proj`, `mlp.gate_proj`,
+    /// `mlp.down_proj`, `lm_head`.
     pub inputs: Vec<RotatedInput>,
     /// Rotate the residual stream offline (QuaRot's main rotation: the
     /// norms' gains fold into the linears they feed, the embedding and the

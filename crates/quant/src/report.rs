@@ -118,8 +118,34 @@ pub struct MethodTrial {
     pub method: String,
     /// The guard's measurement of its plan before any fallback.
     pub before: GuardMetrics,
-    /// Its calibration passes and that measurement, seconds.
+    /// A static recipe whose plan missed the budget: the same plan with its
+    /// noisiest inputs moved to dynamic activations, within
+    /// [`crate::guard::MOSTLY_STATIC`] of the layers kept static.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mostly_static: Option<MostlyStatic>,
+    /// Its calibration passes and those measurements, seconds.
     pub seconds: f64,
+}
+
+/// A static plan measured with some of its inputs moved to dynamic
+/// activations ([`crate::guard::probe_mostly_static`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct MostlyStatic {
+    /// Linear layers whose inputs were moved to dynamic activations.
+    pub dynamic_layers: usize,
+    /// The guard's measurement of that plan.
+    pub metrics: GuardMetrics,
+}
+
+impl MethodTrial {
+    /// The best measurement of the method: the mostly static plan's where
+    /// there is one (it only exists where the plan as it stands missed the
+    /// budget), else the plan's.
+    pub fn best(&self) -> &GuardMetrics {
+        self.mostly_static
+            .as_ref()
+            .map_or(&self.before, |m| &m.metrics)
+    }
 }
 
 impl Report {
@@ -189,16 +215,24 @@ impl Report {
 fn write_method_search(html: &mut String, search: &MethodSearch) {
     let _ = write!(
         html,
-        "<h2>Method</h2><p>Chosen: <b>{}</b>, {}.</p><table><tr><th>method tried</th><th>before any fallback</th><th>seconds</th></tr>",
+        "<h2>Method</h2><p>Chosen: <b>{}</b>, {}.</p><table><tr><th>method tried</th><th>before any fallback</th><th>static plan with its noisiest inputs dynamic</th><th>seconds</th></tr>",
         escape(&search.chosen),
         escape(&search.reason)
     );
     for trial in &search.tried {
+        let mostly_static = trial.mostly_static.as_ref().map_or(String::new(), |m| {
+            format!(
+                "{} layers dynamic: {}",
+                m.dynamic_layers,
+                crate::guard::describe(&m.metrics)
+            )
+        });
         let _ = write!(
             html,
-            "<tr><td>{}</td><td>{}</td><td>{:.1}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td></tr>",
             escape(&trial.method),
             escape(&crate::guard::describe(&trial.before)),
+            escape(&mostly_static),
             trial.seconds
         );
     }

@@ -166,7 +166,7 @@ impl Noise {
         }
     }
 
-    fn sqnr_at(&self, point: &str, rung: Rung) -> Option<f64> {
+    pub(super) fn sqnr_at(&self, point: &str, rung: Rung) -> Option<f64> {
         match rung {
             Rung::Static(_) => self.static_sqnr.get(point).copied().flatten(),
             Rung::Dynamic => self.dynamic_sqnr.get(point).copied().flatten(),

@@ -6,9 +6,9 @@ use qforge_runner::Listener;
 
 use super::{Inputs, Judged, Pipeline, Prepared, Quantized, fp_model};
 use crate::error::Result;
-use crate::guard::{GuardMetrics, describe, probe};
-use crate::recipe::{Method, QuantRecipe};
-use crate::report::{MethodSearch, MethodTrial};
+use crate::guard::{GuardMetrics, MOSTLY_STATIC, Reference, describe, probe, probe_mostly_static};
+use crate::recipe::{ActivationScheme, Method, QuantRecipe};
+use crate::report::{MethodSearch, MethodTrial, MostlyStatic};
 
 impl Pipeline<'_> {
     /// The method search: every candidate recipe's passes and the guard's
@@ -61,29 +61,15 @@ impl Pipeline<'_> {
                 reference = Some(self.reference(&original, &held, listener)?);
             }
             let reference = reference.as_ref().expect("measured above");
-            let before = probe(
-                fp_model(&prepared.model),
-                reference,
-                &prepared.stats,
-                &stage.recipe,
-            )?;
-            listener.message(&format!(
-                "method {}: before any fallback, {}",
-                method.name(),
-                describe(&before)
-            ));
+            let trial = stage.trial(*method, &prepared, reference, started, listener)?;
             let closer = best
                 .as_ref()
-                .is_none_or(|(b, _)| before.shortfall() < trials[*b].before.shortfall());
-            trials.push(MethodTrial {
-                method: method.name().into(),
-                before,
-                seconds: started.elapsed().as_secs_f64(),
-            });
+                .is_none_or(|(b, _)| trial.best().shortfall() < trials[*b].best().shortfall());
+            trials.push(trial);
             if closer {
                 best = Some((i, prepared));
             }
-            if trials[i].before.passes {
+            if trials[i].best().passes {
                 break;
             }
         }
@@ -91,7 +77,7 @@ impl Pipeline<'_> {
         let (chosen, prepared) = best.expect("the search runs at least one method");
         let (method, stage) = &stages[chosen];
         let budget = stage.recipe.guard.max_perplexity_increase;
-        let reason = search_reason(*method, &trials[chosen].before, budget, listener);
+        let reason = search_reason(*method, &trials[chosen], budget, listener);
         let judged = Judged {
             reference: reference.as_ref().expect("measured with the first method"),
             probed: Some(trials[chosen].before.clone()),
@@ -107,23 +93,75 @@ impl Pipeline<'_> {
     }
 }
 
-/// Why the search chose `method`, whose plan measured `before`, also told to
-/// the listener: it met the budget first or came closest, with the caution
-/// of an interval that reaches past the budget.
+impl Pipeline<'_> {
+    /// The guard's measurement of this method's plan (`prepared`, its
+    /// calibration having started at `started`) before any fallback, and,
+    /// for a static recipe whose plan misses the budget, of the plan with
+    /// its noisiest inputs at dynamic scales.
+    fn trial(
+        &self,
+        method: Method,
+        prepared: &Prepared,
+        reference: &Reference<'_>,
+        started: std::time::Instant,
+        listener: &mut dyn Listener,
+    ) -> Result<MethodTrial> {
+        let model = fp_model(&prepared.model);
+        let before = probe(model, reference, &prepared.stats, &self.recipe)?;
+        let name = method.name();
+        listener.message(&format!(
+            "method {name}: before any fallback, {}",
+            describe(&before)
+        ));
+        let mut mostly_static = None;
+        if self.recipe.quantize.activations == ActivationScheme::Static
+            && !before.passes
+            && let Some((metrics, dynamic_layers)) =
+                probe_mostly_static(model, reference, &prepared.stats, &self.recipe)?
+        {
+            listener.message(&format!(
+                "method {name}: with {dynamic_layers} linear layers' inputs dynamic, {}",
+                describe(&metrics)
+            ));
+            mostly_static = Some(MostlyStatic {
+                dynamic_layers,
+                metrics,
+            });
+        }
+        Ok(MethodTrial {
+            method: name.into(),
+            before,
+            mostly_static,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Why the search chose `method`, whose `trial` it was, also told to the
+/// listener: its plan met the budget first, or did so with its noisiest
+/// inputs dynamic, or came closest; with the caution of an interval that
+/// reaches past the budget.
 fn search_reason(
     method: Method,
-    before: &GuardMetrics,
+    trial: &MethodTrial,
     budget: f64,
     listener: &mut dyn Listener,
 ) -> String {
     let name = method.name();
-    let mut reason = if before.passes {
-        "the cheapest method whose plan met the guard's budget before any fallback"
-    } else {
-        "no method met the guard's budget before fallback; the one that came closest, then the fallback"
-    }
-    .to_string();
-    if let Some(caution) = interval_caution(before, budget) {
+    let best = trial.best();
+    let mut reason = match &trial.mostly_static {
+        _ if trial.before.passes => {
+            "the cheapest method whose plan met the guard's budget before any fallback".to_string()
+        }
+        Some(mostly) if mostly.metrics.passes => format!(
+            "the cheapest method whose plan met the guard's budget with {} linear layers' inputs at dynamic scales (at least {:.0} % of them static), then the fallback",
+            mostly.dynamic_layers,
+            100.0 * MOSTLY_STATIC
+        ),
+        _ => "no method met the guard's budget before fallback; the one that came closest, then the fallback"
+            .to_string(),
+    };
+    if let Some(caution) = interval_caution(best, budget) {
         listener.message(&format!("warning: method {name}: {caution}"));
         reason = format!("{reason}; {caution}");
     }
