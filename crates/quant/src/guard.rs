@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use qforge_core::{Calibrator, Stats};
 use qforge_model::artifact::{LayerPrecision, in_precision};
 use qforge_model::lm::{ReferenceLogProbs, compare_to};
-use qforge_model::{Action, Linear, Llama, MlpPolicy};
+use qforge_model::{Action, Linear, Model};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -34,25 +34,6 @@ use crate::recipe::{ActivationScheme, LmHead, LowCoverage, QuantRecipe};
 mod noise;
 
 use noise::Noise;
-
-/// The full-precision model to quantize.
-#[derive(Clone, Copy)]
-pub enum FpModel<'a> {
-    /// An MLP policy.
-    Policy(&'a MlpPolicy),
-    /// A language model's decoder.
-    Language(&'a Llama),
-}
-
-impl FpModel<'_> {
-    /// (name, point, layer) of every linear layer.
-    fn linears(&self) -> Vec<(String, String, &Linear)> {
-        match self {
-            FpModel::Policy(p) => p.linears(),
-            FpModel::Language(m) => m.linears(),
-        }
-    }
-}
 
 /// Data the guard evaluates on; never seen by calibration.
 pub enum HeldOut {
@@ -230,11 +211,11 @@ enum Measured {
 impl<'a> Reference<'a> {
     /// Runs `reference` over `held_out` (language models in chunks of
     /// `ctx` tokens).
-    pub fn new(reference: FpModel<'_>, held_out: &'a HeldOut, ctx: usize) -> Result<Self> {
+    pub fn new(reference: &'_ Model, held_out: &'a HeldOut, ctx: usize) -> Result<Self> {
         let measured = match (reference, held_out) {
-            (FpModel::Policy(p), HeldOut::Observations(obs)) => Measured::Actions(p.act(obs)?),
-            (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
-                Measured::LogProbs(ReferenceLogProbs::new(m, tokens, ctx)?)
+            (Model::Policy(p), HeldOut::Observations(obs)) => Measured::Actions(p.act(obs)?),
+            (Model::Language(lm), HeldOut::Tokens(tokens)) => {
+                Measured::LogProbs(ReferenceLogProbs::new(&lm.model, tokens, ctx)?)
             }
             _ => {
                 return Err(Error::HeldOut(
@@ -249,21 +230,20 @@ impl<'a> Reference<'a> {
 /// The guard: configurations of `model` measured against the reference.
 struct Guard<'a> {
     /// What gets quantized.
-    model: FpModel<'a>,
+    model: &'a Model,
     reference: &'a Reference<'a>,
     recipe: &'a QuantRecipe,
 }
 
 impl<'a> Guard<'a> {
     fn new(
-        model: FpModel<'a>,
+        model: &'a Model,
         reference: &'a Reference<'a>,
         recipe: &'a QuantRecipe,
     ) -> Result<Self> {
         let fits = matches!(
             (model, reference.held_out),
-            (FpModel::Policy(_), HeldOut::Observations(_))
-                | (FpModel::Language(_), HeldOut::Tokens(_))
+            (Model::Policy(_), HeldOut::Observations(_)) | (Model::Language(_), HeldOut::Tokens(_))
         );
         if !fits {
             return Err(Error::HeldOut(
@@ -308,7 +288,7 @@ impl<'a> Guard<'a> {
             self.reference.held_out,
             &self.reference.measured,
         ) {
-            (FpModel::Policy(p), HeldOut::Observations(obs), Measured::Actions(reference)) => {
+            (Model::Policy(p), HeldOut::Observations(obs), Measured::Actions(reference)) => {
                 let quantized = p.with_linears(convert)?;
                 let actions = quantized.act(obs)?;
                 let agreement = p.agreement(&actions, reference);
@@ -322,8 +302,8 @@ impl<'a> Guard<'a> {
                     passes: agreement >= self.recipe.guard.min_agreement,
                 })
             }
-            (FpModel::Language(m), HeldOut::Tokens(tokens), Measured::LogProbs(log_probs)) => {
-                let quantized = m.with_linears(convert)?;
+            (Model::Language(lm), HeldOut::Tokens(tokens), Measured::LogProbs(log_probs)) => {
+                let quantized = lm.model.with_linears(convert)?;
                 let c = compare_to(&quantized, log_probs, tokens)?;
                 let increase = c.perplexity / c.reference_perplexity - 1.0;
                 Ok(GuardMetrics {
@@ -348,7 +328,7 @@ impl<'a> Guard<'a> {
 /// (the plan is not measured again). `progress` hears about every
 /// evaluation.
 pub fn quantize(
-    model: FpModel<'_>,
+    model: &'_ Model,
     reference: &Reference<'_>,
     stats: &Stats,
     recipe: &QuantRecipe,
@@ -379,9 +359,9 @@ pub fn quantize(
         Some(before) => before,
         None => guard.measure(&plan.precisions())?,
     };
-    if let (FpModel::Language(m), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
+    if let (Model::Language(lm), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
     {
-        noise.rank_kl(m, tokens, &plan.rungs, progress)?;
+        noise.rank_kl(&lm.model, tokens, &plan.rungs, progress)?;
     }
     noise.annotate(&mut plan.reports);
 
@@ -435,7 +415,7 @@ pub fn quantize(
 /// [`quantize`] takes it first: what the method search compares (no
 /// sensitivity ranking, no ladder).
 pub fn probe(
-    model: FpModel<'_>,
+    model: &'_ Model,
     reference: &Reference<'_>,
     stats: &Stats,
     recipe: &QuantRecipe,
@@ -465,7 +445,7 @@ pub const MOSTLY_STATIC: f64 = 0.9;
 /// KL ranking, no ladder. `None` when no input can move (a small policy's
 /// tenth of its layers is less than one fused group).
 pub fn probe_mostly_static(
-    model: FpModel<'_>,
+    model: &'_ Model,
     reference: &Reference<'_>,
     stats: &Stats,
     recipe: &QuantRecipe,

@@ -40,7 +40,7 @@ pub mod smoothing;
 pub mod sync;
 
 pub use error::{Error, Result};
-pub use guard::{Decision, FpModel, GuardMetrics, HeldOut, quantize};
+pub use guard::{Decision, GuardMetrics, HeldOut, quantize};
 pub use pipeline::{Inputs, Pipeline, Quantized};
 pub use recipe::{Method, QuantRecipe};
 pub use report::{

@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::gptq::{Gptq, GptqOptions};
-use crate::guard::{Decision, FpModel, GuardMetrics, HeldOut, Reference, quantize};
+use crate::guard::{Decision, GuardMetrics, HeldOut, Reference, quantize};
 use crate::held_out::held_out;
 use crate::recipe::ActivationScheme;
 use crate::recipe::QuantRecipe;
@@ -355,7 +355,7 @@ impl<'a> Pipeline<'a> {
         listener: &mut dyn Listener,
     ) -> Result<Reference<'h>> {
         listener.message("guard: running the full-precision model on the held-out data");
-        Reference::new(fp_model(original), held, self.recipe.guard.ctx)
+        Reference::new(original, held, self.recipe.guard.ctx)
     }
 
     /// The guard's decision on a prepared model, and the report.
@@ -368,7 +368,7 @@ impl<'a> Pipeline<'a> {
         listener: &mut dyn Listener,
     ) -> Result<Quantized> {
         let decision = quantize(
-            fp_model(&prepared.model),
+            &prepared.model,
             judged.reference,
             &prepared.stats,
             &self.recipe,
@@ -772,13 +772,6 @@ fn round_group(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(rounded.into_iter().flatten().collect())
-}
-
-fn fp_model(model: &Model) -> FpModel<'_> {
-    match model {
-        Model::Policy(p) => FpModel::Policy(p),
-        Model::Language(lm) => FpModel::Language(&lm.model),
-    }
 }
 
 impl Quantized {

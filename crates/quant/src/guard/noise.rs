@@ -6,28 +6,28 @@ use std::collections::BTreeMap;
 
 use qforge_model::lm::{ReferenceLogProbs, compare_from};
 use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
-use qforge_model::{Activations, Llama};
+use qforge_model::{Activations, Llama, Model};
 
-use super::{FpModel, HeldOut, LadderStep, PointReport};
+use super::{HeldOut, LadderStep, PointReport};
 use crate::error::Result;
 use crate::ladder::{Ladder, Rung};
 
 /// Per-point worst layer SQNR with activations chosen by `activations`.
 fn sensitivity(
-    model: FpModel<'_>,
+    model: &Model,
     held_out: &HeldOut,
     activations: &dyn Fn(&str) -> qforge_model::Result<Activations>,
 ) -> Result<BTreeMap<String, Option<f64>>> {
     // Sensitivity needs a few hundred tokens or observations, not the whole
     // held-out set: it ranks, it does not judge.
     let layers: Vec<LayerSqnr> = match (model, held_out) {
-        (FpModel::Policy(p), HeldOut::Observations(obs)) => {
+        (Model::Policy(p), HeldOut::Observations(obs)) => {
             let dim = p.config().observation_dim;
             let rows = (obs.len() / dim).min(1024);
             policy_layer_sqnr(p, &obs[..rows * dim], activations)?
         }
-        (FpModel::Language(m), HeldOut::Tokens(tokens)) => {
-            llm_layer_sqnr(m, &tokens[..tokens.len().min(256)], activations)?
+        (Model::Language(lm), HeldOut::Tokens(tokens)) => {
+            llm_layer_sqnr(&lm.model, &tokens[..tokens.len().min(256)], activations)?
         }
         _ => unreachable!("checked in Guard::new"),
     };
@@ -107,7 +107,7 @@ impl Noise {
     /// The SQNR ranking, at the static rung only where some point has a
     /// static scale.
     pub(super) fn rank_sqnr(
-        model: FpModel<'_>,
+        model: &Model,
         held_out: &HeldOut,
         static_scales: &BTreeMap<String, f32>,
     ) -> Result<Self> {
@@ -122,7 +122,7 @@ impl Noise {
             })?
         };
         Ok(Self {
-            is_language: matches!(model, FpModel::Language(_)),
+            is_language: matches!(model, Model::Language(_)),
             static_sqnr,
             dynamic_sqnr,
             static_kl: BTreeMap::new(),

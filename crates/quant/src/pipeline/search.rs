@@ -4,7 +4,7 @@
 
 use qforge_runner::Listener;
 
-use super::{Inputs, Judged, Pipeline, Prepared, Quantized, fp_model};
+use super::{Inputs, Judged, Pipeline, Prepared, Quantized};
 use crate::error::Result;
 use crate::guard::{GuardMetrics, MOSTLY_STATIC, Reference, describe, probe, probe_mostly_static};
 use crate::recipe::{ActivationScheme, Method, QuantRecipe};
@@ -106,7 +106,7 @@ impl Pipeline<'_> {
         started: std::time::Instant,
         listener: &mut dyn Listener,
     ) -> Result<MethodTrial> {
-        let model = fp_model(&prepared.model);
+        let model = &prepared.model;
         let before = probe(model, reference, &prepared.stats, &self.recipe)?;
         let name = method.name();
         listener.message(&format!(
