@@ -5,7 +5,8 @@
 //! (`crates/*/tests/fuzz_corpus_replay.rs`) include the same files with
 //! `#[path]` and call them on every file of `fuzz/corpus/<target>/`, so CI
 //! replays the corpora on stable with exactly the fuzzers' assertions.
-//! Each module uses only its crate, so each test can include just its own.
+//! Each module uses only its crate and the crates below it, so each test
+//! can include just its own.
 
 pub mod model;
 pub mod qstats;

@@ -1,11 +1,12 @@
-//! Checks of `qforge-model`'s parsers, for the `gguf_header`,
-//! `onnx_import`, `policy` and `hf_config` targets. Uses `qforge-model` and
-//! `serde_json` only, so `crates/model/tests/fuzz_corpus_replay.rs` can
-//! include it.
+//! Checks of `qforge-formats`' and `qforge-model`'s parsers, for the
+//! `gguf_header`, `onnx_import`, `policy` and `hf_config` targets. Uses
+//! `qforge-formats`, `qforge-model` and `serde_json` only, so
+//! `crates/model/tests/fuzz_corpus_replay.rs` can include it.
 
-use qforge_model::gguf::GgufHeader;
+use qforge_formats::gguf::GgufHeader;
+use qforge_formats::tokenizer::TextTokenizer;
 use qforge_model::mlp::Head;
-use qforge_model::{LlamaConfig, MlpPolicy, TextTokenizer};
+use qforge_model::{LlamaConfig, MlpPolicy};
 
 /// The widest layer [`run_policy`] runs a forward pass through.
 ///

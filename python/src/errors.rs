@@ -70,10 +70,20 @@ fn failed(error: &impl std::fmt::Display) -> Failure {
     Failure(QforgeError::new_err(error.to_string()))
 }
 
+impl From<qforge_formats::Error> for Failure {
+    fn from(error: qforge_formats::Error) -> Self {
+        match error {
+            qforge_formats::Error::Request(why) => Failure(usage(why)),
+            other => failed(&other),
+        }
+    }
+}
+
 impl From<qforge_model::Error> for Failure {
     fn from(error: qforge_model::Error) -> Self {
         match error {
             qforge_model::Error::Request(why) => Failure(usage(why)),
+            qforge_model::Error::Formats(e) => e.into(),
             other => failed(&other),
         }
     }
@@ -85,6 +95,7 @@ impl From<qforge_quant::Error> for Failure {
             qforge_quant::Error::Refused(why) => Failure(GuardRefused::new_err(why)),
             qforge_quant::Error::Recipe(_) => Failure(usage(error.to_string())),
             qforge_quant::Error::Model(e) => e.into(),
+            qforge_quant::Error::Formats(e) => e.into(),
             other => failed(&other),
         }
     }
@@ -101,6 +112,7 @@ impl From<qforge_runner::Error> for Failure {
         match error {
             qforge_runner::Error::Request(why) => Failure(usage(why)),
             qforge_runner::Error::Model(e) => e.into(),
+            qforge_runner::Error::Formats(e) => e.into(),
             other => failed(&other),
         }
     }

@@ -222,7 +222,7 @@ pub fn quantize<'py>(
 fn recipe_with(path: Option<PathBuf>, overrides: &Overrides) -> PyResult<QuantRecipe> {
     let recipe = match path {
         Some(path) => {
-            let text = qforge_model::files::read_config_text(&path).map_err(Failure::from)?;
+            let text = qforge_formats::files::read_config_text(&path).map_err(Failure::from)?;
             QuantRecipe::from_toml(&text).map_err(Failure::from)?
         }
         None => QuantRecipe::default(),
@@ -246,7 +246,7 @@ pub fn requantize<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let requantized = py.detach(|| -> Result<_, Failure> {
         let requantized = qforge_quant::requantize::requantize(&model, &like, drift_threshold)?;
-        qforge_model::output::write_dir_atomic(&output, |dir| requantized.write(dir).map(drop))?;
+        qforge_formats::output::write_dir_atomic(&output, |dir| requantized.write(dir).map(drop))?;
         Ok(requantized)
     })?;
     written(py, &output, &requantized.report())

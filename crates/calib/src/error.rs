@@ -32,6 +32,9 @@ pub enum Error {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] qforge_model::Error),
+    /// Reading or writing a file format failed.
+    #[error(transparent)]
+    Formats(#[from] qforge_formats::Error),
     /// Statistics failed.
     #[error(transparent)]
     Core(#[from] qforge_core::Error),
@@ -43,6 +46,7 @@ impl Error {
     pub fn is_request(&self) -> bool {
         match self {
             Error::Model(e) => e.is_request(),
+            Error::Formats(e) => e.is_request(),
             _ => false,
         }
     }

@@ -6,7 +6,8 @@
 //! stable ids, the [`Session`] that coordinator and workers both build from
 //! model + data + recipe, the [`Transform`]s earlier passes imply, and the
 //! map step of a pass ([`observe_batch`]: one batch → `Stats`). The reduce
-//! step is `qforge_core::Stats::merge`, exact and order-free. It depends on `qforge-core` and `qforge-model`; it must not
+//! step is `qforge_core::Stats::merge`, exact and order-free. It depends on
+//! `qforge-core`, `qforge-formats` and `qforge-model`; it must not
 //! know about workers, queues or files other than the data it reads.
 
 pub mod data;

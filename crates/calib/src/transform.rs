@@ -166,7 +166,7 @@ pub fn read_transforms(dir: &Path) -> Result<Option<Vec<Transform>>> {
     if !path.exists() {
         return Ok(None);
     }
-    let bytes = qforge_model::files::read_config(&path)?;
+    let bytes = qforge_formats::files::read_config(&path)?;
     serde_json::from_slice(&bytes)
         .map(Some)
         .map_err(|e| Error::Data(format!("{}: {e}", path.display())))

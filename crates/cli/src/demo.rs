@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use qforge_core::demo::{CHANNELS, DemoOptions};
-use qforge_model::output::write_atomic;
+use qforge_formats::output::write_atomic;
 
 use crate::output::{Written, print_json};
 use crate::{OutputFlags, UsageError};

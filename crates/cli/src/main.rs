@@ -184,6 +184,9 @@ fn is_misuse(error: &anyhow::Error) -> bool {
             .is_some_and(qforge_model::Error::is_request)
         || error
             .downcast_ref()
+            .is_some_and(qforge_formats::Error::is_request)
+        || error
+            .downcast_ref()
             .is_some_and(qforge_calib::Error::is_request)
         || error
             .downcast_ref()

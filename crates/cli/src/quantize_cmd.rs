@@ -84,7 +84,7 @@ impl QuantizeArgs {
     fn recipe(&self) -> Result<QuantRecipe> {
         let recipe = match &self.recipe {
             Some(path) => {
-                let text = qforge_model::files::read_config_text(path)?;
+                let text = qforge_formats::files::read_config_text(path)?;
                 QuantRecipe::from_toml(&text)
                     .map_err(|e| UsageError(format!("{}: {e}", path.display())))?
             }
@@ -186,7 +186,7 @@ pub struct VerifyArgs {
 /// artifact's numbers as every loader does: a manifest rewritten along with
 /// an edited scale passes the hashes.
 pub fn verify_command(args: VerifyArgs) -> Result<()> {
-    let verified = qforge_model::manifest::verified(&args.dir)?;
+    let verified = qforge_formats::manifest::verified(&args.dir)?;
     if qforge_model::artifact::is_artifact(&args.dir) {
         qforge_model::artifact::check_numbers(&args.dir)?;
     }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use qforge_model::output::write_dir_atomic;
+use qforge_formats::output::write_dir_atomic;
 use qforge_quant::requantize::requantize;
 
 use crate::output::{Written, print_json};

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use qforge_model::output::{check_writable, write_atomic};
+use qforge_formats::output::{check_writable, write_atomic};
 use qforge_model::rollouts::{RolloutOptions, RolloutsSummary, jsonl};
 
 use crate::output::print_written;

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use qforge_core::codec::{decode, encode};
 use qforge_core::{Calibrator, MergePolicy, Stats, StatsReport};
-use qforge_model::output::write_atomic;
+use qforge_formats::output::write_atomic;
 
 use crate::output::{Written, print_json, print_report};
 use crate::{OutputFlags, OutputPath, UsageError};

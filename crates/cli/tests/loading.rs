@@ -14,9 +14,9 @@ use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use qforge_formats::manifest::write_manifest;
 use qforge_model::MlpPolicy;
 use qforge_model::artifact::{LayerPrecision, write_policy};
-use qforge_model::manifest::write_manifest;
 
 use support::{path, root};
 

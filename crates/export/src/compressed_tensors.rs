@@ -73,7 +73,7 @@ pub struct CompressedTensors {
 type TensorOut<'a> = (Dtype, Vec<usize>, Cow<'a, [u8]>);
 
 fn read_json(path: &Path) -> Result<Value> {
-    let bytes = qforge_model::files::read_config(path)?;
+    let bytes = qforge_formats::files::read_config(path)?;
     serde_json::from_slice(&bytes)
         .map_err(|e| Error::Inconsistent(format!("{}: {e}", path.display())))
 }
@@ -136,7 +136,7 @@ fn to_checkpoint_dtype(out: &mut BTreeMap<String, TensorOut<'_>>) -> &'static st
 /// tensors are copied into the export as they are, so they need not be read
 /// into memory first.
 fn map_weights(weights_path: &Path) -> Result<memmap2::Mmap> {
-    let file = qforge_model::files::open_regular(weights_path)?;
+    let file = qforge_formats::files::open_regular(weights_path)?;
     // SAFETY: a read-only map of an artifact file, which qforge writes once
     // and never modifies.
     let map = unsafe { memmap2::Mmap::map(&file) }

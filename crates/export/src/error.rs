@@ -6,6 +6,9 @@ pub enum Error {
     /// Reading the artifact or writing the export failed.
     #[error(transparent)]
     Model(#[from] qforge_model::Error),
+    /// Reading the artifact's files or writing the export's failed.
+    #[error(transparent)]
+    Formats(#[from] qforge_formats::Error),
     /// The artifact cannot be expressed in the target format.
     #[error("{0}")]
     Unsupported(String),

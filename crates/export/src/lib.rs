@@ -7,8 +7,8 @@
 //!   policies.
 //!
 //! It reads artifacts and writes directories; it depends on `qforge-model`
-//! only and never requantizes: the exported int8 values are the ones the
-//! guard measured.
+//! and `qforge-formats` only and never requantizes: the exported int8
+//! values are the ones the guard measured.
 
 pub mod compressed_tensors;
 pub mod error;
@@ -20,11 +20,11 @@ use std::path::{Path, PathBuf};
 pub use compressed_tensors::{CompressedTensors, export_compressed_tensors};
 pub use error::{Error, Result};
 pub use onnx_qdq::{OnnxExport, export_onnx};
+use qforge_formats::manifest::{Manifest, hash_file, verify, write_manifest};
+use qforge_formats::output::write_dir_atomic;
 use qforge_model::PolicyConfig;
 use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, check_numbers, read_config};
-use qforge_model::manifest::{Manifest, hash_file, verify, write_manifest};
 use qforge_model::open::recorded_source;
-use qforge_model::output::write_dir_atomic;
 use serde::Serialize;
 
 /// The format to export to.
@@ -149,7 +149,7 @@ fn onnx(artifact: &Path, source: &Manifest, f32: bool, dest: &Path) -> Result<Ex
     };
     let policy_path = dir.join("policy.json");
     let policy: PolicyConfig =
-        serde_json::from_slice(&qforge_model::files::read_config(&policy_path)?)
+        serde_json::from_slice(&qforge_formats::files::read_config(&policy_path)?)
             .map_err(|e| Error::Inconsistent(format!("{}: {e}", policy_path.display())))?;
     let result = export_onnx(&dir.join(WEIGHTS_FILE), &points, &policy, dest)?;
     Ok(Exported::Onnx {

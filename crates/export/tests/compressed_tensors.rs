@@ -334,7 +334,7 @@ fn export_and_compare(
     let artifact = fresh(&format!("{name}-artifact"));
     let artifact = artifact.path();
     write_language_model(artifact, lm, points).unwrap();
-    qforge_model::manifest::write_manifest(artifact, serde_json::json!({"test": true})).unwrap();
+    qforge_formats::manifest::write_manifest(artifact, serde_json::json!({"test": true})).unwrap();
     let dest = fresh(&format!("{name}-ct"));
     let dest = dest.path();
     let summary = export_compressed_tensors(artifact, dest).unwrap();

@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use qforge_export::{Target, export};
+use qforge_formats::manifest::write_manifest;
 use qforge_model::LanguageModel;
 use qforge_model::artifact::{LayerPrecision, check_numbers, write_language_model};
-use qforge_model::manifest::write_manifest;
 use tampered::{ATTACKS, Attack, Edit, REMEDY, cartpole_artifact, root};
 
 fn fresh(name: &str) -> tempfile::TempDir {

@@ -19,9 +19,9 @@
 //!   policy; `config.json`, `tokenizer.json` and `tokenizer_config.json` for a
 //!   language model (a GGUF source is written out in Hugging Face form, q/k
 //!   rows already in Hugging Face order);
-//! * `calibration.json` ([`crate::profile`]): each point's calibrated range
+//! * `calibration.json` ([`qforge_formats::profile`]): each point's calibrated range
 //!   and octave histogram, which `qforge serve` watches for drift;
-//! * `manifest.json` ([`crate::manifest`]): provenance and the hash of every
+//! * `manifest.json` ([`qforge_formats::manifest`]): provenance and the hash of every
 //!   file.
 //!
 //! Loading gives the same layers the quantizer evaluated: the stored int8
@@ -45,8 +45,8 @@ use crate::error::{Error, Result};
 use crate::linear::{Linear, check_finite};
 use crate::llama::{Llama, LlamaConfig, RotatedInput, WeightSource};
 use crate::lm::{LanguageModel, TextSide};
-use crate::manifest::MANIFEST_FILE;
 use crate::mlp::{MlpPolicy, PolicyConfig};
+use qforge_formats::manifest::MANIFEST_FILE;
 
 mod numbers;
 pub use numbers::check_numbers;
@@ -161,7 +161,7 @@ pub fn is_artifact(dir: &Path) -> bool {
 /// Reads and checks `qforge.json`.
 pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
     let path = dir.join(ARTIFACT_FILE);
-    let bytes = crate::files::read_config(&path)?;
+    let bytes = qforge_formats::files::read_config(&path)?;
     let config: ArtifactConfig = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
     if config.format != FORMAT || config.version != VERSION {
@@ -565,7 +565,7 @@ pub fn write_language_model(
 /// name: what `Linear::int8_weight` gave when it was written.
 pub fn int8_weights(dir: &Path) -> Result<BTreeMap<String, Vec<i8>>> {
     let path = dir.join(WEIGHTS_FILE);
-    let file = crate::files::open_regular(&path)?;
+    let file = qforge_formats::files::open_regular(&path)?;
     // SAFETY: a read-only map of a file qforge does not modify (artifacts
     // are written once, then renamed into place).
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
@@ -604,7 +604,7 @@ impl ArtifactTensors {
         point_of: HashMap<String, String>,
     ) -> Result<Self> {
         let path = dir.join(WEIGHTS_FILE);
-        let file = crate::files::open_regular(&path)?;
+        let file = qforge_formats::files::open_regular(&path)?;
         // SAFETY: a read-only map of a file qforge does not modify while the
         // model is loaded (artifacts are written once, then renamed into place).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
@@ -780,7 +780,7 @@ fn verify_before_loading(dir: &Path) -> Result<()> {
             dir.display()
         )));
     }
-    crate::manifest::verify(dir)?;
+    qforge_formats::manifest::verify(dir)?;
     check_numbers(dir)
 }
 
@@ -789,7 +789,7 @@ pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
     verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::Policy)?;
     let policy_path = dir.join("policy.json");
-    let bytes = crate::files::read_config(&policy_path)?;
+    let bytes = qforge_formats::files::read_config(&policy_path)?;
     let policy: PolicyConfig = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", policy_path.display())))?;
     // A policy's layer names are its observation points.
@@ -817,8 +817,9 @@ pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
     verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::LanguageModel)?;
     let config_path = dir.join("config.json");
-    let json: serde_json::Value = serde_json::from_slice(&crate::files::read_config(&config_path)?)
-        .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
+            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
     let llama_config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
     let point_of = Llama::linear_points(&llama_config).into_iter().collect();
     let tensors = ArtifactTensors::open(dir, &config, point_of)?;

@@ -57,6 +57,9 @@ pub enum Error {
     /// Statistics failed.
     #[error(transparent)]
     Core(#[from] qforge_core::Error),
+    /// Reading or writing a file format failed.
+    #[error(transparent)]
+    Formats(#[from] qforge_formats::Error),
 }
 
 impl Error {
@@ -67,6 +70,7 @@ impl Error {
         match self {
             Error::Request(_) => true,
             Error::InFile { source, .. } => source.is_request(),
+            Error::Formats(e) => e.is_request(),
             _ => false,
         }
     }
@@ -85,6 +89,7 @@ impl Error {
             already @ (Error::Io { .. } | Error::InFile { .. } | Error::MissingTensor { .. }) => {
                 already
             }
+            Error::Formats(e) => Error::Formats(e.in_file(path)),
             other => Error::InFile {
                 path: path.to_owned(),
                 source: Box::new(other),

@@ -1,35 +1,32 @@
 //! `qforge-model`: the models qforge quantizes, loaded from real files.
 //!
-//! It owns the file formats in (GGUF, Hugging Face safetensors directories,
-//! MLP policy directories), the architectures with a per-layer choice of
-//! linear implementation ([`Linear`]), the observation hook calibration uses
-//! ([`Observer`]), tokenizers, generation, evaluation (perplexity, model
-//! comparison, action agreement) and the determinism fingerprint.
+//! It owns the model formats in (GGUF models, Hugging Face safetensors
+//! directories, MLP policy directories, ONNX MLPs) and the native artifact,
+//! the architectures with a per-layer choice of linear implementation
+//! ([`Linear`]), the observation hook calibration uses ([`Observer`]), chat
+//! templates, generation, evaluation (perplexity, model comparison, action
+//! agreement) and the determinism fingerprint.
 //!
-//! It depends on `qforge-core` and on `qforge-kernels` (the INT8 engine
-//! behind [`Linear::Int8`]); it must not depend on calibration,
-//! distribution, serving or the CLI.
+//! It depends on `qforge-core`, on `qforge-kernels` (the INT8 engine
+//! behind [`Linear::Int8`]) and on `qforge-formats` (the files and formats
+//! that need no model: GGUF, tokenizers, `manifest.json`,
+//! `calibration.json`, bounded reads and atomic writes); it must not depend
+//! on calibration, distribution, serving or the CLI.
 
 pub mod artifact;
 pub mod error;
-pub mod files;
 pub mod fingerprint;
-pub mod gguf;
 pub mod linear;
 pub mod llama;
 pub mod lm;
-pub mod manifest;
 pub mod mlp;
 pub mod observe;
 pub mod onnx;
 pub mod open;
-pub mod output;
 pub mod precision;
-pub mod profile;
 pub mod rollouts;
 pub mod sensitivity;
 mod spill;
-pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use linear::{Int8Values, Int8Weight, Linear};
@@ -42,4 +39,3 @@ pub use observe::{Observer, Statistics, StatsObserver};
 pub use onnx::import_mlp;
 pub use open::{Format, Model, open};
 pub use qforge_kernels::Activations;
-pub use tokenizer::TextTokenizer;

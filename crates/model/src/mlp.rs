@@ -309,9 +309,9 @@ impl MlpPolicy {
     /// with [`crate::open()`].
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("policy.json");
-        let config = crate::files::read_config(&config_path)?;
+        let config = qforge_formats::files::read_config(&config_path)?;
         let weights_path = dir.join("model.safetensors");
-        let weights = crate::files::read_regular(&weights_path)?;
+        let weights = qforge_formats::files::read_regular(&weights_path)?;
         Self::parse(&config, &weights, &weights_path).map_err(|e| match e {
             Malformed::Config(e) => Error::Format(format!("{}: {e}", config_path.display())),
             Malformed::Weights(e) => Error::Format(format!("{}: {e}", weights_path.display())),

@@ -15,9 +15,9 @@ use crate::error::{Error, Result};
 use crate::fingerprint::{llm_fingerprint, llm_probe, policy_fingerprint, policy_probe};
 use crate::linear::{Int8Weight, Linear};
 use crate::lm::LanguageModel;
-use crate::manifest::Manifest;
 use crate::mlp::MlpPolicy;
 use crate::observe::Observer;
+use qforge_formats::manifest::Manifest;
 
 /// A model qforge can calibrate, quantize, evaluate and serve.
 #[derive(Debug, Clone)]
@@ -75,7 +75,7 @@ impl Format {
         // A GGUF file says so in its first bytes; an ONNX protobuf has no
         // magic, so it goes by its name and the importer checks its content.
         let mut magic = [0u8; 4];
-        let mut file = crate::files::open_regular(path)?;
+        let mut file = qforge_formats::files::open_regular(path)?;
         let read = std::io::Read::read(&mut file, &mut magic).map_err(|e| Error::io(path, e))?;
         if magic[..read] == *b"GGUF" {
             return Ok(Format::Gguf);
@@ -114,7 +114,7 @@ pub fn observation_dim(path: &Path) -> Result<usize> {
         Format::PolicyDir | Format::Artifact => {
             let config_path = path.join("policy.json");
             let config: crate::mlp::PolicyConfig =
-                serde_json::from_slice(&crate::files::read_config(&config_path)?)
+                serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
                     .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
             Ok(config.observation_dim)
         }
@@ -283,7 +283,7 @@ pub fn recorded_source(manifest: &Manifest) -> Result<PathBuf> {
 /// the directory. Streamed: a model can be far larger than memory.
 ///
 /// The index's shards used to be left out, so weights moved into a
-/// subdirectory (or, before [`crate::files::inside`], outside the model)
+/// subdirectory (or, before [`qforge_formats::files::inside`], outside the model)
 /// could change without changing the hash.
 pub fn digest(path: &Path) -> Result<Digest> {
     let mut files: BTreeMap<OsString, PathBuf> = BTreeMap::new();
@@ -316,7 +316,7 @@ pub fn digest(path: &Path) -> Result<Digest> {
     let mut digest = DigestBuilder::default();
     let mut buffer = vec![0u8; 1 << 20];
     for (name, file) in files {
-        let mut reader = crate::files::open_regular(&file)?;
+        let mut reader = qforge_formats::files::open_regular(&file)?;
         digest.update(name.as_encoded_bytes());
         loop {
             let n =

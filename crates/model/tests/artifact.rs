@@ -6,10 +6,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use qforge_formats::manifest::{verify, write_manifest};
 use qforge_model::artifact::{
     LayerPrecision, load_language_model, load_policy, write_language_model, write_policy,
 };
-use qforge_model::manifest::{verify, write_manifest};
 use qforge_model::open::recorded_source;
 use qforge_model::{LanguageModel, Logits, MlpPolicy, RotatedInput};
 

@@ -11,8 +11,8 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::llama as peer;
+use qforge_formats::manifest::write_manifest;
 use qforge_model::artifact::{LayerPrecision, load_language_model, write_language_model};
-use qforge_model::manifest::write_manifest;
 use qforge_model::{Llama, Logits};
 use tiny_llama::{
     FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, last_logits, max_diff, tiny_family, tiny_model,

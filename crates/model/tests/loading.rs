@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use qforge_core::Digest;
+use qforge_formats::files::MAX_CONFIG_BYTES;
+use qforge_formats::manifest::{FileEntry, Manifest, read_manifest, verify, write_manifest};
 use qforge_model::artifact::{LayerPrecision, write_policy};
-use qforge_model::files::MAX_CONFIG_BYTES;
-use qforge_model::manifest::{FileEntry, Manifest, read_manifest, verify, write_manifest};
 use qforge_model::{Llama, MlpPolicy};
 
 /// A scratch directory, removed when dropped.

@@ -214,7 +214,7 @@ fn truncated_file_is_refused_with_its_path() {
     let missing = onnx_dir().join("no-such-model.onnx");
     assert!(matches!(
         import_mlp(&missing, discrete(2), None),
-        Err(Error::Io { .. })
+        Err(Error::Formats(qforge_formats::Error::Io { .. }))
     ));
 }
 

@@ -18,6 +18,9 @@ pub enum Error {
     /// A model operation failed.
     #[error(transparent)]
     Model(#[from] qforge_model::Error),
+    /// Reading or writing a file format failed.
+    #[error(transparent)]
+    Formats(#[from] qforge_formats::Error),
     /// Loading or planning the calibration data failed.
     #[error(transparent)]
     Calib(#[from] qforge_calib::Error),
@@ -41,6 +44,7 @@ impl Error {
     pub fn is_request(&self) -> bool {
         match self {
             Error::Model(e) => e.is_request(),
+            Error::Formats(e) => e.is_request(),
             Error::Calib(e) => e.is_request(),
             Error::Runner(e) => e.is_request(),
             _ => false,

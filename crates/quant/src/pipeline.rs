@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 
 use qforge_calib::{HessianPass, Job, Pass, Session, Transform, write_transforms};
 use qforge_core::{Gram, Stats, TensorStats};
+use qforge_formats::manifest::write_manifest;
+use qforge_formats::output::write_dir_atomic;
+use qforge_formats::profile::CalibrationProfile;
 use qforge_model::artifact::{check_numbers, write_language_model, write_policy};
-use qforge_model::manifest::write_manifest;
-use qforge_model::output::write_dir_atomic;
-use qforge_model::profile::CalibrationProfile;
 use qforge_model::{Int8Weight, Model};
 use qforge_runner::{Executor, Listener, PassPosition, RunOptions, RunSummary};
 use rayon::prelude::*;

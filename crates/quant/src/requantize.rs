@@ -18,12 +18,12 @@ use std::time::Instant;
 
 use qforge_calib::{Transform, apply_all, read_transforms, write_transforms};
 use qforge_core::Digest;
+use qforge_formats::manifest::{Manifest, read_manifest, write_manifest};
+use qforge_formats::profile::PROFILE_FILE;
 use qforge_model::artifact::{
     LayerPrecision, check_numbers, in_precision, int8_weights, is_artifact, read_config,
     write_language_model, write_policy,
 };
-use qforge_model::manifest::{Manifest, read_manifest, write_manifest};
-use qforge_model::profile::PROFILE_FILE;
 use qforge_model::{Model, Observer};
 use serde::Serialize;
 use serde_json::{Value, json};

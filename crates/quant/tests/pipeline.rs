@@ -70,7 +70,7 @@ fn one_and_three_threads_write_identical_artifacts() {
             "{file} differs between 1 and 3 threads"
         );
     }
-    qforge_model::manifest::verify(dirs[0].path()).unwrap();
+    qforge_formats::manifest::verify(dirs[0].path()).unwrap();
 }
 
 /// SmoothQuant on a policy smooths its one smoothable input, the observation:

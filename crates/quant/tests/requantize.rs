@@ -176,7 +176,7 @@ fn an_artifacts_dequantized_weights_requantize_to_its_own_int8_values() {
         );
         let written = qforge_model::artifact::load_policy(&out).unwrap();
         assert_eq!(written.config(), policy.config());
-        qforge_model::manifest::verify(&out).unwrap();
+        qforge_formats::manifest::verify(&out).unwrap();
         // The profile the server's drift monitor reads is the artifact's.
         assert!(
             std::fs::read(out.join("calibration.json")).unwrap()

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use qforge_calib::{Job, Recipe, Session};
 use qforge_core::codec::encode;
-use qforge_model::output::write_atomic;
+use qforge_formats::output::write_atomic;
 
 use crate::checkpoint::CheckpointStore;
 use crate::coordinator::RunOptions;

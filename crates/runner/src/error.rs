@@ -9,6 +9,9 @@ pub enum Error {
     /// The model failed (loading it, or its forward pass).
     #[error(transparent)]
     Model(#[from] qforge_model::Error),
+    /// Reading or writing a file format failed.
+    #[error(transparent)]
+    Formats(#[from] qforge_formats::Error),
     /// Merging or decoding statistics failed.
     #[error(transparent)]
     Core(#[from] qforge_core::Error),
@@ -65,6 +68,7 @@ impl Error {
         match self {
             Error::Request(_) => true,
             Error::Model(e) => e.is_request(),
+            Error::Formats(e) => e.is_request(),
             Error::Calib(e) => e.is_request(),
             _ => false,
         }
@@ -79,6 +83,7 @@ impl Error {
             | Error::Cluster(_) => true,
             Error::Calib(_)
             | Error::Model(_)
+            | Error::Formats(_)
             | Error::Core(_)
             | Error::ForeignResult { .. }
             | Error::Refused(_)

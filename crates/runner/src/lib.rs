@@ -8,7 +8,8 @@
 //! coverage), the [`record`] of what a run did, and [`checkpoint`]s. Because merging is exact and order-free, the
 //! statistics of a run are byte-identical whatever the backend, the number of
 //! workers, the order results arrive in, and the failures on the way. It
-//! depends on `qforge-calib`, `qforge-model` and `qforge-core`.
+//! depends on `qforge-calib`, `qforge-model`, `qforge-formats` and
+//! `qforge-core`.
 
 pub mod backend;
 pub mod calibration;

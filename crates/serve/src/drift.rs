@@ -21,8 +21,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use qforge_formats::profile::{CalibrationProfile, OCTAVES, PointProfile, octave};
 use qforge_model::Observer;
-use qforge_model::profile::{CalibrationProfile, OCTAVES, PointProfile, octave};
 
 use crate::metrics::Metrics;
 

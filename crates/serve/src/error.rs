@@ -14,6 +14,9 @@ pub enum Error {
     /// The model (or its reference or calibration profile) did not load.
     #[error(transparent)]
     Model(#[from] qforge_model::Error),
+    /// The artifact's manifest or calibration profile did not read.
+    #[error(transparent)]
+    Formats(#[from] qforge_formats::Error),
     /// A thread the server needs could not start.
     #[error("cannot start {0}")]
     Start(String),

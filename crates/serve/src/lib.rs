@@ -6,8 +6,9 @@
 //! reference with automatic rollback ([`rollout`]), and a drift monitor
 //! comparing layer inputs with calibration ([`drift`]).
 //!
-//! It depends on `qforge-model` only (a native artifact or a policy
-//! directory loads there); it must not depend on calibration, quantization
+//! It depends on `qforge-model` and `qforge-formats` only (a native
+//! artifact or a policy directory loads there, its manifest and
+//! calibration profile read with `qforge-formats`); it must not depend on calibration, quantization
 //! or the CLI.
 
 pub mod batcher;

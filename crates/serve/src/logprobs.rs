@@ -11,7 +11,7 @@
 //! is reported too (it is part of the sampled sequence) though it adds no
 //! text.
 
-use qforge_model::TextTokenizer;
+use qforge_formats::tokenizer::TextTokenizer;
 use qforge_model::lm::TokenLogProb;
 use serde::{Deserialize, Deserializer};
 use serde_json::{Map, Value, json};

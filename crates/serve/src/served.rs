@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use qforge_formats::manifest::read_manifest;
+use qforge_formats::profile::CalibrationProfile;
 use qforge_model::Model;
 use qforge_model::artifact::{LayerPrecision, is_artifact, read_config};
-use qforge_model::manifest::read_manifest;
 use qforge_model::open::recorded_source;
-use qforge_model::profile::CalibrationProfile;
 
 use crate::drift::{DriftMonitor, DriftOptions};
 use crate::error::{Error, Result};

@@ -25,7 +25,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::{ARTIFACT_FILE, ArtifactConfig, LayerPrecision, WEIGHTS_FILE, read_config};
 use crate::error::{Error, Result};
 use crate::linear::{scale_rule, usable_scale};
-use crate::profile::{CalibrationProfile, PROFILE_FILE, PointProfile};
+use qforge_formats::profile::{CalibrationProfile, PROFILE_FILE, PointProfile};
 
 /// What to do about an artifact whose numbers are refused.
 const REWRITE: &str = "the artifact was edited or corrupted; write it again with `qforge quantize`";
@@ -121,7 +121,7 @@ fn check_static_ranges(dir: &Path, config: &ArtifactConfig) -> Result<()> {
 /// with int8 weights up to `weight_qmax`, float tensors are finite.
 fn check_tensors(dir: &Path, weight_qmax: f32) -> Result<()> {
     let path = dir.join(WEIGHTS_FILE);
-    let file = crate::files::open_regular(&path)?;
+    let file = qforge_formats::files::open_regular(&path)?;
     // SAFETY: a read-only map of a file qforge does not modify (artifacts
     // are written once, then renamed into place).
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;

@@ -4,7 +4,7 @@
 use serde_json::Value as Json;
 
 use crate::error::{Error, Result};
-use crate::gguf::GgufHeader;
+use qforge_formats::gguf::GgufHeader;
 
 /// The decoder families qforge runs. They share one forward; they differ in
 /// biases and in how their files lay out the attention weights.

@@ -12,8 +12,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{Family, Layer, Llama, LlamaConfig, MAX_POSITIONS, Rotations, compressed};
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
 use crate::linear::{Linear, MappedTensor, StoredWeight};
+use qforge_formats::gguf::GgufFile;
 
 /// Where a model's tensors come from, by Hugging Face name.
 pub(crate) trait WeightSource {
@@ -105,8 +105,9 @@ impl GgufSource {
 
     fn quantized(&self, name: &str) -> Result<candle_core::quantized::QTensor> {
         let order = self.row_order(name);
-        self.file
-            .tensor_quantized(&gguf_name(name), order.as_deref())
+        Ok(self
+            .file
+            .tensor_quantized(&gguf_name(name), order.as_deref())?)
     }
 }
 
@@ -217,7 +218,7 @@ impl Llama {
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
         let json: serde_json::Value =
-            serde_json::from_slice(&crate::files::read_config(&config_path)?)
+            serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
                 .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
         let config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
         let scheme = compressed::Scheme::from_config(&json, &config_path)?;
@@ -228,7 +229,7 @@ impl Llama {
         // candle opens the shards itself: refuse a FIFO or device before it
         // blocks on one.
         for file in &files {
-            crate::files::open_regular(file)?;
+            qforge_formats::files::open_regular(file)?;
         }
         // SAFETY: read-only maps of model files that qforge does not modify.
         let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
@@ -343,13 +344,14 @@ impl Llama {
 pub(crate) const SHARD_INDEX: &str = "model.safetensors.index.json";
 
 /// The shards `dir/model.safetensors.index.json` names, as (name in the
-/// index, path), each inside `dir` ([`crate::files::inside`]): a weight map
+/// index, path), each inside `dir` ([`qforge_formats::files::inside`]): a weight map
 /// naming `../other.safetensors` loaded weights from outside the model,
 /// which the model's hash did not cover.
 pub(crate) fn index_shards(dir: &Path) -> Result<Vec<(String, std::path::PathBuf)>> {
     let index = dir.join(SHARD_INDEX);
-    let json: serde_json::Value = serde_json::from_slice(&crate::files::read_config(&index)?)
-        .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&qforge_formats::files::read_config(&index)?)
+            .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
     let map = json["weight_map"]
         .as_object()
         .ok_or_else(|| Error::Format(format!("{}: no weight_map", index.display())))?;
@@ -357,7 +359,12 @@ pub(crate) fn index_shards(dir: &Path) -> Result<Vec<(String, std::path::PathBuf
         .filter_map(serde_json::Value::as_str)
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
-        .map(|name| Ok((name.to_owned(), crate::files::inside(dir, name, &index)?)))
+        .map(|name| {
+            Ok((
+                name.to_owned(),
+                qforge_formats::files::inside(dir, name, &index)?,
+            ))
+        })
         .collect()
 }
 

@@ -24,9 +24,9 @@ use rand::{SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
 use crate::llama::{Decoder, Llama, LlamaConfig, Logits, Residency};
-use crate::tokenizer::TextTokenizer;
+use qforge_formats::gguf::GgufFile;
+use qforge_formats::tokenizer::TextTokenizer;
 
 /// What turns text into token ids: the tokenizer and the chat template.
 /// Loading it reads no weights, so a coordinator can plan a calibration
@@ -51,7 +51,7 @@ impl TextSide {
         if path.is_dir() {
             let config_path = path.join("config.json");
             let json: serde_json::Value =
-                serde_json::from_slice(&crate::files::read_config(&config_path)?)
+                serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
                     .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
             let c = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
             Self::from_hf_dir(path, &c)
@@ -325,7 +325,7 @@ fn tokenizer_config(dir: &Path) -> Result<Option<serde_json::Value>> {
     if !path.exists() {
         return Ok(None);
     }
-    Ok(serde_json::from_slice(&crate::files::read_config(&path)?).ok())
+    Ok(serde_json::from_slice(&qforge_formats::files::read_config(&path)?).ok())
 }
 
 /// Whether a Hugging Face tokenizer config asks for BOS.

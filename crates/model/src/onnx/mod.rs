@@ -81,13 +81,13 @@ const MAX_SHOWN: usize = 80;
 /// the probabilities the ONNX graph outputs. Any other head ending in
 /// `Softmax` is refused, since its outputs would change.
 ///
-/// Errors: [`Error::Io`] if the file cannot be read; otherwise (wrapped in
+/// Errors: [`Error::Formats`] (its `Io`) if the file cannot be read; otherwise (wrapped in
 /// [`Error::InFile`]) [`Error::Format`] for bytes that are not a complete,
 /// consistent ONNX model, [`Error::Unsupported`] for a valid model that is not
 /// such a chain (naming the node and op), and [`Error::Shape`] for weights
 /// whose shapes do not chain.
 pub fn import_mlp(path: &Path, head: Head, env: Option<String>) -> Result<MlpPolicy> {
-    let bytes = crate::files::read_regular(path)?;
+    let bytes = qforge_formats::files::read_regular(path)?;
     import_mlp_bytes(&bytes, head, env).map_err(|e| e.in_file(path))
 }
 
@@ -120,11 +120,12 @@ pub fn head_file(path: &Path) -> PathBuf {
 /// `Softmax` implies. A graph with neither is refused with an error that
 /// shows the head file to write.
 pub fn open_policy(path: &Path) -> Result<MlpPolicy> {
-    let bytes = crate::files::read_regular(path)?;
+    let bytes = qforge_formats::files::read_regular(path)?;
     let head_path = head_file(path);
     let given = if head_path.exists() {
-        let file: HeadFile = serde_json::from_slice(&crate::files::read_config(&head_path)?)
-            .map_err(|e| Error::Format(format!("{}: {e}", head_path.display())))?;
+        let file: HeadFile =
+            serde_json::from_slice(&qforge_formats::files::read_config(&head_path)?)
+                .map_err(|e| Error::Format(format!("{}: {e}", head_path.display())))?;
         Some(file)
     } else {
         None

@@ -9,10 +9,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use qforge_formats::manifest::{read_manifest, write_manifest};
+use qforge_formats::profile::{CalibrationProfile, PointProfile};
 use qforge_model::MlpPolicy;
 use qforge_model::artifact::{LayerPrecision, write_policy};
-use qforge_model::manifest::{read_manifest, write_manifest};
-use qforge_model::profile::{CalibrationProfile, PointProfile};
 
 /// The repository root.
 pub fn root() -> PathBuf {

@@ -159,7 +159,7 @@ fn not_admitted(timeout: Duration) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use qforge_model::TextTokenizer;
+    use qforge_formats::tokenizer::TextTokenizer;
     use serde_json::{Value, json};
 
     use crate::testing::{TestServer, options, smollm2, smollm2_int8};

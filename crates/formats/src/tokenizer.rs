@@ -279,7 +279,7 @@ impl TextTokenizer {
     }
 
     /// BOS when the model wants it prepended, else nothing.
-    pub(crate) fn bos_ids(&self) -> Vec<u32> {
+    pub fn bos_ids(&self) -> Vec<u32> {
         self.bos.filter(|_| self.add_bos).into_iter().collect()
     }
 
@@ -289,7 +289,7 @@ impl TextTokenizer {
     /// of inside them. Between two recognised tokens the text is one piece,
     /// whatever ranges it crosses, so where no added token's string lies
     /// inside `plain` the ids are [`Self::encode`]'s.
-    pub(crate) fn encode_with_plain(&self, text: &str, plain: &[Range<usize>]) -> Result<Vec<u32>> {
+    pub fn encode_with_plain(&self, text: &str, plain: &[Range<usize>]) -> Result<Vec<u32>> {
         let mut added: Vec<(String, u32)> = self
             .text()?
             .get_added_tokens_decoder()
