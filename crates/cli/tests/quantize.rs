@@ -341,7 +341,7 @@ fn a_static_search_keeps_a_method_that_meets_the_budget_with_its_noisiest_inputs
     );
     assert!(mostly_static < 0.4 && 0.4 < as_is, "{plain}");
     let reason = search["reason"].as_str().unwrap();
-    assert!(reason.contains("at dynamic scales"), "{reason}");
+    assert!(reason.contains("moved to dynamic scales"), "{reason}");
     // The guard then starts its ladder from the plan as it stood.
     assert_eq!(result["before"], plain["before"], "{result}");
     let after = result["after"]["perplexity_increase"].as_f64().unwrap();

@@ -288,6 +288,21 @@ fn rotations_vllm_or_qforge_cannot_apply_are_refused_by_name() {
     let err = rewrite(&|name, data| (name != key).then(|| data.to_vec()));
     assert!(err.contains(key), "{err}");
     assert!(err.contains("transform_config"), "{err}");
+
+    // A second scheme on the same input: vLLM keeps the last and
+    // compressed-tensors applies both, so qforge refuses it.
+    std::fs::write(&weights, &bytes).unwrap();
+    let config_path = export.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    let groups = &mut config["quantization_config"]["transform_config"]["config_groups"];
+    groups["hadamard_again"] = groups["hadamard_mlp_down_proj"].clone();
+    std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
+    let err = LanguageModel::load(export.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("mlp.down_proj twice") && err.contains("hadamard_again"),
+        "{err}"
+    );
 }
 
 /// `lm` with the int8 layers of `points` dequantized (their int8 values

@@ -44,5 +44,6 @@ pub use guard::{Decision, GuardMetrics, HeldOut, quantize};
 pub use pipeline::{Inputs, Pipeline, Quantized};
 pub use recipe::{Method, QuantRecipe};
 pub use report::{
-    CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, Outcome, PassRecord, Report,
+    CalibrationSummary, GptqRecord, MethodSearch, MethodTrial, MostlyStatic, Outcome, PassRecord,
+    Report,
 };

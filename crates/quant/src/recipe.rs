@@ -203,9 +203,10 @@ impl Default for SmoothingSection {
 pub struct MethodSection {
     /// When the recipe enables no method itself, try the methods in order of
     /// cost ([`Method::ORDER`]) and keep the first whose plan meets the
-    /// guard's budget before any layer falls back; when none does, the one
-    /// that comes closest. The layer-by-layer fallback then runs on the
-    /// chosen one.
+    /// guard's budget before any layer falls back (with static activations:
+    /// or with its noisiest inputs, at most a tenth of the layers, moved to
+    /// dynamic scales); when none does, the one that comes closest. The
+    /// layer-by-layer fallback then runs on the chosen one.
     pub search: bool,
 }
 
@@ -232,16 +233,22 @@ pub enum Method {
     Quarot,
     /// QuaRot, then GPTQ's rounding (Hessian passes and a solve per layer).
     QuarotGptq,
+    /// Every decoder linear's input rotated online (q/k/v, o_proj, gate/up,
+    /// down_proj; not lm_head's, which vLLM could not apply): four
+    /// rotations a layer at run time, the dearest method, and on SmolLM2
+    /// the one whose static scales hold (BENCHMARKS.md).
+    HadamardInputs,
 }
 
 impl Method {
     /// Every method, cheapest first.
-    pub const ORDER: [Method; 5] = [
+    pub const ORDER: [Method; 6] = [
         Method::Plain,
         Method::Smoothquant,
         Method::ResidualHadamard,
         Method::Quarot,
         Method::QuarotGptq,
+        Method::HadamardInputs,
     ];
 
     /// The name used in reports and on the command line.
@@ -252,6 +259,7 @@ impl Method {
             Method::ResidualHadamard => "residual-hadamard",
             Method::Quarot => "quarot",
             Method::QuarotGptq => "quarot+gptq",
+            Method::HadamardInputs => "hadamard-inputs",
         }
     }
 
@@ -298,6 +306,21 @@ impl RotationSection {
         }
     }
 
+    /// Every decoder linear's input rotated online, lm_head's not
+    /// ([`Method::HadamardInputs`]).
+    pub fn decoder_inputs() -> Self {
+        Self {
+            inputs: vec![
+                RotatedInput::Attention,
+                RotatedInput::AttentionOutput,
+                RotatedInput::Mlp,
+                RotatedInput::MlpProduct,
+            ],
+            residual: false,
+            seed: 0,
+        }
+    }
+
     /// The residual rotated offline alone (signs from `seed`).
     pub fn residual(seed: u64) -> Self {
         Self {
@@ -310,6 +333,16 @@ impl RotationSection {
     /// Whether anything is rotated.
     pub fn is_enabled(&self) -> bool {
         self.residual || !self.inputs.is_empty()
+    }
+
+    /// Whether the inputs rotated online are `inputs`, in any order.
+    fn rotates_exactly(&self, inputs: &[RotatedInput]) -> bool {
+        let mut ours = self.inputs.clone();
+        ours.sort();
+        ours.dedup();
+        let mut theirs = inputs.to_vec();
+        theirs.sort();
+        ours == theirs
     }
 
     /// Reads a comma-separated list of `residual` and linear inputs (as
@@ -559,6 +592,7 @@ impl QuantRecipe {
                         recipe.rotation = RotationSection::quarot(seed);
                         recipe.gptq.enabled = true;
                     }
+                    Method::HadamardInputs => recipe.rotation = RotationSection::decoder_inputs(),
                 }
                 (method, recipe)
             })
@@ -566,7 +600,7 @@ impl QuantRecipe {
     }
 
     /// The method this recipe runs as given, named by its nearest
-    /// [`Method`] (online rotations of any inputs count as QuaRot,
+    /// [`Method`] (online rotations of other inputs count as QuaRot,
     /// SmoothQuant beside a rotation as SmoothQuant).
     fn method_named(&self) -> Method {
         let r = &self.rotation;
@@ -578,6 +612,8 @@ impl QuantRecipe {
             Method::QuarotGptq
         } else if r.inputs.is_empty() {
             Method::ResidualHadamard
+        } else if !r.residual && r.rotates_exactly(&RotationSection::decoder_inputs().inputs) {
+            Method::HadamardInputs
         } else {
             Method::Quarot
         }
@@ -611,9 +647,10 @@ impl QuantRecipe {
 pub struct Overrides {
     /// [method] run the recipe as given (plain, unless --smoothquant,
     /// --hadamard or --gptq name a method) instead of trying plain,
-    /// SmoothQuant, the residual rotation, QuaRot and QuaRot + GPTQ in order
-    /// of cost until one meets the guard before any fallback (policies:
-    /// plain and SmoothQuant).
+    /// SmoothQuant, the residual rotation, QuaRot, QuaRot + GPTQ and every
+    /// decoder input rotated online, in order of cost, until one meets the
+    /// guard before any fallback (static activations: or with a tenth of
+    /// the layers moved to dynamic; policies: plain and SmoothQuant).
     #[cfg_attr(feature = "clap", arg(long))]
     pub no_method_search: bool,
     /// [calibration] samples to draw.
@@ -795,10 +832,20 @@ mod tests {
             [Method::Plain, Method::Smoothquant]
         );
         let candidates = default.candidates(false);
-        let (_, last) = &candidates[4];
-        assert!(last.gptq.enabled && last.rotation == RotationSection::quarot(0));
+        let (_, gptq) = &candidates[4];
+        assert!(gptq.gptq.enabled && gptq.rotation == RotationSection::quarot(0));
         assert!(candidates[2].1.rotation.residual && candidates[2].1.rotation.inputs.is_empty());
+        let (_, last) = &candidates[5];
+        assert!(!last.gptq.enabled && last.rotation == RotationSection::decoder_inputs());
         assert!(candidates.iter().all(|(_, r)| !r.method.search));
+        // The same rotation named on the command line is the same method.
+        let named = QuantRecipe::default()
+            .with_overrides(&Overrides {
+                hadamard: Some("down_proj,gate_proj,o_proj,q_proj".into()),
+                ..Overrides::default()
+            })
+            .unwrap();
+        assert_eq!(methods(&named, false), [Method::HadamardInputs]);
         // A method named by the recipe, or the search off: that recipe alone.
         let mut smoothed = QuantRecipe::default();
         smoothed.smoothing.enabled = true;

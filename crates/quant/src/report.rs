@@ -114,13 +114,14 @@ pub struct MethodSearch {
 /// One method of the search.
 #[derive(Debug, Clone, Serialize)]
 pub struct MethodTrial {
-    /// Its name (`plain`, `smoothquant`, `residual-hadamard`, `quarot`, `quarot+gptq`).
+    /// Its name (`plain`, `smoothquant`, `residual-hadamard`, `quarot`, `quarot+gptq`,
+    /// `hadamard-inputs`).
     pub method: String,
     /// The guard's measurement of its plan before any fallback.
     pub before: GuardMetrics,
     /// A static recipe whose plan missed the budget: the same plan with its
-    /// noisiest inputs moved to dynamic activations, within
-    /// [`crate::guard::MOSTLY_STATIC`] of the layers kept static.
+    /// noisiest inputs moved to dynamic activations, at most
+    /// [`crate::guard::MOVED_TO_DYNAMIC`] of the layers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mostly_static: Option<MostlyStatic>,
     /// Its calibration passes and those measurements, seconds.
@@ -211,28 +212,39 @@ impl Report {
     }
 }
 
-/// "Method": what the search tried before the fallback, and what it chose.
+/// "Method": what the search tried before the fallback, and what it chose;
+/// the mostly static measurement's column only where a trial has one.
 fn write_method_search(html: &mut String, search: &MethodSearch) {
+    let mostly_static_column = search.tried.iter().any(|t| t.mostly_static.is_some());
     let _ = write!(
         html,
-        "<h2>Method</h2><p>Chosen: <b>{}</b>, {}.</p><table><tr><th>method tried</th><th>before any fallback</th><th>static plan with its noisiest inputs dynamic</th><th>seconds</th></tr>",
+        "<h2>Method</h2><p>Chosen: <b>{}</b>, {}.</p><table><tr><th>method tried</th><th>before any fallback</th>{}<th>seconds</th></tr>",
         escape(&search.chosen),
-        escape(&search.reason)
+        escape(&search.reason),
+        if mostly_static_column {
+            "<th>static plan with its noisiest inputs dynamic</th>"
+        } else {
+            ""
+        }
     );
     for trial in &search.tried {
-        let mostly_static = trial.mostly_static.as_ref().map_or(String::new(), |m| {
-            format!(
-                "{} layers dynamic: {}",
-                m.dynamic_layers,
-                crate::guard::describe(&m.metrics)
-            )
-        });
+        let mostly_static = match (&trial.mostly_static, mostly_static_column) {
+            (_, false) => String::new(),
+            (None, true) => "<td></td>".into(),
+            (Some(m), true) => format!(
+                "<td>{}</td>",
+                escape(&format!(
+                    "{} layers dynamic: {}",
+                    m.dynamic_layers,
+                    crate::guard::describe(&m.metrics)
+                ))
+            ),
+        };
         let _ = write!(
             html,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td></tr>",
+            "<tr><td>{}</td><td>{}</td>{mostly_static}<td>{:.1}</td></tr>",
             escape(&trial.method),
             escape(&crate::guard::describe(&trial.before)),
-            escape(&mostly_static),
             trial.seconds
         );
     }

@@ -6,7 +6,9 @@ use qforge_runner::Listener;
 
 use super::{Inputs, Judged, Pipeline, Prepared, Quantized};
 use crate::error::Result;
-use crate::guard::{GuardMetrics, MOSTLY_STATIC, Reference, describe, probe, probe_mostly_static};
+use crate::guard::{
+    GuardMetrics, MOVED_TO_DYNAMIC, Reference, describe, probe, probe_mostly_static,
+};
 use crate::recipe::{ActivationScheme, Method, QuantRecipe};
 use crate::report::{MethodSearch, MethodTrial, MostlyStatic};
 
@@ -154,9 +156,9 @@ fn search_reason(
             "the cheapest method whose plan met the guard's budget before any fallback".to_string()
         }
         Some(mostly) if mostly.metrics.passes => format!(
-            "the cheapest method whose plan met the guard's budget with {} linear layers' inputs at dynamic scales (at least {:.0} % of them static), then the fallback",
+            "the cheapest method whose plan met the guard's budget with {} linear layers' inputs moved to dynamic scales (at most {:.0} % of them), then the fallback",
             mostly.dynamic_layers,
-            100.0 * MOSTLY_STATIC
+            100.0 * MOVED_TO_DYNAMIC
         ),
         _ => "no method met the guard's budget before fallback; the one that came closest, then the fallback"
             .to_string(),

@@ -89,6 +89,18 @@ pub(crate) fn online_rotations(
     let mut used = vec![false; transforms.len()];
     for input in RotatedInput::ALL {
         let modules = consumer_modules(input, config);
+        // vLLM keeps the last scheme that matches a layer and
+        // compressed-tensors applies every one: two on one input have no
+        // meaning both agree on.
+        for module in &modules {
+            let mut matching = transforms.iter().filter(|t| t.applies_to(module));
+            if let (Some(a), Some(b)) = (matching.next(), matching.next()) {
+                return Err(refuse(format!(
+                    "transforms the input of {module} twice (schemes {} and {})",
+                    a.scheme, b.scheme
+                )));
+            }
+        }
         let chosen: Vec<Option<usize>> = modules
             .iter()
             .map(|m| transforms.iter().position(|t| t.applies_to(m)))
@@ -98,8 +110,8 @@ pub(crate) fn online_rotations(
         };
         if input == RotatedInput::Head {
             return Err(refuse(format!(
-                "transforms lm_head's input (scheme {}), which qforge does not rotate online \
-                 when it reads a checkpoint",
+                "transforms lm_head's input (scheme {}), which qforge's exports never write \
+                 and its reader does not apply",
                 transforms[first].scheme
             )));
         }
