@@ -143,8 +143,30 @@ impl Distribution<'_> {
         let max = softmax
             .max
             .unwrap_or_else(|| logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
-        let log_total = softmax.total.ln();
-        let log_prob = |i: usize| (f64::from(logits[i]) - f64::from(max)) / t - log_total;
+        // A temperature so small that 1/t overflows f32 (below about
+        // 3e-39) leaves the f32 softmax no finite total, and the draw takes
+        // the argmax. Its log-probs come from the same softmax in f64, where
+        // (l - max) / t still fits; a figure past f64's range is floored at
+        // its most negative number, so that an answer's JSON holds a number
+        // (serde writes a non-finite float as null). NaN logits stay NaN.
+        let degenerate = !(softmax.total > 0.0 && softmax.total.is_finite());
+        let log_total = if degenerate {
+            logits
+                .iter()
+                .map(|&l| ((f64::from(l) - f64::from(max)) / t).exp())
+                .sum::<f64>()
+                .ln()
+        } else {
+            softmax.total.ln()
+        };
+        let log_prob = |i: usize| {
+            let log_prob = (f64::from(logits[i]) - f64::from(max)) / t - log_total;
+            if degenerate && log_prob == f64::NEG_INFINITY {
+                f64::MIN
+            } else {
+                log_prob
+            }
+        };
         // The `top` best so far, best first; the vocabulary is read once.
         let mut best: Vec<usize> = Vec::with_capacity(top + 1);
         if top > 0 {
@@ -518,6 +540,27 @@ mod tests {
         assert!(token_log_prob(&logits, Some(0.3), 0, 0).log_prob < greedy);
         assert!(token_log_prob(&logits, Some(0.3), 4, 0).log_prob > greedy);
         assert!(token_log_prob(&logits, None, 0, 99).top.len() == logits.len());
+    }
+
+    #[test]
+    fn a_temperature_that_overflows_f32_draws_the_argmax_and_scores_finite_numbers() {
+        // The OpenAI fuzz test sent temperature 6e-272: 1/t overflows f32,
+        // and the log-probs came out NaN (null in the answer's JSON).
+        let logits = [2.0f32, -1.0, 2.5, 0.5];
+        for t in [6.079_738_781_013_78e-272, 1e-320] {
+            let mut rng = StdRng::seed_from_u64(0);
+            let (token, entry) = with_distribution(&logits, Some(t), |d| -> Result<_> {
+                let token = d.sample(&mut rng)?;
+                Ok((token, d.log_prob(token, 4)))
+            })
+            .unwrap();
+            assert_eq!(token, 2, "{t}");
+            assert_eq!(entry.log_prob, 0.0, "{t}");
+            assert_eq!(entry.top[0], (2, 0.0), "{t}");
+            for &(i, lp) in &entry.top[1..] {
+                assert!(lp.is_finite() && lp < -1e200, "{t}: token {i} {lp}");
+            }
+        }
     }
 
     #[test]
