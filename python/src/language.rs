@@ -8,9 +8,10 @@ use std::time::Instant;
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
+use qforge_eval::perplexity;
 use qforge_model::GenerateOptions;
 use qforge_model::llama::MAX_POSITIONS;
-use qforge_model::lm::{GenerationReport, continuation_log_probs, perplexity};
+use qforge_model::lm::{GenerationReport, continuation_log_probs};
 use qforge_model::precision::RunPrecision;
 use qforge_quant::sync::WeightSync;
 use qforge_serve::EngineLimits;

@@ -5,9 +5,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::Calibrator;
-use qforge_model::lm::{GenerationReport, compare, perplexity};
+use qforge_eval::sensitivity::{LayerReport, llm_layer_sqnr, policy_layer_sqnr};
+use qforge_eval::{compare, perplexity};
+use qforge_model::lm::GenerationReport;
 use qforge_model::precision::RunPrecision;
-use qforge_model::sensitivity::{LayerReport, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy, Model};
 use serde_json::json;
 

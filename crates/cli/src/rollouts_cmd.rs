@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use qforge_eval::rollouts::{RolloutOptions, RolloutsSummary, jsonl};
 use qforge_formats::output::{check_writable, write_atomic};
-use qforge_model::rollouts::{RolloutOptions, RolloutsSummary, jsonl};
 
 use crate::output::print_written;
 use crate::{OutputFlags, OutputPath};
@@ -61,7 +61,7 @@ pub struct RolloutsArgs {
 pub fn rollouts(args: RolloutsArgs) -> Result<()> {
     let options = RolloutOptions {
         task: match args.task {
-            Task::Arithmetic => qforge_model::rollouts::Task::Arithmetic,
+            Task::Arithmetic => qforge_eval::rollouts::Task::Arithmetic,
         },
         episodes: args.episodes,
         seed: args.seed,
@@ -84,7 +84,7 @@ pub fn rollouts(args: RolloutsArgs) -> Result<()> {
     );
     let started = Instant::now();
     let (mut done, mut rewarded) = (0usize, 0.0);
-    let episodes = qforge_model::rollouts::rollouts(&lm, &options, &mut |episode| {
+    let episodes = qforge_eval::rollouts::rollouts(&lm, &options, &mut |episode| {
         done += 1;
         rewarded += episode.reward;
         bar.inc(1);

@@ -289,13 +289,14 @@ fn smollm2_smoothed_and_static_quantizes_within_its_budget_and_the_artifact_runs
 }
 
 /// A static method search measures each method's plan twice: as it
-/// stands, and with its noisiest inputs (at most a tenth of the linear
-/// layers) at dynamic scales. On SmolLM2 plain static scales miss a +40 %
-/// budget on the fixture text as they stand (about +106 %) but meet it with
-/// 21 of 211 layers dynamic (about +26 %): the search keeps plain, says why,
-/// and tries nothing dearer.
+/// stands, and at the end of the guard's ladder bounded to keep at most a
+/// tenth of the linear layers off static scales (FP within its cap). On
+/// SmolLM2 plain static scales miss a +40 % budget on the fixture text as
+/// they stand (about +106 %) but meet it within the bound: the search keeps
+/// plain, says why, tries nothing dearer, and the guard walks that ladder,
+/// so the artifact keeps at least 90 % of its layers static.
 #[test]
-fn a_static_search_keeps_a_method_that_meets_the_budget_with_its_noisiest_inputs_dynamic() {
+fn a_static_search_keeps_a_method_that_meets_the_budget_within_its_bounded_ladder() {
     let dir = temp("mostly-static");
     let dir = dir.path();
     let result = json(&qforge_in(
@@ -331,9 +332,10 @@ fn a_static_search_keeps_a_method_that_meets_the_budget_with_its_noisiest_inputs
     let plain = &tried[0];
     assert_eq!(plain["before"]["passes"], false, "{plain}");
     let mostly = &plain["mostly_static"];
-    let moved = mostly["dynamic_layers"].as_u64().unwrap();
+    let moved = mostly["moved_layers"].as_u64().unwrap();
     let total = result["total_layers"].as_u64().unwrap();
-    assert!(moved > 0 && moved * 10 <= total, "{plain}");
+    // lm_head runs dynamic in a static plan: it counts against the tenth.
+    assert!(moved > 0 && (moved + 1) * 10 <= total, "{plain}");
     assert_eq!(mostly["metrics"]["passes"], true, "{plain}");
     let (as_is, mostly_static) = (
         plain["before"]["perplexity_increase"].as_f64().unwrap(),
@@ -341,13 +343,32 @@ fn a_static_search_keeps_a_method_that_meets_the_budget_with_its_noisiest_inputs
     );
     assert!(mostly_static < 0.4 && 0.4 < as_is, "{plain}");
     let reason = search["reason"].as_str().unwrap();
-    assert!(reason.contains("moved to dynamic scales"), "{reason}");
-    // The guard then starts its ladder from the plan as it stood.
+    assert!(reason.contains("bounded to keep 90 %"), "{reason}");
+    // The guard starts from the plan as it stood and walks the bounded
+    // ladder: what it settles on is within the bound.
     assert_eq!(result["before"], plain["before"], "{result}");
     let after = result["after"]["perplexity_increase"].as_f64().unwrap();
     assert!(after <= 0.4, "{result}");
+    assert!(result["fp_layers"].as_u64() <= mostly["fp_layers"].as_u64());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("out/report.json")).unwrap())
+            .unwrap();
+    let static_layers: usize = report["decision"]["point_reports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["precision"] == "int8-static")
+        .map(|p| p["layers"].as_array().unwrap().len())
+        .sum();
+    assert!(
+        static_layers as u64 * 10 >= total * 9,
+        "{static_layers} of {total} static"
+    );
     let html = std::fs::read_to_string(dir.join("out/report.html")).unwrap();
-    assert!(html.contains(&format!("{moved} layers dynamic")), "{html}");
+    assert!(
+        html.contains(&format!("{moved} layers off static")),
+        "{html}"
+    );
 }
 
 /// `qforge requantize` of the artifact `out` in `dir` from its own source

@@ -4,8 +4,9 @@
 //! directories, MLP policy directories, ONNX MLPs) and the native artifact,
 //! the architectures with a per-layer choice of linear implementation
 //! ([`Linear`]), the observation hook calibration uses ([`Observer`]), chat
-//! templates, generation, evaluation (perplexity, model comparison, action
-//! agreement) and the determinism fingerprint.
+//! templates, generation, action agreement and the determinism fingerprint.
+//! What is measured of a model (perplexity, the comparison of two models,
+//! sensitivity, rollouts) lives above it, in `qforge-eval`.
 //!
 //! It depends on `qforge-core`, on `qforge-kernels` (the INT8 engine
 //! behind [`Linear::Int8`]) and on `qforge-formats` (the files and formats
@@ -24,9 +25,7 @@ pub mod observe;
 pub mod onnx;
 pub mod open;
 pub mod precision;
-pub mod rollouts;
-pub mod sensitivity;
-mod spill;
+pub mod spill;
 
 pub use error::{Error, Result};
 pub use linear::{Int8Values, Int8Weight, Linear};

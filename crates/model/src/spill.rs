@@ -21,7 +21,7 @@ pub(crate) const CHUNK: usize = 1 << 20;
 
 /// Writes what `write` writes to an unnamed file in the temporary directory
 /// (`TMPDIR`, else `/tmp`) and maps it read-only.
-pub(crate) fn spill(
+pub fn spill(
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
 ) -> Result<Arc<memmap2::Mmap>> {
     spill_in(&std::env::temp_dir(), write)
@@ -51,7 +51,7 @@ pub(crate) fn spill_in(
 }
 
 /// Writes `values` as little-endian f32, a chunk at a time.
-pub(crate) fn write_f32(values: &[f32], out: &mut dyn Write) -> std::io::Result<()> {
+pub fn write_f32(values: &[f32], out: &mut dyn Write) -> std::io::Result<()> {
     let mut bytes = Vec::with_capacity(4 * (CHUNK / 4).min(values.len()));
     for chunk in values.chunks(CHUNK / 4) {
         bytes.clear();
@@ -91,7 +91,7 @@ pub(crate) fn write_i8(values: &[i8], out: &mut dyn Write) -> std::io::Result<()
 }
 
 /// The little-endian f32 values of `bytes`.
-pub(crate) fn read_f32(bytes: &[u8]) -> Vec<f32> {
+pub fn read_f32(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))

@@ -359,14 +359,13 @@ fn histograms_and_grams_in_one_forward_equal_each_recorded_alone() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// A model that differs from another only from some layer on, run from the
-/// other's hidden state entering that layer, gives its own whole forward's
-/// logits bit for bit (what the guard's per-layer ranking relies on), and
-/// its comparison with the other is the whole comparison's.
+/// A model run from its own hidden state kept entering a layer gives its
+/// whole forward's logits bit for bit, and so does a model that differs from
+/// it only from that layer on (what the guard's per-layer ranking relies on;
+/// `qforge-eval`'s tests check the comparisons built on it).
 #[test]
 fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() {
     use qforge_model::Activations;
-    use qforge_model::lm::{ReferenceLogProbs, compare_from, compare_to};
 
     let dir = tiny_model("forward-resume");
     let model = Llama::from_hf_dir(&dir).unwrap();
@@ -386,12 +385,6 @@ fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() 
         let last = model.forward(&batch, None, None, Logits::Last).unwrap();
         assert_eq!(bits(&resumed), bits(&last), "from layer {}", state.layer);
     }
-
-    let reference = ReferenceLogProbs::keeping_states(&model, &tokens, tokens.len()).unwrap();
-    // The reference's perplexity, read from what it kept, is the one a
-    // forward of it gives, bit for bit.
-    let forward = qforge_model::lm::perplexity(&model, &tokens, tokens.len()).unwrap();
-    assert_eq!(reference.perplexity(), forward.perplexity);
     for point in ["model.layers.1.mlp.down_proj", "lm_head"] {
         let changed = model
             .with_linears(|p, layer| {
@@ -409,13 +402,6 @@ fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() 
             .unwrap();
         assert_eq!(bits(&resumed), bits(&own), "{point}");
         assert_ne!(bits(&own), bits(&whole), "{point} changed nothing");
-        let whole = compare_to(&changed, &reference, &tokens).unwrap();
-        assert_eq!(
-            compare_from(&changed, &reference, &tokens, layer).unwrap(),
-            whole,
-            "{point}"
-        );
-        assert_eq!(whole.reference_perplexity, forward.perplexity, "{point}");
     }
     assert_eq!(
         Llama::layer_of("model.layers.12.self_attn.q_proj"),

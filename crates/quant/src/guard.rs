@@ -22,18 +22,20 @@
 use std::collections::BTreeMap;
 
 use qforge_core::{Calibrator, Stats};
+use qforge_eval::{ReferenceLogProbs, compare_to};
 use qforge_model::artifact::{LayerPrecision, in_precision};
-use qforge_model::lm::{ReferenceLogProbs, compare_to};
 use qforge_model::{Action, Linear, Model};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::ladder::{Ladder, Rung, Search, Start};
+use crate::ladder::{Caps, Ladder, Rung, Search, Start};
 use crate::recipe::{ActivationScheme, LmHead, LowCoverage, QuantRecipe};
 
 mod noise;
+mod probe;
 
-use noise::Noise;
+use noise::{KlRanker, Noise};
+pub use probe::{BoundedLadder, OFF_STATIC, Probed, probe};
 
 /// Data the guard evaluates on; never seen by calibration.
 pub enum HeldOut {
@@ -57,7 +59,7 @@ pub struct GuardMetrics {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perplexity_increase: Option<f64>,
     /// Language models: a 95 % interval of that increase from its spread
-    /// over the held-out chunks ([`qforge_model::lm::increase_interval`]),
+    /// over the held-out chunks ([`qforge_eval::increase_interval`]),
     /// when the text has two chunks or more: how far the held-out text
     /// alone lets the guard trust its figure.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -325,14 +327,14 @@ impl<'a> Guard<'a> {
 /// checking each candidate against `reference`: the same model's, or the
 /// original's of a transformed (smoothed) `model`. `probed` is what
 /// [`probe`] measured of the same model, statistics and recipe, if it ran
-/// (the plan is not measured again). `progress` hears about every
-/// evaluation.
+/// (nothing is measured or ranked again; a bounded ladder whose end met the
+/// budget is the one walked). `progress` hears about every evaluation.
 pub fn quantize(
     model: &'_ Model,
     reference: &Reference<'_>,
     stats: &Stats,
     recipe: &QuantRecipe,
-    probed: Option<GuardMetrics>,
+    probed: Option<Probed>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Decision> {
     recipe.validate()?;
@@ -347,35 +349,38 @@ pub fn quantize(
         .into_iter()
         .collect();
 
-    // 1. The recipe's plan, and the report's view of every point.
+    // 1. The recipe's plan, and the report's view of every point. When the
+    // guard accepts it, no ladder (and no costly KL ranking) is needed.
     let mut plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut warnings)?;
-
-    // 2. Sensitivity at both integer rungs.
-    progress("ranking layer sensitivity");
-    let mut noise = Noise::rank_sqnr(model, held_out, &plan.static_scales)?;
-    // The recipe's plan first: when the guard accepts it, no ladder (and no
-    // costly KL ranking) is needed.
-    let before = match probed {
-        Some(before) => before,
-        None => guard.measure(&plan.precisions())?,
+    let (before, bounded) = match probed {
+        Some(probed) => (probed.before, probed.bounded),
+        None => (guard.measure(&plan.precisions())?, None),
     };
-    if let (Model::Language(lm), HeldOut::Tokens(tokens), false) = (model, held_out, before.passes)
-    {
-        noise.rank_kl(&lm.model, tokens, &plan.rungs, progress)?;
-    }
+    let max_fp_layers = max_fp_layers(recipe, total_layers);
+
+    // 2. The ladder, worst rung first, within the caps.
+    let Walk {
+        noise,
+        ladder,
+        known,
+    } = ladder_to_walk(
+        model,
+        held_out,
+        &plan,
+        &layers_of,
+        &before,
+        bounded,
+        max_fp_layers,
+        progress,
+    )?;
     noise.annotate(&mut plan.reports);
 
-    // 3. The ladder, worst rung first, within the FP cap.
-    let max_fp_layers = (recipe.guard.max_fp_fraction * total_layers as f64).floor() as usize;
-    let ladder = Ladder::build(&plan.starts(&layers_of), max_fp_layers, |point, rung| {
-        noise.at(point, rung)
-    });
-
-    // 4. The guard.
+    // 3. The guard.
     let verdict = run_guard(
         &guard,
         &ladder,
         &before,
+        known,
         total_layers,
         max_fp_layers,
         progress,
@@ -411,79 +416,73 @@ pub fn quantize(
     })
 }
 
-/// The guard's measurement of the recipe's plan before any fallback, as
-/// [`quantize`] takes it first: what the method search compares (no
-/// sensitivity ranking, no ladder).
-pub fn probe(
-    model: &'_ Model,
-    reference: &Reference<'_>,
-    stats: &Stats,
-    recipe: &QuantRecipe,
-) -> Result<GuardMetrics> {
-    recipe.validate()?;
-    let guard = Guard::new(model, reference, recipe)?;
-    let layers_of = layers_by_point(&model.linears());
-    let static_allowed = stats.provenance.coverage() >= recipe.calibration.min_coverage;
-    let plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut Vec::new())?;
-    guard.measure(&plan.precisions())
+/// The ladder the guard walks and what it knows of it already.
+struct Walk {
+    /// The rankings that ordered it.
+    noise: Noise,
+    ladder: Ladder,
+    /// A prefix's length and its measurement, taken already (the method
+    /// search's bounded ladder's end).
+    known: Option<(usize, GuardMetrics)>,
 }
 
-/// The largest share of linear layers whose inputs the method search moves
-/// to dynamic activations when it measures a static plan with its noisiest
-/// inputs dynamic ([`probe_mostly_static`]): a plan that meets the budget
-/// so is still mostly a static plan, and exports as one. (Layers the plan
-/// already runs otherwise, such as an input without a usable static scale,
-/// come on top.)
-pub const MOVED_TO_DYNAMIC: f64 = 0.1;
-
-/// The guard's measurement of a static recipe's plan with its noisiest
-/// static inputs (worst output SQNR at their static scale; fused groups
-/// whole) moved to dynamic per-token activations, at most
-/// [`MOVED_TO_DYNAMIC`] of the linear layers; with the count of layers
-/// moved. What a static method search compares when a plan misses the
-/// budget as it stands: one method's miss may be a few inputs that dynamic
-/// scales fix, another's spread over every layer, which only full precision
-/// fixes. Costs one sensitivity pass (two forwards) and one measurement; no
-/// KL ranking, no ladder. `None` when no input can move (a small policy's
-/// tenth of its layers is less than one fused group).
-pub fn probe_mostly_static(
-    model: &'_ Model,
-    reference: &Reference<'_>,
-    stats: &Stats,
-    recipe: &QuantRecipe,
-) -> Result<Option<(GuardMetrics, usize)>> {
-    recipe.validate()?;
-    let guard = Guard::new(model, reference, recipe)?;
-    let linears = model.linears();
-    let layers_of = layers_by_point(&linears);
-    let static_allowed = stats.provenance.coverage() >= recipe.calibration.min_coverage;
-    let plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut Vec::new())?;
-    let noise = Noise::rank_sqnr(model, reference.held_out, &plan.static_scales)?;
-    let mut noisiest: Vec<(&String, f64)> = plan
-        .rungs
-        .iter()
-        .filter(|(_, rung)| matches!(rung, Rung::Static(_)))
-        .map(|(point, &rung)| {
-            let sqnr = noise.sqnr_at(point, rung).unwrap_or(f64::INFINITY);
-            (point, sqnr)
-        })
-        .collect();
-    noisiest.sort_by(|a, b| a.1.total_cmp(&b.1));
-    let allowed = (MOVED_TO_DYNAMIC * linears.len() as f64).floor() as usize;
-    let mut points = plan.precisions();
-    let mut moved = 0;
-    for (point, _) in noisiest {
-        let layers = layers_of[point].len();
-        if moved + layers > allowed {
-            continue;
+/// The ladder the guard walks, with the rankings that ordered it and, when
+/// it is the method search's, the measurement of its end: the search's
+/// bounded ladder where its end met the budget, else the whole one, ordered
+/// by sensitivity at both integer rungs (the KL ranking only where the plan,
+/// measured as `before`, fails; what the search ranked is not run again).
+#[allow(clippy::too_many_arguments)]
+fn ladder_to_walk(
+    model: &Model,
+    held_out: &HeldOut,
+    plan: &Plan,
+    layers_of: &BTreeMap<String, Vec<String>>,
+    before: &GuardMetrics,
+    bounded: Option<BoundedLadder>,
+    max_fp_layers: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Walk> {
+    match bounded {
+        Some(bounded) if bounded.metrics.passes => {
+            progress(&format!(
+                "guard: walking the method search's bounded ladder ({} steps, {} layers moved off their static scales at its end)",
+                bounded.steps(),
+                bounded.moved_layers()
+            ));
+            Ok(Walk {
+                known: Some((bounded.ladder.len(), bounded.metrics)),
+                noise: bounded.noise,
+                ladder: bounded.ladder,
+            })
         }
-        moved += layers;
-        points.insert(point.clone(), LayerPrecision::Int8Dynamic);
+        unmet => {
+            progress("ranking layer sensitivity");
+            let mut noise = match unmet {
+                Some(bounded) => bounded.noise,
+                None => Noise::rank_sqnr(model, held_out, &plan.static_scales)?,
+            };
+            if let (Model::Language(lm), HeldOut::Tokens(tokens), false) =
+                (model, held_out, before.passes)
+            {
+                noise.rank_kl(&KlRanker::new(&lm.model, tokens)?, &plan.rungs, progress)?;
+            }
+            let ladder = Ladder::build(
+                &plan.starts(layers_of),
+                Caps::fp(max_fp_layers),
+                |point, rung| noise.at(point, rung),
+            );
+            Ok(Walk {
+                noise,
+                ladder,
+                known: None,
+            })
+        }
     }
-    if moved == 0 {
-        return Ok(None);
-    }
-    Ok(Some((guard.measure(&points)?, moved)))
+}
+
+/// The cap on linear layers in FP, of `total_layers`.
+fn max_fp_layers(recipe: &QuantRecipe, total_layers: usize) -> usize {
+    (recipe.guard.max_fp_fraction * total_layers as f64).floor() as usize
 }
 
 /// The linear layers fed by each observation point (a fused group).
@@ -658,11 +657,13 @@ struct Verdict {
 }
 
 /// Runs the guard: the plan (`before`, already measured) when it is within
-/// the FP cap and passes, else the shortest passing prefix of `ladder`.
+/// the FP cap and passes, else the shortest passing prefix of `ladder`
+/// (`known`: a prefix's length and its measurement, taken already).
 fn run_guard(
     guard: &Guard<'_>,
     ladder: &Ladder,
     before: &GuardMetrics,
+    mut known: Option<(usize, GuardMetrics)>,
     total_layers: usize,
     max_fp_layers: usize,
     progress: &mut dyn FnMut(&str),
@@ -694,7 +695,10 @@ fn run_guard(
     }
     let evaluations = &mut verdict.evaluations;
     let evaluate = |steps: usize| -> Result<GuardMetrics> {
-        let metrics = guard.measure(&ladder.precisions_at(steps))?;
+        let metrics = match known.take_if(|(known_steps, _)| *known_steps == steps) {
+            Some((_, metrics)) => metrics,
+            None => guard.measure(&ladder.precisions_at(steps))?,
+        };
         let fp_layers = ladder.fp_layers_at(steps);
         progress(&format!(
             "guard: {steps} fallback steps, {fp_layers} FP layers: {}",

@@ -78,6 +78,27 @@ pub(crate) enum Search<M> {
     Exhausted(M),
 }
 
+/// How far the ladder may go, in linear layers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Caps {
+    /// Layers in FP, the plan's own included.
+    pub fp_layers: usize,
+    /// Layers whose inputs the ladder moves off a static scale (to dynamic,
+    /// and perhaps on to FP): unbounded for the guard's ladder, a tenth of
+    /// the layers for the method search's measure of a static plan.
+    pub moved_off_static: usize,
+}
+
+impl Caps {
+    /// Only the cap on FP layers.
+    pub(crate) fn fp(fp_layers: usize) -> Self {
+        Self {
+            fp_layers,
+            moved_off_static: usize::MAX,
+        }
+    }
+}
+
 /// The demotion sequence from an initial plan.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Ladder {
@@ -86,18 +107,20 @@ pub(crate) struct Ladder {
     /// Linear layers in FP after each prefix (index: steps applied), so
     /// `fp_layers.len() == demotions.len() + 1`.
     fp_layers: Vec<usize>,
+    /// Linear layers moved off a static scale after each prefix.
+    moved_off_static: Vec<usize>,
 }
 
 impl Ladder {
     /// Builds the ladder: repeatedly demotes, by one rung, the point whose
     /// current rung is noisiest (`noise`, higher worse; ties go to the
-    /// smaller name) until no point can move. A point whose demotion to FP
-    /// would take the FP layers above `max_fp_layers` stays where it is and
-    /// the ladder goes on with the others, so every prefix is within the cap
-    /// whenever the plan itself is.
+    /// smaller name) until no point can move. A point whose demotion would
+    /// take the layers in FP, or those moved off a static scale, above
+    /// `caps` stays where it is and the ladder goes on with the others, so
+    /// every prefix is within the caps whenever the plan itself is.
     pub(crate) fn build(
         points: &BTreeMap<String, Start>,
-        max_fp_layers: usize,
+        caps: Caps,
         noise: impl Fn(&str, Rung) -> f64,
     ) -> Self {
         let initial: BTreeMap<String, Rung> =
@@ -107,18 +130,24 @@ impl Ladder {
             .filter(|s| s.rung == Rung::Fp)
             .map(|s| s.layers)
             .sum();
+        let mut moved_now = 0;
         let mut rungs = initial.clone();
         let mut demotions = Vec::new();
         let mut fp_layers = vec![fp_now];
+        let mut moved_off_static = vec![moved_now];
         loop {
             let next = rungs
                 .iter()
                 .filter(|(point, rung)| {
                     let start = &points[*point];
-                    match rung.demoted() {
-                        None => false,
-                        Some(Rung::Fp) => !start.ignored && fp_now + start.layers <= max_fp_layers,
-                        Some(_) => !start.ignored,
+                    match (rung.demoted(), rung) {
+                        _ if start.ignored => false,
+                        (None, _) => false,
+                        (Some(Rung::Fp), _) => fp_now + start.layers <= caps.fp_layers,
+                        (Some(_), Rung::Static(_)) => {
+                            moved_now + start.layers <= caps.moved_off_static
+                        }
+                        (Some(_), _) => true,
                     }
                 })
                 .max_by(|(pa, ra), (pb, rb)| {
@@ -132,14 +161,19 @@ impl Ladder {
             if to == Rung::Fp {
                 fp_now += points[&point].layers;
             }
+            if matches!(from, Rung::Static(_)) {
+                moved_now += points[&point].layers;
+            }
             rungs.insert(point.clone(), to);
             demotions.push(Demotion { point, from, to });
             fp_layers.push(fp_now);
+            moved_off_static.push(moved_now);
         }
         Self {
             initial,
             demotions,
             fp_layers,
+            moved_off_static,
         }
     }
 
@@ -173,6 +207,12 @@ impl Ladder {
     /// Linear layers in FP after the first `steps` demotions.
     pub(crate) fn fp_layers_at(&self, steps: usize) -> usize {
         self.fp_layers[steps]
+    }
+
+    /// Linear layers moved off a static scale by the first `steps`
+    /// demotions.
+    pub(crate) fn moved_off_static_at(&self, steps: usize) -> usize {
+        self.moved_off_static[steps]
     }
 
     /// The shortest prefix that passes, by bisection: `evaluate(steps)`
@@ -258,7 +298,7 @@ mod tests {
             ("b", dynamic_name, 4.0),
             ("c", dynamic_name, 3.0),
         ]);
-        let ladder = Ladder::build(&three_points(), usize::MAX, noise);
+        let ladder = Ladder::build(&three_points(), Caps::fp(usize::MAX), noise);
         use Rung::*;
         assert_eq!(
             steps(&ladder),
@@ -299,7 +339,7 @@ mod tests {
             ("x".to_string(), start(Rung::Dynamic, 1)),
             ("z".to_string(), start(Rung::Dynamic, 1)),
         ]);
-        let ladder = Ladder::build(&points, 10, |_, _| 1.0);
+        let ladder = Ladder::build(&points, Caps::fp(10), |_, _| 1.0);
         let order: Vec<String> = steps(&ladder).into_iter().map(|s| s.0).collect();
         assert_eq!(order, ["x", "y", "z"]);
     }
@@ -309,7 +349,7 @@ mod tests {
         // Only 4 FP layers allowed: a (1 layer) and b (3) fit, after which
         // c (2 more) would exceed the cap and stays dynamic.
         let noise = table(&[("b", Rung::Dynamic.name(), 9.0)]);
-        let ladder = Ladder::build(&three_points(), 4, noise);
+        let ladder = Ladder::build(&three_points(), Caps::fp(4), noise);
         for s in 0..=ladder.len() {
             assert!(ladder.fp_layers_at(s) <= 4, "prefix {s} exceeds the cap");
         }
@@ -320,9 +360,31 @@ mod tests {
         assert_eq!(ladder.fp_layers_at(ladder.len()), 4);
 
         // With no FP allowed, only the static points move, to dynamic.
-        let ladder = Ladder::build(&three_points(), 0, |_, _| 0.0);
+        let ladder = Ladder::build(&three_points(), Caps::fp(0), |_, _| 0.0);
         assert!(ladder.demotions().iter().all(|d| d.to == Rung::Dynamic));
         assert_eq!(ladder.len(), 2);
+    }
+
+    #[test]
+    fn moves_off_static_stay_within_their_cap() {
+        // 2 layers may leave their static scale: a (1 layer) fits, b (3)
+        // does not and keeps its scale; FP moves are capped apart.
+        let caps = Caps {
+            fp_layers: usize::MAX,
+            moved_off_static: 2,
+        };
+        let noise = table(&[("b", Rung::Static(1.0).name(), 9.0)]);
+        let ladder = Ladder::build(&three_points(), caps, noise);
+        let rungs = ladder.rungs_at(ladder.len());
+        assert_eq!(rungs["b"], Rung::Static(0.25), "3 layers exceed the cap");
+        assert_eq!(rungs["a"], Rung::Fp, "a moved off static, then on to FP");
+        assert_eq!(rungs["c"], Rung::Fp, "c was never static");
+        assert_eq!(
+            (0..=ladder.len())
+                .map(|s| ladder.moved_off_static_at(s))
+                .max(),
+            Some(1)
+        );
     }
 
     #[test]
@@ -330,7 +392,7 @@ mod tests {
         let mut points = three_points();
         points.get_mut("a").expect("a").ignored = true;
         points.insert("d".into(), start(Rung::Fp, 1));
-        let ladder = Ladder::build(&points, usize::MAX, |_, _| 0.0);
+        let ladder = Ladder::build(&points, Caps::fp(usize::MAX), |_, _| 0.0);
         assert!(
             ladder
                 .demotions()
@@ -345,7 +407,7 @@ mod tests {
         let points = (0..n)
             .map(|i| (format!("p{i:03}"), start(Rung::Dynamic, 1)))
             .collect();
-        let ladder = Ladder::build(&points, usize::MAX, |_, _| 0.0);
+        let ladder = Ladder::build(&points, Caps::fp(usize::MAX), |_, _| 0.0);
         assert_eq!(ladder.len(), n);
         ladder
     }

@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::gptq::{Gptq, GptqOptions};
-use crate::guard::{Decision, GuardMetrics, HeldOut, Reference, quantize};
+use crate::guard::{Decision, HeldOut, Probed, Reference, quantize};
 use crate::held_out::held_out;
 use crate::recipe::ActivationScheme;
 use crate::recipe::QuantRecipe;
@@ -617,8 +617,8 @@ struct Prepared {
 struct Judged<'a> {
     /// The original model on the held-out data.
     reference: &'a Reference<'a>,
-    /// The method search's measurement of the prepared model's plan.
-    probed: Option<GuardMetrics>,
+    /// The method search's measurements of the prepared model's plan.
+    probed: Option<Probed>,
     /// What the held-out data are, for the report.
     held_description: String,
 }

@@ -119,21 +119,24 @@ pub struct MethodTrial {
     pub method: String,
     /// The guard's measurement of its plan before any fallback.
     pub before: GuardMetrics,
-    /// A static recipe whose plan missed the budget: the same plan with its
-    /// noisiest inputs moved to dynamic activations, at most
-    /// [`crate::guard::MOVED_TO_DYNAMIC`] of the layers.
+    /// A static recipe whose plan missed the budget: the plan at the end of
+    /// its ladder bounded to keep it mostly static (at most
+    /// [`crate::guard::OFF_STATIC`] of the layers off static scales).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mostly_static: Option<MostlyStatic>,
     /// Its calibration passes and those measurements, seconds.
     pub seconds: f64,
 }
 
-/// A static plan measured with some of its inputs moved to dynamic
-/// activations ([`crate::guard::probe_mostly_static`]).
+/// A static plan at the end of its bounded ladder
+/// ([`crate::guard::BoundedLadder`]).
 #[derive(Debug, Clone, Serialize)]
 pub struct MostlyStatic {
-    /// Linear layers whose inputs were moved to dynamic activations.
-    pub dynamic_layers: usize,
+    /// Linear layers the ladder moved off their static scales (to dynamic
+    /// activations or on to FP).
+    pub moved_layers: usize,
+    /// Linear layers in FP, the plan's own included.
+    pub fp_layers: usize,
     /// The guard's measurement of that plan.
     pub metrics: GuardMetrics,
 }
@@ -222,7 +225,7 @@ fn write_method_search(html: &mut String, search: &MethodSearch) {
         escape(&search.chosen),
         escape(&search.reason),
         if mostly_static_column {
-            "<th>static plan with its noisiest inputs dynamic</th>"
+            "<th>at the end of its bounded ladder</th>"
         } else {
             ""
         }
@@ -234,8 +237,9 @@ fn write_method_search(html: &mut String, search: &MethodSearch) {
             (Some(m), true) => format!(
                 "<td>{}</td>",
                 escape(&format!(
-                    "{} layers dynamic: {}",
-                    m.dynamic_layers,
+                    "{} layers off static ({} FP): {}",
+                    m.moved_layers,
+                    m.fp_layers,
                     crate::guard::describe(&m.metrics)
                 ))
             ),

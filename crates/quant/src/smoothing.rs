@@ -21,8 +21,8 @@ use std::collections::BTreeMap;
 
 use qforge_calib::{Sample, forward_samples};
 use qforge_core::{Calibrator, Histogram, Stats};
+use qforge_eval::sensitivity::OutputReference;
 use qforge_model::mlp::SMOOTHABLE_POINT;
-use qforge_model::sensitivity::OutputReference;
 use qforge_model::{Activations, Linear, Model, Observer};
 use serde::Serialize;
 

@@ -1,18 +1,10 @@
 //! A language model ready to use: decoder, tokenizer and chat template, with
-//! generation. Evaluation lives in files of its own, one job each: sampling
-//! and token log-probabilities from one softmax ([`with_distribution`]), perplexity
-//! ([`perplexity()`]) and the comparison of two models ([`compare()`]).
-//! Their public items are re-exported here, so `qforge_model::lm::…` names
-//! them as it did when this was one file.
+//! generation; sampling and token log-probabilities from one softmax
+//! ([`with_distribution`]) in a file of its own. (Perplexity and the
+//! comparison of two models live in `qforge-eval`.)
 
-mod compare;
-mod perplexity;
 mod sampling;
 
-pub use compare::{
-    Comparison, ReferenceLogProbs, compare, compare_from, compare_to, increase_interval,
-};
-pub use perplexity::{Perplexity, perplexity};
 pub use sampling::{
     Distribution, TokenLogProb, continuation_log_probs, sample, token_log_prob, with_distribution,
 };

@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use qforge_model::lm::{ReferenceLogProbs, compare_from};
-use qforge_model::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
+use qforge_eval::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
+use qforge_eval::{ReferenceLogProbs, compare_from};
 use qforge_model::{Activations, Llama, Model};
 
 use super::{HeldOut, LadderStep, PointReport};
@@ -48,48 +48,56 @@ fn sensitivity(
 /// the SQNR order was not), at one forward per layer input and rung.
 const SENSITIVITY_TOKENS: usize = 128;
 
-/// Language models: for every point, the mean KL(FP ‖ model with only that
-/// point's layers quantized with `activations`), on the first
-/// [`SENSITIVITY_TOKENS`] held-out tokens. The end-to-end effect of one group,
-/// which a layer's own SQNR does not see (a noisy `v_proj` can matter less
-/// than a cleaner `down_proj`).
-fn kl_sensitivity(
-    model: &Llama,
-    tokens: &[u32],
-    activations: &dyn Fn(&str) -> Option<Activations>,
-    progress: &mut dyn FnMut(&str),
-) -> Result<BTreeMap<String, f64>> {
-    let tokens = &tokens[..tokens.len().min(SENSITIVITY_TOKENS)];
-    // Only the point's own layer on differs from the reference: each run
-    // starts from the reference's hidden state entering it.
-    let reference = ReferenceLogProbs::keeping_states(model, tokens, tokens.len())?;
-    let points: Vec<String> = {
-        let mut p: Vec<String> = model.linears().into_iter().map(|(_, p, _)| p).collect();
-        p.dedup();
-        p
-    };
-    let mut out = BTreeMap::new();
-    for (i, point) in points.iter().enumerate() {
-        let Some(act) = activations(point) else {
-            continue;
-        };
-        let single = model.with_linears(|p, layer| {
+/// Language models' second ranking: the mean KL(FP ‖ model with only one
+/// point's layers quantized) on the first [`SENSITIVITY_TOKENS`] held-out
+/// tokens, one forward per point and rung, computed as the ladder needs
+/// them. The end-to-end effect of one group, which a layer's own SQNR does
+/// not see (a noisy `v_proj` can matter less than a cleaner `down_proj`).
+pub(super) struct KlRanker<'m> {
+    model: &'m Llama,
+    tokens: &'m [u32],
+    /// The FP model's log-probabilities, with the hidden state entering
+    /// each layer: only the point's own layer on differs from it, so each
+    /// run resumes there.
+    reference: ReferenceLogProbs,
+}
+
+impl<'m> KlRanker<'m> {
+    /// Runs the FP model once over the first tokens of `tokens`.
+    pub(super) fn new(model: &'m Llama, tokens: &'m [u32]) -> Result<Self> {
+        let tokens = &tokens[..tokens.len().min(SENSITIVITY_TOKENS)];
+        let reference = ReferenceLogProbs::keeping_states(model, tokens, tokens.len())?;
+        Ok(Self {
+            model,
+            tokens,
+            reference,
+        })
+    }
+
+    /// Every layer input, in the model's order.
+    fn points(&self) -> Vec<String> {
+        let mut points: Vec<String> = self
+            .model
+            .linears()
+            .into_iter()
+            .map(|(_, p, _)| p)
+            .collect();
+        points.dedup();
+        points
+    }
+
+    /// The output KL with only `point`'s layers quantized with `activations`.
+    fn kl(&self, point: &str, activations: Activations) -> Result<f64> {
+        let single = self.model.with_linears(|p, layer| {
             if p == point {
-                layer.to_int8(act)
+                layer.to_int8(activations)
             } else {
                 Ok(layer.clone())
             }
         })?;
-        let layer = Llama::layer_of(point).unwrap_or(model.config().num_layers);
-        out.insert(
-            point.clone(),
-            compare_from(&single, &reference, tokens, layer)?.kl_divergence,
-        );
-        if (i + 1) % 20 == 0 {
-            progress(&format!("  {}/{} layer inputs ranked", i + 1, points.len()));
-        }
+        let layer = Llama::layer_of(point).unwrap_or(self.model.config().num_layers);
+        Ok(compare_from(&single, &self.reference, self.tokens, layer)?.kl_divergence)
     }
-    Ok(out)
 }
 
 /// How noisy each point is at each integer rung: worst layer output SQNR
@@ -131,29 +139,63 @@ impl Noise {
     }
 
     /// Adds the KL ranking: dynamic for every point, static for the points
-    /// `rungs` has static.
+    /// `rungs` has static; points ranked already are not run again.
     pub(super) fn rank_kl(
         &mut self,
-        model: &Llama,
-        tokens: &[u32],
+        ranker: &KlRanker<'_>,
         rungs: &BTreeMap<String, Rung>,
         progress: &mut dyn FnMut(&str),
     ) -> Result<()> {
+        let points = ranker.points();
         progress("ranking layer inputs by output KL (dynamic activations)");
-        self.dynamic_kl = kl_sensitivity(model, tokens, &|_| Some(Activations::Dynamic), progress)?;
-        if rungs.values().any(|r| matches!(r, Rung::Static(_))) {
+        let dynamic: Vec<(String, Rung)> =
+            points.iter().map(|p| (p.clone(), Rung::Dynamic)).collect();
+        self.rank_kl_at(ranker, &dynamic, progress)?;
+        let scaled: Vec<(String, Rung)> = points
+            .iter()
+            .filter_map(|p| match rungs.get(p) {
+                Some(&rung @ Rung::Static(_)) => Some((p.clone(), rung)),
+                _ => None,
+            })
+            .collect();
+        if !scaled.is_empty() {
             progress("ranking layer inputs by output KL (static scales)");
-            self.static_kl = kl_sensitivity(
-                model,
-                tokens,
-                &|p| match rungs.get(p) {
-                    Some(Rung::Static(scale)) => Some(Activations::Static(*scale)),
-                    _ => None,
-                },
-                progress,
-            )?;
+            self.rank_kl_at(ranker, &scaled, progress)?;
         }
         Ok(())
+    }
+
+    /// Adds the KL of each point of `wanted` at its rung (an integer one),
+    /// where it is not ranked yet.
+    pub(super) fn rank_kl_at(
+        &mut self,
+        ranker: &KlRanker<'_>,
+        wanted: &[(String, Rung)],
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        for (i, (point, rung)) in wanted.iter().enumerate() {
+            let (ranked, activations) = match *rung {
+                Rung::Static(scale) => (&mut self.static_kl, Activations::Static(scale)),
+                Rung::Dynamic => (&mut self.dynamic_kl, Activations::Dynamic),
+                Rung::Fp => continue,
+            };
+            if !ranked.contains_key(point) {
+                ranked.insert(point.clone(), ranker.kl(point, activations)?);
+            }
+            if (i + 1) % 20 == 0 {
+                progress(&format!("  {}/{} layer inputs ranked", i + 1, wanted.len()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `point`'s KL at `rung` is known (FP needs none).
+    pub(super) fn has_kl(&self, point: &str, rung: Rung) -> bool {
+        match rung {
+            Rung::Static(_) => self.static_kl.contains_key(point),
+            Rung::Dynamic => self.dynamic_kl.contains_key(point),
+            Rung::Fp => true,
+        }
     }
 
     /// Copies the rankings into the reports.

@@ -6,10 +6,8 @@ use qforge_runner::Listener;
 
 use super::{Inputs, Judged, Pipeline, Prepared, Quantized};
 use crate::error::Result;
-use crate::guard::{
-    GuardMetrics, MOVED_TO_DYNAMIC, Reference, describe, probe, probe_mostly_static,
-};
-use crate::recipe::{ActivationScheme, Method, QuantRecipe};
+use crate::guard::{GuardMetrics, OFF_STATIC, Probed, Reference, describe, probe};
+use crate::recipe::{Method, QuantRecipe};
 use crate::report::{MethodSearch, MethodTrial, MostlyStatic};
 
 impl Pipeline<'_> {
@@ -51,7 +49,7 @@ impl Pipeline<'_> {
         // workers start calibrating at once.
         let mut reference = None;
         let mut trials: Vec<MethodTrial> = Vec::new();
-        let mut best: Option<(usize, Prepared)> = None;
+        let mut best: Option<(usize, Prepared, Probed)> = None;
         let mut done = 0;
         for (i, (method, stage)) in stages.iter().enumerate() {
             listener.message(&format!("method {}: calibrating", method.name()));
@@ -63,26 +61,26 @@ impl Pipeline<'_> {
                 reference = Some(self.reference(&original, &held, listener)?);
             }
             let reference = reference.as_ref().expect("measured above");
-            let trial = stage.trial(*method, &prepared, reference, started, listener)?;
+            let (trial, probed) = stage.trial(*method, &prepared, reference, started, listener)?;
             let closer = best
                 .as_ref()
-                .is_none_or(|(b, _)| trial.best().shortfall() < trials[*b].best().shortfall());
+                .is_none_or(|(b, ..)| trial.best().shortfall() < trials[*b].best().shortfall());
             trials.push(trial);
             if closer {
-                best = Some((i, prepared));
+                best = Some((i, prepared, probed));
             }
             if trials[i].best().passes {
                 break;
             }
         }
         self.skip_passes_after(&session, &first, done, count)?;
-        let (chosen, prepared) = best.expect("the search runs at least one method");
+        let (chosen, prepared, probed) = best.expect("the search runs at least one method");
         let (method, stage) = &stages[chosen];
         let budget = stage.recipe.guard.max_perplexity_increase;
         let reason = search_reason(*method, &trials[chosen], budget, listener);
         let judged = Judged {
             reference: reference.as_ref().expect("measured with the first method"),
-            probed: Some(trials[chosen].before.clone()),
+            probed: Some(probed),
             held_description,
         };
         let mut quantized = stage.finish(session, original, prepared, judged, listener)?;
@@ -98,8 +96,9 @@ impl Pipeline<'_> {
 impl Pipeline<'_> {
     /// The guard's measurement of this method's plan (`prepared`, its
     /// calibration having started at `started`) before any fallback, and,
-    /// for a static recipe whose plan misses the budget, of the plan with
-    /// its noisiest inputs at dynamic scales.
+    /// for a static recipe whose plan misses the budget, of the end of its
+    /// bounded ladder; the trial as the report shows it, and the
+    /// measurements as the guard takes them.
     fn trial(
         &self,
         method: Method,
@@ -107,35 +106,39 @@ impl Pipeline<'_> {
         reference: &Reference<'_>,
         started: std::time::Instant,
         listener: &mut dyn Listener,
-    ) -> Result<MethodTrial> {
-        let model = &prepared.model;
-        let before = probe(model, reference, &prepared.stats, &self.recipe)?;
+    ) -> Result<(MethodTrial, Probed)> {
         let name = method.name();
+        let probed = probe(
+            &prepared.model,
+            reference,
+            &prepared.stats,
+            &self.recipe,
+            &mut |line| listener.message(line),
+        )?;
         listener.message(&format!(
             "method {name}: before any fallback, {}",
-            describe(&before)
+            describe(&probed.before)
         ));
-        let mut mostly_static = None;
-        if self.recipe.quantize.activations == ActivationScheme::Static
-            && !before.passes
-            && let Some((metrics, dynamic_layers)) =
-                probe_mostly_static(model, reference, &prepared.stats, &self.recipe)?
-        {
+        let mostly_static = probed.bounded.as_ref().map(|bounded| {
             listener.message(&format!(
-                "method {name}: with {dynamic_layers} linear layers' inputs dynamic, {}",
-                describe(&metrics)
+                "method {name}: with {} linear layers moved off their static scales by the bounded ladder ({} FP), {}",
+                bounded.moved_layers(),
+                bounded.fp_layers(),
+                describe(&bounded.metrics)
             ));
-            mostly_static = Some(MostlyStatic {
-                dynamic_layers,
-                metrics,
-            });
-        }
-        Ok(MethodTrial {
+            MostlyStatic {
+                moved_layers: bounded.moved_layers(),
+                fp_layers: bounded.fp_layers(),
+                metrics: bounded.metrics.clone(),
+            }
+        });
+        let trial = MethodTrial {
             method: name.into(),
-            before,
+            before: probed.before.clone(),
             mostly_static,
             seconds: started.elapsed().as_secs_f64(),
-        })
+        };
+        Ok((trial, probed))
     }
 }
 
@@ -156,9 +159,10 @@ fn search_reason(
             "the cheapest method whose plan met the guard's budget before any fallback".to_string()
         }
         Some(mostly) if mostly.metrics.passes => format!(
-            "the cheapest method whose plan met the guard's budget with {} linear layers' inputs moved to dynamic scales (at most {:.0} % of them), then the fallback",
-            mostly.dynamic_layers,
-            100.0 * MOVED_TO_DYNAMIC
+            "the cheapest method whose plan met the guard's budget once its ladder, bounded to keep {:.0} % of the linear layers static, moved {} layers off their static scales ({} FP); the guard then walked that ladder",
+            100.0 * (1.0 - OFF_STATIC),
+            mostly.moved_layers,
+            mostly.fp_layers
         ),
         _ => "no method met the guard's budget before fallback; the one that came closest, then the fallback"
             .to_string(),

@@ -6,8 +6,8 @@
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::lm::{GenerateOptions, LanguageModel, TextSide};
+use qforge_model::lm::{GenerateOptions, LanguageModel, TextSide};
+use qforge_model::{Error, Result};
 
 /// A task with an exact reward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

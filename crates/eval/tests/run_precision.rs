@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use qforge_core::Calibrator;
+use qforge_eval::{Comparison, ReferenceLogProbs, compare_to};
 use qforge_model::LanguageModel;
-use qforge_model::lm::{Comparison, ReferenceLogProbs, compare_to};
 use qforge_model::precision::RunPrecision;
 
 fn fixture(relative: &str) -> PathBuf {

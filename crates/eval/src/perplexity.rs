@@ -1,12 +1,12 @@
 //! Perplexity with llama.cpp's method ([`perplexity()`]), and the chunking
 //! and summing of negative log-likelihoods that every figure qforge reports
-//! shares with the comparison of two models (`super::compare`).
+//! shares with the comparison of two models (`crate::compare`).
 
 use candle_core::Tensor;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::llama::{Llama, Logits, log_softmax};
+use qforge_model::llama::{Llama, Logits, log_softmax};
+use qforge_model::{Error, Result};
 
 /// Perplexity with llama.cpp's method: consecutive, non-overlapping chunks of
 /// `ctx` tokens; in each, only the second half is scored (every scored token

@@ -7,11 +7,11 @@ use candle_core::{Device, Tensor};
 use qforge_kernels::Activations;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::linear::Linear;
-use crate::llama::{Llama, Logits};
-use crate::mlp::MlpPolicy;
-use crate::observe::Observer;
+use qforge_model::linear::Linear;
+use qforge_model::llama::{Llama, Logits};
+use qforge_model::mlp::MlpPolicy;
+use qforge_model::observe::Observer;
+use qforge_model::{Error, Result};
 
 /// The output SQNR of one layer on the INT8 engine against full precision.
 #[derive(Debug, Clone, Serialize)]

@@ -5,9 +5,9 @@
 use candle_core::{D, Tensor};
 use serde::Serialize;
 
-use super::perplexity::{Nll, chunk_count, chunk_log_probs, scored_log_probs};
-use crate::error::{Error, Result};
-use crate::llama::{HiddenState, Llama, Logits};
+use crate::perplexity::{Nll, chunk_count, chunk_log_probs, scored_log_probs};
+use qforge_model::llama::{HiddenState, Llama, Logits};
+use qforge_model::{Error, Result};
 
 /// Two models compared on the same text, as llama.cpp's `--kl-divergence`
 /// reports.
@@ -82,7 +82,8 @@ impl SpilledLogProbs {
         let shape = log_probs.dims2()?;
         let before = nll.sum;
         let values = nll.add(log_probs, targets)?;
-        let values = crate::spill::spill(|out| crate::spill::write_f32(&values, out))?;
+        let values =
+            qforge_model::spill::spill(|out| qforge_model::spill::write_f32(&values, out))?;
         Ok(Self {
             values,
             shape,
@@ -92,7 +93,7 @@ impl SpilledLogProbs {
 
     /// The log-probabilities, as they were.
     fn read(&self) -> Result<Tensor> {
-        let values = crate::spill::read_f32(&self.values);
+        let values = qforge_model::spill::read_f32(&self.values);
         Ok(Tensor::from_vec(
             values,
             self.shape,
@@ -143,7 +144,7 @@ impl ReferenceLogProbs {
     }
 
     /// The reference's own perplexity on the text it was run on, summed as
-    /// it was run: bit for bit what [`perplexity`](super::perplexity()) and
+    /// it was run: bit for bit what [`perplexity`](crate::perplexity()) and
     /// [`compare_to`] report for it.
     pub fn perplexity(&self) -> f64 {
         self.perplexity
