@@ -286,12 +286,12 @@ fn model_name(args: &ServeArgs) -> String {
 
 /// The language model's engine limits from the flags; without
 /// `--kv-budget-tokens` the budget is set from the model's size once it is
-/// open.
+/// open (until then it is unbounded, which the options' check accepts).
 fn engine_limits(args: &ServeArgs) -> EngineLimits {
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     EngineLimits {
         max_sequences: args.max_batch.unwrap_or(256),
-        kv_budget_tokens: args.kv_budget_tokens.unwrap_or(0),
+        kv_budget_tokens: args.kv_budget_tokens.unwrap_or(usize::MAX),
         threads: args.engine_threads.unwrap_or(cores),
         prefill_threads: args.prefill_threads.unwrap_or(cores),
         prefill_chunk: args.prefill_chunk,

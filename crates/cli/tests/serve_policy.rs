@@ -445,6 +445,10 @@ fn rollout_flags_are_checked() {
             vec!["--ab", "int8=1", "--reward-window", "5"],
             "--rollback-min-sessions",
         ),
+        // The engine's limits are checked with the others, before any
+        // model is read.
+        (vec!["--kv-budget-tokens", "1"], "KV budget of at least 2"),
+        (vec!["--engine-threads", "0"], "at least 1 thread"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_qforge"))
             .args(["serve", "--model", &cartpole])

@@ -571,7 +571,7 @@ pub async fn serve(
 }
 
 impl ServeOptions {
-    /// Refuses limits of zero, a rollout share, rollback threshold,
+    /// Refuses limits of zero (the engine's among them), a rollout share, rollback threshold,
     /// window or least number of sessions out of range, and drift settings
     /// out of range.
     pub fn validate(&self) -> Result<()> {
@@ -592,6 +592,7 @@ fn check_options(options: &ServeOptions) -> Result<()> {
                 .into(),
         ));
     }
+    options.engine.check()?;
     let c = options.connections;
     if [c.header_timeout, c.body_timeout, c.keep_alive_timeout]
         .iter()

@@ -210,11 +210,6 @@ impl LanguageBackend {
         metrics: &Arc<Metrics>,
     ) -> Result<Self> {
         let limits = options.engine;
-        if limits.max_sequences == 0 || limits.kv_budget_tokens < 2 || limits.prefill_chunk == 0 {
-            return Err(Error::Options(
-                "the engine needs at least 1 sequence, a KV budget of at least 2 tokens and a prefill chunk of at least 1 token".into(),
-            ));
-        }
         match (&reference, options.rollout.mode.needs_reference()) {
             (None, true) => {
                 return Err(Error::Options(

@@ -76,6 +76,23 @@ pub struct EngineLimits {
     pub prefill_chunk: usize,
 }
 
+impl EngineLimits {
+    /// Refuses limits no engine can run with.
+    pub fn check(&self) -> Result<()> {
+        if self.max_sequences == 0
+            || self.kv_budget_tokens < 2
+            || self.prefill_chunk == 0
+            || self.threads == 0
+            || self.prefill_threads == 0
+        {
+            return Err(Error::Options(
+                "the engine needs at least 1 sequence, a KV budget of at least 2 tokens, a prefill chunk of at least 1 token and at least 1 thread for decode and for prefill".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// What the engine's queue carries.
 enum Message {
     Request(Request),
@@ -109,6 +126,7 @@ impl Engine {
         limits: EngineLimits,
         metrics: Arc<Metrics>,
     ) -> Result<Self> {
+        limits.check()?;
         // The engine's own pool, so its thread count does not depend on
         // the process-wide one (the HTTP side shares the cores). Dropping
         // the handle leaves the spawned scheduler running until the queue

@@ -80,7 +80,9 @@ pub(crate) fn online_rotations(
         Error::Format(format!(
             "{}: quantization_config.transform_config {why}; qforge runs online transforms \
              that rotate an input of every decoder layer by its own Hadamard matrix, as \
-             `qforge export --format compressed-tensors` writes them",
+             `qforge export --format compressed-tensors` writes them. To run this model on \
+             qforge, quantize its unquantized checkpoint with `qforge quantize` (its \
+             `--hadamard` rotations are of that kind), or serve this checkpoint with vLLM",
             path.display()
         ))
     };
