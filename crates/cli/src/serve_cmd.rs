@@ -242,7 +242,10 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     if let Some(path) = &reference {
         eprintln!("qforge serve: FP reference {}", path.display());
     }
-    let served = Served::open(&args.model, reference.as_deref())?;
+    let mut served = Served::open(&args.model)?;
+    if let Some(path) = &reference {
+        served = served.with_reference(&args.model, path)?;
+    }
     if let Model::Language(lm) = &served.model {
         let bytes_per_position = lm.model.kv_bytes_per_position();
         let engine = &mut options.engine;

@@ -149,7 +149,8 @@ fn count(state: &AppState, outcome: &str) {
 }
 
 /// Opens the artifact at `path` (checked against its manifest) and, when
-/// `needs_reference`, the FP source its manifest records.
+/// `needs_reference`, the FP source its manifest records: the artifact
+/// first, so a damaged one is named as such before its source is sought.
 fn load(path: &Path, needs_reference: bool) -> Result<Served> {
     if !is_artifact(path) {
         return Err(Error::Options(format!(
@@ -157,8 +158,11 @@ fn load(path: &Path, needs_reference: bool) -> Result<Served> {
             path.display()
         )));
     }
-    let reference = reference_for(path, None, needs_reference)?;
-    Served::open(path, reference.as_deref())
+    let served = Served::open(path)?;
+    match reference_for(path, None, needs_reference)? {
+        Some(reference) => served.with_reference(path, &reference),
+        None => Ok(served),
+    }
 }
 
 fn conflict(message: String) -> Refusal {

@@ -25,7 +25,7 @@ pub struct Served {
     /// The model that answers (normally an INT8 artifact).
     pub model: Model,
     /// Its full-precision reference, for A/B and shadow rollouts; of the
-    /// same kind as the model ([`Served::open`] checks, and the server
+    /// same kind as the model ([`Served::with_reference`] checks, and the server
     /// refuses another).
     pub reference: Option<Model>,
     /// What the model's inputs looked like in calibration; without it
@@ -42,32 +42,29 @@ pub struct Calibration {
 }
 
 impl Served {
-    /// Opens the model at `path` and, if given, its full-precision
-    /// `reference` (of the same kind).
-    pub fn open(path: &Path, reference: Option<&Path>) -> Result<Self> {
-        // Open first: for an artifact that checks every file against the
-        // manifest, calibration.json included.
-        let model = qforge_model::open(path)?;
-        let calibration = Calibration::of(path)?;
-        let reference = match reference {
-            Some(reference_path) => {
-                let reference = qforge_model::open(reference_path)?;
-                if reference.kind() != model.kind() {
-                    return Err(Error::Options(format!(
-                        "{} and its reference {} are not the same kind of model (a policy and a language model)",
-                        path.display(),
-                        reference_path.display()
-                    )));
-                }
-                Some(reference)
-            }
-            None => None,
-        };
+    /// Opens the model at `path` (an artifact checked file by file against
+    /// its manifest, `calibration.json` included), without a reference.
+    pub fn open(path: &Path) -> Result<Self> {
         Ok(Self {
-            model,
-            reference,
-            calibration,
+            model: qforge_model::open(path)?,
+            reference: None,
+            calibration: Calibration::of(path)?,
         })
+    }
+
+    /// Adds the full-precision reference at `reference_path`, which must be
+    /// the same kind of model; `path` is the model's, for the error.
+    pub fn with_reference(mut self, path: &Path, reference_path: &Path) -> Result<Self> {
+        let reference = qforge_model::open(reference_path)?;
+        if reference.kind() != self.model.kind() {
+            return Err(Error::Options(format!(
+                "{} and its reference {} are not the same kind of model (a policy and a language model)",
+                path.display(),
+                reference_path.display()
+            )));
+        }
+        self.reference = Some(reference);
+        Ok(self)
     }
 }
 

@@ -670,7 +670,7 @@ fn start_backend(
         (Model::Language(model), Some(Model::Language(reference))) => {
             language(*model, Some(*reference), monitor)
         }
-        // `Served::open` refuses this, naming the paths; a value built
+        // `Served::with_reference` refuses this, naming the paths; a value built
         // otherwise is refused here.
         (model, Some(reference)) => Err(Error::Options(format!(
             "the model is a {} and its reference a {}: they must be the same kind of model",
