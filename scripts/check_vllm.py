@@ -83,6 +83,11 @@ RECIPES = {
     "static-hadamard": ["--activations", "static", "--hadamard",
                         "q_proj,o_proj,gate_proj,down_proj", "--max-perplexity-increase",
                         "0.02", "--max-fp-fraction", "0.05"],
+    # The static method search itself with issue 53's budgets (on SmolLM2 it keeps QuaRot,
+    # static, with its online down_proj rotation: BENCHMARKS.md, "Static scales that stay
+    # static").
+    "static-search": ["--activations", "static", "--max-perplexity-increase", "0.015",
+                      "--max-fp-fraction", "0.05"],
 }
 
 # 20 fixed prompts: chat turns (SmolLM2-Instruct's template) and plain text.

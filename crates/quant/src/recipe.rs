@@ -204,9 +204,10 @@ pub struct MethodSection {
     /// When the recipe enables no method itself, try the methods in order of
     /// cost ([`Method::ORDER`]) and keep the first whose plan meets the
     /// guard's budget before any layer falls back (with static activations:
-    /// or with its noisiest inputs, at most a tenth of the layers, moved to
-    /// dynamic scales); when none does, the one that comes closest. The
-    /// layer-by-layer fallback then runs on the chosen one.
+    /// or at the end of its ladder bounded to keep 90 % of the layers
+    /// static, which the fallback then walks); when none does, the one that
+    /// comes closest. The layer-by-layer fallback then runs on the chosen
+    /// one.
     pub search: bool,
 }
 
