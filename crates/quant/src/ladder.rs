@@ -177,6 +177,37 @@ impl Ladder {
         }
     }
 
+    /// [`Ladder::build`] where noise figures cost a measurement each and
+    /// only those the ladder asks for are worth taking: `noise(state, point,
+    /// rung)` is `None` for a figure not taken yet, and `rank(state,
+    /// lacking)` takes those. The ladder is built with what is in hand
+    /// (a lacking figure counts as 0), the figures it asked for and lacked
+    /// are taken, and it is built again until it lacks none: it is then the
+    /// ladder every figure would have built, since each of its choices
+    /// compared figures all in hand.
+    pub(crate) fn build_ranking_as_needed<S, E>(
+        points: &BTreeMap<String, Start>,
+        caps: Caps,
+        state: &mut S,
+        noise: impl Fn(&S, &str, Rung) -> Option<f64>,
+        mut rank: impl FnMut(&mut S, &[(String, Rung)]) -> Result<(), E>,
+    ) -> Result<Self, E> {
+        loop {
+            let lacking = std::cell::RefCell::new(BTreeMap::new());
+            let ladder = Self::build(points, caps, |point, rung| {
+                noise(state, point, rung).unwrap_or_else(|| {
+                    lacking.borrow_mut().insert(point.to_string(), rung);
+                    0.0
+                })
+            });
+            let lacking: Vec<(String, Rung)> = lacking.into_inner().into_iter().collect();
+            if lacking.is_empty() {
+                return Ok(ladder);
+            }
+            rank(state, &lacking)?;
+        }
+    }
+
     /// Steps in the whole ladder.
     pub(crate) fn len(&self) -> usize {
         self.demotions.len()
@@ -385,6 +416,57 @@ mod tests {
                 .max(),
             Some(1)
         );
+    }
+
+    #[test]
+    fn ranking_as_needed_builds_the_ladder_every_figure_builds() {
+        // Five static points of one layer each; 2 may leave static. The
+        // dynamic figures cost a measurement: only the points the bounded
+        // ladder brings to that rung are measured.
+        let points: BTreeMap<String, Start> = (0..5)
+            .map(|i| (format!("p{i}"), start(Rung::Static(1.0), 1)))
+            .collect();
+        let caps = Caps {
+            fp_layers: 1,
+            moved_off_static: 2,
+        };
+        let figure = |point: &str, rung: Rung| {
+            let i: f64 = point[1..].parse().unwrap();
+            match rung {
+                Rung::Static(_) => 1.0 + i,
+                _ => 10.0 - i,
+            }
+        };
+        let whole = Ladder::build(&points, caps, figure);
+        let mut ranked: BTreeMap<String, f64> = BTreeMap::new();
+        let lazy = Ladder::build_ranking_as_needed(
+            &points,
+            caps,
+            &mut ranked,
+            |ranked, point, rung| match rung {
+                Rung::Dynamic => ranked.get(point).copied(),
+                _ => Some(figure(point, rung)),
+            },
+            |ranked, lacking| {
+                for (point, rung) in lacking {
+                    ranked.insert(point.clone(), figure(point, *rung));
+                }
+                Ok::<(), ()>(())
+            },
+        )
+        .unwrap();
+        assert_eq!(lazy, whole);
+        // p4 (the noisiest static, 5) moved, its dynamic rung (6) beat p3's
+        // static one (4) to the one FP place, then p3 moved; nothing else
+        // reached the dynamic rung.
+        assert_eq!(
+            ranked.keys().collect::<Vec<_>>(),
+            ["p3", "p4"],
+            "only the moved points' dynamic figures"
+        );
+        let end = lazy.rungs_at(lazy.len());
+        assert_eq!((end["p4"], end["p3"]), (Rung::Fp, Rung::Dynamic));
+        assert_eq!(end["p2"], Rung::Static(1.0));
     }
 
     #[test]

@@ -4,9 +4,6 @@
 //! static, measured where it ends. The guard then starts from these
 //! measurements instead of taking them again.
 
-use std::cell::RefCell;
-use std::collections::BTreeMap;
-
 use qforge_model::Model;
 
 use super::noise::{KlRanker, Noise};
@@ -86,7 +83,10 @@ pub fn probe(
     let static_allowed = stats.provenance.coverage() >= recipe.calibration.min_coverage;
     let plan = initial_plan(&layers_of, stats, recipe, static_allowed, &mut Vec::new())?;
     let before = guard.measure(&plan.precisions())?;
-    if before.passes || recipe.quantize.activations != ActivationScheme::Static {
+    // A plan with no static scale (coverage too low to trust them) has no
+    // static layers to keep.
+    let has_static = plan.rungs.values().any(|r| matches!(r, Rung::Static(_)));
+    if before.passes || recipe.quantize.activations != ActivationScheme::Static || !has_static {
         return Ok(Probed {
             before,
             bounded: None,
@@ -117,24 +117,14 @@ pub fn probe(
                 .map(|(point, &rung)| (point.clone(), rung))
                 .collect();
             noise.rank_kl_at(&ranker, &scaled, progress)?;
-            // The dynamic rung's ranking only where the bounded ladder goes:
-            // built, the rankings it asked for and lacked run, built again,
-            // until it lacks none; it is then the ladder that every ranking
-            // would have built.
-            loop {
-                let lacking = RefCell::new(BTreeMap::new());
-                let ladder = Ladder::build(&starts, caps, |point, rung| {
-                    if !noise.has_kl(point, rung) {
-                        lacking.borrow_mut().insert(point.to_string(), rung);
-                    }
-                    noise.at(point, rung)
-                });
-                let lacking: Vec<(String, Rung)> = lacking.into_inner().into_iter().collect();
-                if lacking.is_empty() {
-                    break ladder;
-                }
-                noise.rank_kl_at(&ranker, &lacking, progress)?;
-            }
+            // The dynamic rung's ranking only where the bounded ladder goes.
+            Ladder::build_ranking_as_needed(
+                &starts,
+                caps,
+                &mut noise,
+                |noise, point, rung| noise.has_kl(point, rung).then(|| noise.at(point, rung)),
+                |noise, lacking| noise.rank_kl_at(&ranker, lacking, progress),
+            )?
         }
         _ => Ladder::build(&starts, caps, |point, rung| noise.at(point, rung)),
     };
