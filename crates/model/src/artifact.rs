@@ -37,6 +37,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use qforge_formats::Error as FormatsError;
 use qforge_kernels::{Activations, Int8Linear, WEIGHT_QMAX};
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -165,12 +166,13 @@ pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
     let config: ArtifactConfig = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
     if config.format != FORMAT || config.version != VERSION {
-        return Err(Error::Unsupported(format!(
+        return Err(FormatsError::Unsupported(format!(
             "{}: artifact format {:?} version {} (this qforge reads {FORMAT} version {VERSION})",
             path.display(),
             config.format,
             config.version
-        )));
+        ))
+        .into());
     }
     if !(1..=127).contains(&config.weight_qmax) {
         return Err(Error::Format(format!(
@@ -627,7 +629,7 @@ impl ArtifactTensors {
         let info = self
             .metadata
             .info(name)
-            .ok_or_else(|| Error::MissingTensor {
+            .ok_or_else(|| FormatsError::MissingTensor {
                 name: name.to_owned(),
                 file: self.path.clone(),
             })?;

@@ -10,6 +10,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use qforge_core::{Digest, DigestBuilder};
+use qforge_formats::Error as FormatsError;
 
 use crate::error::{Error, Result};
 use crate::fingerprint::{llm_fingerprint, llm_probe, policy_fingerprint, policy_probe};
@@ -236,10 +237,11 @@ impl Model {
     pub fn into_language(self, path: &Path) -> Result<LanguageModel> {
         match self {
             Model::Language(lm) => Ok(*lm),
-            Model::Policy(_) => Err(Error::Request(format!(
+            Model::Policy(_) => Err(FormatsError::Request(format!(
                 "{} is a policy; this needs a language model (GGUF file or Hugging Face directory)",
                 path.display()
-            ))),
+            ))
+            .into()),
         }
     }
 
@@ -247,10 +249,10 @@ impl Model {
     pub fn into_policy(self, path: &Path) -> Result<MlpPolicy> {
         match self {
             Model::Policy(policy) => Ok(*policy),
-            Model::Language(_) => Err(Error::Request(format!(
+            Model::Language(_) => Err(FormatsError::Request(format!(
                 "{} is a language model; this needs a policy (a policy directory, an ONNX policy or a policy artifact)",
                 path.display()
-            ))),
+            )).into()),
         }
     }
 }

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use qforge_core::codec::decode;
 use qforge_core::{Calibrator, Stats};
+use qforge_formats::Error as FormatsError;
 use qforge_kernels::Hadamard;
 use qforge_kernels::hadamard::SMALL_ORDERS;
 
@@ -58,7 +59,7 @@ impl RunPrecision {
         stats: Option<&Path>,
         calibrator: Calibrator,
     ) -> Result<Self> {
-        let refuse = |why: String| Err(Error::Request(why));
+        let refuse = |why: String| Err(FormatsError::Request(why).into());
         let artifact = crate::artifact::is_artifact(model);
         if artifact && (name != "f32" || stats.is_some()) {
             return refuse(format!(
@@ -152,9 +153,9 @@ fn residual_rotated(
 ) -> Result<Llama> {
     let width = model.config().hidden_size;
     if !Hadamard::supports(width) {
-        return Err(Error::Unsupported(format!(
+        return Err(FormatsError::Unsupported(format!(
             "int8-dynamic rotates the residual stream first, and there is no Hadamard rotation of its {width} channels (widths m · 2^k, m in {SMALL_ORDERS:?}); int8-dynamic-plain runs without the rotation"
-        )));
+        )).into());
     }
     model.residual_rotated_into(RESIDUAL_SIGNS_SEED, convert)
 }

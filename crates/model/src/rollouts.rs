@@ -3,10 +3,11 @@
 //! scored exactly, so a policy can be calibrated on its own behaviour (good
 //! and bad episodes alike) and its INT8 twin scored by the same reward.
 
+use qforge_formats::Error as FormatsError;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::lm::{GenerateOptions, LanguageModel, TextSide};
 
 /// A task with an exact reward.
@@ -45,15 +46,16 @@ impl RolloutOptions {
     /// Checks the options; the error names the one out of range.
     pub fn validate(&self) -> Result<()> {
         if self.episodes == 0 || self.max_tokens == 0 {
-            return Err(Error::Request(
-                "episodes and max_tokens must be at least 1".into(),
-            ));
+            return Err(
+                FormatsError::Request("episodes and max_tokens must be at least 1".into()).into(),
+            );
         }
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::Request(format!(
+            return Err(FormatsError::Request(format!(
                 "temperature must be ≥ 0, got {}",
                 self.temperature
-            )));
+            ))
+            .into());
         }
         Ok(())
     }
@@ -198,7 +200,7 @@ fn generation_prefix(text: &TextSide, prompt: &str) -> Result<String> {
     const MARK: &str = "\u{1}qforge-completion\u{1}";
     let rendered = text.chat_text(prompt, MARK)?;
     let at = rendered.find(MARK).ok_or_else(|| {
-        Error::Unsupported("the model's chat template drops the assistant's message".into())
+        FormatsError::Unsupported("the model's chat template drops the assistant's message".into())
     })?;
     Ok(rendered[..at].to_owned())
 }

@@ -4,10 +4,11 @@
 use std::collections::BTreeMap;
 
 use candle_core::{Device, Tensor};
+use qforge_formats::Error as FormatsError;
 use qforge_kernels::Activations;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::linear::Linear;
 use crate::llama::{Llama, Logits};
 use crate::mlp::MlpPolicy;
@@ -97,7 +98,7 @@ fn measure(
         let (rows, width) = capture
             .0
             .get(&point)
-            .ok_or_else(|| Error::Shape(format!("no input was observed at {point}")))?;
+            .ok_or_else(|| FormatsError::Shape(format!("no input was observed at {point}")))?;
         let x = Tensor::from_slice(rows, (rows.len() / width, *width), &Device::Cpu)?;
         let reference = linear.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
         let quantized = linear

@@ -13,7 +13,9 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use qforge_formats::Error as FormatsError;
+
+use crate::error::Result;
 
 /// Bytes converted and written at a time: what is spilled is never copied
 /// whole.
@@ -32,7 +34,7 @@ pub(crate) fn spill_in(
     dir: &Path,
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
 ) -> Result<Arc<memmap2::Mmap>> {
-    let failed = |e| Error::Io {
+    let failed = |e| FormatsError::Io {
         path: dir.to_owned(),
         source: std::io::Error::other(format!(
             "cannot write to a temporary file here ({e}); set TMPDIR to a directory with room \

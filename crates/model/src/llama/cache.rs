@@ -4,9 +4,10 @@
 //! both fill the same layout.
 
 use candle_core::Tensor;
+use qforge_formats::Error as FormatsError;
 
 use super::{Llama, attention};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Keys and values of one sequence's positions seen so far, per layer,
 /// head-major (`[kv_heads, capacity, head_dim]`, the layout the INT8
@@ -90,13 +91,14 @@ impl KvCache {
             || v.dims4()? != (b, kv_heads, seq, hd)
             || sequence >= b
         {
-            return Err(Error::Shape(format!(
+            return Err(FormatsError::Shape(format!(
                 "keys {:?} and values {:?} for a cache of {} kv heads of {} values",
                 k.dims(),
                 v.dims(),
                 self.kv_heads,
                 self.head_dim
-            )));
+            ))
+            .into());
         }
         let needed = self.len + seq;
         if needed > self.capacity {
@@ -160,7 +162,7 @@ impl Llama {
         if cache.layers.len() != self.layers.len()
             || (cache.kv_heads, cache.head_dim) != (c.num_kv_heads, c.head_dim)
         {
-            return Err(Error::Shape(format!(
+            return Err(FormatsError::Shape(format!(
                 "a KV cache of {} layers of {} kv heads of {} values for a model of {} layers of {} of {}",
                 cache.layers.len(),
                 cache.kv_heads,
@@ -168,7 +170,7 @@ impl Llama {
                 self.layers.len(),
                 c.num_kv_heads,
                 c.head_dim
-            )));
+            )).into());
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
 //! Hyper-parameters of Llama-family decoders, from a Hugging Face `config.json`
 //! or from GGUF metadata.
 
+use qforge_formats::Error as FormatsError;
 use serde_json::Value as Json;
 
 use crate::error::{Error, Result};
@@ -78,9 +79,9 @@ fn family_from_architecture(name: &str) -> Result<Family> {
         "MistralForCausalLM" | "mistral" => Family::Mistral,
         "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
         other => {
-            return Err(Error::Unsupported(format!(
+            return Err(FormatsError::Unsupported(format!(
                 "architecture {other:?}; qforge runs Llama (incl. SmolLM2, Llama 3), Mistral and Qwen2 decoders"
-            )));
+            )).into());
         }
     })
 }
@@ -204,7 +205,10 @@ impl LlamaConfig {
                     }
                     Some("default") | None => RopeScaling::None,
                     Some(other) => {
-                        return Err(Error::Unsupported(format!("rope_scaling type {other:?}")));
+                        return Err(FormatsError::Unsupported(format!(
+                            "rope_scaling type {other:?}"
+                        ))
+                        .into());
                     }
                 }
             }

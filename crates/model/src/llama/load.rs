@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use qforge_formats::Error as FormatsError;
 
 use super::{Family, Layer, Llama, LlamaConfig, MAX_POSITIONS, Rotations, compressed};
 use crate::error::{Error, Result};
@@ -267,10 +268,11 @@ impl Llama {
         let vector = |name: &str, len: usize| -> Result<Tensor> {
             let t = source.tensor(name)?.to_dtype(DType::F32)?;
             if t.dims() != [len] {
-                return Err(Error::Shape(format!(
+                return Err(FormatsError::Shape(format!(
                     "{name} is {:?}, expected [{len}]",
                     t.dims()
-                )));
+                ))
+                .into());
             }
             crate::linear::check_finite_tensor(name, &t)?;
             Ok(t)
@@ -286,11 +288,12 @@ impl Llama {
             _ => embed_tokens.to_dtype(DType::F32)?,
         };
         if embed_tokens.dims() != [c.vocab_size, d] {
-            return Err(Error::Shape(format!(
+            return Err(FormatsError::Shape(format!(
                 "model.embed_tokens.weight is {:?}, expected [{}, {d}]",
                 embed_tokens.dims(),
                 c.vocab_size
-            )));
+            ))
+            .into());
         }
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use qforge_formats::Error as FormatsError;
 use qforge_kernels::Hadamard;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -67,10 +68,11 @@ impl RotatedInput {
             .find(|r| r.name() == name || r.name().rsplit('.').next() == Some(name))
             .ok_or_else(|| {
                 let names: Vec<&str> = Self::ALL.iter().map(|r| r.name()).collect();
-                Error::Unsupported(format!(
+                FormatsError::Unsupported(format!(
                     "no rotatable input {name:?}: the inputs are {}",
                     names.join(", ")
                 ))
+                .into()
             })
     }
 
@@ -269,13 +271,13 @@ impl Llama {
         convert: impl Fn(&Linear) -> Result<Linear> + Sync,
     ) -> Result<Llama> {
         if let Some(input) = self.rotated_inputs().first() {
-            return Err(Error::Unsupported(format!(
+            return Err(FormatsError::Unsupported(format!(
                 "the {} inputs of this model are rotated online already; rotate the residual stream first",
                 input.name()
-            )));
+            )).into());
         }
         let rotation = Hadamard::new(self.config.hidden_size)
-            .map_err(|e| Error::Unsupported(format!("rotating the residual stream: {e}")))?;
+            .map_err(|e| FormatsError::Unsupported(format!("rotating the residual stream: {e}")))?;
         let signs = random_signs(rotation.len(), seed);
         let mut model = self.clone();
         let (vocab, hidden) = model.embed_tokens.dims2()?;
@@ -334,13 +336,14 @@ impl Llama {
         let mut model = self.clone();
         for &input in inputs {
             if model.rotations.get(input).is_some() {
-                return Err(Error::Unsupported(format!(
+                return Err(FormatsError::Unsupported(format!(
                     "the {} inputs of this model are rotated already",
                     input.name()
-                )));
+                ))
+                .into());
             }
             let rotation = Hadamard::new(input.width(&self.config)).map_err(|e| {
-                Error::Unsupported(format!("rotating the {} inputs: {e}", input.name()))
+                FormatsError::Unsupported(format!("rotating the {} inputs: {e}", input.name()))
             })?;
             model.rotations.0[input.index()] = Some(Arc::new(rotation));
         }

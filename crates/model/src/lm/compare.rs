@@ -3,10 +3,11 @@
 //! reference's log-probabilities computed once ([`ReferenceLogProbs`]).
 
 use candle_core::{D, Tensor};
+use qforge_formats::Error as FormatsError;
 use serde::Serialize;
 
 use super::perplexity::{Nll, chunk_count, chunk_log_probs, scored_log_probs};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::llama::{HiddenState, Llama, Logits};
 
 /// Two models compared on the same text, as llama.cpp's `--kl-divergence`
@@ -153,11 +154,12 @@ impl ReferenceLogProbs {
     /// count: the caller holds the text).
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if tokens.len() != self.tokens {
-            return Err(Error::Shape(format!(
+            return Err(FormatsError::Shape(format!(
                 "the reference was run on {} tokens, the model on {}",
                 self.tokens,
                 tokens.len()
-            )));
+            ))
+            .into());
         }
         Ok(())
     }
@@ -202,7 +204,7 @@ pub fn compare_from(
             .get(c)
             .and_then(|kept| kept.get(layer))
             .ok_or_else(|| {
-                Error::Shape(format!(
+                FormatsError::Shape(format!(
                     "the reference kept no hidden state entering layer {layer} of chunk {c}"
                 ))
             })?;

@@ -20,6 +20,7 @@ pub use sampling::{
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use qforge_formats::Error as FormatsError;
 use rand::{SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
@@ -119,9 +120,10 @@ impl TextSide {
     /// that token ([`Self::chat_prompt_ids`] tokenizes it safely).
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
         let Some(template) = &self.chat_template else {
-            return Err(Error::Unsupported(
+            return Err(FormatsError::Unsupported(
                 "the model has no chat template; send plain text to /v1/completions".into(),
-            ));
+            )
+            .into());
         };
         self.render_chat(template, messages, true)
     }
@@ -140,17 +142,19 @@ impl TextSide {
     pub fn chat_prompt_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
         for message in messages {
             if !CHAT_ROLES.contains(&message.role.as_str()) {
-                return Err(Error::Request(format!(
+                return Err(FormatsError::Request(format!(
                     "role {:?} is not one of {}",
                     message.role,
                     CHAT_ROLES.join(", ")
-                )));
+                ))
+                .into());
             }
             if message.content.contains([MARK_START, MARK_END]) {
-                return Err(Error::Request(
+                return Err(FormatsError::Request(
                     "a message holds the noncharacter U+FDD0 or U+FDD1, which chat prompts reserve"
                         .into(),
-                ));
+                )
+                .into());
             }
         }
         let marked: Vec<ChatMessage> = messages
@@ -271,7 +275,7 @@ impl LanguageModel {
     /// an end-of-sequence token.
     pub fn generate(&self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
         if prompt.is_empty() {
-            return Err(Error::Shape("the prompt has no tokens".into()));
+            return Err(FormatsError::Shape("the prompt has no tokens".into()).into());
         }
         let mut cache = self.model.new_cache();
         cache.reserve(prompt.len() + options.max_tokens);

@@ -3,9 +3,10 @@
 //! shares with the comparison of two models (`super::compare`).
 
 use candle_core::Tensor;
+use qforge_formats::Error as FormatsError;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::llama::{Llama, Logits, log_softmax};
 
 /// Perplexity with llama.cpp's method: consecutive, non-overlapping chunks of
@@ -38,15 +39,13 @@ impl std::fmt::Display for Perplexity {
 /// one chunk (or a `ctx` too small to score) is refused.
 pub(super) fn chunk_count(tokens: usize, ctx: usize) -> Result<usize> {
     if ctx < 4 {
-        return Err(Error::Shape(format!(
-            "--ctx {ctx} is too small (at least 4)"
-        )));
+        return Err(FormatsError::Shape(format!("--ctx {ctx} is too small (at least 4)")).into());
     }
     let chunks = tokens / ctx;
     if chunks == 0 {
-        return Err(Error::Shape(format!(
+        return Err(FormatsError::Shape(format!(
             "the text has {tokens} tokens, fewer than one chunk of --ctx {ctx}; use a longer text or a smaller --ctx"
-        )));
+        )).into());
     }
     Ok(chunks)
 }

@@ -9,10 +9,11 @@
 
 use std::cell::RefCell;
 
+use qforge_formats::Error as FormatsError;
 use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
 use rand::{Rng, rngs::StdRng};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::llama::{Llama, Logits};
 
 /// Picks the next token from one position's logits (see
@@ -89,9 +90,10 @@ impl Distribution<'_> {
             None | Some(0.0) => return Ok(argmax(self.logits)),
             Some(t) if t > 0.0 && t.is_finite() => t,
             Some(t) => {
-                return Err(Error::Shape(format!(
+                return Err(FormatsError::Shape(format!(
                     "temperature must be ≥ 0 and finite, got {t}"
-                )));
+                ))
+                .into());
             }
         };
         let uniform = rng.random::<f64>();
@@ -255,7 +257,7 @@ pub fn continuation_log_probs(
     temperature: Option<f64>,
 ) -> Result<Vec<f64>> {
     if prompt.is_empty() {
-        return Err(Error::Shape("the prompt has no tokens".into()));
+        return Err(FormatsError::Shape("the prompt has no tokens".into()).into());
     }
     let Some((_, fed)) = continuation.split_last() else {
         return Ok(Vec::new());
@@ -294,11 +296,13 @@ mod tests {
     mod before {
         use std::cell::RefCell;
 
+        use qforge_formats::Error as FormatsError;
         use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
         use rand::{Rng, rngs::StdRng};
 
         use super::super::{TokenLogProb, argmax};
-        use crate::error::{Error, Result};
+
+        use crate::error::Result;
 
         pub(super) fn sample(
             logits: &[f32],
@@ -309,9 +313,10 @@ mod tests {
                 None | Some(0.0) => return Ok(argmax(logits)),
                 Some(t) if t > 0.0 && t.is_finite() => t,
                 Some(t) => {
-                    return Err(Error::Shape(format!(
+                    return Err(FormatsError::Shape(format!(
                         "temperature must be ≥ 0 and finite, got {t}"
-                    )));
+                    ))
+                    .into());
                 }
             };
             let uniform = rng.random::<f64>();
