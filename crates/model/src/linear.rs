@@ -313,12 +313,26 @@ pub(crate) fn check_finite_tensor(name: &str, tensor: &Tensor) -> Result<()> {
     )
 }
 
-/// A bias, if there is one, is a vector of `out` values.
-fn check_bias(name: &str, bias: Option<&Tensor>, out: usize) -> Result<()> {
+/// A layer's weight is a `shape` matrix and its bias, if there is one, a
+/// vector of `shape.0` values.
+fn check_shapes(
+    name: &str,
+    weight_dims: &[usize],
+    bias: Option<&Tensor>,
+    shape: (usize, usize),
+) -> Result<()> {
+    if weight_dims != [shape.0, shape.1] {
+        return Err(FormatsError::Shape(format!(
+            "{name}.weight is {weight_dims:?}, expected [{}, {}]",
+            shape.0, shape.1
+        ))
+        .into());
+    }
     match bias {
-        Some(b) if b.dims() != [out] => Err(FormatsError::Shape(format!(
-            "{name}.bias is {:?}, expected [{out}]",
-            b.dims()
+        Some(b) if b.dims() != [shape.0] => Err(FormatsError::Shape(format!(
+            "{name}.bias is {:?}, expected [{}]",
+            b.dims(),
+            shape.0
         ))
         .into()),
         _ => Ok(()),
@@ -339,16 +353,7 @@ impl Linear {
         bias: Option<Tensor>,
         shape: (usize, usize),
     ) -> Result<Self> {
-        if weight.dims() != [shape.0, shape.1] {
-            return Err(FormatsError::Shape(format!(
-                "{name}.weight is {:?}, expected [{}, {}]",
-                weight.dims(),
-                shape.0,
-                shape.1
-            ))
-            .into());
-        }
-        check_bias(name, bias.as_ref(), shape.0)?;
+        check_shapes(name, weight.dims(), bias.as_ref(), shape)?;
         let weight = match weight.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => weight,
             _ => weight.to_dtype(DType::F32)?,
@@ -368,16 +373,7 @@ impl Linear {
         bias: Option<Tensor>,
         shape: (usize, usize),
     ) -> Result<Self> {
-        if weight.dims() != [shape.0, shape.1] {
-            return Err(FormatsError::Shape(format!(
-                "{name}.weight is {:?}, expected [{}, {}]",
-                weight.dims(),
-                shape.0,
-                shape.1
-            ))
-            .into());
-        }
-        check_bias(name, bias.as_ref(), shape.0)?;
+        check_shapes(name, &weight.dims(), bias.as_ref(), shape)?;
         Ok(Linear::Stored {
             weight,
             bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,

@@ -169,22 +169,13 @@ impl Distribution<'_> {
                 log_prob
             }
         };
-        // The `top` best so far, best first; the vocabulary is read once.
-        let mut best: Vec<usize> = Vec::with_capacity(top + 1);
-        if top > 0 {
-            for (i, &l) in logits.iter().enumerate() {
-                if best.len() == top && l <= logits[best[top - 1]] {
-                    continue;
-                }
-                let at = best.partition_point(|&b| logits[b] >= l);
-                best.insert(at, i);
-                best.truncate(top);
-            }
-        }
         TokenLogProb {
             token,
             log_prob: log_prob(token as usize),
-            top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
+            top: top_tokens(logits, top)
+                .into_iter()
+                .map(|i| (i as u32, log_prob(i)))
+                .collect(),
         }
     }
 
@@ -276,6 +267,23 @@ pub fn continuation_log_probs(
         .collect())
 }
 
+/// The indices of the `top` largest logits, best first (the earlier of two
+/// equal ones first); the vocabulary is read once.
+fn top_tokens(logits: &[f32], top: usize) -> Vec<usize> {
+    let mut best: Vec<usize> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() == top && l <= logits[best[top - 1]] {
+                continue;
+            }
+            let at = best.partition_point(|&b| logits[b] >= l);
+            best.insert(at, i);
+            best.truncate(top);
+        }
+    }
+    best
+}
+
 /// Index of the first maximum.
 fn argmax(values: &[f32]) -> u32 {
     values
@@ -291,8 +299,10 @@ mod tests {
     use super::*;
 
     /// The draw and the score as they were before one softmax served both
-    /// (two passes of `exp`, the largest logit found twice), word for word:
-    /// what the users' seeds and the recorded figures were made with.
+    /// (two passes of `exp`, the largest logit found twice), word for word
+    /// but for the choice of the top tokens, which that change left as it
+    /// was and which both call: what the users' seeds and the recorded
+    /// figures were made with.
     mod before {
         use std::cell::RefCell;
 
@@ -300,7 +310,7 @@ mod tests {
         use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
         use rand::{Rng, rngs::StdRng};
 
-        use super::super::{TokenLogProb, argmax};
+        use super::super::{TokenLogProb, argmax, top_tokens};
 
         use crate::error::Result;
 
@@ -391,22 +401,13 @@ mod tests {
                 block_sums.iter().sum::<f64>().ln()
             });
             let log_prob = |i: usize| shifted(logits[i]) - log_total;
-            // The `top` best so far, best first; the vocabulary is read once.
-            let mut best: Vec<usize> = Vec::with_capacity(top + 1);
-            if top > 0 {
-                for (i, &l) in logits.iter().enumerate() {
-                    if best.len() == top && l <= logits[best[top - 1]] {
-                        continue;
-                    }
-                    let at = best.partition_point(|&b| logits[b] >= l);
-                    best.insert(at, i);
-                    best.truncate(top);
-                }
-            }
             TokenLogProb {
                 token,
                 log_prob: log_prob(token as usize),
-                top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
+                top: top_tokens(logits, top)
+                    .into_iter()
+                    .map(|i| (i as u32, log_prob(i)))
+                    .collect(),
             }
         }
     }
