@@ -162,9 +162,7 @@ pub fn is_artifact(dir: &Path) -> bool {
 /// Reads and checks `qforge.json`.
 pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
     let path = dir.join(ARTIFACT_FILE);
-    let bytes = qforge_formats::files::read_config(&path)?;
-    let config: ArtifactConfig = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+    let config: ArtifactConfig = qforge_formats::files::read_json(&path)?;
     if config.format != FORMAT || config.version != VERSION {
         return Err(FormatsError::Unsupported(format!(
             "{}: artifact format {:?} version {} (this qforge reads {FORMAT} version {VERSION})",
@@ -791,9 +789,7 @@ pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
     verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::Policy)?;
     let policy_path = dir.join("policy.json");
-    let bytes = qforge_formats::files::read_config(&policy_path)?;
-    let policy: PolicyConfig = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::Format(format!("{}: {e}", policy_path.display())))?;
+    let policy: PolicyConfig = qforge_formats::files::read_json(&policy_path)?;
     // A policy's layer names are its observation points.
     let point_of = config
         .points
@@ -819,9 +815,7 @@ pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
     verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::LanguageModel)?;
     let config_path = dir.join("config.json");
-    let json: serde_json::Value =
-        serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+    let json: serde_json::Value = qforge_formats::files::read_json(&config_path)?;
     let llama_config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
     let point_of = Llama::linear_points(&llama_config).into_iter().collect();
     let tensors = ArtifactTensors::open(dir, &config, point_of)?;

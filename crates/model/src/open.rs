@@ -114,9 +114,7 @@ pub fn observation_dim(path: &Path) -> Result<usize> {
     match Format::detect(path)? {
         Format::PolicyDir | Format::Artifact => {
             let config_path = path.join("policy.json");
-            let config: crate::mlp::PolicyConfig =
-                serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-                    .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            let config: crate::mlp::PolicyConfig = qforge_formats::files::read_json(&config_path)?;
             Ok(config.observation_dim)
         }
         Format::Onnx => Ok(crate::onnx::open_policy(path)?.config().observation_dim),

@@ -218,9 +218,7 @@ impl Llama {
     /// a sharded `model.safetensors.index.json`.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
-        let json: serde_json::Value =
-            serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-                .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+        let json: serde_json::Value = qforge_formats::files::read_json(&config_path)?;
         let config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
         let scheme = compressed::Scheme::from_config(&json, &config_path)?;
         let files: Vec<_> = safetensors_files(dir)?
@@ -352,9 +350,7 @@ pub(crate) const SHARD_INDEX: &str = "model.safetensors.index.json";
 /// which the model's hash did not cover.
 pub(crate) fn index_shards(dir: &Path) -> Result<Vec<(String, std::path::PathBuf)>> {
     let index = dir.join(SHARD_INDEX);
-    let json: serde_json::Value =
-        serde_json::from_slice(&qforge_formats::files::read_config(&index)?)
-            .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+    let json: serde_json::Value = qforge_formats::files::read_json(&index)?;
     let map = json["weight_map"]
         .as_object()
         .ok_or_else(|| Error::Format(format!("{}: no weight_map", index.display())))?;

@@ -51,9 +51,7 @@ impl TextSide {
     pub fn load(path: &Path) -> Result<Self> {
         if path.is_dir() {
             let config_path = path.join("config.json");
-            let json: serde_json::Value =
-                serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-                    .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            let json: serde_json::Value = qforge_formats::files::read_json(&config_path)?;
             let c = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
             Self::from_hf_dir(path, &c)
         } else {

@@ -125,9 +125,7 @@ pub fn open_policy(path: &Path) -> Result<MlpPolicy> {
     let bytes = qforge_formats::files::read_regular(path)?;
     let head_path = head_file(path);
     let given = if head_path.exists() {
-        let file: HeadFile =
-            serde_json::from_slice(&qforge_formats::files::read_config(&head_path)?)
-                .map_err(|e| Error::Format(format!("{}: {e}", head_path.display())))?;
+        let file: HeadFile = qforge_formats::files::read_json(&head_path)?;
         Some(file)
     } else {
         None
