@@ -82,7 +82,6 @@ impl From<qforge_formats::Error> for Failure {
 impl From<qforge_model::Error> for Failure {
     fn from(error: qforge_model::Error) -> Self {
         match error {
-            qforge_model::Error::Request(why) => Failure(usage(why)),
             qforge_model::Error::Formats(e) => e.into(),
             other => failed(&other),
         }

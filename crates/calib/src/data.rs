@@ -87,10 +87,7 @@ pub fn fits_width(rows: &[Vec<f32>], width: usize) -> std::result::Result<(), St
 /// Reads a JSONL file. A bad line fails the load with its line number, unless
 /// `skip_invalid`, which counts and skips it.
 pub fn load_jsonl(path: &Path, skip_invalid: bool) -> Result<Dataset> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
+    let bytes = std::fs::read(path).map_err(|source| qforge_formats::Error::io(path, source))?;
     parse_jsonl(&bytes, &path.display().to_string(), skip_invalid)
 }
 

@@ -18,21 +18,13 @@ pub enum Error {
     /// The data cannot serve the model or recipe.
     #[error("{0}")]
     Data(String),
-    /// An I/O error.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The error.
-        source: std::io::Error,
-    },
     /// A recipe value is invalid.
     #[error("invalid calibration recipe: {0}")]
     Recipe(String),
     /// The model failed.
     #[error(transparent)]
     Model(#[from] qforge_model::Error),
-    /// Reading or writing a file format failed.
+    /// Reading or writing a file, or a file format, failed.
     #[error(transparent)]
     Formats(#[from] qforge_formats::Error),
     /// Statistics failed.

@@ -153,10 +153,7 @@ pub const TRANSFORMS_FILE: &str = "transforms.json";
 pub fn write_transforms(dir: &Path, transforms: &[Transform]) -> Result<()> {
     let path = dir.join(TRANSFORMS_FILE);
     let text = serde_json::to_string(transforms).expect("transforms serialize");
-    std::fs::write(&path, text).map_err(|source| Error::Io {
-        path: path.display().to_string(),
-        source,
-    })
+    std::fs::write(&path, text).map_err(|source| qforge_formats::Error::io(&path, source).into())
 }
 
 /// The transforms an artifact directory records, or `None` for an artifact

@@ -68,10 +68,7 @@ struct ValueFile {
 impl ValueFile {
     /// Opens `path` as `.npy` (by its magic bytes) or as raw little-endian f32.
     fn open(path: &Path) -> Result<Self> {
-        let io = |source| Error::Io {
-            path: path.display().to_string(),
-            source,
-        };
+        let io = |source| Error::from(qforge_formats::Error::io(path, source));
         let file = File::open(path).map_err(io)?;
         let file_len = file.metadata().map_err(io)?.len();
         let mut reader = BufReader::with_capacity(1 << 20, file);

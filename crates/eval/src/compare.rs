@@ -6,8 +6,8 @@ use candle_core::{D, Tensor};
 use serde::Serialize;
 
 use crate::perplexity::{Nll, chunk_count, chunk_log_probs, scored_log_probs};
+use qforge_model::Result;
 use qforge_model::llama::{HiddenState, Llama, Logits};
-use qforge_model::{Error, Result};
 
 /// Two models compared on the same text, as llama.cpp's `--kl-divergence`
 /// reports.
@@ -154,11 +154,12 @@ impl ReferenceLogProbs {
     /// count: the caller holds the text).
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if tokens.len() != self.tokens {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "the reference was run on {} tokens, the model on {}",
                 self.tokens,
                 tokens.len()
-            )));
+            ))
+            .into());
         }
         Ok(())
     }
@@ -203,7 +204,7 @@ pub fn compare_from(
             .get(c)
             .and_then(|kept| kept.get(layer))
             .ok_or_else(|| {
-                Error::Shape(format!(
+                qforge_formats::Error::Shape(format!(
                     "the reference kept no hidden state entering layer {layer} of chunk {c}"
                 ))
             })?;

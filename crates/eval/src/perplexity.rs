@@ -5,8 +5,8 @@
 use candle_core::Tensor;
 use serde::Serialize;
 
+use qforge_model::Result;
 use qforge_model::llama::{Llama, Logits, log_softmax};
-use qforge_model::{Error, Result};
 
 /// Perplexity with llama.cpp's method: consecutive, non-overlapping chunks of
 /// `ctx` tokens; in each, only the second half is scored (every scored token
@@ -38,15 +38,15 @@ impl std::fmt::Display for Perplexity {
 /// one chunk (or a `ctx` too small to score) is refused.
 pub(super) fn chunk_count(tokens: usize, ctx: usize) -> Result<usize> {
     if ctx < 4 {
-        return Err(Error::Shape(format!(
-            "--ctx {ctx} is too small (at least 4)"
-        )));
+        return Err(
+            qforge_formats::Error::Shape(format!("--ctx {ctx} is too small (at least 4)")).into(),
+        );
     }
     let chunks = tokens / ctx;
     if chunks == 0 {
-        return Err(Error::Shape(format!(
+        return Err(qforge_formats::Error::Shape(format!(
             "the text has {tokens} tokens, fewer than one chunk of --ctx {ctx}; use a longer text or a smaller --ctx"
-        )));
+        )).into());
     }
     Ok(chunks)
 }

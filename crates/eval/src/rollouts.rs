@@ -6,8 +6,8 @@
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 
+use qforge_model::Result;
 use qforge_model::lm::{GenerateOptions, LanguageModel, TextSide};
-use qforge_model::{Error, Result};
 
 /// A task with an exact reward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,15 +45,17 @@ impl RolloutOptions {
     /// Checks the options; the error names the one out of range.
     pub fn validate(&self) -> Result<()> {
         if self.episodes == 0 || self.max_tokens == 0 {
-            return Err(Error::Request(
+            return Err(qforge_formats::Error::Request(
                 "episodes and max_tokens must be at least 1".into(),
-            ));
+            )
+            .into());
         }
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::Request(format!(
+            return Err(qforge_formats::Error::Request(format!(
                 "temperature must be ≥ 0, got {}",
                 self.temperature
-            )));
+            ))
+            .into());
         }
         Ok(())
     }
@@ -198,7 +200,9 @@ fn generation_prefix(text: &TextSide, prompt: &str) -> Result<String> {
     const MARK: &str = "\u{1}qforge-completion\u{1}";
     let rendered = text.chat_text(prompt, MARK)?;
     let at = rendered.find(MARK).ok_or_else(|| {
-        Error::Unsupported("the model's chat template drops the assistant's message".into())
+        qforge_formats::Error::Unsupported(
+            "the model's chat template drops the assistant's message".into(),
+        )
     })?;
     Ok(rendered[..at].to_owned())
 }

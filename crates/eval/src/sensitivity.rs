@@ -7,11 +7,11 @@ use candle_core::{Device, Tensor};
 use qforge_kernels::Activations;
 use serde::Serialize;
 
+use qforge_model::Result;
 use qforge_model::linear::Linear;
 use qforge_model::llama::{Llama, Logits};
 use qforge_model::mlp::MlpPolicy;
 use qforge_model::observe::Observer;
-use qforge_model::{Error, Result};
 
 /// The output SQNR of one layer on the INT8 engine against full precision.
 #[derive(Debug, Clone, Serialize)]
@@ -94,10 +94,9 @@ fn measure(
 ) -> Result<Vec<LayerSqnr>> {
     let mut out = Vec::with_capacity(linears.len());
     for (name, point, linear) in linears {
-        let (rows, width) = capture
-            .0
-            .get(&point)
-            .ok_or_else(|| Error::Shape(format!("no input was observed at {point}")))?;
+        let (rows, width) = capture.0.get(&point).ok_or_else(|| {
+            qforge_formats::Error::Shape(format!("no input was observed at {point}"))
+        })?;
         let x = Tensor::from_slice(rows, (rows.len() / width, *width), &Device::Cpu)?;
         let reference = linear.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
         let quantized = linear

@@ -6,7 +6,7 @@
 //!   `model.safetensors` blocked `serve` forever, and a shard index linked to
 //!   `/dev/zero` was read until memory ran out;
 //! * a JSON or TOML file is read only up to [`MAX_CONFIG_BYTES`]
-//!   ([`read_config`]);
+//!   ([`read_config`], [`read_json`]);
 //! * a path named by a file (a manifest's entries, a shard index's weight
 //!   map) stays inside its directory ([`inside`]): `qforge verify` hashed
 //!   `/etc/passwd` when a manifest listed it.
@@ -119,6 +119,13 @@ pub fn read_config(path: &Path) -> Result<Vec<u8>> {
         return Err(too_large());
     }
     Ok(bytes)
+}
+
+/// The JSON file `path` ([`read_config`]) as a `T`; a value that does not
+/// parse is a [`Error::Format`] naming the file.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    serde_json::from_slice(&read_config(path)?)
+        .map_err(|e| Error::Format(format!("{}: {e}", path.display())))
 }
 
 /// [`read_config`] as UTF-8 text (TOML).

@@ -116,9 +116,7 @@ pub fn write_manifest(dir: &Path, info: serde_json::Value) -> Result<Manifest> {
 /// Reads `dir/manifest.json`.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
-    let bytes = crate::files::read_config(&path)?;
-    let manifest: Manifest = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+    let manifest: Manifest = crate::files::read_json(&path)?;
     if manifest.format != FORMAT || manifest.version != VERSION {
         return Err(Error::Unsupported(format!(
             "{}: manifest format {:?} version {} (this qforge reads {FORMAT} version {VERSION})",

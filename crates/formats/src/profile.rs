@@ -94,9 +94,7 @@ impl CalibrationProfile {
         if !path.exists() {
             return Ok(None);
         }
-        let bytes = crate::files::read_config(&path)?;
-        let profile: Self = serde_json::from_slice(&bytes)
-            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+        let profile: Self = crate::files::read_json(&path)?;
         // The drift monitor divides by these: out of range, it would alert
         // on everything or on nothing.
         let share = |s: f64| (0.0..=1.0).contains(&s);

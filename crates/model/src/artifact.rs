@@ -161,16 +161,15 @@ pub fn is_artifact(dir: &Path) -> bool {
 /// Reads and checks `qforge.json`.
 pub fn read_config(dir: &Path) -> Result<ArtifactConfig> {
     let path = dir.join(ARTIFACT_FILE);
-    let bytes = qforge_formats::files::read_config(&path)?;
-    let config: ArtifactConfig = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+    let config: ArtifactConfig = qforge_formats::files::read_json(&path)?;
     if config.format != FORMAT || config.version != VERSION {
-        return Err(Error::Unsupported(format!(
+        return Err(qforge_formats::Error::Unsupported(format!(
             "{}: artifact format {:?} version {} (this qforge reads {FORMAT} version {VERSION})",
             path.display(),
             config.format,
             config.version
-        )));
+        ))
+        .into());
     }
     if !(1..=127).contains(&config.weight_qmax) {
         return Err(Error::Format(format!(
@@ -624,13 +623,13 @@ impl ArtifactTensors {
     }
 
     fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
-        let info = self
-            .metadata
-            .info(name)
-            .ok_or_else(|| Error::MissingTensor {
-                name: name.to_owned(),
-                file: self.path.clone(),
-            })?;
+        let info =
+            self.metadata
+                .info(name)
+                .ok_or_else(|| qforge_formats::Error::MissingTensor {
+                    name: name.to_owned(),
+                    file: self.path.clone(),
+                })?;
         let (start, end) = info.data_offsets;
         let bytes = &self.map[self.data_start + start..self.data_start + end];
         safetensors::tensor::TensorView::new(info.dtype, info.shape.clone(), bytes)
@@ -789,9 +788,7 @@ pub fn load_policy(dir: &Path) -> Result<MlpPolicy> {
     verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::Policy)?;
     let policy_path = dir.join("policy.json");
-    let bytes = qforge_formats::files::read_config(&policy_path)?;
-    let policy: PolicyConfig = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::Format(format!("{}: {e}", policy_path.display())))?;
+    let policy: PolicyConfig = qforge_formats::files::read_json(&policy_path)?;
     // A policy's layer names are its observation points.
     let point_of = config
         .points
@@ -817,9 +814,7 @@ pub fn load_language_model(dir: &Path) -> Result<LanguageModel> {
     verify_before_loading(dir)?;
     let config = read_config_of(dir, ModelKind::LanguageModel)?;
     let config_path = dir.join("config.json");
-    let json: serde_json::Value =
-        serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-            .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+    let json: serde_json::Value = qforge_formats::files::read_json(&config_path)?;
     let llama_config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
     let point_of = Llama::linear_points(&llama_config).into_iter().collect();
     let tensors = ArtifactTensors::open(dir, &config, point_of)?;

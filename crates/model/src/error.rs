@@ -3,46 +3,17 @@
 use std::path::{Path, PathBuf};
 
 /// Errors of `qforge-model`. Messages name the file or tensor at fault and,
-/// where there is one, what to do.
+/// where there is one, what to do. What a file, a shape or a request can get
+/// wrong is said by [`qforge_formats::Error`] (the `Formats` variant), which
+/// the model's code shares with the formats it reads.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A file could not be read.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The underlying error.
-        source: std::io::Error,
-    },
     /// A file's content is malformed.
     #[error("{0}")]
     Format(String),
-    /// What the caller asked for does not fit the model: a policy where a
-    /// language model is needed (or the reverse), a precision an artifact
-    /// does not run in.
-    #[error("{0}")]
-    Request(String),
-    /// An output location cannot be written as asked (it holds something
-    /// qforge did not write).
-    #[error("{0}")]
-    Output(String),
-    /// A well-formed input uses something qforge does not support.
-    #[error("unsupported: {0}")]
-    Unsupported(String),
-    /// A tensor the architecture needs is absent.
-    #[error("{file}: missing tensor {name}; is this the right model file for the architecture?")]
-    MissingTensor {
-        /// Tensor name.
-        name: String,
-        /// File or directory searched.
-        file: PathBuf,
-    },
     /// An INT8 kernel failed.
     #[error(transparent)]
     Kernel(#[from] qforge_kernels::Error),
-    /// Shapes disagree.
-    #[error("shape mismatch: {0}")]
-    Shape(String),
     /// Any error, with the file it happened in.
     #[error("{path}: {source}")]
     InFile {
@@ -51,15 +22,22 @@ pub enum Error {
         /// The error.
         source: Box<Error>,
     },
-    /// A tensor operation failed.
-    #[error("tensor operation failed: {0}")]
-    Candle(#[from] candle_core::Error),
     /// Statistics failed.
     #[error(transparent)]
     Core(#[from] qforge_core::Error),
-    /// Reading or writing a file format failed.
+    /// A file could not be read or was malformed, a tensor is missing or its
+    /// shape is wrong, the request does not fit the model, a tensor
+    /// operation failed.
     #[error(transparent)]
     Formats(#[from] qforge_formats::Error),
+}
+
+/// A tensor operation failed; said as [`qforge_formats::Error::Candle`], as
+/// every file and shape error is.
+impl From<candle_core::Error> for Error {
+    fn from(error: candle_core::Error) -> Self {
+        Error::Formats(error.into())
+    }
 }
 
 impl Error {
@@ -68,7 +46,6 @@ impl Error {
     /// happened in: a usage error, not a failure.
     pub fn is_request(&self) -> bool {
         match self {
-            Error::Request(_) => true,
             Error::InFile { source, .. } => source.is_request(),
             Error::Formats(e) => e.is_request(),
             _ => false,
@@ -77,18 +54,13 @@ impl Error {
 
     /// An I/O error on `path`.
     pub fn io(path: &Path, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.to_owned(),
-            source,
-        }
+        Error::Formats(qforge_formats::Error::io(path, source))
     }
 
     /// Attaches the file the error happened in.
     pub fn in_file(self, path: &Path) -> Self {
         match self {
-            already @ (Error::Io { .. } | Error::InFile { .. } | Error::MissingTensor { .. }) => {
-                already
-            }
+            already @ Error::InFile { .. } => already,
             Error::Formats(e) => Error::Formats(e.in_file(path)),
             other => Error::InFile {
                 path: path.to_owned(),

@@ -107,10 +107,11 @@ impl MappedTensor {
         let view = shards.get(name)?;
         let dtype = DType::try_from(view.dtype())?;
         let &[rows, cols] = view.shape() else {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{name} is {:?}, expected a matrix",
                 view.shape()
-            )));
+            ))
+            .into());
         };
         Ok(Self {
             name: name.to_owned(),
@@ -311,13 +312,28 @@ pub(crate) fn check_finite_tensor(name: &str, tensor: &Tensor) -> Result<()> {
     )
 }
 
-/// A bias, if there is one, is a vector of `out` values.
-fn check_bias(name: &str, bias: Option<&Tensor>, out: usize) -> Result<()> {
+/// A layer's weight is a `shape` matrix and its bias, if there is one, a
+/// vector of `shape.0` values.
+fn check_shapes(
+    name: &str,
+    weight_dims: &[usize],
+    bias: Option<&Tensor>,
+    shape: (usize, usize),
+) -> Result<()> {
+    if weight_dims != [shape.0, shape.1] {
+        return Err(qforge_formats::Error::Shape(format!(
+            "{name}.weight is {weight_dims:?}, expected [{}, {}]",
+            shape.0, shape.1
+        ))
+        .into());
+    }
     match bias {
-        Some(b) if b.dims() != [out] => Err(Error::Shape(format!(
-            "{name}.bias is {:?}, expected [{out}]",
-            b.dims()
-        ))),
+        Some(b) if b.dims() != [shape.0] => Err(qforge_formats::Error::Shape(format!(
+            "{name}.bias is {:?}, expected [{}]",
+            b.dims(),
+            shape.0
+        ))
+        .into()),
         _ => Ok(()),
     }
 }
@@ -336,15 +352,7 @@ impl Linear {
         bias: Option<Tensor>,
         shape: (usize, usize),
     ) -> Result<Self> {
-        if weight.dims() != [shape.0, shape.1] {
-            return Err(Error::Shape(format!(
-                "{name}.weight is {:?}, expected [{}, {}]",
-                weight.dims(),
-                shape.0,
-                shape.1
-            )));
-        }
-        check_bias(name, bias.as_ref(), shape.0)?;
+        check_shapes(name, weight.dims(), bias.as_ref(), shape)?;
         let weight = match weight.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => weight,
             _ => weight.to_dtype(DType::F32)?,
@@ -364,15 +372,7 @@ impl Linear {
         bias: Option<Tensor>,
         shape: (usize, usize),
     ) -> Result<Self> {
-        if weight.dims() != [shape.0, shape.1] {
-            return Err(Error::Shape(format!(
-                "{name}.weight is {:?}, expected [{}, {}]",
-                weight.dims(),
-                shape.0,
-                shape.1
-            )));
-        }
-        check_bias(name, bias.as_ref(), shape.0)?;
+        check_shapes(name, &weight.dims(), bias.as_ref(), shape)?;
         Ok(Linear::Stored {
             weight,
             bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
@@ -423,28 +423,31 @@ impl Linear {
         let (out, inp) = self.shape();
         let qmax = WEIGHT_QMAX.unsigned_abs();
         if int8.values.len() != out * inp || int8.scales.len() != out {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{} int8 values and {} scales for a [{out}, {inp}] layer",
                 int8.values.len(),
                 int8.scales.len()
-            )));
+            ))
+            .into());
         }
         // A max over every value rather than `any`: the early exit kept the
         // scan from vectorizing, and a `--sequential` pass checks every
         // layer rounded so far (8 % of a SmolLM2 worker's time with `any`).
         let widest = int8.values.iter().fold(0, |m, v| v.unsigned_abs().max(m));
         if widest > qmax || int8.scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "int8 weights beyond ±{qmax} or scales that are not positive and finite"
-            )));
+            ))
+            .into());
         }
         Ok(())
     }
 
     fn already_int8() -> Error {
-        Error::Unsupported(
+        qforge_formats::Error::Unsupported(
             "this layer is INT8 already; quantize from the full-precision model".into(),
         )
+        .into()
     }
 
     /// The int8 rounding chosen for this layer's weights (GPTQ), if any.
@@ -510,9 +513,9 @@ impl Linear {
     /// make stale.
     pub fn weights_to_transform(&self) -> Result<(Tensor, Option<Tensor>)> {
         if self.chosen_int8().is_some() {
-            return Err(Error::Unsupported(
+            return Err(qforge_formats::Error::Unsupported(
                 "this layer's int8 rounding (GPTQ) was chosen for its current weights; transform the model before rounding it".into(),
-            ));
+            ).into());
         }
         self.full_precision()
     }
@@ -538,10 +541,11 @@ impl Linear {
     /// rounded to nearest: symmetric in ±[`WEIGHT_QMAX`].
     fn quantize_weight(weight: &Tensor) -> Result<(Vec<i8>, Vec<f32>)> {
         let &[_, cols] = weight.dims() else {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "a weight of shape {:?} is not a matrix",
                 weight.dims()
-            )));
+            ))
+            .into());
         };
         let values = weight.flatten_all()?.to_vec1::<f32>()?;
         Ok(quantize_rows_symmetric(&values, cols, WEIGHT_QMAX))
@@ -553,10 +557,11 @@ impl Linear {
         let (weight, bias) = self.weights_to_transform()?;
         let (out, inp) = self.shape();
         if factors.len() != inp {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{} input factors for a layer taking {inp}",
                 factors.len()
-            )));
+            ))
+            .into());
         }
         let s = Tensor::from_slice(factors, (1, inp), &Device::Cpu)?;
         Linear::fp("scaled", weight.broadcast_mul(&s)?, bias, (out, inp))
@@ -568,10 +573,11 @@ impl Linear {
         let (weight, bias) = self.weights_to_transform()?;
         let (out, inp) = self.shape();
         if factors.len() != out {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{} output factors for a layer giving {out}",
                 factors.len()
-            )));
+            ))
+            .into());
         }
         let s = Tensor::from_slice(factors, out, &Device::Cpu)?;
         let bias = bias.map(|b| b.mul(&s)).transpose()?;
@@ -626,9 +632,10 @@ fn int8_forward(layer: &Int8Linear, x: &Tensor) -> Result<Tensor> {
     let (out, inp) = layer.shape();
     let mut dims = x.dims().to_vec();
     if dims.last() != Some(&inp) {
-        return Err(Error::Shape(format!(
+        return Err(qforge_formats::Error::Shape(format!(
             "input {dims:?} to a layer taking {inp} features"
-        )));
+        ))
+        .into());
     }
     let rows = x.elem_count() / inp;
     let input = x.flatten_all()?.to_vec1::<f32>()?;

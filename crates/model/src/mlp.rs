@@ -74,11 +74,11 @@ impl Head {
     pub fn check_finite(&self, outputs: &[f32]) -> Result<()> {
         match outputs.iter().position(|v| !v.is_finite()) {
             None => Ok(()),
-            Some(at) => Err(Error::Request(format!(
+            Some(at) => Err(qforge_formats::Error::Request(format!(
                 "the policy's output for observation row {} is {} (not finite): the forward overflowed on values far outside the range the policy was trained on; check the observation's scale",
                 at / self.outputs(),
                 outputs[at]
-            ))),
+            )).into()),
         }
     }
 
@@ -351,13 +351,13 @@ impl MlpPolicy {
             )));
         }
         Self::new(config, |name| {
-            tensors
-                .get(name)
-                .cloned()
-                .ok_or_else(|| Error::MissingTensor {
+            tensors.get(name).cloned().ok_or_else(|| {
+                qforge_formats::Error::MissingTensor {
                     name: name.to_owned(),
                     file: weights_file.to_owned(),
-                })
+                }
+                .into()
+            })
         })
         .map_err(Malformed::Policy)
     }
@@ -384,10 +384,11 @@ impl MlpPolicy {
         linear: impl Fn(&str, (usize, usize)) -> Result<Linear>,
     ) -> Result<Self> {
         if config.format != "qforge-mlp-policy" || config.version != 1 {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "policy format {:?} version {} (expected qforge-mlp-policy version 1)",
                 config.format, config.version
-            )));
+            ))
+            .into());
         }
         if let Some(d) = &config.observation_divisors
             && (d.len() != config.observation_dim || d.iter().any(|v| !(v.is_finite() && *v > 0.0)))
@@ -443,12 +444,13 @@ impl MlpPolicy {
                 let name = format!("layers.{i}");
                 let layer = linear(&name, (w[1], w[0]))?;
                 if layer.shape() != (w[1], w[0]) {
-                    return Err(Error::Shape(format!(
+                    return Err(qforge_formats::Error::Shape(format!(
                         "{name} is {:?}, expected ({}, {})",
                         layer.shape(),
                         w[1],
                         w[0]
-                    )));
+                    ))
+                    .into());
                 }
                 Ok(layer)
             })
@@ -483,9 +485,10 @@ impl MlpPolicy {
             .keys()
             .find(|n| !self.linears().iter().any(|(name, _, _)| name == *n))
         {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{unknown} is not a layer of this policy"
-            )));
+            ))
+            .into());
         }
         self.with_linears(|name, layer| match replacements.get(name) {
             Some(replacement) => replace(layer, replacement),
@@ -500,19 +503,20 @@ impl MlpPolicy {
     /// 2023). Only [`SMOOTHABLE_POINT`] may have factors.
     pub fn smoothed(&self, factors: &std::collections::BTreeMap<String, Vec<f32>>) -> Result<Self> {
         if let Some(other) = factors.keys().find(|p| *p != SMOOTHABLE_POINT) {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "{other} of a policy cannot be smoothed: only {SMOOTHABLE_POINT}, the observation, can"
-            )));
+            )).into());
         }
         let Some(s) = factors.get(SMOOTHABLE_POINT) else {
             return Ok(self.clone());
         };
         let dim = self.config.observation_dim;
         if s.len() != dim || s.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{SMOOTHABLE_POINT} needs {dim} finite positive smoothing factors, got {}",
                 s.len()
-            )));
+            ))
+            .into());
         }
         let mut config = self.config.clone();
         config.observation_divisors = Some(match &self.config.observation_divisors {
@@ -548,10 +552,11 @@ impl MlpPolicy {
     ) -> Result<Vec<f32>> {
         let dim = self.config.observation_dim;
         if observations.is_empty() || !observations.len().is_multiple_of(dim) {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{} observation values are not whole rows of {dim}",
                 observations.len()
-            )));
+            ))
+            .into());
         }
         let rows = observations.len() / dim;
         let mut x = Tensor::from_slice(observations, (rows, dim), &Device::Cpu)?;
@@ -620,10 +625,10 @@ impl MlpPolicy {
     ) -> Result<AgreementReport> {
         let (ours, theirs) = (self.config(), reference.config());
         if ours.observation_dim != theirs.observation_dim || ours.head != theirs.head {
-            return Err(Error::Request(
+            return Err(qforge_formats::Error::Request(
                 "the policies differ in observation width or head; agreement needs the same interface"
                     .into(),
-            ));
+            ).into());
         }
         let actions = self.act(observations)?;
         Ok(AgreementReport {

@@ -113,9 +113,7 @@ pub fn observation_dim(path: &Path) -> Result<usize> {
     match Format::detect(path)? {
         Format::PolicyDir | Format::Artifact => {
             let config_path = path.join("policy.json");
-            let config: crate::mlp::PolicyConfig =
-                serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-                    .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            let config: crate::mlp::PolicyConfig = qforge_formats::files::read_json(&config_path)?;
             Ok(config.observation_dim)
         }
         Format::Onnx => Ok(crate::onnx::open_policy(path)?.config().observation_dim),
@@ -236,10 +234,11 @@ impl Model {
     pub fn into_language(self, path: &Path) -> Result<LanguageModel> {
         match self {
             Model::Language(lm) => Ok(*lm),
-            Model::Policy(_) => Err(Error::Request(format!(
+            Model::Policy(_) => Err(qforge_formats::Error::Request(format!(
                 "{} is a policy; this needs a language model (GGUF file or Hugging Face directory)",
                 path.display()
-            ))),
+            ))
+            .into()),
         }
     }
 
@@ -247,10 +246,10 @@ impl Model {
     pub fn into_policy(self, path: &Path) -> Result<MlpPolicy> {
         match self {
             Model::Policy(policy) => Ok(*policy),
-            Model::Language(_) => Err(Error::Request(format!(
+            Model::Language(_) => Err(qforge_formats::Error::Request(format!(
                 "{} is a language model; this needs a policy (a policy directory, an ONNX policy or a policy artifact)",
                 path.display()
-            ))),
+            )).into()),
         }
     }
 }

@@ -58,7 +58,7 @@ impl RunPrecision {
         stats: Option<&Path>,
         calibrator: Calibrator,
     ) -> Result<Self> {
-        let refuse = |why: String| Err(Error::Request(why));
+        let refuse = |why: String| Err(qforge_formats::Error::Request(why).into());
         let artifact = crate::artifact::is_artifact(model);
         if artifact && (name != "f32" || stats.is_some()) {
             return refuse(format!(
@@ -152,9 +152,9 @@ fn residual_rotated(
 ) -> Result<Llama> {
     let width = model.config().hidden_size;
     if !Hadamard::supports(width) {
-        return Err(Error::Unsupported(format!(
+        return Err(qforge_formats::Error::Unsupported(format!(
             "int8-dynamic rotates the residual stream first, and there is no Hadamard rotation of its {width} channels (widths m · 2^k, m in {SMALL_ORDERS:?}); int8-dynamic-plain runs without the rotation"
-        )));
+        )).into());
     }
     model.residual_rotated_into(RESIDUAL_SIGNS_SEED, convert)
 }

@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Bytes converted and written at a time: what is spilled is never copied
 /// whole.
@@ -32,7 +32,7 @@ pub(crate) fn spill_in(
     dir: &Path,
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
 ) -> Result<Arc<memmap2::Mmap>> {
-    let failed = |e| Error::Io {
+    let failed = |e| qforge_formats::Error::Io {
         path: dir.to_owned(),
         source: std::io::Error::other(format!(
             "cannot write to a temporary file here ({e}); set TMPDIR to a directory with room \

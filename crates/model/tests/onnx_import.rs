@@ -399,8 +399,8 @@ fn two_layers(act: &str, tail: Vec<NodeProto>, output: &str) -> Vec<u8> {
 
 fn unsupported(bytes: &[u8], head: Head) -> String {
     match import_mlp_bytes(bytes, head, None) {
-        Err(e @ Error::Unsupported(_)) => e.to_string(),
-        other => panic!("expected Error::Unsupported, got {other:?}"),
+        Err(e @ Error::Formats(qforge_formats::Error::Unsupported(_))) => e.to_string(),
+        other => panic!("expected an Unsupported error, got {other:?}"),
     }
 }
 
@@ -490,7 +490,10 @@ fn wrong_weight_shapes_are_refused() {
         "y",
     );
     let err = import_mlp_bytes(&bytes, discrete(2), None).unwrap_err();
-    assert!(matches!(err, Error::Shape(_)), "{err:?}");
+    assert!(
+        matches!(err, Error::Formats(qforge_formats::Error::Shape(_))),
+        "{err:?}"
+    );
     let message = err.to_string();
     assert!(
         message.contains("Gemm node `fc1` takes 5 inputs")
@@ -717,7 +720,10 @@ fn declared_input_shape_is_checked_without_overflow() {
     }
     shape.dim[1].value = Some(dimension::Value::DimValue(1 << 40));
     let err = import_mlp_bytes(&m.encode_to_vec(), discrete(2), None).unwrap_err();
-    assert!(matches!(err, Error::Shape(_)), "{err:?}");
+    assert!(
+        matches!(err, Error::Formats(qforge_formats::Error::Shape(_))),
+        "{err:?}"
+    );
     assert!(
         err.to_string()
             .contains("first layer (Gemm node `fc0`) takes 3"),

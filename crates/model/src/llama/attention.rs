@@ -22,7 +22,7 @@ use candle_core::{Device, Layout, Storage, Tensor};
 use qforge_kernels::attention::{KeyValues, Queries, attend};
 use rayon::prelude::*;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Where one sequence's keys and values lie: the key of kv head `g` at
 /// position `t` starts at `g * head_step + t * stride` in `keys` (and its value
@@ -72,11 +72,11 @@ pub(super) fn causal(
         || lengths.iter().any(|&len| len == 0 || len > seq)
         || kv.iter().zip(lengths).any(|(s, &len)| !fits(s, len))
     {
-        return Err(Error::Shape(format!(
+        return Err(qforge_formats::Error::Shape(format!(
             "attention of queries {:?} over {} sequences of keys ({kv_heads} kv heads, lengths {lengths:?})",
             q.dims(),
             kv.len(),
-        )));
+        )).into());
     }
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -142,12 +142,13 @@ pub(super) fn causal_over_tensors(
 ) -> Result<Tensor> {
     let (b, kv_heads, keys, hd) = k.dims4()?;
     if v.dims4()? != (b, kv_heads, keys, hd) || q.dim(0)? != b || q.dim(3)? != hd {
-        return Err(Error::Shape(format!(
+        return Err(qforge_formats::Error::Shape(format!(
             "attention of queries {:?} over keys {:?} and values {:?}",
             q.dims(),
             k.dims(),
             v.dims()
-        )));
+        ))
+        .into());
     }
     let (k, v) = (k.contiguous()?, v.contiguous()?);
     let (k_storage, k_layout) = k.storage_and_layout();
@@ -172,7 +173,7 @@ pub(super) fn causal_over_tensors(
 /// The `len` f32 values of a contiguous CPU tensor's storage, in place.
 pub(super) fn values<'a>(storage: &'a Storage, layout: &Layout, len: usize) -> Result<&'a [f32]> {
     let Storage::Cpu(cpu) = storage else {
-        return Err(Error::Unsupported("attention off the CPU".into()));
+        return Err(qforge_formats::Error::Unsupported("attention off the CPU".into()).into());
     };
     let start = layout.start_offset();
     Ok(&cpu.as_slice::<f32>()?[start..start + len])

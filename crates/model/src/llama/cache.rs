@@ -6,7 +6,7 @@
 use candle_core::Tensor;
 
 use super::{Llama, attention};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Keys and values of one sequence's positions seen so far, per layer,
 /// head-major (`[kv_heads, capacity, head_dim]`, the layout the INT8
@@ -90,13 +90,14 @@ impl KvCache {
             || v.dims4()? != (b, kv_heads, seq, hd)
             || sequence >= b
         {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "keys {:?} and values {:?} for a cache of {} kv heads of {} values",
                 k.dims(),
                 v.dims(),
                 self.kv_heads,
                 self.head_dim
-            )));
+            ))
+            .into());
         }
         let needed = self.len + seq;
         if needed > self.capacity {
@@ -160,7 +161,7 @@ impl Llama {
         if cache.layers.len() != self.layers.len()
             || (cache.kv_heads, cache.head_dim) != (c.num_kv_heads, c.head_dim)
         {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "a KV cache of {} layers of {} kv heads of {} values for a model of {} layers of {} of {}",
                 cache.layers.len(),
                 cache.kv_heads,
@@ -168,7 +169,7 @@ impl Llama {
                 self.layers.len(),
                 c.num_kv_heads,
                 c.head_dim
-            )));
+            )).into());
         }
         Ok(())
     }

@@ -78,9 +78,9 @@ fn family_from_architecture(name: &str) -> Result<Family> {
         "MistralForCausalLM" | "mistral" => Family::Mistral,
         "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
         other => {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "architecture {other:?}; qforge runs Llama (incl. SmolLM2, Llama 3), Mistral and Qwen2 decoders"
-            )));
+            )).into());
         }
     })
 }
@@ -204,7 +204,10 @@ impl LlamaConfig {
                     }
                     Some("default") | None => RopeScaling::None,
                     Some(other) => {
-                        return Err(Error::Unsupported(format!("rope_scaling type {other:?}")));
+                        return Err(qforge_formats::Error::Unsupported(format!(
+                            "rope_scaling type {other:?}"
+                        ))
+                        .into());
                     }
                 }
             }

@@ -8,7 +8,7 @@ use candle_core::{D, DType, Device, Tensor};
 
 use super::stack::{HiddenState, Span};
 use super::{KvCache, Llama, Logits, MAX_POSITIONS, attention};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::observe::Observer;
 
 impl Llama {
@@ -30,10 +30,11 @@ impl Llama {
         if let Some(kv) = cache.as_ref() {
             self.check_cache(kv)?;
             if batch.len() != 1 {
-                return Err(Error::Shape(format!(
+                return Err(qforge_formats::Error::Shape(format!(
                     "a KV cache holds one sequence: a batch of {} with a cache",
                     batch.len()
-                )));
+                ))
+                .into());
             }
         }
         let Embedded {
@@ -149,13 +150,14 @@ impl Llama {
     /// `embedded` and this model's layers.
     pub(super) fn resumed(&self, embedded: &Tensor, resume: &HiddenState) -> Result<Tensor> {
         if resume.x.dims() != embedded.dims() || resume.layer > self.layers.len() {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "a hidden state {:?} entering layer {} for a batch of {:?} in a model of {} layers",
                 resume.x.dims(),
                 resume.layer,
                 embedded.dims(),
                 self.layers.len()
-            )));
+            ))
+            .into());
         }
         Ok(resume.x.clone())
     }
@@ -166,9 +168,10 @@ impl Llama {
         let lengths: Vec<usize> = batch.iter().map(Vec::len).collect();
         let seq = lengths.iter().copied().max().unwrap_or(0);
         if batch.is_empty() || lengths.contains(&0) {
-            return Err(Error::Shape(
+            return Err(qforge_formats::Error::Shape(
                 "forward needs at least one token per sequence".into(),
-            ));
+            )
+            .into());
         }
         self.check_positions(start + seq)?;
         self.check_vocabulary(batch.iter().flatten())?;
@@ -210,10 +213,11 @@ impl Llama {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 || caches.len() != n {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "a step needs one token per sequence: {n} tokens for {} caches",
                 caches.len()
-            )));
+            ))
+            .into());
         }
         self.check_vocabulary(tokens)?;
         if let Some(longest) = caches.iter().map(|k| k.len + 1).max() {
@@ -275,9 +279,10 @@ impl Llama {
     ) -> Result<()> {
         let vocab = self.config.vocab_size;
         match tokens.into_iter().find(|&&t| t as usize >= vocab) {
-            Some(bad) => Err(Error::Shape(format!(
+            Some(bad) => Err(qforge_formats::Error::Shape(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
-            ))),
+            ))
+            .into()),
             None => Ok(()),
         }
     }
@@ -286,9 +291,9 @@ impl Llama {
     pub(super) fn check_positions(&self, positions: usize) -> Result<()> {
         let context = self.config.max_position_embeddings.min(MAX_POSITIONS);
         if positions > context {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{positions} positions exceed the context of {context} (the model's, capped at {MAX_POSITIONS})"
-            )));
+            )).into());
         }
         Ok(())
     }

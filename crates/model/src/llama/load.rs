@@ -217,9 +217,7 @@ impl Llama {
     /// a sharded `model.safetensors.index.json`.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
-        let json: serde_json::Value =
-            serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-                .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+        let json: serde_json::Value = qforge_formats::files::read_json(&config_path)?;
         let config = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
         let scheme = compressed::Scheme::from_config(&json, &config_path)?;
         let files: Vec<_> = safetensors_files(dir)?
@@ -267,10 +265,11 @@ impl Llama {
         let vector = |name: &str, len: usize| -> Result<Tensor> {
             let t = source.tensor(name)?.to_dtype(DType::F32)?;
             if t.dims() != [len] {
-                return Err(Error::Shape(format!(
+                return Err(qforge_formats::Error::Shape(format!(
                     "{name} is {:?}, expected [{len}]",
                     t.dims()
-                )));
+                ))
+                .into());
             }
             crate::linear::check_finite_tensor(name, &t)?;
             Ok(t)
@@ -286,11 +285,12 @@ impl Llama {
             _ => embed_tokens.to_dtype(DType::F32)?,
         };
         if embed_tokens.dims() != [c.vocab_size, d] {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "model.embed_tokens.weight is {:?}, expected [{}, {d}]",
                 embed_tokens.dims(),
                 c.vocab_size
-            )));
+            ))
+            .into());
         }
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -349,9 +349,7 @@ pub(crate) const SHARD_INDEX: &str = "model.safetensors.index.json";
 /// which the model's hash did not cover.
 pub(crate) fn index_shards(dir: &Path) -> Result<Vec<(String, std::path::PathBuf)>> {
     let index = dir.join(SHARD_INDEX);
-    let json: serde_json::Value =
-        serde_json::from_slice(&qforge_formats::files::read_config(&index)?)
-            .map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+    let json: serde_json::Value = qforge_formats::files::read_json(&index)?;
     let map = json["weight_map"]
         .as_object()
         .ok_or_else(|| Error::Format(format!("{}: no weight_map", index.display())))?;

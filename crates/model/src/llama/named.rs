@@ -71,22 +71,22 @@ impl Llama {
         if tied && let Some(head) = tensors.remove("lm_head.weight") {
             let embedding = tensors.get("model.embed_tokens.weight");
             if !embedding.is_some_and(|e| same_values(e, &head).unwrap_or(false)) {
-                return Err(Error::Shape(
+                return Err(qforge_formats::Error::Shape(
                     "lm_head.weight differs from model.embed_tokens.weight, but this model ties them: give the embedding only (or equal tensors)".into(),
-                ));
+                ).into());
             }
         }
         let expected = Self::tensor_names(&config, tied);
         if let Some(unknown) = tensors.keys().find(|n| !expected.contains(*n)) {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "unknown tensor {unknown}: this model has no such weight (names are the Hugging Face checkpoint's, e.g. model.layers.0.self_attn.q_proj.weight)"
-            )));
+            )).into());
         }
         if let Some(missing) = expected.iter().find(|n| !tensors.contains_key(*n)) {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "missing tensor {missing}: the weights must name every tensor of the model ({} of them)",
                 expected.len()
-            )));
+            )).into());
         }
         for (name, tensor) in &tensors {
             check_finite_tensor(name, tensor)?;

@@ -67,10 +67,11 @@ impl RotatedInput {
             .find(|r| r.name() == name || r.name().rsplit('.').next() == Some(name))
             .ok_or_else(|| {
                 let names: Vec<&str> = Self::ALL.iter().map(|r| r.name()).collect();
-                Error::Unsupported(format!(
+                qforge_formats::Error::Unsupported(format!(
                     "no rotatable input {name:?}: the inputs are {}",
                     names.join(", ")
                 ))
+                .into()
             })
     }
 
@@ -269,13 +270,14 @@ impl Llama {
         convert: impl Fn(&Linear) -> Result<Linear> + Sync,
     ) -> Result<Llama> {
         if let Some(input) = self.rotated_inputs().first() {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "the {} inputs of this model are rotated online already; rotate the residual stream first",
                 input.name()
-            )));
+            )).into());
         }
-        let rotation = Hadamard::new(self.config.hidden_size)
-            .map_err(|e| Error::Unsupported(format!("rotating the residual stream: {e}")))?;
+        let rotation = Hadamard::new(self.config.hidden_size).map_err(|e| {
+            qforge_formats::Error::Unsupported(format!("rotating the residual stream: {e}"))
+        })?;
         let signs = random_signs(rotation.len(), seed);
         let mut model = self.clone();
         let (vocab, hidden) = model.embed_tokens.dims2()?;
@@ -334,13 +336,17 @@ impl Llama {
         let mut model = self.clone();
         for &input in inputs {
             if model.rotations.get(input).is_some() {
-                return Err(Error::Unsupported(format!(
+                return Err(qforge_formats::Error::Unsupported(format!(
                     "the {} inputs of this model are rotated already",
                     input.name()
-                )));
+                ))
+                .into());
             }
             let rotation = Hadamard::new(input.width(&self.config)).map_err(|e| {
-                Error::Unsupported(format!("rotating the {} inputs: {e}", input.name()))
+                qforge_formats::Error::Unsupported(format!(
+                    "rotating the {} inputs: {e}",
+                    input.name()
+                ))
             })?;
             model.rotations.0[input.index()] = Some(Arc::new(rotation));
         }

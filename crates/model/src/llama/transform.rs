@@ -37,9 +37,10 @@ impl Llama {
     ) -> Result<Llama> {
         let names: Vec<String> = self.linears().into_iter().map(|(n, _, _)| n).collect();
         if let Some(unknown) = replacements.keys().find(|n| !names.contains(n)) {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{unknown} is not a linear layer of this model"
-            )));
+            ))
+            .into());
         }
         self.map_linears(|name, _, layer| match replacements.get(name) {
             Some(replacement) => replace(layer, replacement),
@@ -109,19 +110,21 @@ impl Llama {
     pub fn smoothed(&self, factors: &BTreeMap<String, Vec<f32>>) -> Result<Llama> {
         let smoothable = self.smoothable_points();
         if let Some(point) = factors.keys().find(|p| !smoothable.contains(p)) {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "smoothing {point}: its scale does not fold into a preceding norm or layer"
-            )));
+            ))
+            .into());
         }
         let mut model = self.clone();
         let divide = |t: &Tensor, s: &[f32]| -> Result<Tensor> {
             let s = Tensor::from_slice(s, s.len(), &Device::Cpu)?;
             if t.dims() != s.dims() {
-                return Err(Error::Shape(format!(
+                return Err(qforge_formats::Error::Shape(format!(
                     "{} smoothing factors for a norm of {:?}",
                     s.elem_count(),
                     t.dims()
-                )));
+                ))
+                .into());
             }
             Ok(t.div(&s)?)
         };

@@ -42,9 +42,7 @@ impl TextSide {
     pub fn load(path: &Path) -> Result<Self> {
         if path.is_dir() {
             let config_path = path.join("config.json");
-            let json: serde_json::Value =
-                serde_json::from_slice(&qforge_formats::files::read_config(&config_path)?)
-                    .map_err(|e| Error::Format(format!("{}: {e}", config_path.display())))?;
+            let json: serde_json::Value = qforge_formats::files::read_json(&config_path)?;
             let c = LlamaConfig::from_hf(&json).map_err(|e| e.in_file(&config_path))?;
             Self::from_hf_dir(path, &c)
         } else {
@@ -111,9 +109,10 @@ impl TextSide {
     /// that token ([`Self::chat_prompt_ids`] tokenizes it safely).
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
         let Some(template) = &self.chat_template else {
-            return Err(Error::Unsupported(
+            return Err(qforge_formats::Error::Unsupported(
                 "the model has no chat template; send plain text to /v1/completions".into(),
-            ));
+            )
+            .into());
         };
         self.render_chat(template, messages, true)
     }
@@ -132,17 +131,19 @@ impl TextSide {
     pub fn chat_prompt_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
         for message in messages {
             if !CHAT_ROLES.contains(&message.role.as_str()) {
-                return Err(Error::Request(format!(
+                return Err(qforge_formats::Error::Request(format!(
                     "role {:?} is not one of {}",
                     message.role,
                     CHAT_ROLES.join(", ")
-                )));
+                ))
+                .into());
             }
             if message.content.contains([MARK_START, MARK_END]) {
-                return Err(Error::Request(
+                return Err(qforge_formats::Error::Request(
                     "a message holds the noncharacter U+FDD0 or U+FDD1, which chat prompts reserve"
                         .into(),
-                ));
+                )
+                .into());
             }
         }
         let marked: Vec<ChatMessage> = messages
@@ -263,7 +264,7 @@ impl LanguageModel {
     /// an end-of-sequence token.
     pub fn generate(&self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
         if prompt.is_empty() {
-            return Err(Error::Shape("the prompt has no tokens".into()));
+            return Err(qforge_formats::Error::Shape("the prompt has no tokens".into()).into());
         }
         let mut cache = self.model.new_cache();
         cache.reserve(prompt.len() + options.max_tokens);

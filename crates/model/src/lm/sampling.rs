@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
 use rand::{Rng, rngs::StdRng};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::llama::{Llama, Logits};
 
 /// Picks the next token from one position's logits (see
@@ -89,9 +89,10 @@ impl Distribution<'_> {
             None | Some(0.0) => return Ok(argmax(self.logits)),
             Some(t) if t > 0.0 && t.is_finite() => t,
             Some(t) => {
-                return Err(Error::Shape(format!(
+                return Err(qforge_formats::Error::Shape(format!(
                     "temperature must be ≥ 0 and finite, got {t}"
-                )));
+                ))
+                .into());
             }
         };
         let uniform = rng.random::<f64>();
@@ -167,22 +168,13 @@ impl Distribution<'_> {
                 log_prob
             }
         };
-        // The `top` best so far, best first; the vocabulary is read once.
-        let mut best: Vec<usize> = Vec::with_capacity(top + 1);
-        if top > 0 {
-            for (i, &l) in logits.iter().enumerate() {
-                if best.len() == top && l <= logits[best[top - 1]] {
-                    continue;
-                }
-                let at = best.partition_point(|&b| logits[b] >= l);
-                best.insert(at, i);
-                best.truncate(top);
-            }
-        }
         TokenLogProb {
             token,
             log_prob: log_prob(token as usize),
-            top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
+            top: top_tokens(logits, top)
+                .into_iter()
+                .map(|i| (i as u32, log_prob(i)))
+                .collect(),
         }
     }
 
@@ -255,7 +247,7 @@ pub fn continuation_log_probs(
     temperature: Option<f64>,
 ) -> Result<Vec<f64>> {
     if prompt.is_empty() {
-        return Err(Error::Shape("the prompt has no tokens".into()));
+        return Err(qforge_formats::Error::Shape("the prompt has no tokens".into()).into());
     }
     let Some((_, fed)) = continuation.split_last() else {
         return Ok(Vec::new());
@@ -274,6 +266,23 @@ pub fn continuation_log_probs(
         .collect())
 }
 
+/// The indices of the `top` largest logits, best first (the earlier of two
+/// equal ones first); the vocabulary is read once.
+fn top_tokens(logits: &[f32], top: usize) -> Vec<usize> {
+    let mut best: Vec<usize> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() == top && l <= logits[best[top - 1]] {
+                continue;
+            }
+            let at = best.partition_point(|&b| logits[b] >= l);
+            best.insert(at, i);
+            best.truncate(top);
+        }
+    }
+    best
+}
+
 /// Index of the first maximum.
 fn argmax(values: &[f32]) -> u32 {
     values
@@ -289,16 +298,19 @@ mod tests {
     use super::*;
 
     /// The draw and the score as they were before one softmax served both
-    /// (two passes of `exp`, the largest logit found twice), word for word:
-    /// what the users' seeds and the recorded figures were made with.
+    /// (two passes of `exp`, the largest logit found twice), word for word
+    /// but for the choice of the top tokens, which that change left as it
+    /// was and which both call: what the users' seeds and the recorded
+    /// figures were made with.
     mod before {
         use std::cell::RefCell;
 
         use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
         use rand::{Rng, rngs::StdRng};
 
-        use super::super::{TokenLogProb, argmax};
-        use crate::error::{Error, Result};
+        use super::super::{TokenLogProb, argmax, top_tokens};
+
+        use crate::error::Result;
 
         pub(super) fn sample(
             logits: &[f32],
@@ -309,9 +321,10 @@ mod tests {
                 None | Some(0.0) => return Ok(argmax(logits)),
                 Some(t) if t > 0.0 && t.is_finite() => t,
                 Some(t) => {
-                    return Err(Error::Shape(format!(
+                    return Err(qforge_formats::Error::Shape(format!(
                         "temperature must be ≥ 0 and finite, got {t}"
-                    )));
+                    ))
+                    .into());
                 }
             };
             let uniform = rng.random::<f64>();
@@ -386,22 +399,13 @@ mod tests {
                 block_sums.iter().sum::<f64>().ln()
             });
             let log_prob = |i: usize| shifted(logits[i]) - log_total;
-            // The `top` best so far, best first; the vocabulary is read once.
-            let mut best: Vec<usize> = Vec::with_capacity(top + 1);
-            if top > 0 {
-                for (i, &l) in logits.iter().enumerate() {
-                    if best.len() == top && l <= logits[best[top - 1]] {
-                        continue;
-                    }
-                    let at = best.partition_point(|&b| logits[b] >= l);
-                    best.insert(at, i);
-                    best.truncate(top);
-                }
-            }
             TokenLogProb {
                 token,
                 log_prob: log_prob(token as usize),
-                top: best.into_iter().map(|i| (i as u32, log_prob(i))).collect(),
+                top: top_tokens(logits, top)
+                    .into_iter()
+                    .map(|i| (i as u32, log_prob(i)))
+                    .collect(),
             }
         }
     }

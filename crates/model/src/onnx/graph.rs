@@ -56,12 +56,13 @@ fn default_domain_graph(model: &ModelProto) -> Result<&GraphProto> {
 fn single_output_value(graph: &GraphProto) -> Result<&ValueInfoProto> {
     match graph.output.as_slice() {
         [one] => Ok(one),
-        many => Err(Error::Unsupported(format!(
+        many => Err(qforge_formats::Error::Unsupported(format!(
             "the graph has {} outputs ({}); export only the actor network (one output: \
              logits, action mean or value). {SUPPORTED}",
             many.len(),
             quoted_names(many.iter().map(|v| v.name.as_str()))
-        ))),
+        ))
+        .into()),
     }
 }
 
@@ -76,13 +77,14 @@ fn input_features(
     match input_dims {
         Some(dims) if dims.len() == 2 => Ok(Some(dims[1..].to_vec())),
         Some(dims) if dims.len() > 2 && flattened_first => Ok(Some(dims[1..].to_vec())),
-        Some(dims) => Err(Error::Unsupported(format!(
+        Some(dims) => Err(qforge_formats::Error::Unsupported(format!(
             "input `{}` has rank {}; qforge policies take observations of shape \
              [batch, observation_dim] (a higher rank needs a Flatten(axis=1) before the \
              first layer)",
             shown(&input.name),
             dims.len()
-        ))),
+        ))
+        .into()),
         None => Ok(None),
     }
 }
@@ -152,9 +154,10 @@ impl<'a> Walk<'a> {
             self.visited[k] = true;
             let out = single_output(node, &what)?;
             if let Some(sm) = &self.softmax {
-                return Err(Error::Unsupported(format!(
+                return Err(qforge_formats::Error::Unsupported(format!(
                     "{what} follows {sm}; Softmax must be the last node. {SUPPORTED}"
-                )));
+                ))
+                .into());
             }
             self.current = self.step(node, what, out)?;
         }
@@ -172,7 +175,7 @@ impl<'a> Walk<'a> {
         {
             [] => Ok(None),
             [k] => Ok(Some(*k)),
-            many => Err(Error::Unsupported(format!(
+            many => Err(qforge_formats::Error::Unsupported(format!(
                 "value `{}` feeds {} nodes ({}); the graph branches. {SUPPORTED}",
                 shown(self.current),
                 many.len(),
@@ -181,7 +184,8 @@ impl<'a> Walk<'a> {
                     .map(|&k| describe(self.ops[k].1, self.ops[k].0))
                     .collect::<Vec<_>>()
                     .join(", ")
-            ))),
+            ))
+            .into()),
         }
     }
 
@@ -198,16 +202,18 @@ impl<'a> Walk<'a> {
             "Flatten" => self.flatten(node, &what)?,
             "Softmax" => self.softmax(node, what)?,
             "Add" => {
-                return Err(Error::Unsupported(format!(
+                return Err(qforge_formats::Error::Unsupported(format!(
                     "{what} does not directly follow a MatMul; qforge reads Add only as the \
                      bias of a MatMul layer. {SUPPORTED}"
-                )));
+                ))
+                .into());
             }
             _ => {
-                return Err(Error::Unsupported(format!(
+                return Err(qforge_formats::Error::Unsupported(format!(
                     "{what} (op {}) is not an MLP op. {SUPPORTED}",
                     shown(&node.op_type)
-                )));
+                ))
+                .into());
             }
         }
         Ok(out)
@@ -242,15 +248,17 @@ impl<'a> Walk<'a> {
             Activation::Tanh
         };
         let Some(last) = self.layers.last_mut() else {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "{what} comes before the first linear layer. {SUPPORTED}"
-            )));
+            ))
+            .into());
         };
         if let Some((_, previous)) = &last.activation {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "{what} directly follows the activation {previous}; exactly one \
                  activation may follow a layer. {SUPPORTED}"
-            )));
+            ))
+            .into());
         }
         last.activation = Some((activation, what));
         Ok(())
@@ -261,10 +269,11 @@ impl<'a> Walk<'a> {
     fn flatten(&mut self, node: &NodeProto, what: &str) -> Result<()> {
         let axis = int_attributes(node, what, &[("axis", 1)])?[0];
         if axis != 1 {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "{what} has axis={axis}; only Flatten(axis=1), which keeps the batch \
                  dimension, is supported"
-            )));
+            ))
+            .into());
         }
         if self.layers.is_empty() {
             self.flattened_first = true;
@@ -278,19 +287,21 @@ impl<'a> Walk<'a> {
     fn softmax(&mut self, node: &NodeProto, what: String) -> Result<()> {
         let axis = int_attributes(node, &what, &[("axis", -1)])?[0];
         if axis != -1 && axis != 1 {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "{what} has axis={axis}; only a Softmax over the action logits \
                  (axis -1 or 1) is supported"
-            )));
+            ))
+            .into());
         }
         match self.layers.last() {
             Some(last) if last.activation.is_none() => {
                 self.softmax = Some(what);
                 Ok(())
             }
-            _ => Err(Error::Unsupported(format!(
+            _ => Err(qforge_formats::Error::Unsupported(format!(
                 "{what} does not directly follow the last linear layer. {SUPPORTED}"
-            ))),
+            ))
+            .into()),
         }
     }
 
@@ -307,18 +318,20 @@ impl<'a> Walk<'a> {
         }
         if let Some(k) = self.visited.iter().position(|v| !v) {
             let (index, node) = self.ops[k];
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "{} is not on the path from input `{}` to output `{}`; the graph is not a single \
                  chain. {SUPPORTED}",
                 describe(node, index),
                 shown(&input.name),
                 shown(&output.name)
-            )));
+            ))
+            .into());
         }
         if self.layers.is_empty() {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "the graph has no Gemm or MatMul layer. {SUPPORTED}"
-            )));
+            ))
+            .into());
         }
         Ok(())
     }
@@ -340,11 +353,12 @@ fn constants_and_ops(graph: &GraphProto) -> Result<(Constants<'_>, Vec<(usize, &
     for (index, node) in graph.node.iter().enumerate() {
         let what = describe(node, index);
         if !(node.domain.is_empty() || node.domain == "ai.onnx") {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "{what} is from operator domain `{}`; only the default ONNX domain is \
                  supported. {SUPPORTED}",
                 shown(&node.domain)
-            )));
+            ))
+            .into());
         }
         if node.op_type != "Constant" {
             ops.push((index, node));
@@ -358,9 +372,10 @@ fn constants_and_ops(graph: &GraphProto) -> Result<(Constants<'_>, Vec<(usize, &
                 },
             ] if name == "value" => t,
             _ => {
-                return Err(Error::Unsupported(format!(
+                return Err(qforge_formats::Error::Unsupported(format!(
                     "{what}: only Constant nodes with a `value` tensor attribute are supported"
-                )));
+                ))
+                .into());
             }
         };
         if constants.insert(out, value).is_some() {
@@ -386,12 +401,13 @@ fn single_input<'a>(
         .collect();
     match inputs.as_slice() {
         [one] => Ok(one),
-        many => Err(Error::Unsupported(format!(
+        many => Err(qforge_formats::Error::Unsupported(format!(
             "the graph has {} non-constant inputs ({}); qforge policies take one observation \
              input and constant weights. {SUPPORTED}",
             many.len(),
             quoted_names(many.iter().map(|v| v.name.as_str()))
-        ))),
+        ))
+        .into()),
     }
 }
 
@@ -405,19 +421,21 @@ fn check_float_type(value: &ValueInfoProto, role: &str) -> Result<Option<Vec<Opt
         return Ok(None);
     };
     let Some(Value::TensorType(tensor)) = &ty.value else {
-        return Err(Error::Unsupported(format!(
+        return Err(qforge_formats::Error::Unsupported(format!(
             "{role} `{}` is not a tensor; qforge policies map a float32 tensor to a float32 \
              tensor",
             shown(&value.name)
-        )));
+        ))
+        .into());
     };
     if tensor.elem_type != DataType::Undefined as i32 && tensor.elem_type != DataType::Float as i32
     {
-        return Err(Error::Unsupported(format!(
+        return Err(qforge_formats::Error::Unsupported(format!(
             "{role} `{}` has element type {}; qforge imports float32 policies only",
             shown(&value.name),
             data_type_name(tensor.elem_type)
-        )));
+        ))
+        .into());
     }
     Ok(tensor.shape.as_ref().map(|shape| {
         shape

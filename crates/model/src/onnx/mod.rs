@@ -81,11 +81,12 @@ const MAX_SHOWN: usize = 80;
 /// the probabilities the ONNX graph outputs. Any other head ending in
 /// `Softmax` is refused, since its outputs would change.
 ///
-/// Errors: [`Error::Formats`] (its `Io`) if the file cannot be read; otherwise (wrapped in
-/// [`Error::InFile`]) [`Error::Format`] for bytes that are not a complete,
-/// consistent ONNX model, [`Error::Unsupported`] for a valid model that is not
-/// such a chain (naming the node and op), and [`Error::Shape`] for weights
-/// whose shapes do not chain.
+/// Errors, each naming the file: [`Error::Formats`] (its `Io`) if the file
+/// cannot be read; [`Error::Format`] for bytes that are not a complete,
+/// consistent ONNX model; [`Error::Formats`] with
+/// [`qforge_formats::Error::Unsupported`] for a valid model that is not such
+/// a chain (naming the node and op), and with [`qforge_formats::Error::Shape`]
+/// for weights whose shapes do not chain.
 pub fn import_mlp(path: &Path, head: Head, env: Option<String>) -> Result<MlpPolicy> {
     let bytes = qforge_formats::files::read_regular(path)?;
     import_mlp_bytes(&bytes, head, env).map_err(|e| e.in_file(path))
@@ -123,9 +124,7 @@ pub fn open_policy(path: &Path) -> Result<MlpPolicy> {
     let bytes = qforge_formats::files::read_regular(path)?;
     let head_path = head_file(path);
     let given = if head_path.exists() {
-        let file: HeadFile =
-            serde_json::from_slice(&qforge_formats::files::read_config(&head_path)?)
-                .map_err(|e| Error::Format(format!("{}: {e}", head_path.display())))?;
+        let file: HeadFile = qforge_formats::files::read_json(&head_path)?;
         Some(file)
     } else {
         None
@@ -137,7 +136,7 @@ pub fn open_policy(path: &Path) -> Result<MlpPolicy> {
             (Some(_), Some(last)) => (Head::Discrete { actions: last.out }, None),
             (_, last) => {
                 let n = last.map_or(1, |l| l.out);
-                return Err(Error::Unsupported(format!(
+                return Err(qforge_formats::Error::Unsupported(format!(
                     "{}: the graph's {n} outputs could be discrete logits, a Gaussian mean or a \
                      value, and it does not say which; write {} beside it, e.g. \
                      {{\"head\": {{\"kind\": \"discrete\", \"actions\": {n}}}}}, \
@@ -146,7 +145,8 @@ pub fn open_policy(path: &Path) -> Result<MlpPolicy> {
                      {{\"head\": {{\"kind\": \"value\"}}}}, optionally with \"env\"",
                     path.display(),
                     head_path.display()
-                )));
+                ))
+                .into());
             }
         },
     };

@@ -45,10 +45,11 @@ pub(super) fn build_policy(chain: Chain, head: Head, env: Option<String>) -> Res
 fn check_widths(layers: &[Layer]) -> Result<()> {
     for pair in layers.windows(2) {
         if pair[1].inp != pair[0].out {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "{} takes {} inputs but the previous layer ({}) produces {}",
                 pair[1].node, pair[1].inp, pair[0].node, pair[0].out
-            )));
+            ))
+            .into());
         }
     }
     Ok(())
@@ -66,14 +67,15 @@ fn check_input_features(features: &[Option<i64>], input_name: &str, first: &Laye
         .flatten()
         .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
     if declared != Some(first.inp) {
-        return Err(Error::Shape(format!(
+        return Err(qforge_formats::Error::Shape(format!(
             "input `{}` declares {:?} features per observation but the first layer ({}) \
              takes {}",
             shown(input_name),
             features.iter().flatten().collect::<Vec<_>>(),
             first.node,
             first.inp
-        )));
+        ))
+        .into());
     }
     Ok(())
 }
@@ -83,28 +85,31 @@ fn check_input_features(features: &[Option<i64>], input_name: &str, first: &Laye
 /// head, whose argmax it leaves unchanged.
 fn check_last_layer(last: &Layer, softmax: Option<&str>, head: &Head) -> Result<()> {
     if last.out != head.outputs() {
-        return Err(Error::Shape(format!(
+        return Err(qforge_formats::Error::Shape(format!(
             "the last layer ({}) has {} outputs but the {} head needs {}",
             last.node,
             last.out,
             head_kind(head),
             head.outputs()
-        )));
+        ))
+        .into());
     }
     if let Some((_, act)) = &last.activation {
-        return Err(Error::Unsupported(format!(
+        return Err(qforge_formats::Error::Unsupported(format!(
             "{act} follows the last layer ({}); qforge MLP heads are linear. {SUPPORTED}",
             last.node
-        )));
+        ))
+        .into());
     }
     if let Some(sm) = softmax
         && !matches!(head, Head::Discrete { .. })
     {
-        return Err(Error::Unsupported(format!(
+        return Err(qforge_formats::Error::Unsupported(format!(
             "{sm} ends the graph, but a {} head uses the raw outputs; only a discrete head's \
              argmax is unchanged by Softmax",
             head_kind(head)
-        )));
+        ))
+        .into());
     }
     Ok(())
 }
@@ -115,18 +120,20 @@ fn hidden_activation(hidden: &[Layer]) -> Result<Option<Activation>> {
     let mut activation: Option<(Activation, &str)> = None;
     for (i, layer) in hidden.iter().enumerate() {
         let Some((act, node)) = &layer.activation else {
-            return Err(Error::Unsupported(format!(
+            return Err(qforge_formats::Error::Unsupported(format!(
                 "hidden layer {i} ({}) has no Relu or Tanh before the next layer. {SUPPORTED}",
                 layer.node
-            )));
+            ))
+            .into());
         };
         match activation {
             None => activation = Some((*act, node)),
             Some((first, first_node)) if first != *act => {
-                return Err(Error::Unsupported(format!(
+                return Err(qforge_formats::Error::Unsupported(format!(
                     "mixed activations: {first_node} applies {first:?} but {node} applies \
                      {act:?}; qforge MLPs use one activation after every hidden layer"
-                )));
+                ))
+                .into());
             }
             Some(_) => {}
         }

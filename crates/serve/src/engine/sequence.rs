@@ -72,7 +72,9 @@ impl Sequence {
                 let token = match &request.forced {
                     // `accept` ends the sequence at the last forced token.
                     Some(forced) => *forced.get(position).ok_or_else(|| {
-                        qforge_model::Error::Shape("no forced token is left to take".into())
+                        qforge_model::Error::from(qforge_formats::Error::Shape(
+                            "no forced token is left to take".into(),
+                        ))
                     })?,
                     None => drawn,
                 };

@@ -45,8 +45,9 @@ pub fn input_transform_key(module: &str, scheme: &str) -> String {
 /// `input` rotated by qforge in a model of config `config` (applied as
 /// `x H / √n`): qforge's Hadamard construction of the input's width.
 pub fn input_transform_matrix(input: RotatedInput, config: &LlamaConfig) -> Result<Vec<f32>> {
-    let rotation = Hadamard::new(input.width(config))
-        .map_err(|e| Error::Unsupported(format!("rotating the {} inputs: {e}", input.name())))?;
+    let rotation = Hadamard::new(input.width(config)).map_err(|e| {
+        qforge_formats::Error::Unsupported(format!("rotating the {} inputs: {e}", input.name()))
+    })?;
     Ok(rotation.signs())
 }
 

@@ -31,7 +31,7 @@ use self::passes::{
 };
 use self::projector::Projector;
 use super::{KvCache, Layer, Llama, RotatedInput, Rotations};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::linear::Linear;
 use crate::observe::Observer;
 
@@ -80,7 +80,9 @@ impl F32View<()> {
         let range = layout
             .contiguous_offsets()
             .map(|(start, end)| start..end)
-            .ok_or_else(|| Error::Unsupported("a strided tensor in the decode step".into()))?;
+            .ok_or_else(|| {
+                qforge_formats::Error::Unsupported("a strided tensor in the decode step".into())
+            })?;
         Ok(F32View { storage, range })
     }
 }
@@ -88,7 +90,7 @@ impl F32View<()> {
 impl<Guard: std::ops::Deref<Target = Storage>> F32View<Guard> {
     fn values(&self) -> Result<&[f32]> {
         let Storage::Cpu(cpu) = &*self.storage else {
-            return Err(Error::Unsupported("a tensor off the CPU".into()));
+            return Err(qforge_formats::Error::Unsupported("a tensor off the CPU".into()).into());
         };
         Ok(&cpu.as_slice::<f32>()?[self.range.clone()])
     }
@@ -177,11 +179,12 @@ impl Decoder {
         observer: Option<&mut dyn Observer>,
     ) -> Result<&[f32]> {
         if tokens.len() != caches.len() {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "a step needs one token per sequence: {} tokens for {} caches",
                 tokens.len(),
                 caches.len()
-            )));
+            ))
+            .into());
         }
         self.advance(model, caches, tokens, Chunks::One, observer)
     }
@@ -204,11 +207,12 @@ impl Decoder {
             || lengths.contains(&0)
             || lengths.iter().sum::<usize>() != tokens.len()
         {
-            return Err(Error::Shape(format!(
+            return Err(qforge_formats::Error::Shape(format!(
                 "chunks of {lengths:?} tokens (at least one each) for {} caches and {} tokens",
                 caches.len(),
                 tokens.len()
-            )));
+            ))
+            .into());
         }
         self.advance(model, caches, tokens, Chunks::Given(lengths), observer)
     }
@@ -300,12 +304,15 @@ fn prepare(
     chunks: Chunks<'_>,
 ) -> Result<()> {
     if caches.is_empty() {
-        return Err(Error::Shape("a step needs at least one sequence".into()));
+        return Err(
+            qforge_formats::Error::Shape("a step needs at least one sequence".into()).into(),
+        );
     }
     if !Decoder::supports(model) {
-        return Err(Error::Unsupported(
+        return Err(qforge_formats::Error::Unsupported(
             "the INT8 decode step needs every linear layer on the INT8 engine and f32 norms".into(),
-        ));
+        )
+        .into());
     }
     model.check_vocabulary(tokens)?;
     if let Some(longest) = caches

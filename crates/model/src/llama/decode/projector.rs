@@ -8,7 +8,7 @@ use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD};
 use qforge_kernels::{Int8Linear, Team};
 
 use super::passes::FirstFailure;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Up to this many rows a layer with few panels is split by inputs (every
 /// thread sums an equal share of every panel's inputs for all rows, the
@@ -50,8 +50,9 @@ fn slot(layers: &[&Int8Linear], j: usize) -> usize {
 
 impl Projector {
     pub(super) fn new(threads: usize) -> Result<Self> {
-        let team = Team::new(threads)
-            .map_err(|e| Error::Unsupported(format!("starting the decode threads: {e}")))?;
+        let team = Team::new(threads).map_err(|e| {
+            qforge_formats::Error::Unsupported(format!("starting the decode threads: {e}"))
+        })?;
         Ok(Self {
             team,
             inputs: Default::default(),

@@ -120,12 +120,7 @@ impl Scheduler<'_> {
         take: usize,
     ) -> std::result::Result<Option<Vec<f32>>, String> {
         #[cfg(test)]
-        if sequence
-            .request
-            .stop
-            .iter()
-            .any(|s| s == crate::engine::FAULT_EXIT)
-        {
+        if asks_for(sequence, crate::engine::FAULT_EXIT) {
             panic!("injected fault outside the model");
         }
         let lm = &self.lm;
@@ -136,12 +131,7 @@ impl Scheduler<'_> {
         let tokens = sequence.request.prompt[chunk.clone()].to_vec();
         let first = caught(metrics, "this prompt", || {
             #[cfg(test)]
-            if sequence
-                .request
-                .stop
-                .iter()
-                .any(|s| s == crate::engine::FAULT_PANIC)
-            {
+            if asks_for(sequence, crate::engine::FAULT_PANIC) {
                 panic!("injected fault");
             }
             let cache = &mut sequence.cache;
@@ -168,4 +158,11 @@ impl Scheduler<'_> {
         metrics.prompt_tokens.inc_by(take as u64);
         Ok(first)
     }
+}
+
+/// Whether the test build's request `sequence` asks for `fault` (one of the
+/// stop strings that make the engine panic).
+#[cfg(test)]
+fn asks_for(sequence: &Sequence, fault: &str) -> bool {
+    sequence.request.stop.iter().any(|s| s == fault)
 }
