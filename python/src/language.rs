@@ -12,7 +12,7 @@ use qforge_eval::perplexity;
 use qforge_model::GenerateOptions;
 use qforge_model::llama::MAX_POSITIONS;
 use qforge_model::lm::{GenerationReport, continuation_log_probs};
-use qforge_model::precision::RunPrecision;
+use qforge_quant::precision::RunPrecision;
 use qforge_quant::sync::WeightSync;
 use qforge_serve::EngineLimits;
 use qforge_serve::engine::Engine;

@@ -8,8 +8,8 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMet
 use pyo3::prelude::*;
 use qforge_core::Calibrator;
 use qforge_model::mlp::Action;
-use qforge_model::precision::RunPrecision;
 use qforge_model::{MlpPolicy, Model};
+use qforge_quant::precision::RunPrecision;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 

@@ -8,8 +8,8 @@ use qforge_core::Calibrator;
 use qforge_eval::sensitivity::{LayerReport, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_eval::{compare, perplexity};
 use qforge_model::lm::GenerationReport;
-use qforge_model::precision::RunPrecision;
 use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy, Model};
+use qforge_quant::precision::RunPrecision;
 use serde_json::json;
 
 use crate::output::{print_json, print_report};

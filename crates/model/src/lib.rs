@@ -24,7 +24,6 @@ pub mod mlp;
 pub mod observe;
 pub mod onnx;
 pub mod open;
-pub mod precision;
 pub mod spill;
 
 pub use error::{Error, Result};

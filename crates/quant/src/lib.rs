@@ -32,6 +32,7 @@ pub mod guard;
 pub mod held_out;
 mod ladder;
 pub mod pipeline;
+pub mod precision;
 pub mod recipe;
 pub mod report;
 pub mod requantize;

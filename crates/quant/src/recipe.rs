@@ -650,8 +650,8 @@ pub struct Overrides {
     /// --hadamard or --gptq name a method) instead of trying plain,
     /// SmoothQuant, the residual rotation, QuaRot, QuaRot + GPTQ and every
     /// decoder input rotated online, in order of cost, until one meets the
-    /// guard before any fallback (static activations: or with a tenth of
-    /// the layers moved to dynamic; policies: plain and SmoothQuant).
+    /// guard before any fallback (static activations: or at the end of its
+    /// ladder bounded to keep 90 % static; policies: plain and SmoothQuant).
     #[cfg_attr(feature = "clap", arg(long))]
     pub no_method_search: bool,
     /// [calibration] samples to draw.

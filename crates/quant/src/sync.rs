@@ -15,11 +15,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
+use crate::precision::RunPrecision;
 use candle_core::Tensor;
 use qforge_calib::{Transform, apply_all};
 use qforge_formats::manifest::read_manifest;
 use qforge_model::artifact::{LayerPrecision, in_precision, is_artifact, read_config};
-use qforge_model::precision::RunPrecision;
 use qforge_model::{LanguageModel, Linear, Llama, Model};
 use serde::Serialize;
 

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use qforge_core::Calibrator;
-use qforge_model::precision::RunPrecision;
+use qforge_quant::precision::RunPrecision;
 use qforge_quant::sync::WeightSync;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

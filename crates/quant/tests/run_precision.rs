@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use qforge_core::Calibrator;
 use qforge_eval::{Comparison, ReferenceLogProbs, compare_to};
 use qforge_model::LanguageModel;
-use qforge_model::precision::RunPrecision;
+use qforge_quant::precision::RunPrecision;
 
 fn fixture(relative: &str) -> PathBuf {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -11,7 +11,7 @@ use qforge_core::{Calibrator, Stats};
 use qforge_kernels::Hadamard;
 use qforge_kernels::hadamard::SMALL_ORDERS;
 
-use crate::{Activations, Error, LanguageModel, Linear, Llama, MlpPolicy, Result};
+use qforge_model::{Activations, Error, LanguageModel, Linear, Llama, MlpPolicy, Result};
 
 /// The precision a model runs in outside the quantization pipeline
 /// (`qforge generate/eval/act --precision`).
@@ -59,7 +59,7 @@ impl RunPrecision {
         calibrator: Calibrator,
     ) -> Result<Self> {
         let refuse = |why: String| Err(qforge_formats::Error::Request(why).into());
-        let artifact = crate::artifact::is_artifact(model);
+        let artifact = qforge_model::artifact::is_artifact(model);
         if artifact && (name != "f32" || stats.is_some()) {
             return refuse(format!(
                 "{} is a quantized artifact and runs in the precisions stored in it; drop --precision/--stats (or point --model at its full-precision source)",
@@ -186,7 +186,7 @@ impl StaticScales {
     pub fn read(stats_path: &Path, model: &Path, calibrator: Calibrator) -> Result<Self> {
         let bytes = std::fs::read(stats_path).map_err(|e| Error::io(stats_path, e))?;
         let stats = decode(&bytes).map_err(|e| Error::from(e).in_file(stats_path))?;
-        let digest = crate::open::digest(model)?;
+        let digest = qforge_model::open::digest(model)?;
         if !stats.provenance.models.contains(&digest) {
             return Err(Error::Format(format!(
                 "{} was calibrated on another model than {}; run `qforge calibrate --model {}` first",
