@@ -8,7 +8,7 @@ use qforge_model::Model;
 
 use super::noise::{KlRanker, Noise};
 use super::{
-    Guard, GuardMetrics, HeldOut, Reference, describe, initial_plan, layers_by_point, max_fp_layers,
+    Guard, GuardMetrics, HeldOut, Reference, initial_plan, layers_by_point, max_fp_layers,
 };
 use crate::error::Result;
 use crate::ladder::{Caps, Ladder, Rung};
@@ -135,13 +135,6 @@ pub fn probe(
         });
     }
     let metrics = guard.measure(&ladder.precisions_at(ladder.len()))?;
-    progress(&format!(
-        "bounded ladder: {} steps, {} layers off their static scales, {} FP layers: {}",
-        ladder.len(),
-        ladder.moved_off_static_at(ladder.len()) + off_static_in_plan,
-        ladder.fp_layers_at(ladder.len()),
-        describe(&metrics)
-    ));
     Ok(Probed {
         before,
         bounded: Some(BoundedLadder {
