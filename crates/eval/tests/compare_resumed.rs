@@ -6,8 +6,8 @@
 mod tiny_llama;
 
 use qforge_eval::{ReferenceLogProbs, compare_from, compare_to, perplexity};
-use qforge_model::{Activations, Llama};
-use tiny_llama::tiny_model;
+use qforge_model::Llama;
+use tiny_llama::{one_input_int8, tiny_model};
 
 #[test]
 fn a_comparison_resumed_at_a_layer_is_the_whole_comparison() {
@@ -20,15 +20,7 @@ fn a_comparison_resumed_at_a_layer_is_the_whole_comparison() {
     let forward = perplexity(&model, &tokens, tokens.len()).unwrap();
     assert_eq!(reference.perplexity(), forward.perplexity);
     for point in ["model.layers.1.mlp.down_proj", "lm_head"] {
-        let changed = model
-            .with_linears(|p, layer| {
-                if p == point {
-                    layer.to_int8(Activations::Dynamic)
-                } else {
-                    Ok(layer.clone())
-                }
-            })
-            .unwrap();
+        let changed = one_input_int8(&model, point);
         let layer = Llama::layer_of(point).unwrap_or(model.config().num_layers);
         let whole = compare_to(&changed, &reference, &tokens).unwrap();
         assert!(whole.kl_divergence > 0.0, "{point} changed nothing");

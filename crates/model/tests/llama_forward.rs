@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 
 use candle_core::{Device, Tensor};
 use qforge_model::{Llama, Logits, Observer, Statistics, StatsObserver};
-use tiny_llama::{FFN, HIDDEN, LAYERS, VOCAB, last_logits, max_diff, tiny_family, tiny_model};
+use tiny_llama::{
+    FFN, HIDDEN, LAYERS, VOCAB, last_logits, max_diff, one_input_int8, tiny_family, tiny_model,
+};
 
 #[test]
 fn padding_kv_cache_and_observation_keep_their_contracts() {
@@ -365,8 +367,6 @@ fn histograms_and_grams_in_one_forward_equal_each_recorded_alone() {
 /// `qforge-eval`'s tests check the comparisons built on it).
 #[test]
 fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() {
-    use qforge_model::Activations;
-
     let dir = tiny_model("forward-resume");
     let model = Llama::from_hf_dir(&dir).unwrap();
     let tokens: Vec<u32> = (0..19).map(|i| (i * 5 % 96) as u32).collect();
@@ -386,15 +386,7 @@ fn a_forward_resumed_from_a_kept_hidden_state_gives_the_whole_forwards_logits() 
         assert_eq!(bits(&resumed), bits(&last), "from layer {}", state.layer);
     }
     for point in ["model.layers.1.mlp.down_proj", "lm_head"] {
-        let changed = model
-            .with_linears(|p, layer| {
-                if p == point {
-                    layer.to_int8(Activations::Dynamic)
-                } else {
-                    Ok(layer.clone())
-                }
-            })
-            .unwrap();
+        let changed = one_input_int8(&model, point);
         let layer = Llama::layer_of(point).unwrap_or(layers);
         let own = changed.forward(&batch, None, None, Logits::All).unwrap();
         let resumed = changed

@@ -184,3 +184,17 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// `model` with only the layers fed by `point` on the INT8 engine (dynamic
+/// activations).
+pub fn one_input_int8(model: &Llama, point: &str) -> Llama {
+    model
+        .with_linears(|p, layer| {
+            if p == point {
+                layer.to_int8(qforge_model::Activations::Dynamic)
+            } else {
+                Ok(layer.clone())
+            }
+        })
+        .unwrap()
+}
