@@ -4,9 +4,10 @@
 //! `crates/model/tests/fuzz_corpus_replay.rs` can include it.
 
 use qforge_formats::gguf::GgufHeader;
+use qforge_formats::llama_config::LlamaConfig;
+use qforge_formats::policy::Head;
 use qforge_formats::tokenizer::TextTokenizer;
-use qforge_model::mlp::Head;
-use qforge_model::{LlamaConfig, MlpPolicy};
+use qforge_model::MlpPolicy;
 
 /// The widest layer [`run_policy`] runs a forward pass through.
 ///

@@ -7,7 +7,7 @@ use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use qforge_core::Calibrator;
-use qforge_model::mlp::Action;
+use qforge_formats::policy::Action;
 use qforge_model::{MlpPolicy, Model};
 use qforge_quant::precision::RunPrecision;
 use rand::SeedableRng;

@@ -83,7 +83,7 @@ impl SpilledLogProbs {
         let before = nll.sum;
         let values = nll.add(log_probs, targets)?;
         let values =
-            qforge_model::spill::spill(|out| qforge_model::spill::write_f32(&values, out))?;
+            qforge_formats::spill::spill(|out| qforge_formats::spill::write_f32(&values, out))?;
         Ok(Self {
             values,
             shape,
@@ -93,7 +93,7 @@ impl SpilledLogProbs {
 
     /// The log-probabilities, as they were.
     fn read(&self) -> Result<Tensor> {
-        let values = qforge_model::spill::read_f32(&self.values);
+        let values = qforge_formats::spill::read_f32(&self.values);
         Ok(Tensor::from_vec(
             values,
             self.shape,

@@ -43,9 +43,10 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use qforge_formats::llama_config::LlamaConfig;
 use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, read_config};
 use qforge_model::llama::compressed::{input_transform_key, input_transform_matrix};
-use qforge_model::{Llama, LlamaConfig, RotatedInput};
+use qforge_model::{Llama, RotatedInput};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};
 

@@ -22,7 +22,7 @@ pub use error::{Error, Result};
 pub use onnx_qdq::{OnnxExport, export_onnx};
 use qforge_formats::manifest::{Manifest, hash_file, verify, write_manifest};
 use qforge_formats::output::write_dir_atomic;
-use qforge_model::PolicyConfig;
+use qforge_formats::policy::PolicyConfig;
 use qforge_model::artifact::{LayerPrecision, ModelKind, WEIGHTS_FILE, check_numbers, read_config};
 use qforge_model::open::recorded_source;
 use serde::Serialize;

@@ -14,14 +14,14 @@ use std::path::Path;
 use prost::Message;
 use std::collections::BTreeMap;
 
-use qforge_model::PolicyConfig;
-use qforge_model::artifact::LayerPrecision;
-use qforge_model::mlp::Activation;
-use qforge_model::onnx::proto::{
+use qforge_formats::onnx::proto::{
     AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
     TensorShapeProto, TypeProto, ValueInfoProto, attribute_proto, tensor_proto, tensor_shape_proto,
     type_proto,
 };
+use qforge_formats::policy::Activation;
+use qforge_formats::policy::PolicyConfig;
+use qforge_model::artifact::LayerPrecision;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 

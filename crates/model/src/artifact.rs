@@ -43,10 +43,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::linear::{Linear, check_finite};
-use crate::llama::{Llama, LlamaConfig, RotatedInput, WeightSource};
+use crate::llama::{Llama, RotatedInput, WeightSource};
 use crate::lm::{LanguageModel, TextSide};
-use crate::mlp::{MlpPolicy, PolicyConfig};
+use crate::mlp::MlpPolicy;
+use qforge_formats::llama_config::LlamaConfig;
 use qforge_formats::manifest::MANIFEST_FILE;
+use qforge_formats::policy::PolicyConfig;
 
 mod numbers;
 pub use numbers::check_numbers;
@@ -254,7 +256,7 @@ fn stored_dtype(held: DType) -> Dtype {
 /// tensor whose values are all bf16), a chunk at a time: a tensor's bytes
 /// are never all in memory at once.
 fn write_floats(tensor: &Tensor, dtype: Dtype, out: &mut dyn Write) -> std::io::Result<()> {
-    let chunk = crate::spill::CHUNK / 4;
+    let chunk = qforge_formats::spill::CHUNK / 4;
     let flat = tensor.flatten_all().map_err(std::io::Error::other)?;
     let count = flat.elem_count();
     for start in (0..count).step_by(chunk) {
@@ -263,8 +265,8 @@ fn write_floats(tensor: &Tensor, dtype: Dtype, out: &mut dyn Write) -> std::io::
             .and_then(|part| part.to_dtype(DType::F32)?.to_vec1::<f32>())
             .map_err(std::io::Error::other)?;
         match dtype {
-            Dtype::BF16 => crate::spill::write_bf16(&values, out)?,
-            _ => crate::spill::write_f32(&values, out)?,
+            Dtype::BF16 => qforge_formats::spill::write_bf16(&values, out)?,
+            _ => qforge_formats::spill::write_f32(&values, out)?,
         }
     }
     Ok(())
@@ -343,7 +345,7 @@ impl<'a> TensorsOut<'a> {
                     (Dtype::I8, vec![out, inp]),
                     move |w| {
                         let int8 = layer.int8_weight().map_err(std::io::Error::other)?;
-                        crate::spill::write_i8(&int8.values, w)?;
+                        qforge_formats::spill::write_i8(&int8.values, w)?;
                         let _ = kept.set(int8.scales.clone());
                         Ok(())
                     },

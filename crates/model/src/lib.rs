@@ -24,15 +24,12 @@ pub mod mlp;
 pub mod observe;
 pub mod onnx;
 pub mod open;
-pub mod spill;
 
 pub use error::{Error, Result};
 pub use linear::{Int8Values, Int8Weight, Linear};
-pub use llama::{
-    Decoder, HiddenState, KvCache, Llama, LlamaConfig, Logits, Residency, RotatedInput,
-};
+pub use llama::{Decoder, HiddenState, KvCache, Llama, Logits, Residency, RotatedInput};
 pub use lm::{ChatMessage, GenerateOptions, Generation, LanguageModel, TextSide};
-pub use mlp::{Action, Head, MlpPolicy, PolicyConfig};
+pub use mlp::MlpPolicy;
 pub use observe::{Observer, Statistics, StatsObserver};
 pub use onnx::import_mlp;
 pub use open::{Format, Model, open};

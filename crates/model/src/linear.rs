@@ -225,7 +225,7 @@ impl Int8Weight {
         for scale in &self.scales {
             digest.update(&scale.to_le_bytes());
         }
-        for chunk in self.values.chunks(crate::spill::CHUNK) {
+        for chunk in self.values.chunks(qforge_formats::spill::CHUNK) {
             let bytes: Vec<u8> = chunk.iter().map(|v| v.to_le_bytes()[0]).collect();
             digest.update(&bytes);
         }
@@ -241,7 +241,9 @@ impl Int8Weight {
         let Int8Values::Owned(values) = &self.values else {
             return Ok(self);
         };
-        let map = crate::spill::spill_in(dir, |out| crate::spill::write_i8(values, out))?;
+        let map = qforge_formats::spill::spill_in(dir, |out| {
+            qforge_formats::spill::write_i8(values, out)
+        })?;
         Ok(Self {
             values: Int8Values::Spilled(map),
             scales: self.scales,
@@ -651,7 +653,7 @@ mod tests {
     #[test]
     fn a_spilled_weight_reads_as_the_values_it_was_given_and_leaves_no_file() {
         // Three chunks and a bit, every int8 value.
-        let values: Vec<i8> = (0..3 * crate::spill::CHUNK + 5)
+        let values: Vec<i8> = (0..3 * qforge_formats::spill::CHUNK + 5)
             .map(|i| (i % 256) as u8 as i8)
             .collect();
         let weight = Int8Weight {

@@ -113,7 +113,8 @@ pub fn observation_dim(path: &Path) -> Result<usize> {
     match Format::detect(path)? {
         Format::PolicyDir | Format::Artifact => {
             let config_path = path.join("policy.json");
-            let config: crate::mlp::PolicyConfig = qforge_formats::files::read_json(&config_path)?;
+            let config: qforge_formats::policy::PolicyConfig =
+                qforge_formats::files::read_json(&config_path)?;
             Ok(config.observation_dim)
         }
         Format::Onnx => Ok(crate::onnx::open_policy(path)?.config().observation_dim),

@@ -7,13 +7,13 @@
 use std::path::{Path, PathBuf};
 
 use prost::Message;
-use qforge_model::mlp::{Activation, Head};
-use qforge_model::onnx::proto::{
+use qforge_formats::onnx::proto::{
     self, AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
     TensorShapeProto, TypeProto, ValueInfoProto,
 };
+use qforge_formats::policy::{Action, Activation, Head};
 use qforge_model::onnx::{import_mlp, import_mlp_bytes};
-use qforge_model::{Action, Error, MlpPolicy};
+use qforge_model::{Error, MlpPolicy};
 
 /// Our outputs and ORT's agree within `TOLERANCE * max(1, |ort|)`: absolute
 /// for outputs up to 1, relative above. Candle and ORT (MLAS) sum the same
@@ -205,7 +205,7 @@ fn truncated_file_is_refused_with_its_path() {
     std::fs::remove_file(&path).unwrap();
     let message = err.to_string();
     assert!(
-        matches!(&err, Error::InFile { source, .. } if matches!(**source, Error::Format(_))),
+        matches!(&err, Error::Formats(qforge_formats::Error::InFile { source, .. }) if matches!(**source, qforge_formats::Error::Format(_))),
         "{err:?}"
     );
     assert!(message.contains("truncated.onnx"), "{message}");
@@ -265,7 +265,10 @@ fn random_and_corrupted_bytes_never_panic() {
         let len = rng.below(4096);
         let bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
         let err = import_mlp_bytes(&bytes, discrete(2), None).unwrap_err();
-        assert!(matches!(err, Error::Format(_)), "{len} random bytes: {err}");
+        assert!(
+            matches!(err, Error::Formats(qforge_formats::Error::Format(_))),
+            "{len} random bytes: {err}"
+        );
     }
     // Corrupting a valid file may or may not leave it importable; it must
     // never panic, and an import that succeeds must still run.

@@ -3,7 +3,8 @@
 
 use std::path::PathBuf;
 
-use qforge_model::{Action, MlpPolicy, Statistics, StatsObserver};
+use qforge_formats::policy::Action;
+use qforge_model::{MlpPolicy, Statistics, StatsObserver};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -215,7 +216,7 @@ fn a_smoothed_policy_computes_what_the_policy_does_with_its_observation_divided(
 /// seeded draws land within 0.01 of each probability.
 #[test]
 fn a_discrete_head_scores_and_samples_its_softmax() {
-    use qforge_model::Head;
+    use qforge_formats::policy::Head;
     use rand::SeedableRng;
     let head = Head::Discrete { actions: 3 };
     let logits = [1.0f32, 2.5, -0.5];
@@ -249,7 +250,7 @@ fn a_discrete_head_scores_and_samples_its_softmax() {
 /// without `log_std` it has no distribution.
 #[test]
 fn a_gaussian_head_with_log_std_scores_and_samples_its_density() {
-    use qforge_model::Head;
+    use qforge_formats::policy::Head;
     use rand::SeedableRng;
     let head = |log_std| Head::Gaussian {
         action_dim: 2,

@@ -23,8 +23,9 @@ use std::collections::BTreeMap;
 
 use qforge_core::{Calibrator, Stats};
 use qforge_eval::{ReferenceLogProbs, compare_to};
+use qforge_formats::policy::Action;
 use qforge_model::artifact::{LayerPrecision, in_precision};
-use qforge_model::{Action, Linear, Model};
+use qforge_model::{Linear, Model};
 use serde::Serialize;
 
 use crate::error::{Error, Result};

@@ -198,7 +198,7 @@ fn check_architecture(old: &Model, new: &Model, new_path: &Path, like: &Path) ->
     };
     let same_config = match (old, new) {
         (Model::Policy(a), Model::Policy(b)) => {
-            let unsmoothed = |p: &qforge_model::MlpPolicy| qforge_model::PolicyConfig {
+            let unsmoothed = |p: &qforge_model::MlpPolicy| qforge_formats::policy::PolicyConfig {
                 observation_divisors: None,
                 ..p.config().clone()
             };

@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use qforge_formats::policy::PolicyConfig;
+use qforge_model::MlpPolicy;
 use qforge_model::artifact::{LayerPrecision, int8_weights, read_config};
-use qforge_model::{MlpPolicy, PolicyConfig};
 use qforge_quant::requantize::requantize;
 use qforge_quant::{Inputs, Pipeline, QuantRecipe};
 use qforge_runner::EmbeddedExecutor;

@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use qforge_model::{Action, MlpPolicy};
+use qforge_formats::policy::Action;
+use qforge_model::MlpPolicy;
 use rand::rngs::StdRng;
 use tokio::sync::oneshot;
 
@@ -39,7 +40,7 @@ pub struct Job {
 
 /// How a job's actions are chosen from the head's outputs.
 pub enum Choice {
-    /// The head's greedy action ([`qforge_model::Head::greedy`]).
+    /// The head's greedy action ([`qforge_formats::policy::Head::greedy`]).
     Greedy,
     /// A draw from the head's distribution (the head must have one).
     Sample(Box<StdRng>),

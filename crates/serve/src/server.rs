@@ -325,7 +325,7 @@ impl<'de> Visitor<'de> for Row<'_> {
 
 /// What INT8 answered, for the shadow to compare.
 struct Int8Answer {
-    actions: Vec<qforge_model::Action>,
+    actions: Vec<qforge_formats::policy::Action>,
     log_probs: Vec<Option<f64>>,
     version: u64,
     /// The actions were the greedy ones (not sampled), so their agreement
@@ -380,7 +380,10 @@ async fn shadow(state: Arc<AppState>, observations: Vec<f32>, rows: usize, int8:
 
 /// How a request's actions are chosen: greedy, or sampled (seeded when it
 /// gives a seed) from a head that has a distribution.
-fn choose(head: &qforge_model::Head, request: &Reading) -> std::result::Result<Choice, String> {
+fn choose(
+    head: &qforge_formats::policy::Head,
+    request: &Reading,
+) -> std::result::Result<Choice, String> {
     if !request.sample {
         return Ok(Choice::Greedy);
     }

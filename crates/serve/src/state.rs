@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use qforge_model::{Head, LanguageModel, MlpPolicy, TextSide};
+use qforge_formats::policy::Head;
+use qforge_model::{LanguageModel, MlpPolicy, TextSide};
 use tokio::sync::Semaphore;
 
 use crate::batcher::Batcher;

@@ -22,7 +22,7 @@
 //! Anything else (4-bit or float8 formats, groups, asymmetric zero points,
 //! output or KV-cache quantization) is refused naming what the checkpoint
 //! holds, rather than run with other numerics than its writer meant. Online
-//! Hadamard transforms (`transform_config`) are read by [`transforms`].
+//! Hadamard transforms (`transform_config`) are read by `compressed/transforms.rs`.
 
 mod transforms;
 

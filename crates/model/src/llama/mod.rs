@@ -19,7 +19,6 @@
 mod attention;
 mod cache;
 pub mod compressed;
-mod config;
 mod decode;
 mod forward;
 mod load;
@@ -30,7 +29,6 @@ mod stack;
 mod transform;
 
 pub use cache::KvCache;
-pub use config::{Family, LlamaConfig, RopeScaling};
 pub use decode::Decoder;
 pub use forward::log_softmax;
 pub use load::{DEQUANTIZE_AT_LOAD_LIMIT, Residency};
@@ -40,6 +38,7 @@ use rotation::Rotations;
 pub use stack::HiddenState;
 
 use candle_core::Tensor;
+use qforge_formats::llama_config::{Family, LlamaConfig};
 
 use crate::linear::Linear;
 

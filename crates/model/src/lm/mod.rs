@@ -16,8 +16,9 @@ use rand::{SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::llama::{Decoder, Llama, LlamaConfig, Logits, Residency};
+use crate::llama::{Decoder, Llama, Logits, Residency};
 use qforge_formats::gguf::GgufFile;
+use qforge_formats::llama_config::LlamaConfig;
 use qforge_formats::tokenizer::TextTokenizer;
 
 /// What turns text into token ids: the tokenizer and the chat template.

@@ -6,9 +6,10 @@ use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
 
-use super::{Chain, Layer, SUPPORTED, shown};
 use crate::error::{Error, Result};
-use crate::mlp::{Activation, Head, MlpPolicy, PolicyConfig};
+use crate::mlp::MlpPolicy;
+use qforge_formats::onnx::{Chain, Layer, SUPPORTED, shown};
+use qforge_formats::policy::{Activation, Head, PolicyConfig};
 
 /// Checks the chain's shapes and activations against `head` and builds the
 /// policy.

@@ -32,7 +32,8 @@ use serde_json::Value;
 
 use super::Target;
 use crate::error::{Error, Result};
-use crate::llama::{LlamaConfig, RotatedInput};
+use crate::llama::RotatedInput;
+use qforge_formats::llama_config::LlamaConfig;
 
 /// The checkpoint tensor holding scheme `scheme`'s matrix for the input of
 /// module `module`: vLLM and compressed-tensors register the transform as

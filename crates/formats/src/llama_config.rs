@@ -4,7 +4,7 @@
 use serde_json::Value as Json;
 
 use crate::error::{Error, Result};
-use qforge_formats::gguf::GgufHeader;
+use crate::gguf::GgufHeader;
 
 /// The decoder families qforge runs. They share one forward; they differ in
 /// biases and in how their files lay out the attention weights.
@@ -78,9 +78,9 @@ fn family_from_architecture(name: &str) -> Result<Family> {
         "MistralForCausalLM" | "mistral" => Family::Mistral,
         "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
         other => {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "architecture {other:?}; qforge runs Llama (incl. SmolLM2, Llama 3), Mistral and Qwen2 decoders"
-            )).into());
+            )));
         }
     })
 }
@@ -204,10 +204,7 @@ impl LlamaConfig {
                     }
                     Some("default") | None => RopeScaling::None,
                     Some(other) => {
-                        return Err(qforge_formats::Error::Unsupported(format!(
-                            "rope_scaling type {other:?}"
-                        ))
-                        .into());
+                        return Err(Error::Unsupported(format!("rope_scaling type {other:?}")));
                     }
                 }
             }

@@ -17,22 +17,20 @@ pub(super) type Constants<'a> = HashMap<&'a str, &'a TensorProto>;
 pub(super) fn single_output<'a>(node: &'a NodeProto, what: &str) -> Result<&'a str> {
     match node.output.as_slice() {
         [out] if !out.is_empty() => Ok(out),
-        outs => Err(qforge_formats::Error::Unsupported(format!(
+        outs => Err(Error::Unsupported(format!(
             "{what} has {} outputs; qforge reads single-output nodes only. {SUPPORTED}",
             outs.len()
-        ))
-        .into()),
+        ))),
     }
 }
 
 pub(super) fn no_attributes(node: &NodeProto, what: &str) -> Result<()> {
     match node.attribute.first() {
         None => Ok(()),
-        Some(a) => Err(qforge_formats::Error::Unsupported(format!(
+        Some(a) => Err(Error::Unsupported(format!(
             "{what} has attribute `{}`, which qforge does not support",
             shown(&a.name)
-        ))
-        .into()),
+        ))),
     }
 }
 
@@ -46,11 +44,10 @@ pub(super) fn int_attributes(
     let mut values: Vec<i64> = names.iter().map(|(_, d)| *d).collect();
     for a in &node.attribute {
         let Some(slot) = names.iter().position(|(n, _)| *n == a.name) else {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "{what} has attribute `{}`, which qforge does not support",
                 shown(&a.name)
-            ))
-            .into());
+            )));
         };
         values[slot] = a.i;
     }
@@ -78,19 +75,17 @@ fn constant<'a>(
 fn float_tensor(t: &TensorProto, what: &str, role: &str) -> Result<(Vec<usize>, Vec<f32>)> {
     let name = shown(&t.name);
     if t.data_location == DataLocation::External as i32 || !t.external_data.is_empty() {
-        return Err(qforge_formats::Error::Unsupported(format!(
+        return Err(Error::Unsupported(format!(
             "{what}: {role} `{name}` keeps its data in an external file; save the model with \
              its weights embedded (onnx.save(model, path, save_as_external_data=False))"
-        ))
-        .into());
+        )));
     }
     if t.data_type != DataType::Float as i32 {
-        return Err(qforge_formats::Error::Unsupported(format!(
+        return Err(Error::Unsupported(format!(
             "{what}: {role} `{name}` has data type {}; qforge imports float32 weights only \
              (quantize the float32 model with qforge instead)",
             data_type_name(t.data_type)
-        ))
-        .into());
+        )));
     }
     let mut dims = Vec::with_capacity(t.dims.len());
     let mut count: Option<usize> = Some(1);
@@ -132,20 +127,18 @@ fn float_tensor(t: &TensorProto, what: &str, role: &str) -> Result<(Vec<usize>, 
 fn weight(t: &TensorProto, what: &str, transposed: bool) -> Result<(usize, usize, Vec<f32>)> {
     let (dims, data) = float_tensor(t, what, "weight")?;
     let &[a, b] = dims.as_slice() else {
-        return Err(qforge_formats::Error::Shape(format!(
+        return Err(Error::Shape(format!(
             "{what}: weight `{}` has dims {dims:?}; a linear layer's weight is 2-D",
             shown(&t.name)
-        ))
-        .into());
+        )));
     };
     // With a zero dim the other one is unbounded by the data (0 × 2^40 holds
     // no values), and the layer's zero bias would allocate `out` floats.
     if a == 0 || b == 0 {
-        return Err(qforge_formats::Error::Shape(format!(
+        return Err(Error::Shape(format!(
             "{what}: weight `{}` has dims {dims:?}; a linear layer's weight has no zero dim",
             shown(&t.name)
-        ))
-        .into());
+        )));
     }
     if transposed {
         return Ok((a, b, data));
@@ -164,11 +157,10 @@ fn weight(t: &TensorProto, what: &str, transposed: bool) -> Result<(usize, usize
 fn bias(t: &TensorProto, what: &str, out: usize) -> Result<Vec<f32>> {
     let (dims, data) = float_tensor(t, what, "bias")?;
     if dims != [out] && dims != [1, out] {
-        return Err(qforge_formats::Error::Shape(format!(
+        return Err(Error::Shape(format!(
             "{what}: bias `{}` has dims {dims:?}, expected [{out}] for a layer with {out} outputs",
             shown(&t.name)
-        ))
-        .into());
+        )));
     }
     Ok(data)
 }
@@ -187,12 +179,11 @@ fn check_first_input(node: &NodeProto, what: &str, current: &str, arity: &[usize
         )));
     }
     if node.input.first().map(String::as_str) != Some(current) {
-        return Err(qforge_formats::Error::Unsupported(format!(
+        return Err(Error::Unsupported(format!(
             "{what} takes `{}` as a weight, not as its first input; qforge needs x·W layers \
              with constant W. {SUPPORTED}",
             shown(current)
-        ))
-        .into());
+        )));
     }
     Ok(())
 }
@@ -212,21 +203,19 @@ pub(super) fn gemm(
             "transA" => trans_a = a.i,
             "transB" => trans_b = a.i,
             other => {
-                return Err(qforge_formats::Error::Unsupported(format!(
+                return Err(Error::Unsupported(format!(
                     "{what} has attribute `{}`, which qforge does not support",
                     shown(other)
-                ))
-                .into());
+                )));
             }
         }
     }
     let c = node.input.get(2).filter(|c| !c.is_empty());
     if alpha != 1.0 || (c.is_some() && beta != 1.0) || trans_a != 0 || !(0..=1).contains(&trans_b) {
-        return Err(qforge_formats::Error::Unsupported(format!(
+        return Err(Error::Unsupported(format!(
             "{what} has alpha={alpha}, beta={beta}, transA={trans_a}, transB={trans_b}; qforge \
              supports Gemm with alpha=1, beta=1, transA=0 and transB 0 or 1"
-        ))
-        .into());
+        )));
     }
     let w = constant(constants, &node.input[1], what, "weight")?;
     let (out, inp, weight) = weight(w, what, trans_b == 1)?;

@@ -9,7 +9,7 @@ use super::proto::tensor_proto::DataType;
 use super::proto::{AttributeProto, GraphProto, ModelProto, NodeProto, ValueInfoProto};
 use super::{Chain, Layer, SUPPORTED, data_type_name, describe, quoted_names, shown};
 use crate::error::{Error, Result};
-use crate::mlp::Activation;
+use crate::policy::Activation;
 
 /// Reads the graph of `model` as a chain of layers.
 pub(super) fn read_chain(model: &ModelProto) -> Result<Chain> {
@@ -56,13 +56,12 @@ fn default_domain_graph(model: &ModelProto) -> Result<&GraphProto> {
 fn single_output_value(graph: &GraphProto) -> Result<&ValueInfoProto> {
     match graph.output.as_slice() {
         [one] => Ok(one),
-        many => Err(qforge_formats::Error::Unsupported(format!(
+        many => Err(Error::Unsupported(format!(
             "the graph has {} outputs ({}); export only the actor network (one output: \
              logits, action mean or value). {SUPPORTED}",
             many.len(),
             quoted_names(many.iter().map(|v| v.name.as_str()))
-        ))
-        .into()),
+        ))),
     }
 }
 
@@ -77,14 +76,13 @@ fn input_features(
     match input_dims {
         Some(dims) if dims.len() == 2 => Ok(Some(dims[1..].to_vec())),
         Some(dims) if dims.len() > 2 && flattened_first => Ok(Some(dims[1..].to_vec())),
-        Some(dims) => Err(qforge_formats::Error::Unsupported(format!(
+        Some(dims) => Err(Error::Unsupported(format!(
             "input `{}` has rank {}; qforge policies take observations of shape \
              [batch, observation_dim] (a higher rank needs a Flatten(axis=1) before the \
              first layer)",
             shown(&input.name),
             dims.len()
-        ))
-        .into()),
+        ))),
         None => Ok(None),
     }
 }
@@ -154,10 +152,9 @@ impl<'a> Walk<'a> {
             self.visited[k] = true;
             let out = single_output(node, &what)?;
             if let Some(sm) = &self.softmax {
-                return Err(qforge_formats::Error::Unsupported(format!(
+                return Err(Error::Unsupported(format!(
                     "{what} follows {sm}; Softmax must be the last node. {SUPPORTED}"
-                ))
-                .into());
+                )));
             }
             self.current = self.step(node, what, out)?;
         }
@@ -175,7 +172,7 @@ impl<'a> Walk<'a> {
         {
             [] => Ok(None),
             [k] => Ok(Some(*k)),
-            many => Err(qforge_formats::Error::Unsupported(format!(
+            many => Err(Error::Unsupported(format!(
                 "value `{}` feeds {} nodes ({}); the graph branches. {SUPPORTED}",
                 shown(self.current),
                 many.len(),
@@ -184,8 +181,7 @@ impl<'a> Walk<'a> {
                     .map(|&k| describe(self.ops[k].1, self.ops[k].0))
                     .collect::<Vec<_>>()
                     .join(", ")
-            ))
-            .into()),
+            ))),
         }
     }
 
@@ -202,18 +198,16 @@ impl<'a> Walk<'a> {
             "Flatten" => self.flatten(node, &what)?,
             "Softmax" => self.softmax(node, what)?,
             "Add" => {
-                return Err(qforge_formats::Error::Unsupported(format!(
+                return Err(Error::Unsupported(format!(
                     "{what} does not directly follow a MatMul; qforge reads Add only as the \
                      bias of a MatMul layer. {SUPPORTED}"
-                ))
-                .into());
+                )));
             }
             _ => {
-                return Err(qforge_formats::Error::Unsupported(format!(
+                return Err(Error::Unsupported(format!(
                     "{what} (op {}) is not an MLP op. {SUPPORTED}",
                     shown(&node.op_type)
-                ))
-                .into());
+                )));
             }
         }
         Ok(out)
@@ -248,17 +242,15 @@ impl<'a> Walk<'a> {
             Activation::Tanh
         };
         let Some(last) = self.layers.last_mut() else {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "{what} comes before the first linear layer. {SUPPORTED}"
-            ))
-            .into());
+            )));
         };
         if let Some((_, previous)) = &last.activation {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "{what} directly follows the activation {previous}; exactly one \
                  activation may follow a layer. {SUPPORTED}"
-            ))
-            .into());
+            )));
         }
         last.activation = Some((activation, what));
         Ok(())
@@ -269,11 +261,10 @@ impl<'a> Walk<'a> {
     fn flatten(&mut self, node: &NodeProto, what: &str) -> Result<()> {
         let axis = int_attributes(node, what, &[("axis", 1)])?[0];
         if axis != 1 {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "{what} has axis={axis}; only Flatten(axis=1), which keeps the batch \
                  dimension, is supported"
-            ))
-            .into());
+            )));
         }
         if self.layers.is_empty() {
             self.flattened_first = true;
@@ -287,21 +278,19 @@ impl<'a> Walk<'a> {
     fn softmax(&mut self, node: &NodeProto, what: String) -> Result<()> {
         let axis = int_attributes(node, &what, &[("axis", -1)])?[0];
         if axis != -1 && axis != 1 {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "{what} has axis={axis}; only a Softmax over the action logits \
                  (axis -1 or 1) is supported"
-            ))
-            .into());
+            )));
         }
         match self.layers.last() {
             Some(last) if last.activation.is_none() => {
                 self.softmax = Some(what);
                 Ok(())
             }
-            _ => Err(qforge_formats::Error::Unsupported(format!(
+            _ => Err(Error::Unsupported(format!(
                 "{what} does not directly follow the last linear layer. {SUPPORTED}"
-            ))
-            .into()),
+            ))),
         }
     }
 
@@ -318,20 +307,18 @@ impl<'a> Walk<'a> {
         }
         if let Some(k) = self.visited.iter().position(|v| !v) {
             let (index, node) = self.ops[k];
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "{} is not on the path from input `{}` to output `{}`; the graph is not a single \
                  chain. {SUPPORTED}",
                 describe(node, index),
                 shown(&input.name),
                 shown(&output.name)
-            ))
-            .into());
+            )));
         }
         if self.layers.is_empty() {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "the graph has no Gemm or MatMul layer. {SUPPORTED}"
-            ))
-            .into());
+            )));
         }
         Ok(())
     }
@@ -353,12 +340,11 @@ fn constants_and_ops(graph: &GraphProto) -> Result<(Constants<'_>, Vec<(usize, &
     for (index, node) in graph.node.iter().enumerate() {
         let what = describe(node, index);
         if !(node.domain.is_empty() || node.domain == "ai.onnx") {
-            return Err(qforge_formats::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "{what} is from operator domain `{}`; only the default ONNX domain is \
                  supported. {SUPPORTED}",
                 shown(&node.domain)
-            ))
-            .into());
+            )));
         }
         if node.op_type != "Constant" {
             ops.push((index, node));
@@ -372,10 +358,9 @@ fn constants_and_ops(graph: &GraphProto) -> Result<(Constants<'_>, Vec<(usize, &
                 },
             ] if name == "value" => t,
             _ => {
-                return Err(qforge_formats::Error::Unsupported(format!(
+                return Err(Error::Unsupported(format!(
                     "{what}: only Constant nodes with a `value` tensor attribute are supported"
-                ))
-                .into());
+                )));
             }
         };
         if constants.insert(out, value).is_some() {
@@ -401,13 +386,12 @@ fn single_input<'a>(
         .collect();
     match inputs.as_slice() {
         [one] => Ok(one),
-        many => Err(qforge_formats::Error::Unsupported(format!(
+        many => Err(Error::Unsupported(format!(
             "the graph has {} non-constant inputs ({}); qforge policies take one observation \
              input and constant weights. {SUPPORTED}",
             many.len(),
             quoted_names(many.iter().map(|v| v.name.as_str()))
-        ))
-        .into()),
+        ))),
     }
 }
 
@@ -421,21 +405,19 @@ fn check_float_type(value: &ValueInfoProto, role: &str) -> Result<Option<Vec<Opt
         return Ok(None);
     };
     let Some(Value::TensorType(tensor)) = &ty.value else {
-        return Err(qforge_formats::Error::Unsupported(format!(
+        return Err(Error::Unsupported(format!(
             "{role} `{}` is not a tensor; qforge policies map a float32 tensor to a float32 \
              tensor",
             shown(&value.name)
-        ))
-        .into());
+        )));
     };
     if tensor.elem_type != DataType::Undefined as i32 && tensor.elem_type != DataType::Float as i32
     {
-        return Err(qforge_formats::Error::Unsupported(format!(
+        return Err(Error::Unsupported(format!(
             "{role} `{}` has element type {}; qforge imports float32 policies only",
             shown(&value.name),
             data_type_name(tensor.elem_type)
-        ))
-        .into());
+        )));
     }
     Ok(tensor.shape.as_ref().map(|shape| {
         shape

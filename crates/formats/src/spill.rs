@@ -17,7 +17,7 @@ use crate::error::Result;
 
 /// Bytes converted and written at a time: what is spilled is never copied
 /// whole.
-pub(crate) const CHUNK: usize = 1 << 20;
+pub const CHUNK: usize = 1 << 20;
 
 /// Writes what `write` writes to an unnamed file in the temporary directory
 /// (`TMPDIR`, else `/tmp`) and maps it read-only.
@@ -28,11 +28,11 @@ pub fn spill(
 }
 
 /// [`spill`] into the directory `dir`.
-pub(crate) fn spill_in(
+pub fn spill_in(
     dir: &Path,
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
 ) -> Result<Arc<memmap2::Mmap>> {
-    let failed = |e| qforge_formats::Error::Io {
+    let failed = |e| crate::Error::Io {
         path: dir.to_owned(),
         source: std::io::Error::other(format!(
             "cannot write to a temporary file here ({e}); set TMPDIR to a directory with room \
@@ -64,7 +64,7 @@ pub fn write_f32(values: &[f32], out: &mut dyn Write) -> std::io::Result<()> {
 /// Writes `values`, each a bf16 widened to f32, as little-endian bf16 (its
 /// upper 16 bits), a chunk at a time; a value that is no bf16 is an error,
 /// never truncated.
-pub(crate) fn write_bf16(values: &[f32], out: &mut dyn Write) -> std::io::Result<()> {
+pub fn write_bf16(values: &[f32], out: &mut dyn Write) -> std::io::Result<()> {
     let mut bytes = Vec::with_capacity(2 * (CHUNK / 2).min(values.len()));
     for chunk in values.chunks(CHUNK / 2) {
         bytes.clear();
@@ -83,7 +83,7 @@ pub(crate) fn write_bf16(values: &[f32], out: &mut dyn Write) -> std::io::Result
 }
 
 /// Writes `values` as bytes, a chunk at a time.
-pub(crate) fn write_i8(values: &[i8], out: &mut dyn Write) -> std::io::Result<()> {
+pub fn write_i8(values: &[i8], out: &mut dyn Write) -> std::io::Result<()> {
     values.chunks(CHUNK).try_for_each(|chunk| {
         let bytes: Vec<u8> = chunk.iter().map(|v| v.to_le_bytes()[0]).collect();
         out.write_all(&bytes)
