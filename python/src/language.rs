@@ -8,10 +8,11 @@ use std::time::Instant;
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
+use qforge_decode::GenerateOptions;
+use qforge_decode::GenerationReport;
+use qforge_decode::sampling::continuation_log_probs;
 use qforge_eval::perplexity;
-use qforge_model::GenerateOptions;
 use qforge_model::llama::MAX_POSITIONS;
-use qforge_model::lm::{GenerationReport, continuation_log_probs};
 use qforge_quant::precision::RunPrecision;
 use qforge_quant::sync::WeightSync;
 use qforge_serve::EngineLimits;
@@ -235,7 +236,7 @@ impl LanguageModel {
         let lm = self.current();
         let report = py.detach(|| -> Result<_, Failure> {
             let prompt = lm.text.tokenizer.encode(prompt)?;
-            let generation = lm.generate(&prompt, &options)?;
+            let generation = qforge_decode::generate(&lm, &prompt, &options)?;
             Ok(GenerationReport::new(
                 &lm,
                 generation,

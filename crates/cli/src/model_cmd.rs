@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use qforge_core::Calibrator;
+use qforge_decode::{GenerateOptions, GenerationReport};
 use qforge_eval::sensitivity::{LayerReport, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_eval::{compare, perplexity};
-use qforge_model::lm::GenerationReport;
-use qforge_model::{GenerateOptions, LanguageModel, MlpPolicy, Model};
+use qforge_model::{LanguageModel, MlpPolicy, Model};
 use qforge_quant::precision::RunPrecision;
 use serde_json::json;
 
@@ -127,7 +127,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         (None, Some(ids)) => ids,
         (None, None) => unreachable!("clap requires --prompt or --prompt-ids"),
     };
-    let generation = lm.generate(
+    let generation = qforge_decode::generate(
+        &lm,
         &prompt,
         &GenerateOptions {
             max_tokens: args.max_tokens,

@@ -6,8 +6,9 @@
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 
+use qforge_decode::{GenerateOptions, generate};
 use qforge_model::Result;
-use qforge_model::lm::{GenerateOptions, LanguageModel, TextSide};
+use qforge_model::lm::{LanguageModel, TextSide};
 
 /// A task with an exact reward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -224,7 +225,8 @@ pub fn rollouts(
             .text
             .tokenizer
             .encode(&generation_prefix(&lm.text, &prompt)?)?;
-        let generation = lm.generate(
+        let generation = generate(
+            lm,
             &ids,
             &GenerateOptions {
                 max_tokens: options.max_tokens,

@@ -3,15 +3,17 @@
 //! It owns the model formats in (GGUF models, Hugging Face safetensors
 //! directories, MLP policy directories, ONNX MLPs) and the native artifact,
 //! the architectures with a per-layer choice of linear implementation
-//! ([`Linear`]), the observation hook calibration uses ([`Observer`]), chat
-//! templates, generation, action agreement and the determinism fingerprint.
-//! What is measured of a model (perplexity, the comparison of two models,
-//! sensitivity, rollouts) lives above it, in `qforge-eval`.
+//! ([`Linear`]) and their tensor forwards, the observation hook calibration
+//! uses ([`Observer`]), chat templates, action agreement and the determinism
+//! fingerprint. The INT8 decoder, sampling and generation live above it, in
+//! `qforge-decode`; what is measured of a model (perplexity, the comparison
+//! of two models, sensitivity, rollouts) in `qforge-eval`.
 //!
 //! It depends on `qforge-core`, on `qforge-kernels` (the INT8 engine
 //! behind [`Linear::Int8`]) and on `qforge-formats` (the files and formats
-//! that need no model: GGUF, tokenizers, `manifest.json`,
-//! `calibration.json`, bounded reads and atomic writes); it must not depend
+//! that need no model: GGUF, the ONNX subset, Llama configs, `policy.json`,
+//! tokenizers, `manifest.json`, `calibration.json`, bounded reads, spilled
+//! data and atomic writes); it must not depend
 //! on calibration, distribution, serving or the CLI.
 
 pub mod artifact;
@@ -27,8 +29,8 @@ pub mod open;
 
 pub use error::{Error, Result};
 pub use linear::{Int8Values, Int8Weight, Linear};
-pub use llama::{Decoder, HiddenState, KvCache, Llama, Logits, Residency, RotatedInput};
-pub use lm::{ChatMessage, GenerateOptions, Generation, LanguageModel, TextSide};
+pub use llama::{HiddenState, KvCache, Llama, Logits, Residency, RotatedInput};
+pub use lm::{ChatMessage, LanguageModel, TextSide};
 pub use mlp::MlpPolicy;
 pub use observe::{Observer, Statistics, StatsObserver};
 pub use onnx::import_mlp;

@@ -6,13 +6,13 @@
 //! The figures are the served model's own: the log-probability of each
 //! generated token under the distribution it was drawn from,
 //! log softmax(logits / temperature), temperature 1 for greedy requests
-//! ([`qforge_model::lm::token_log_prob`]). That is the behaviour policy
+//! ([`qforge_decode::sampling::token_log_prob`]). That is the behaviour policy
 //! an RL trainer's importance weights divide by. The end-of-sequence token
 //! is reported too (it is part of the sampled sequence) though it adds no
 //! text.
 
+use qforge_decode::sampling::TokenLogProb;
 use qforge_formats::tokenizer::TextTokenizer;
-use qforge_model::lm::TokenLogProb;
 use serde::{Deserialize, Deserializer};
 use serde_json::{Map, Value, json};
 
@@ -232,7 +232,7 @@ mod tests {
 
     use std::collections::HashMap;
 
-    use qforge_model::lm::continuation_log_probs;
+    use qforge_decode::sampling::continuation_log_probs;
     use qforge_model::{Activations, ChatMessage, LanguageModel};
 
     use crate::rollout::{RolloutMode, RolloutOptions};

@@ -1,5 +1,5 @@
 //! The f32 KV cache that [`Llama::forward`] and [`Llama::step`] extend and the
-//! INT8 [`Decoder`](super::Decoder) writes into in place: its buffers, how they
+//! INT8 decoder (`qforge-decode`) writes into in place: its buffers, how they
 //! grow, and how attention reads them. It lives apart from both passes because
 //! both fill the same layout.
 
@@ -10,7 +10,7 @@ use crate::error::Result;
 
 /// Keys and values of one sequence's positions seen so far, per layer,
 /// head-major (`[kv_heads, capacity, head_dim]`, the layout the INT8
-/// [`Decoder`](super::Decoder) keeps too): a decode step's attention reads each key/value
+/// decoder keeps too): a decode step's attention reads each key/value
 /// head's keys, then its values, as one contiguous run. A position's keys are
 /// written in place: [`KvCache::reserve`] sizes the buffers once for a
 /// sequence's whole reservation, so decoding a long sequence never copies
@@ -36,6 +36,7 @@ pub(super) struct CachedLayer {
 
 impl KvCache {
     /// Number of cached positions.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -49,8 +50,54 @@ impl KvCache {
     }
 
     /// Positions the cache holds room for without reallocating.
+    #[inline]
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Values per key (or value) head of a position.
+    #[inline]
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Makes room for `positions` positions in all, doubling the capacity
+    /// when it runs out (so appending one position at a time copies the
+    /// cache once per doubling).
+    pub fn make_room_for(&mut self, positions: usize) {
+        if positions > self.capacity {
+            self.grow_to(positions.max(2 * self.capacity));
+        }
+    }
+
+    /// Layer `layer`'s keys and values, `[kv_heads, capacity, head_dim]`
+    /// each; positions from [`KvCache::len`] on hold nothing committed.
+    #[inline]
+    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        let cached = &self.layers[layer];
+        (&cached.keys, &cached.values)
+    }
+
+    /// Layer `layer`'s keys and values to write the next positions into in
+    /// place (the INT8 decoder's store), before [`KvCache::commit`].
+    #[inline]
+    pub fn layer_mut(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
+        let cached = &mut self.layers[layer];
+        (&mut cached.keys, &mut cached.values)
+    }
+
+    /// Commits the next `positions` positions, whose keys and values the
+    /// caller has written in every layer. Beyond the capacity is a bug of
+    /// the caller's, refused with a panic.
+    #[inline]
+    pub fn commit(&mut self, positions: usize) {
+        assert!(
+            self.len + positions <= self.capacity,
+            "committing {positions} positions after {} in a cache of {}",
+            self.len,
+            self.capacity
+        );
+        self.len += positions;
     }
 
     /// Moves every layer into buffers of `capacity` positions per head,
@@ -99,10 +146,7 @@ impl KvCache {
             ))
             .into());
         }
-        let needed = self.len + seq;
-        if needed > self.capacity {
-            self.grow_to(needed.max(2 * self.capacity));
-        }
+        self.make_room_for(self.len + seq);
         let (at, capacity) = (self.len * hd, self.capacity * hd);
         let cached = &mut self.layers[layer];
         for (tensor, target) in [(k, &mut cached.keys), (v, &mut cached.values)] {
@@ -156,7 +200,7 @@ impl Llama {
     }
 
     /// Refuses a KV cache made for another model.
-    pub(super) fn check_cache(&self, cache: &KvCache) -> Result<()> {
+    pub fn check_cache(&self, cache: &KvCache) -> Result<()> {
         let c = &self.config;
         if cache.layers.len() != self.layers.len()
             || (cache.kv_heads, cache.head_dim) != (c.num_kv_heads, c.head_dim)

@@ -1,7 +1,7 @@
 //! The tensor forward: a batch (or one cached sequence) to logits, one decode
 //! step for several cached sequences, and the forwards that keep hidden states
 //! and resume from them, with the checks on tokens and positions they share
-//! with the INT8 [`Decoder`](super::Decoder). The decoder is the fast path;
+//! with the INT8 decoder of `qforge-decode`. The decoder is the fast path;
 //! this forward is the reference it is tested against.
 
 use candle_core::{D, DType, Device, Tensor};
@@ -273,10 +273,7 @@ impl Llama {
     }
 
     /// Refuses a token id outside the vocabulary.
-    pub(crate) fn check_vocabulary<'t>(
-        &self,
-        tokens: impl IntoIterator<Item = &'t u32>,
-    ) -> Result<()> {
+    pub fn check_vocabulary<'t>(&self, tokens: impl IntoIterator<Item = &'t u32>) -> Result<()> {
         let vocab = self.config.vocab_size;
         match tokens.into_iter().find(|&&t| t as usize >= vocab) {
             Some(bad) => Err(qforge_formats::Error::Shape(format!(
@@ -288,7 +285,7 @@ impl Llama {
     }
 
     /// Refuses a sequence of `positions` beyond the context.
-    pub(super) fn check_positions(&self, positions: usize) -> Result<()> {
+    pub fn check_positions(&self, positions: usize) -> Result<()> {
         let context = self.config.max_position_embeddings.min(MAX_POSITIONS);
         if positions > context {
             return Err(qforge_formats::Error::Shape(format!(

@@ -13,13 +13,14 @@
 //! `named.rs` and `compressed.rs` among the sources), `cache.rs` is the KV
 //! cache, `stack.rs` the decoder layers every pass runs, `forward.rs` the
 //! passes that give logits, `observation.rs` the observing passes,
-//! `transform.rs` and `rotation.rs` derive models, and `decode/` is the INT8
-//! decoder.
+//! `transform.rs` and `rotation.rs` derive models. The INT8 decoder, a second
+//! forward over the same weights and caches, is `qforge-decode`'s: it reads
+//! them through [`Llama::layers`], the other accessors and [`KvCache`]'s
+//! in-place layer buffers.
 
 mod attention;
 mod cache;
 pub mod compressed;
-mod decode;
 mod forward;
 mod load;
 mod named;
@@ -29,12 +30,11 @@ mod stack;
 mod transform;
 
 pub use cache::KvCache;
-pub use decode::Decoder;
 pub use forward::log_softmax;
 pub use load::{DEQUANTIZE_AT_LOAD_LIMIT, Residency};
 pub(crate) use load::{SHARD_INDEX, WeightSource, index_shards};
 pub use rotation::RotatedInput;
-use rotation::Rotations;
+pub use rotation::Rotations;
 pub use stack::HiddenState;
 
 use candle_core::Tensor;
@@ -42,18 +42,28 @@ use qforge_formats::llama_config::{Family, LlamaConfig};
 
 use crate::linear::Linear;
 
-/// One decoder layer.
+/// One decoder layer. Read through [`Llama::layers`]; only this crate
+/// builds and changes one.
 #[derive(Debug, Clone)]
-struct Layer {
-    input_norm: Tensor,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    post_attention_norm: Tensor,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+pub struct Layer {
+    /// RMSNorm weight before attention, `[hidden]`.
+    pub input_norm: Tensor,
+    /// Query projection.
+    pub q_proj: Linear,
+    /// Key projection.
+    pub k_proj: Linear,
+    /// Value projection.
+    pub v_proj: Linear,
+    /// Attention output projection.
+    pub o_proj: Linear,
+    /// RMSNorm weight before the MLP, `[hidden]`.
+    pub post_attention_norm: Tensor,
+    /// SwiGLU gate projection.
+    pub gate_proj: Linear,
+    /// SwiGLU up projection.
+    pub up_proj: Linear,
+    /// MLP output projection.
+    pub down_proj: Linear,
 }
 
 impl Layer {
@@ -107,6 +117,42 @@ impl Llama {
     /// The model's hyper-parameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
+    }
+
+    /// The decoder layers, first to last.
+    #[inline]
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// The token embedding, `[vocab, hidden]`.
+    #[inline]
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    /// The rotary embedding's cosine and sine tables, `[positions, head_dim / 2]`.
+    #[inline]
+    pub fn rope_tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
+    /// The final RMSNorm weight, `[hidden]`.
+    #[inline]
+    pub fn final_norm(&self) -> &Tensor {
+        &self.norm
+    }
+
+    /// The output projection.
+    #[inline]
+    pub fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+
+    /// The rotations of the inputs rotated online (see [`Llama::rotated`]).
+    #[inline]
+    pub fn rotations(&self) -> &Rotations {
+        &self.rotations
     }
 
     /// Whether the source had no separate `lm_head`: the output projection

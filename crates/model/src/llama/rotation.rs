@@ -123,11 +123,11 @@ impl RotatedInput {
 
 /// The rotation of each rotated input.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Rotations([Option<Arc<Hadamard>>; 5]);
+pub struct Rotations([Option<Arc<Hadamard>>; 5]);
 
 impl Rotations {
     /// The rotation of `input`, if it is rotated.
-    pub(crate) fn get(&self, input: RotatedInput) -> Option<&Hadamard> {
+    pub fn get(&self, input: RotatedInput) -> Option<&Hadamard> {
         self.0[input.index()].as_deref()
     }
 }

@@ -154,29 +154,6 @@ pub fn last_logits(model: &Llama, batch: &[Vec<u32>]) -> Vec<Vec<f32>> {
         .unwrap()
 }
 
-/// The largest logit difference between one INT8 decoder step on `ours`
-/// and the tensor forward's step on `reference` (caches of the same
-/// positions), both continuing with `token`.
-pub fn step_difference(
-    model: &Llama,
-    reference: &mut qforge_model::KvCache,
-    decoder: &mut qforge_model::Decoder,
-    ours: &mut qforge_model::KvCache,
-    token: u32,
-) -> f32 {
-    let expected = model
-        .forward(&[vec![token]], Some(reference), None, Logits::Last)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    max_diff(
-        decoder.step(model, &mut [ours], &[token], None).unwrap(),
-        &expected,
-    )
-}
-
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()

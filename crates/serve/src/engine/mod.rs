@@ -48,7 +48,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
-use qforge_model::{Decoder, LanguageModel};
+use qforge_decode::Decoder;
+use qforge_model::LanguageModel;
 use tokio::sync::oneshot;
 
 use crate::batcher::{Alive, panic_message};

@@ -7,7 +7,7 @@
 //! `LanguageModel`; they live apart from the scheduler so that a reader of
 //! the contract does not wade through the batching that fulfils it.
 
-use qforge_model::lm::TokenLogProb;
+use qforge_decode::sampling::TokenLogProb;
 use serde::Serialize;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::sync::oneshot;

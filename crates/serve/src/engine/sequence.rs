@@ -9,8 +9,8 @@
 
 use std::time::Instant;
 
+use qforge_decode::sampling::{TokenLogProb, with_distribution};
 use qforge_model::KvCache;
-use qforge_model::lm::{TokenLogProb, with_distribution};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 

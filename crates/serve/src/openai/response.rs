@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::response::{IntoResponse, Response};
+use qforge_decode::sampling::TokenLogProb;
 use qforge_model::TextSide;
-use qforge_model::lm::TokenLogProb;
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::UnboundedReceiver;

@@ -1,5 +1,5 @@
 //! An iteration for an all-INT8 model: one pass of the batched INT8
-//! [`Decoder`](qforge_model::Decoder) runs the next prompt chunks of the
+//! [`Decoder`](qforge_decode::Decoder) runs the next prompt chunks of the
 //! sequences in prefill and one token of every running sequence together,
 //! so the weights are read once for both.
 //!

@@ -19,7 +19,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use qforge_model::{Decoder, LanguageModel};
+use qforge_decode::Decoder;
+use qforge_model::LanguageModel;
 
 use super::sequence::Sequence;
 use super::{EngineLimits, Event, FinishReason, Finished, Message, Request, Swap};
@@ -373,7 +374,8 @@ impl<'a> Scheduler<'a> {
 mod tests {
     use std::collections::VecDeque;
 
-    use qforge_model::{Decoder, LanguageModel};
+    use qforge_decode::Decoder;
+    use qforge_model::LanguageModel;
     use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
     use tokio::sync::oneshot;
 

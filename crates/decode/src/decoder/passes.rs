@@ -6,9 +6,8 @@ use std::cell::RefCell;
 use qforge_kernels::Team;
 use qforge_kernels::attention::{KeyValues, Queries, attend, reserve};
 
-use super::super::{KvCache, RotatedInput, Rotations};
-use crate::error::Result;
-use crate::observe::Observer;
+use qforge_model::llama::Rotations;
+use qforge_model::{KvCache, Observer, Result, RotatedInput};
 
 thread_local! {
     /// One query group's heads, rotated for its position.
@@ -178,8 +177,8 @@ pub(super) fn store(
     team.run_rows(n, [caches], |sequences, [caches]| {
         for (s, cache) in sequences.zip(caches.iter_mut()) {
             let end = first_rows.get(s + 1).copied().unwrap_or(positions.len());
-            let (capacity, hd) = (cache.capacity, cache.head_dim);
-            let cached = &mut cache.layers[layer];
+            let (capacity, hd) = (cache.capacity(), cache.head_dim());
+            let (cached_keys, cached_values) = cache.layer_mut(layer);
             let rows = first_rows[s]..end;
             for (row, &position) in rows.clone().zip(&positions[rows]) {
                 let at = row * width..(row + 1) * width;
@@ -189,10 +188,10 @@ pub(super) fn store(
                 for (head, (key, value)) in heads.enumerate() {
                     let slot =
                         (head * capacity + position) * hd..(head * capacity + position + 1) * hd;
-                    let cached_key = &mut cached.keys[slot.clone()];
+                    let cached_key = &mut cached_keys[slot.clone()];
                     cached_key.copy_from_slice(key);
                     rope.apply(cached_key, position);
-                    cached.values[slot].copy_from_slice(value);
+                    cached_values[slot].copy_from_slice(value);
                 }
             }
         }
@@ -245,7 +244,7 @@ pub(super) fn attend_all(
     let rows = positions.len();
     // The scratch is sized by capacity, which a reserved cache keeps,
     // rather than by the growing length.
-    let longest = caches.iter().map(|c| c.capacity).max().unwrap_or(1);
+    let longest = caches.iter().map(|c| c.capacity()).max().unwrap_or(1);
     let failure = FirstFailure::new();
     // A unit's work is its keys and values read, plus the query's own
     // (rotated, its scores set up): about as much as a few positions.
@@ -272,7 +271,7 @@ pub(super) fn attend_all(
                         rope.apply(query, position);
                     }
                     let cache = &caches[sequences[row]];
-                    let cached = &cache.layers[layer];
+                    let (keys, values) = cache.layer(layer);
                     let attended = attend(
                         Queries {
                             rows: queries,
@@ -281,9 +280,9 @@ pub(super) fn attend_all(
                             visible: &[position + 1],
                         },
                         KeyValues {
-                            keys: &cached.keys,
-                            values: &cached.values,
-                            offset: kv_head * cache.capacity * dim,
+                            keys,
+                            values,
+                            offset: kv_head * cache.capacity() * dim,
                             stride: dim,
                         },
                         dim,

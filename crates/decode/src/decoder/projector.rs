@@ -8,7 +8,7 @@ use qforge_kernels::gemm::{PANEL, SPLIT_CHANNELS_MIN_PANELS_PER_THREAD};
 use qforge_kernels::{Int8Linear, Team};
 
 use super::passes::FirstFailure;
-use crate::error::Result;
+use qforge_model::Result;
 
 /// Up to this many rows a layer with few panels is split by inputs (every
 /// thread sums an equal share of every panel's inputs for all rows, the

@@ -7,7 +7,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use qforge_model::{Activations, Decoder, Llama, Logits, Residency};
+use qforge_decode::Decoder;
+use qforge_model::{Activations, Llama, Logits, Residency};
 
 struct Counting;
 

@@ -12,8 +12,7 @@ use std::cell::RefCell;
 use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
 use rand::{Rng, rngs::StdRng};
 
-use crate::error::Result;
-use crate::llama::{Llama, Logits};
+use qforge_model::{Llama, Logits, Result};
 
 /// Picks the next token from one position's logits (see
 /// [`Distribution::sample`]).
@@ -310,7 +309,7 @@ mod tests {
 
         use super::super::{TokenLogProb, argmax, top_tokens};
 
-        use crate::error::Result;
+        use qforge_model::Result;
 
         pub(super) fn sample(
             logits: &[f32],

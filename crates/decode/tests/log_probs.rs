@@ -4,8 +4,9 @@
 use std::path::Path;
 
 use candle_core::Tensor;
-use qforge_model::lm::{continuation_log_probs, sample, token_log_prob};
-use qforge_model::{Activations, Decoder, LanguageModel, Logits};
+use qforge_decode::Decoder;
+use qforge_decode::sampling::{continuation_log_probs, sample, token_log_prob};
+use qforge_model::{Activations, LanguageModel, Logits};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 

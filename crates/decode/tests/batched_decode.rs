@@ -7,7 +7,8 @@
 
 use std::path::PathBuf;
 
-use qforge_model::{Activations, Decoder, KvCache, Llama, Logits, Residency, RotatedInput};
+use qforge_decode::Decoder;
+use qforge_model::{Activations, KvCache, Llama, Logits, Residency, RotatedInput};
 
 fn smollm2() -> Llama {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

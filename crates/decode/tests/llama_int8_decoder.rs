@@ -1,11 +1,12 @@
 //! The allocation-free INT8 decoder on a small random model against the
 //! tensor forward: step by step, and batched against each sequence alone.
 
-#[path = "support/tiny_llama.rs"]
+#[path = "../../model/tests/support/tiny_llama.rs"]
 mod tiny_llama;
 
-use qforge_model::{Llama, Logits, Statistics, StatsObserver};
-use tiny_llama::{HIDDEN, VOCAB, max_diff, step_difference, tiny_family};
+use qforge_decode::Decoder;
+use qforge_model::{KvCache, Llama, Logits, RotatedInput, Statistics, StatsObserver};
+use tiny_llama::{HIDDEN, VOCAB, max_diff, tiny_family};
 
 /// The allocation-free INT8 decoder against the tensor forward of the same
 /// INT8 model, step by step, on a random GQA Llama (tied lm_head) and a
@@ -37,8 +38,8 @@ fn int8_decoder_steps_match_the_tensor_forward() {
                 Logits::Last,
             )
             .unwrap();
-        let mut decoder = qforge_model::Decoder::new(threads).unwrap();
-        assert!(qforge_model::Decoder::supports(&model), "all INT8");
+        let mut decoder = Decoder::new(threads).unwrap();
+        assert!(Decoder::supports(&model), "all INT8");
         let mut ours = cache.clone();
         for step in 0..12u32 {
             let token = (step * 37 + 3) % VOCAB as u32;
@@ -120,4 +121,77 @@ fn batched_steps_match_each_sequence_decoded_alone() {
         );
     }
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The largest logit difference between one INT8 decoder step on `ours`
+/// and the tensor forward's step on `reference` (caches of the same
+/// positions), both continuing with `token`.
+pub fn step_difference(
+    model: &Llama,
+    reference: &mut KvCache,
+    decoder: &mut Decoder,
+    ours: &mut KvCache,
+    token: u32,
+) -> f32 {
+    let expected = model
+        .forward(&[vec![token]], Some(reference), None, Logits::Last)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    max_diff(
+        decoder.step(model, &mut [ours], &[token], None).unwrap(),
+        &expected,
+    )
+}
+
+/// `model` with every linear int8 (dynamic activations): after a prompt,
+/// the INT8 decoder's steps give the tensor forward's logits.
+fn int8_decoder_follows_the_forward(model: &Llama) {
+    let int8 = model
+        .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
+        .unwrap();
+    let prompt = vec![1u32, 5, 9, 33, 70, 11];
+    let mut cache = int8.new_cache();
+    int8.forward(
+        std::slice::from_ref(&prompt),
+        Some(&mut cache),
+        None,
+        Logits::Last,
+    )
+    .unwrap();
+    let mut decoder = Decoder::new(2).unwrap();
+    let mut ours = cache.clone();
+    for token in [3u32, 17, 42] {
+        let diff = step_difference(&int8, &mut cache, &mut decoder, &mut ours, token);
+        assert!(diff < 1e-4, "int8 decoder: max |Δ| {diff}");
+    }
+}
+
+/// The INT8 decoder rotates like the tensor forward it stands in for: every
+/// input rotated online, and QuaRot's arrangement (the residual stream
+/// rotated offline, the inputs it does not reach online) on a Llama and a
+/// Qwen2.
+#[test]
+fn rotated_models_decode_as_their_tensor_forward() {
+    let dir = tiny_family("decode-rotated", false);
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    int8_decoder_follows_the_forward(&model.rotated(&RotatedInput::ALL).unwrap());
+    std::fs::remove_dir_all(dir).unwrap();
+    for qwen2 in [false, true] {
+        let dir = tiny_family(
+            if qwen2 {
+                "decode-quarot-qwen2"
+            } else {
+                "decode-quarot"
+            },
+            qwen2,
+        );
+        let model = Llama::from_hf_dir(&dir).unwrap();
+        let online = [RotatedInput::AttentionOutput, RotatedInput::MlpProduct];
+        let quarot = model.residual_rotated(7).unwrap().rotated(&online).unwrap();
+        int8_decoder_follows_the_forward(&quarot);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

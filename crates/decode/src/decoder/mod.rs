@@ -30,10 +30,9 @@ use self::passes::{
     AttentionShape, NormPass, Rope, attend_all, normalize, observe, rotate_rows, store, swiglu,
 };
 use self::projector::Projector;
-use super::{KvCache, Layer, Llama, RotatedInput, Rotations};
-use crate::error::Result;
-use crate::linear::Linear;
-use crate::observe::Observer;
+use qforge_formats::llama_config::LlamaConfig;
+use qforge_model::llama::{Layer, Rotations};
+use qforge_model::{KvCache, Linear, Llama, Observer, Result, RotatedInput};
 
 /// The INT8 layers of one decoder layer, in forward order.
 struct Int8Layer<'m> {
@@ -155,12 +154,12 @@ impl Decoder {
     /// tables in f32 (the tensor forward serves the others).
     pub fn supports(model: &Llama) -> bool {
         let f32 = |t: &Tensor| t.dtype() == DType::F32;
-        f32(&model.embed_tokens)
-            && f32(&model.norm)
-            && f32(&model.cos)
-            && f32(&model.sin)
-            && int8(&model.lm_head).is_some()
-            && model.layers.iter().all(|layer| {
+        f32(model.embed_tokens())
+            && f32(model.final_norm())
+            && f32(model.rope_tables().0)
+            && f32(model.rope_tables().1)
+            && int8(model.lm_head()).is_some()
+            && model.layers().iter().all(|layer| {
                 Int8Layer::of(layer).is_some()
                     && f32(&layer.input_norm)
                     && f32(&layer.post_attention_norm)
@@ -232,14 +231,17 @@ impl Decoder {
         b.place(caches, chunks);
         let d = c.hidden_size;
         {
-            let table = F32View::of(&model.embed_tokens)?;
+            let table = F32View::of(model.embed_tokens())?;
             let table = table.values()?;
             for (row, &token) in fit(&mut b.x, rows * d).chunks_exact_mut(d).zip(tokens) {
                 let at = token as usize * d;
                 row.copy_from_slice(&table[at..at + d]);
             }
         }
-        let (cos, sin) = (F32View::of(&model.cos)?, F32View::of(&model.sin)?);
+        let (cos, sin) = (
+            F32View::of(model.rope_tables().0)?,
+            F32View::of(model.rope_tables().1)?,
+        );
         let pass = Pass {
             rows,
             eps: c.rms_norm_eps as f32,
@@ -248,7 +250,7 @@ impl Decoder {
                 sin: sin.values()?,
                 half: c.head_dim / 2,
             },
-            rotations: &model.rotations,
+            rotations: model.rotations(),
             attention: AttentionShape {
                 heads: c.num_heads,
                 group: c.num_heads / c.num_kv_heads,
@@ -257,7 +259,7 @@ impl Decoder {
             },
         };
         b.fit_rows(c, rows);
-        for (i, layer) in model.layers.iter().enumerate() {
+        for (i, layer) in model.layers().iter().enumerate() {
             decoder_layer(
                 &mut self.projector,
                 b,
@@ -267,7 +269,7 @@ impl Decoder {
                 &mut observer,
             )?;
         }
-        let norm = F32View::of(&model.norm)?;
+        let norm = F32View::of(model.final_norm())?;
         normalize(
             &mut self.projector.team,
             pass.norm(norm.values()?, RotatedInput::Head, &b.out),
@@ -283,12 +285,12 @@ impl Decoder {
             let row = first + chunks.length(s) - 1;
             b.last.extend_from_slice(&b.h[row * d..(row + 1) * d]);
         }
-        let lm_head = int8(&model.lm_head).expect("checked by supports");
+        let lm_head = int8(model.lm_head()).expect("checked by supports");
         let logits = fit(&mut b.logits, n * c.vocab_size);
         self.projector
             .project(n, &b.last, &[lm_head], &mut [logits])?;
         for (s, cache) in caches.iter_mut().enumerate() {
-            cache.len += chunks.length(s);
+            cache.commit(chunks.length(s));
         }
         Ok(&b.logits[..n * c.vocab_size])
     }
@@ -318,17 +320,14 @@ fn prepare(
     if let Some(longest) = caches
         .iter()
         .enumerate()
-        .map(|(s, k)| k.len + chunks.length(s))
+        .map(|(s, k)| k.len() + chunks.length(s))
         .max()
     {
         model.check_positions(longest)?;
     }
     for (s, cache) in caches.iter_mut().enumerate() {
         model.check_cache(cache)?;
-        let needed = cache.len + chunks.length(s);
-        if needed > cache.capacity {
-            cache.grow_to(needed.max(2 * cache.capacity));
-        }
+        cache.make_room_for(cache.len() + chunks.length(s));
     }
     Ok(())
 }
@@ -342,13 +341,13 @@ impl Buffers {
         for (s, cache) in caches.iter().enumerate() {
             let length = chunks.length(s);
             self.first_rows.push(self.positions.len());
-            self.positions.extend(cache.len..cache.len + length);
+            self.positions.extend(cache.len()..cache.len() + length);
             self.sequences.extend(std::iter::repeat_n(s, length));
         }
     }
 
     /// Sizes the activations for `rows` rows of a model of config `c`.
-    fn fit_rows(&mut self, c: &super::LlamaConfig, rows: usize) {
+    fn fit_rows(&mut self, c: &LlamaConfig, rows: usize) {
         let (d, hd) = (c.hidden_size, c.head_dim);
         fit(&mut self.h, rows * d);
         fit(&mut self.out, rows * d);
