@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use qforge_core::{Digest, DigestBuilder};
-use qforge_model::{Format, Model, TextSide};
+use qforge_formats::text::TextSide;
+use qforge_model::{Format, Model};
 
 use crate::data::{Dataset, EpisodeContent, Record, fits_width, load_jsonl};
 use crate::error::{Error, Result};

@@ -316,7 +316,7 @@ fn agreement(args: AgreementArgs) -> Result<()> {
     let width = reference.config().observation_dim;
     let observations = read_observations(&args.observations, width)?;
     print_report(
-        &model.agreement_with(&reference, &observations)?,
+        &qforge_eval::agreement(&model, &reference, &observations)?,
         args.flags,
     )
 }

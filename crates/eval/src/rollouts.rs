@@ -7,8 +7,9 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 
 use qforge_decode::{GenerateOptions, generate};
+use qforge_formats::text::TextSide;
+use qforge_model::LanguageModel;
 use qforge_model::Result;
-use qforge_model::lm::{LanguageModel, TextSide};
 
 /// A task with an exact reward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -301,7 +301,7 @@ fn write_tensors(out: &BTreeMap<String, TensorOut<'_>>, dest: &Path) -> Result<(
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::Inconsistent(e.to_string()))?;
-    Ok(qforge_model::artifact::write_safetensors(
+    Ok(qforge_formats::safetensors_file::write_safetensors(
         &dest.join("model.safetensors"),
         views,
     )?)

@@ -2,11 +2,13 @@
 //!
 //! It owns reading regular files within limits and inside their directory
 //! ([`files`]), writing results atomically ([`output`]), the GGUF parser
-//! ([`gguf`]), the protobuf types of qforge's ONNX subset and the reading
+//! ([`gguf`]), a language model's tokenizer and chat template ([`text`]),
+//! the protobuf types of qforge's ONNX subset and the reading
 //! of MLP graphs as chains of layers ([`onnx`]), the hyper-parameters of a Llama-family decoder from a
 //! Hugging Face `config.json` or GGUF metadata ([`llama_config`]), tokenizers from `tokenizer.json` or a GGUF header
 //! ([`tokenizer`]), an artifact's `manifest.json` ([`manifest`]) and its
-//! `calibration.json` ([`profile`]), a policy's `policy.json` with what its
+//! `calibration.json` ([`profile`]), safetensors files written a tensor at a
+//! time ([`safetensors_file`]), a policy's `policy.json` with what its
 //! head's outputs mean ([`policy`]), and data spilled to unnamed temporary
 //! files, mapped read-only ([`spill`]).
 //!
@@ -23,7 +25,9 @@ pub mod onnx;
 pub mod output;
 pub mod policy;
 pub mod profile;
+pub mod safetensors_file;
 pub mod spill;
+pub mod text;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -9,7 +9,6 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::linear::{Linear, check_finite_tensor};
@@ -353,47 +352,5 @@ impl MlpPolicy {
             .filter(|(a, b)| self.actions_agree(a, b))
             .count();
         agreeing as f64 / ours.len().max(1) as f64
-    }
-
-    /// How often this policy's actions agree with `reference`'s on
-    /// `observations` (row-major). The two must take the same observations
-    /// through the same head.
-    pub fn agreement_with(
-        &self,
-        reference: &MlpPolicy,
-        observations: &[f32],
-    ) -> Result<AgreementReport> {
-        let (ours, theirs) = (self.config(), reference.config());
-        if ours.observation_dim != theirs.observation_dim || ours.head != theirs.head {
-            return Err(qforge_formats::Error::Request(
-                "the policies differ in observation width or head; agreement needs the same interface"
-                    .into(),
-            ).into());
-        }
-        let actions = self.act(observations)?;
-        Ok(AgreementReport {
-            agreement: reference.agreement(&actions, &reference.act(observations)?),
-            observations: actions.len(),
-        })
-    }
-}
-
-/// What `qforge eval agreement` reports.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct AgreementReport {
-    /// The share of observations whose actions agree.
-    pub agreement: f64,
-    /// Observations compared.
-    pub observations: usize,
-}
-
-impl std::fmt::Display for AgreementReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "action agreement {:.2} % over {} observations",
-            100.0 * self.agreement,
-            self.observations
-        )
     }
 }

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use qforge_model::{ChatMessage, LanguageModel};
+use qforge_formats::text::ChatMessage;
+use qforge_model::LanguageModel;
 
 fn smollm2() -> LanguageModel {
     let path =

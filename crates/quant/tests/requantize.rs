@@ -79,7 +79,8 @@ fn write_policy(dir: &Path, config: &PolicyConfig, layers: &[(Vec<f32>, Vec<f32>
             )
         })
         .collect();
-    qforge_model::artifact::write_safetensors(&dir.join("model.safetensors"), views).unwrap();
+    qforge_formats::safetensors_file::write_safetensors(&dir.join("model.safetensors"), views)
+        .unwrap();
 }
 
 /// The full-precision layers of a policy directory, each weight passed

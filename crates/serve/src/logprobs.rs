@@ -233,7 +233,8 @@ mod tests {
     use std::collections::HashMap;
 
     use qforge_decode::sampling::continuation_log_probs;
-    use qforge_model::{Activations, ChatMessage, LanguageModel};
+    use qforge_formats::text::ChatMessage;
+    use qforge_model::{Activations, LanguageModel};
 
     use crate::rollout::{RolloutMode, RolloutOptions};
     use crate::server::ServeOptions;

@@ -11,7 +11,8 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use qforge_formats::policy::Head;
-use qforge_model::{LanguageModel, MlpPolicy, TextSide};
+use qforge_formats::text::TextSide;
+use qforge_model::{LanguageModel, MlpPolicy};
 use tokio::sync::Semaphore;
 
 use crate::batcher::Batcher;

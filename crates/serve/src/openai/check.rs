@@ -11,7 +11,7 @@
 
 use axum::http::StatusCode;
 use axum::response::Response;
-use qforge_model::ChatMessage;
+use qforge_formats::text::ChatMessage;
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::response::{IntoResponse, Response};
 use qforge_decode::sampling::TokenLogProb;
-use qforge_model::TextSide;
+use qforge_formats::text::TextSide;
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::UnboundedReceiver;
