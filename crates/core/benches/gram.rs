@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use qforge_core::{CpuTier, Gram, GramTier, MergePolicy, Provenance, Stats, TensorStats};
+use qforge_core::{CpuTier, Gram, MergePolicy, Provenance, Stats, TensorStats, VectorTier};
 use rand::{SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, Normal};
 
@@ -29,12 +29,12 @@ fn bench_gram(c: &mut Criterion) {
         group.throughput(Throughput::Elements(
             (rows * width * (width + 1) / 2) as u64,
         ));
-        for &tier in GramTier::ALL {
+        for &tier in VectorTier::ALL {
             if !tier.is_supported() {
                 eprintln!("SKIPPED: {tier:?} is not supported on this CPU");
                 continue;
             }
-            if width == 4096 && tier == GramTier::Portable {
+            if width == 4096 && tier == VectorTier::Portable {
                 continue;
             }
             group.bench_with_input(BenchmarkId::new(tier.name(), width), &values, |b, v| {

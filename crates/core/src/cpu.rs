@@ -102,3 +102,43 @@ pub trait CpuTier: Copy + 'static {
             .unwrap_or(Self::ALL[0])
     }
 }
+
+/// The tier set of the kernels compiled three times: for the target's
+/// baseline instruction set, with AVX2 and FMA, and with AVX-512F (x86-64):
+/// the Gram matrices' partial sums, the Hadamard transform and GPTQ's
+/// solver. They need the same features, so one type says which of them
+/// this CPU runs (as `FmaTier` does for the kernels with only an AVX2 fast
+/// path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VectorTier {
+    /// Compiled for the target's baseline instruction set.
+    Portable,
+    /// Compiled with AVX2 and FMA (x86-64 only).
+    Avx2,
+    /// Compiled with AVX-512F (x86-64 only).
+    Avx512,
+}
+
+impl CpuTier for VectorTier {
+    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2, Self::Avx512];
+
+    fn is_supported(self) -> bool {
+        let cpu = CpuFeatures::get();
+        match self {
+            Self::Portable => true,
+            Self::Avx2 => cpu.avx2 && cpu.fma,
+            Self::Avx512 => cpu.avx512f,
+        }
+    }
+}
+
+impl VectorTier {
+    /// `portable`, `avx2` or `avx512`, as `qforge info` prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+        }
+    }
+}

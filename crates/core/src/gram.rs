@@ -23,7 +23,7 @@
 
 use rayon::prelude::*;
 
-use crate::cpu::CpuTier;
+use crate::cpu::{CpuTier, VectorTier};
 use crate::error::{Error, Result};
 
 /// Rows per chunk of an observation whose f32 sums are rounded to fixed point
@@ -57,43 +57,6 @@ pub struct Gram {
     exponent: i32,
     rows: u64,
     upper: Vec<i128>,
-}
-
-/// A CPU tier of the partial-sum kernel. Every tier performs the same f32
-/// fused multiply-adds in the same order, so every tier gives the same
-/// bits; they differ in vector width.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GramTier {
-    /// The kernel compiled for the target's baseline instruction set.
-    Portable,
-    /// The kernel compiled with AVX2 and FMA (x86-64 only).
-    Avx2,
-    /// The kernel compiled with AVX-512F (x86-64 only).
-    Avx512,
-}
-
-impl CpuTier for GramTier {
-    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2, Self::Avx512];
-
-    fn is_supported(self) -> bool {
-        let cpu = crate::CpuFeatures::get();
-        match self {
-            Self::Portable => true,
-            Self::Avx2 => cpu.avx2 && cpu.fma,
-            Self::Avx512 => cpu.avx512f,
-        }
-    }
-}
-
-impl GramTier {
-    /// `portable`, `avx2` or `avx512`, as `qforge info` prints it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Portable => "portable",
-            Self::Avx2 => "avx2",
-            Self::Avx512 => "avx512",
-        }
-    }
 }
 
 impl Gram {
@@ -148,7 +111,7 @@ impl Gram {
 
     /// Adds `values`, rows of `width` values, with the fastest tier.
     pub fn observe(&mut self, values: &[f32]) -> Result<()> {
-        self.observe_with(GramTier::detect(), values)
+        self.observe_with(VectorTier::detect(), values)
     }
 
     /// Adds `values` with a chosen kernel tier; errors if the CPU lacks it.
@@ -156,7 +119,7 @@ impl Gram {
     /// matrix unchanged. Nothing the size of the matrix is allocated: sums
     /// are added in place, a panel of rows at a time, the panels side by
     /// side on the rayon pool.
-    pub fn observe_with(&mut self, tier: GramTier, values: &[f32]) -> Result<()> {
+    pub fn observe_with(&mut self, tier: VectorTier, values: &[f32]) -> Result<()> {
         if !tier.is_supported() {
             return Err(Error::UnsupportedTier(format!("{tier:?}")));
         }
@@ -398,7 +361,7 @@ enum Direction {
 /// each panel applied: a panel short of its length stopped at an entry that
 /// could not be applied, and applied none after it.
 fn apply_chunk(
-    tier: GramTier,
+    tier: VectorTier,
     packed: &[f32],
     width: usize,
     upper: &mut [i128],
@@ -429,16 +392,19 @@ fn apply_chunk(
                 scale,
                 direction,
             };
+            // Every tier performs the same f32 fused multiply-adds in the
+            // same order, so every tier gives the same bits; they differ in
+            // vector width.
             match tier {
-                GramTier::Portable => panel_portable(&panel, entries, strip),
+                VectorTier::Portable => panel_portable(&panel, entries, strip),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the caller checked `tier.is_supported()`.
-                GramTier::Avx2 => unsafe { panel_avx2(&panel, entries, strip) },
+                VectorTier::Avx2 => unsafe { panel_avx2(&panel, entries, strip) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                GramTier::Avx512 => unsafe { panel_avx512(&panel, entries, strip) },
+                VectorTier::Avx512 => unsafe { panel_avx512(&panel, entries, strip) },
                 #[cfg(not(target_arch = "x86_64"))]
-                GramTier::Avx2 | GramTier::Avx512 => unreachable!("rejected by is_supported"),
+                VectorTier::Avx2 | VectorTier::Avx512 => unreachable!("rejected by is_supported"),
             }
         })
         .collect()
@@ -658,7 +624,7 @@ mod tests {
             let v = values(rows, width, (rows * width) as u64);
             let exponent = Gram::exponent_for(4.0, rows as u64).unwrap();
             let expected = reference(&v, width, exponent);
-            for &tier in GramTier::ALL {
+            for &tier in VectorTier::ALL {
                 let mut gram = Gram::new(width, exponent).unwrap();
                 match gram.observe_with(tier, &v) {
                     Ok(()) => {
@@ -774,7 +740,7 @@ mod tests {
             (first_panel, "entry (0, 35)"),
             (middle_panel, "entry (16, 20)"),
         ] {
-            for &tier in GramTier::ALL {
+            for &tier in VectorTier::ALL {
                 if !tier.is_supported() {
                     continue;
                 }

@@ -38,9 +38,9 @@ pub mod splitmix;
 pub mod stats;
 
 pub use calibrate::Calibrator;
-pub use cpu::{CpuFeatures, CpuTier};
+pub use cpu::{CpuFeatures, CpuTier, VectorTier};
 pub use error::{Error, Result};
-pub use gram::{Gram, GramTier};
+pub use gram::Gram;
 pub use histogram::{Histogram, ObserveTier};
 pub use metrics::{ErrorMetrics, error_metrics};
 pub use params::{Fit, QuantParams, RangeWarning};

@@ -7,7 +7,8 @@ mod support;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use qforge_core::CpuTier;
-use qforge_kernels::{Hadamard, HadamardTier};
+use qforge_core::VectorTier;
+use qforge_kernels::Hadamard;
 
 fn hadamard(c: &mut Criterion) {
     let mut group = c.benchmark_group("hadamard_row");
@@ -17,7 +18,7 @@ fn hadamard(c: &mut Criterion) {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
             .collect();
         group.throughput(Throughput::Elements(n as u64));
-        for &tier in HadamardTier::ALL.iter().filter(|t| t.is_supported()) {
+        for &tier in VectorTier::ALL.iter().filter(|t| t.is_supported()) {
             group.bench_function(BenchmarkId::new(format!("{tier:?}"), n), |b| {
                 // Rotating the same row over and over keeps its magnitude:
                 // the rotation is orthogonal.

@@ -17,7 +17,7 @@
 
 use std::cell::RefCell;
 
-use qforge_core::CpuTier;
+use qforge_core::{CpuTier, VectorTier};
 
 use crate::error::{Error, Result};
 
@@ -28,30 +28,6 @@ thread_local! {
 
 /// Orders of the non-power-of-two factor this module can build.
 pub const SMALL_ORDERS: [usize; 5] = [1, 12, 20, 28, 36];
-
-/// A CPU tier of the transform.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HadamardTier {
-    /// Compiled for the target's baseline instruction set.
-    Portable,
-    /// Compiled with AVX2 (x86-64 only).
-    Avx2,
-    /// Compiled with AVX-512F (x86-64 only).
-    Avx512,
-}
-
-impl CpuTier for HadamardTier {
-    const ALL: &'static [Self] = &[Self::Portable, Self::Avx2, Self::Avx512];
-
-    fn is_supported(self) -> bool {
-        let cpu = qforge_core::CpuFeatures::get();
-        match self {
-            Self::Portable => true,
-            Self::Avx2 => cpu.avx2,
-            Self::Avx512 => cpu.avx512f,
-        }
-    }
-}
 
 /// The rotation of rows of `n` values.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +89,7 @@ impl Hadamard {
         for i in 0..n {
             rows[i * n + i] = 1.0;
         }
-        self.rotate_with(HadamardTier::Portable, &mut rows)
+        self.rotate_with(VectorTier::Portable, &mut rows)
             .expect("n × n values are n rows, and the portable tier runs anywhere");
         // Entries are ±1/√n (a Hadamard matrix, normalized): never zero.
         rows.iter_mut().for_each(|v| *v = v.signum());
@@ -123,11 +99,11 @@ impl Hadamard {
     /// Rotates every row of `rows` (rows of [`Hadamard::len`] values) in
     /// place, on the fastest tier.
     pub fn rotate(&self, rows: &mut [f32]) -> Result<()> {
-        self.rotate_with(HadamardTier::detect(), rows)
+        self.rotate_with(VectorTier::detect(), rows)
     }
 
     /// [`Hadamard::rotate`] on a chosen tier; errors if the CPU lacks it.
-    pub fn rotate_with(&self, tier: HadamardTier, rows: &mut [f32]) -> Result<()> {
+    pub fn rotate_with(&self, tier: VectorTier, rows: &mut [f32]) -> Result<()> {
         if !rows.len().is_multiple_of(self.n) {
             return Err(Error::Shape(format!(
                 "{} values are not rows of {}",
@@ -142,7 +118,7 @@ impl Hadamard {
         Ok(())
     }
 
-    fn rotate_rows(&self, tier: HadamardTier, rows: &mut [f32], scratch: &mut Vec<f32>) {
+    fn rotate_rows(&self, tier: VectorTier, rows: &mut [f32], scratch: &mut Vec<f32>) {
         // Grown once per thread to the widest rotation, so that a decode step
         // does not allocate.
         let width = self.small.len().min(1) * self.n;
@@ -152,15 +128,15 @@ impl Hadamard {
         let scratch = &mut scratch[..width];
         for row in rows.chunks_exact_mut(self.n) {
             match tier {
-                HadamardTier::Portable => self.row(row, scratch),
+                VectorTier::Portable => self.row(row, scratch),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the tier's features were checked above.
-                HadamardTier::Avx2 => unsafe { self.row_avx2(row, scratch) },
+                VectorTier::Avx2 => unsafe { self.row_avx2(row, scratch) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                HadamardTier::Avx512 => unsafe { self.row_avx512(row, scratch) },
+                VectorTier::Avx512 => unsafe { self.row_avx512(row, scratch) },
                 #[cfg(not(target_arch = "x86_64"))]
-                HadamardTier::Avx2 | HadamardTier::Avx512 => unreachable!("checked above"),
+                VectorTier::Avx2 | VectorTier::Avx512 => unreachable!("checked above"),
             }
         }
     }
@@ -301,7 +277,7 @@ mod tests {
         for i in 0..n {
             m[i * n + i] = 1.0;
         }
-        h.rotate_with(HadamardTier::Portable, &mut m).unwrap();
+        h.rotate_with(VectorTier::Portable, &mut m).unwrap();
         m.into_iter().map(f64::from).collect()
     }
 
@@ -396,9 +372,8 @@ mod tests {
             .map(|i| ((i as f32) * 0.37).sin() * 10.0)
             .collect();
         let mut reference = x.clone();
-        h.rotate_with(HadamardTier::Portable, &mut reference)
-            .unwrap();
-        for &tier in HadamardTier::ALL.iter().filter(|t| t.is_supported()) {
+        h.rotate_with(VectorTier::Portable, &mut reference).unwrap();
+        for &tier in VectorTier::ALL.iter().filter(|t| t.is_supported()) {
             let mut y = x.clone();
             h.rotate_with(tier, &mut y).unwrap();
             let same = y

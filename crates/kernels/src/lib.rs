@@ -35,7 +35,7 @@ pub mod tiers;
 pub use attention::{AttentionTier, KeyValues, Queries};
 pub use error::{Error, Result};
 pub use gemm::{GemmTier, PackedWeights, WEIGHT_QMAX};
-pub use hadamard::{Hadamard, HadamardTier};
+pub use hadamard::Hadamard;
 pub use linear::{Activations, Int8Linear, Scratch, quantize_rows_symmetric};
 pub use quantize::{QuantizeTier, ZERO_POINT};
 pub use team::Team;

@@ -6,10 +6,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use qforge_core::{CpuFeatures, CpuTier, GramTier, ObserveTier};
+use qforge_core::{CpuFeatures, CpuTier, ObserveTier, VectorTier};
 use serde::Serialize;
 
-use crate::{AttentionTier, GemmTier, HadamardTier, QuantizeTier};
+use crate::{AttentionTier, GemmTier, QuantizeTier};
 
 /// This build, this CPU, and each hot kernel's tier.
 #[derive(Debug, Serialize)]
@@ -34,11 +34,11 @@ impl MachineReport {
         let tier = |t: &dyn fmt::Debug| format!("{t:?}").to_lowercase();
         let tiers = [
             ("observe", tier(&ObserveTier::detect())),
-            ("gram", tier(&GramTier::detect())),
+            ("gram", tier(&VectorTier::detect())),
             ("quantize", tier(&QuantizeTier::detect())),
             ("gemm", GemmTier::detect().name().to_owned()),
             ("attention", tier(&AttentionTier::detect())),
-            ("hadamard", tier(&HadamardTier::detect())),
+            ("hadamard", tier(&VectorTier::detect())),
         ];
         Self {
             version: env!("CARGO_PKG_VERSION"),

@@ -12,7 +12,7 @@
 //! independent and may run on any thread), so equal Hessians give equal
 //! bits.
 
-use qforge_core::CpuTier;
+use qforge_core::{CpuTier, VectorTier};
 use qforge_kernels::WEIGHT_QMAX;
 use qforge_model::Int8Weight;
 use rayon::prelude::*;
@@ -58,7 +58,11 @@ pub struct Gptq {
     /// reads it.
     blocks: Vec<FactorBlock>,
     block_size: usize,
-    tier: Tier,
+    /// The vector unit the solver's f64 loops run on. Every tier runs the
+    /// same operations in the same order (Rust never fuses a multiply and an
+    /// add on its own), so all give the same bits; the wider ones do more
+    /// lanes at once.
+    tier: VectorTier,
 }
 
 /// The factor's rows `start..end` (a block of columns rounded together):
@@ -107,30 +111,6 @@ impl FactorBlock {
     }
 }
 
-/// The vector unit the solver's f64 loops are compiled for. Every tier runs
-/// the same operations in the same order (Rust never fuses a multiply and
-/// an add on its own), so all give the same bits; the wider ones do more
-/// lanes at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Tier {
-    Baseline,
-    Avx2,
-    Avx512,
-}
-
-impl CpuTier for Tier {
-    const ALL: &'static [Self] = &[Tier::Baseline, Tier::Avx2, Tier::Avx512];
-
-    fn is_supported(self) -> bool {
-        let cpu = qforge_core::CpuFeatures::get();
-        match self {
-            Tier::Baseline => true,
-            Tier::Avx2 => cpu.avx2,
-            Tier::Avx512 => cpu.avx512f,
-        }
-    }
-}
-
 /// `fn $name(tier, args…)`: `$body` (an `#[inline(always)]` function, so
 /// each copy vectorizes for its instruction set) run on the tier's copy.
 /// `$body::<generics>` per tier (baseline, AVX2, AVX-512) lets each tier
@@ -145,7 +125,7 @@ macro_rules! tiered {
     ($(#[$doc:meta])* fn $name:ident => $body:ident::<[$($base:tt)*] [$($avx2:tt)*] [$($avx512:tt)*]>
         ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         $(#[$doc])*
-        fn $name(tier: Tier, $($arg: $ty),*) -> $ret {
+        fn $name(tier: VectorTier, $($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2")]
             fn avx2($($arg: $ty),*) -> $ret {
@@ -159,12 +139,12 @@ macro_rules! tiered {
             debug_assert!(tier.is_supported());
             match tier {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: a `Tier` in use is one the CPU supports
-                // (`Tier::detect`, or the tests' supported tiers).
-                Tier::Avx2 => unsafe { avx2($($arg),*) },
+                // SAFETY: a `VectorTier` in use is one the CPU supports
+                // (`VectorTier::detect`, or the tests' supported tiers).
+                VectorTier::Avx2 => unsafe { avx2($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                Tier::Avx512 => unsafe { avx512($($arg),*) },
+                VectorTier::Avx512 => unsafe { avx512($($arg),*) },
                 _ => $body::<$($base)*>($($arg),*),
             }
         }
@@ -178,10 +158,15 @@ impl Gptq {
     /// Prepares GPTQ for layers whose input has the Hessian `hessian`
     /// (`inputs × inputs`, row-major, symmetric).
     pub fn new(hessian: Vec<f64>, inputs: usize, options: &GptqOptions) -> Result<Self> {
-        Self::new_on(Tier::detect(), hessian, inputs, options)
+        Self::new_on(VectorTier::detect(), hessian, inputs, options)
     }
 
-    fn new_on(tier: Tier, hessian: Vec<f64>, inputs: usize, options: &GptqOptions) -> Result<Self> {
+    fn new_on(
+        tier: VectorTier,
+        hessian: Vec<f64>,
+        inputs: usize,
+        options: &GptqOptions,
+    ) -> Result<Self> {
         if inputs == 0 || hessian.len() != inputs * inputs {
             return Err(Error::Gptq(format!(
                 "a {}-entry Hessian for {inputs} inputs",
@@ -597,8 +582,8 @@ mod tests {
             let g = Gptq::new_on(tier, h.clone(), n, &options).unwrap();
             (g.factor(), g.round(&weight, out).unwrap())
         };
-        let baseline = on(Tier::Baseline);
-        for &tier in Tier::ALL.iter().filter(|t| t.is_supported()) {
+        let baseline = on(VectorTier::Portable);
+        for &tier in VectorTier::ALL.iter().filter(|t| t.is_supported()) {
             let (factor, rounded) = on(tier);
             let same_factor = factor
                 .iter()

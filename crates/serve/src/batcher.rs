@@ -25,6 +25,7 @@ use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
 use crate::metrics::Metrics;
+use crate::reload::Swap;
 
 /// One request's observations and where its actions go.
 pub struct Job {
@@ -61,19 +62,12 @@ pub struct Answer {
     pub version: u64,
 }
 
-/// A new policy for the batching thread, taken between two batches: the
-/// jobs queued before it are answered by the old one.
-struct Swap {
-    policy: MlpPolicy,
-    monitor: Option<DriftMonitor>,
-    version: u64,
-    done: oneshot::Sender<()>,
-}
-
 /// What the batching thread receives.
 enum Message {
     Job(Job),
-    Swap(Box<Swap>),
+    /// A new policy, taken between two batches: the jobs queued before it
+    /// are answered by the old one.
+    Swap(Box<Swap<MlpPolicy>>),
 }
 
 /// The queue's sending end.
@@ -205,14 +199,8 @@ impl Batcher {
         monitor: Option<DriftMonitor>,
         version: u64,
     ) -> Option<oneshot::Receiver<()>> {
-        let (done, swapped) = oneshot::channel();
-        let swap = Swap {
-            policy,
-            monitor,
-            version,
-            done,
-        };
-        self.queue.send(Message::Swap(Box::new(swap))).ok()?;
+        let (swap, swapped) = Swap::new(policy, monitor, version);
+        self.queue.send(Message::Swap(swap)).ok()?;
         Some(swapped)
     }
 }
@@ -282,8 +270,8 @@ impl BatchingThread {
     }
 
     /// Takes the new policy, then says so.
-    fn swap(&mut self, swap: Swap) {
-        self.policy = swap.policy;
+    fn swap(&mut self, swap: Swap<MlpPolicy>) {
+        self.policy = swap.model;
         self.monitor = swap.monitor;
         self.version = swap.version;
         let _ = swap.done.send(());

@@ -6,10 +6,11 @@
 //! reference with automatic rollback ([`rollout`]), and a drift monitor
 //! comparing layer inputs with calibration ([`drift`]).
 //!
-//! It depends on `qforge-model` and `qforge-formats` only (a native
-//! artifact or a policy directory loads there, its manifest and
-//! calibration profile read with `qforge-formats`); it must not depend on calibration, quantization
-//! or the CLI.
+//! It depends on `qforge-model`, `qforge-decode` and `qforge-formats` only
+//! (a native artifact or a policy directory loads in the model, completions
+//! decode on `qforge-decode`'s INT8 decoder, the manifest and calibration
+//! profile are read with `qforge-formats`); it must not depend on
+//! calibration, quantization or the CLI.
 
 pub mod batcher;
 pub mod conn;

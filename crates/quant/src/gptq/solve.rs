@@ -5,8 +5,8 @@
 use qforge_core::CpuTier;
 use rayon::prelude::*;
 
-use super::Tier;
 use crate::error::{Error, Result};
+use qforge_core::VectorTier;
 
 /// The upper-triangular `U` with `Uᵀ U = H⁻¹` for the Hessian with its
 /// columns in `order`, dampened and with unseen inputs made inert (unit
@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 /// `U = R⁻¹`: one factorization and one triangular inverse, both sums of
 /// products of two rows computed in register tiles.
 pub(super) fn inverse_factor(
-    tier: Tier,
+    tier: VectorTier,
     hessian: Vec<f64>,
     n: usize,
     order: &[usize],
@@ -110,7 +110,7 @@ pub(super) const SOLVE_BLOCK: usize = 32;
 /// columns and the diagonal block's rows, so the blocks below are
 /// independent; a Llama-3-8B `down_proj` input (14 336 wide) is one solve
 /// on its own, and a serial factorization left every core but one idle.
-fn cholesky_lower(tier: Tier, a: &mut [f64], n: usize, stride: usize) -> Result<()> {
+fn cholesky_lower(tier: VectorTier, a: &mut [f64], n: usize, stride: usize) -> Result<()> {
     for k0 in (0..n).step_by(SOLVE_BLOCK) {
         let k1 = (k0 + SOLVE_BLOCK).min(n);
         let (diagonal, below) = a[k0 * stride..].split_at_mut((k1 - k0) * stride);
@@ -308,7 +308,7 @@ fn block_dots<const JT: usize, const KT: usize>(
 /// rows `stride` apart, as `Y` is), upper triangular. Each block of
 /// [`SOLVE_BLOCK`] rows of `Y` reads only `l`, so the blocks run side by
 /// side on the rayon pool.
-fn inverse_transposed(tier: Tier, l: &[f64], n: usize, stride: usize) -> Vec<f64> {
+fn inverse_transposed(tier: VectorTier, l: &[f64], n: usize, stride: usize) -> Vec<f64> {
     let mut y = vec![0.0; n * stride];
     y.par_chunks_mut(SOLVE_BLOCK * stride)
         .enumerate()
@@ -373,7 +373,7 @@ mod tests {
         let n = 2 * SOLVE_BLOCK + 5;
         let (_, h) = correlated_inputs(50, n, 5);
         let order: Vec<usize> = (0..n).collect();
-        let u = inverse_factor(Tier::detect(), h.clone(), n, &order, 0.01).unwrap();
+        let u = inverse_factor(VectorTier::detect(), h.clone(), n, &order, 0.01).unwrap();
         let damp = 0.01 * (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
         // (Uᵀ U) (H + damp I) = I.
         for i in 0..n {

@@ -56,6 +56,7 @@ use crate::batcher::{Alive, panic_message};
 use crate::drift::DriftMonitor;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+use crate::reload::Swap;
 use scheduler::Scheduler;
 
 /// The engine's limits.
@@ -97,16 +98,8 @@ impl EngineLimits {
 /// What the engine's queue carries.
 enum Message {
     Request(Request),
-    Swap(Box<Swap>),
-}
-
-/// A reload: the model to serve once the admitted sequences are done.
-struct Swap {
-    lm: LanguageModel,
-    monitor: Option<DriftMonitor>,
-    version: u64,
-    /// Hears that the new model serves.
-    done: oneshot::Sender<()>,
+    /// A reload: the model to serve once the admitted sequences are done.
+    Swap(Box<Swap<LanguageModel>>),
 }
 
 /// The sending end of the engine's queue.
@@ -178,14 +171,8 @@ impl Engine {
         monitor: Option<DriftMonitor>,
         version: u64,
     ) -> Option<oneshot::Receiver<()>> {
-        let (done, swapped) = oneshot::channel();
-        let swap = Swap {
-            lm,
-            monitor,
-            version,
-            done,
-        };
-        self.queue.send(Message::Swap(Box::new(swap))).ok()?;
+        let (swap, swapped) = Swap::new(lm, monitor, version);
+        self.queue.send(Message::Swap(swap)).ok()?;
         Some(swapped)
     }
 }

@@ -23,10 +23,11 @@ use qforge_decode::Decoder;
 use qforge_model::LanguageModel;
 
 use super::sequence::Sequence;
-use super::{EngineLimits, Event, FinishReason, Finished, Message, Request, Swap};
+use super::{EngineLimits, Event, FinishReason, Finished, Message, Request};
 use crate::batcher::panic_message;
 use crate::drift::DriftMonitor;
 use crate::metrics::Metrics;
+use crate::reload::Swap;
 
 /// What the engine's thread owns: the model and its version, the queue of
 /// requests not yet admitted and the sequences admitted, in prefill or in
@@ -36,7 +37,7 @@ pub(super) struct Scheduler<'a> {
     /// The version of `lm`.
     version: u64,
     /// A reload waiting for the admitted sequences to finish.
-    swap: Option<Box<Swap>>,
+    swap: Option<Box<Swap<LanguageModel>>>,
     monitor: Option<DriftMonitor>,
     limits: EngineLimits,
     /// Where prefills run (`limits.prefill_threads`).
@@ -142,7 +143,7 @@ impl<'a> Scheduler<'a> {
         }
         if let Some(swap) = self.swap.take() {
             let Swap {
-                lm,
+                model: lm,
                 monitor,
                 version,
                 done,
@@ -380,8 +381,9 @@ mod tests {
     use tokio::sync::oneshot;
 
     use super::Scheduler;
-    use crate::engine::{EngineLimits, Event, Message, Request, Sibling, Swap, engine_pool};
+    use crate::engine::{EngineLimits, Event, Message, Request, Sibling, engine_pool};
     use crate::metrics::Metrics;
+    use crate::reload::Swap;
     use crate::testing::{smollm2, smollm2_int8};
 
     /// A greedy request for `prompt` and the receiving end of its events.
@@ -632,13 +634,8 @@ mod tests {
         scheduler.iteration();
         assert_eq!(scheduler.running.len(), 1);
 
-        let (done, mut swapped) = oneshot::channel();
-        scheduler.take(Message::Swap(Box::new(Swap {
-            lm,
-            monitor: None,
-            version: 2,
-            done,
-        })));
+        let (swap, mut swapped) = Swap::new(lm, None, 2);
+        scheduler.take(Message::Swap(swap));
         let (mut second, mut second_events) = request(prompt(8, 2), 2);
         let (admitted, mut admission) = oneshot::channel();
         second.admitted = Some(admitted);
