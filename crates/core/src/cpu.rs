@@ -104,16 +104,17 @@ pub trait CpuTier: Copy + 'static {
 }
 
 /// The tier set of the kernels compiled three times: for the target's
-/// baseline instruction set, with AVX2 and FMA, and with AVX-512F (x86-64):
-/// the Gram matrices' partial sums, the Hadamard transform and GPTQ's
-/// solver. They need the same features, so one type says which of them
-/// this CPU runs (as `FmaTier` does for the kernels with only an AVX2 fast
-/// path).
+/// baseline instruction set, for AVX2 and for AVX-512F (x86-64): the Gram
+/// matrices' partial sums, the Hadamard transform and GPTQ's solver. One
+/// type says which of them this CPU runs (as `FmaTier` does for the kernels
+/// with only an AVX2 fast path). Its AVX2 tier asks for FMA besides, which
+/// Gram's kernel uses; the other two use AVX2 alone, so an AVX2 CPU without
+/// FMA (none made since 2013) runs them portable, with the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VectorTier {
     /// Compiled for the target's baseline instruction set.
     Portable,
-    /// Compiled with AVX2 and FMA (x86-64 only).
+    /// Compiled with AVX2 (Gram's with FMA too); x86-64 only.
     Avx2,
     /// Compiled with AVX-512F (x86-64 only).
     Avx512,

@@ -9,8 +9,8 @@
 //! - [`Stats`], [`Provenance`], [`BatchId`]: the merged statistics of a pass,
 //!   where they came from, and which batches they contain.
 //! - [`Gram`]: exact Gram matrices `Σ x xᵀ` of layer inputs (GPTQ's
-//!   Hessians), f64 partials rounded to a run-wide fixed point and merged as
-//!   `i128`.
+//!   Hessians), f32 chunk sums scaled to a run-wide fixed point, rounded and
+//!   merged as `i128`.
 //! - [`Calibrator`]: minmax, percentile, entropy (KL), mse and sigma clipping.
 //! - [`QuantParams`]: int8 quantization parameters (symmetric, asymmetric)
 //!   and (de)quantization; the engine's per-row weight quantizer is

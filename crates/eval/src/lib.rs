@@ -7,8 +7,9 @@
 //! engine ([`sensitivity`]) and LLM episodes scored by a verifiable reward
 //! ([`rollouts`]).
 //!
-//! It depends on `qforge-model` (the forwards it measures) and
-//! `qforge-decode` (the generation its rollouts run) and is used by
+//! It depends on `qforge-formats`, `qforge-kernels`, `qforge-model` (the
+//! forwards it measures) and `qforge-decode` (the generation its rollouts
+//! run) and is used by
 //! the guard (`qforge-quant`), the CLI and the Python package; serving does
 //! not need it.
 

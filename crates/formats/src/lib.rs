@@ -14,7 +14,8 @@
 //!
 //! It depends on `qforge-core` only; it must not depend on the models
 //! (`qforge-model`: `Llama`, `MlpPolicy`, `Linear`, `LanguageModel`),
-//! the INT8 kernels, calibration, distribution, serving or the CLI.
+//! the INT8 kernels, decoding, evaluation, calibration, the runner, serving
+//! or the CLI.
 
 pub mod error;
 pub mod files;

@@ -1,6 +1,7 @@
 //! Transforms of a small random Llama that keep its function: SmoothQuant
 //! factors, Hadamard rotations and a rotated residual stream, on the tensor
-//! forward and on the INT8 decoder.
+//! forward (the INT8 decoder on rotated models: `qforge-decode`'s
+//! `llama_int8_decoder.rs`).
 
 #[path = "support/tiny_llama.rs"]
 mod tiny_llama;
@@ -63,7 +64,7 @@ fn smoothing_keeps_the_function_and_moves_the_activation_range() {
 }
 
 #[test]
-fn hadamard_rotations_keep_the_function_on_both_forwards() {
+fn hadamard_rotations_keep_the_function() {
     let dir = tiny_family("rotate", false);
     let model = Llama::from_hf_dir(&dir).unwrap();
     let every = RotatedInput::ALL;

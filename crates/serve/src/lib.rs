@@ -6,7 +6,8 @@
 //! reference with automatic rollback ([`rollout`]), and a drift monitor
 //! comparing layer inputs with calibration ([`drift`]).
 //!
-//! It depends on `qforge-model`, `qforge-decode` and `qforge-formats` only
+//! It depends on `qforge-core` (SplitMix64's mix for the A/B split),
+//! `qforge-model`, `qforge-decode` and `qforge-formats` only
 //! (a native artifact or a policy directory loads in the model, completions
 //! decode on `qforge-decode`'s INT8 decoder, the manifest and calibration
 //! profile are read with `qforge-formats`); it must not depend on

@@ -272,9 +272,8 @@ impl<'a> Walk<'a> {
         Ok(())
     }
 
-    /// A Softmax over the logits right after the last layer;
-    /// [`build_policy`](super::policy::build_policy) decides whether the head
-    /// lets it be dropped.
+    /// A Softmax over the logits right after the last layer; the model's
+    /// policy builder decides whether the head lets it be dropped.
     fn softmax(&mut self, node: &NodeProto, what: String) -> Result<()> {
         let axis = int_attributes(node, &what, &[("axis", -1)])?[0];
         if axis != -1 && axis != 1 {

@@ -42,8 +42,9 @@ use qforge_formats::llama_config::{Family, LlamaConfig};
 
 use crate::linear::Linear;
 
-/// One decoder layer. Read through [`Llama::layers`]; only this crate
-/// builds and changes one.
+/// One decoder layer, as [`Llama::layers`] shows it (the INT8 decoder reads
+/// its weights). A model's layers are built by its loaders and changed only
+/// by its transforms: a `&Llama` gives no way to change them.
 #[derive(Debug, Clone)]
 pub struct Layer {
     /// RMSNorm weight before attention, `[hidden]`.
