@@ -25,7 +25,7 @@ use tokio::sync::oneshot;
 
 use crate::drift::DriftMonitor;
 use crate::metrics::Metrics;
-use crate::reload::Swap;
+use crate::swap::Swap;
 
 /// One request's observations and where its actions go.
 pub struct Job {

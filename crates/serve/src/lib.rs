@@ -29,6 +29,7 @@ pub mod rollout;
 pub mod served;
 pub mod server;
 mod state;
+mod swap;
 #[cfg(test)]
 mod testing;
 mod token;

@@ -27,7 +27,6 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::oneshot;
 
-use crate::drift::DriftMonitor;
 use crate::error::{Error, Result};
 use crate::http::{error, worker_stopped};
 use crate::rollout::{Arm, served_label};
@@ -39,36 +38,6 @@ use crate::state::{AppState, Backend, LanguageBackend, PolicyBackend};
 struct ReloadRequest {
     /// The artifact directory, on the server's file system.
     model: PathBuf,
-}
-
-/// A model for a serving loop to swap in (a policy between two batches, a
-/// language model once its admitted completions are done), with the drift
-/// monitor that watches it and its version.
-pub(crate) struct Swap<M> {
-    pub(crate) model: M,
-    pub(crate) monitor: Option<DriftMonitor>,
-    pub(crate) version: u64,
-    /// Hears that the new model serves.
-    pub(crate) done: oneshot::Sender<()>,
-}
-
-impl<M> Swap<M> {
-    /// The swap to `model` as `version`, and the receiver that hears when
-    /// it serves.
-    pub(crate) fn new(
-        model: M,
-        monitor: Option<DriftMonitor>,
-        version: u64,
-    ) -> (Box<Self>, oneshot::Receiver<()>) {
-        let (done, swapped) = oneshot::channel();
-        let swap = Self {
-            model,
-            monitor,
-            version,
-            done,
-        };
-        (Box::new(swap), swapped)
-    }
 }
 
 /// Why a reload was refused.

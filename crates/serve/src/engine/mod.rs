@@ -56,7 +56,7 @@ use crate::batcher::{Alive, panic_message};
 use crate::drift::DriftMonitor;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::reload::Swap;
+use crate::swap::Swap;
 use scheduler::Scheduler;
 
 /// The engine's limits.

@@ -27,7 +27,7 @@ use super::{EngineLimits, Event, FinishReason, Finished, Message, Request};
 use crate::batcher::panic_message;
 use crate::drift::DriftMonitor;
 use crate::metrics::Metrics;
-use crate::reload::Swap;
+use crate::swap::Swap;
 
 /// What the engine's thread owns: the model and its version, the queue of
 /// requests not yet admitted and the sequences admitted, in prefill or in
@@ -383,7 +383,7 @@ mod tests {
     use super::Scheduler;
     use crate::engine::{EngineLimits, Event, Message, Request, Sibling, engine_pool};
     use crate::metrics::Metrics;
-    use crate::reload::Swap;
+    use crate::swap::Swap;
     use crate::testing::{smollm2, smollm2_int8};
 
     /// A greedy request for `prompt` and the receiving end of its events.
