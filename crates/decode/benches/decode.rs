@@ -8,43 +8,27 @@
 //! Run: `cargo bench -p qforge-decode --bench decode` (needs
 //! scripts/fetch-models.sh).
 
+mod support;
+
 use std::hint::black_box;
-use std::path::PathBuf;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use qforge_decode::Decoder;
-use qforge_model::{Activations, Llama, Logits, RotatedInput};
-
-fn model() -> Llama {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/smollm2-135m-instruct-q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} missing: run scripts/fetch-models.sh",
-        path.display()
-    );
-    Llama::from_gguf(&path).expect("load SmolLM2")
-}
+use qforge_model::{Logits, RotatedInput};
 
 fn bench(c: &mut Criterion) {
-    let model = model();
+    let model = support::smollm2();
     let prompt: Vec<u32> = (0..128u32).map(|i| (i * 997 + 13) % 49152).collect();
-    let int8 = model
-        .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
-        .expect("INT8 conversion");
+    let int8 = support::int8(&model);
     // The same decoder with the residual rotated offline (no run-time cost)
     // and down_proj's input rotated online: what the rotation costs a step.
     let residual = model.residual_rotated(0).expect("the residual rotation");
-    let to_int8 = |m: &Llama| {
-        m.with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
-            .expect("INT8 conversion")
-    };
-    let quarot = to_int8(
+    let quarot = support::int8(
         &residual
             .rotated(&[RotatedInput::MlpProduct])
             .expect("QuaRot"),
     );
-    let residual = to_int8(&residual);
+    let residual = support::int8(&residual);
     let mut decoder = Decoder::new(rayon::current_num_threads()).expect("decode threads");
     let mut group = c.benchmark_group("smollm2_int8_decoder");
     group.sample_size(20);

@@ -104,6 +104,71 @@ fn a_sequence_steps_to_the_same_bits_alone_or_in_any_batch() {
     batched_equals_alone(&quarot, 18, 2);
 }
 
+/// The `n` samples of a prompt (caches forked from its prefill) step
+/// side by side and read the prompt's positions once for all of them: each
+/// still gets the bits it gets alone. Families past the 16 rows that
+/// attend together, a family broken up by another sequence, an unforked
+/// sequence between families, on two and three threads (which split a
+/// family between them).
+#[test]
+fn forked_samples_stepping_together_get_the_bits_each_gets_alone() {
+    let model = int8(&smollm2());
+    let vocab = model.config().vocab_size;
+    let mut prefilled = prefilled(&model, 14);
+    let (mut long, mut short) = (prefilled.pop().unwrap(), prefilled.pop().unwrap());
+    let lone = prefilled.pop().unwrap();
+    let family = |origin: &mut KvCache, n: usize| -> Vec<KvCache> {
+        let mut samples: Vec<KvCache> = (1..n).map(|_| origin.fork()).collect();
+        samples.insert(0, origin.clone());
+        samples
+    };
+    let nineteen = family(&mut long, 19);
+    let three = family(&mut short, 3);
+    assert_eq!(nineteen[5].shared_prefix(), long.shared_prefix());
+    assert_eq!(long.shared_prefix().map(|p| p.len), Some(long.len()));
+    // 19 of the long prompt, one unforked, two of the short one, the third
+    // of it apart.
+    let mut start: Vec<KvCache> = nineteen;
+    start.push(lone);
+    start.extend_from_slice(&three[..2]);
+    start.push(prefilled.pop().unwrap());
+    start.push(three[2].clone());
+    let sequences = start.len() as u32;
+    let tokens = |step: u32| -> Vec<u32> {
+        (0..sequences)
+            .map(|s| 11 + (s * 733 + step * 97) % 40_000)
+            .collect()
+    };
+    for threads in [2, 3] {
+        let mut decoder = Decoder::new(threads).unwrap();
+        let mut batch = start.clone();
+        let mut batched = Vec::new();
+        for step in 0..3 {
+            let mut caches: Vec<&mut KvCache> = batch.iter_mut().collect();
+            let logits = decoder.step(&model, &mut caches, &tokens(step), None);
+            batched.push(logits.unwrap().to_vec());
+        }
+        for (s, cache) in start.iter().enumerate() {
+            let mut alone = cache.clone();
+            for (step, batched) in batched.iter().enumerate() {
+                let token = tokens(step as u32)[s];
+                let logits = decoder
+                    .step(&model, &mut [&mut alone], &[token], None)
+                    .unwrap();
+                let row = &batched[s * vocab..(s + 1) * vocab];
+                assert!(
+                    logits
+                        .iter()
+                        .zip(row)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "sequence {s} at step {step} on {threads} threads differs from its \
+                     step beside its siblings"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_batched_step_refuses_what_it_cannot_step() {
     let fp = smollm2();

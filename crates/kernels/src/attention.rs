@@ -94,6 +94,35 @@ pub struct KeyValues<'a> {
     pub stride: usize,
 }
 
+/// Keys and values split at position `len`: positions before it from
+/// `prefix`, one cache for every query position of the call, the rest
+/// from each query position's own (`own(p)`). Sibling sequences (the `n`
+/// samples of one prompt, whose caches hold the prompt's positions bit for
+/// bit in common) attend together so, and the prefix's keys and values
+/// are read once for all of them. Which cache a position's key comes from
+/// changes nothing else: each query's scores, softmax and weighted values
+/// are computed in the same order as over one cache, so the result has
+/// the same bits.
+#[derive(Clone, Copy)]
+pub struct Split<'a> {
+    /// The keys and values of positions before `len`, shared.
+    pub prefix: KeyValues<'a>,
+    /// Positions read from `prefix`.
+    pub len: usize,
+    /// Query position `p`'s own keys and values (positions from `len` on,
+    /// at the same indices as in `prefix`).
+    pub own: &'a dyn Fn(usize) -> KeyValues<'a>,
+}
+
+impl std::fmt::Debug for Split<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Split")
+            .field("prefix", &self.prefix)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Attention of every query in `queries` over `kv`, on the fastest tier:
 /// `out` holds the outputs position by position, each position's heads in
 /// turn, `head_dim` values per head (so the group has `out.len() /
@@ -115,6 +144,35 @@ pub fn attend_with(
     tier: AttentionTier,
     queries: Queries<'_>,
     kv: KeyValues<'_>,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    let one_cache = Split {
+        prefix: kv,
+        len: usize::MAX,
+        own: &|_| kv,
+    };
+    attend_split_with(tier, queries, one_cache, head_dim, scale, out)
+}
+
+/// [`attend`] over keys and values [`Split`] between a shared prefix and
+/// each query position's own cache, on the fastest tier.
+pub fn attend_split(
+    queries: Queries<'_>,
+    kv: Split<'_>,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    attend_split_with(AttentionTier::detect(), queries, kv, head_dim, scale, out)
+}
+
+/// [`attend_split`] on a chosen tier.
+pub fn attend_split_with(
+    tier: AttentionTier,
+    queries: Queries<'_>,
+    kv: Split<'_>,
     head_dim: usize,
     scale: f32,
     out: &mut [f32],
@@ -175,36 +233,53 @@ impl Scratch<'_> {
     }
 }
 
-fn check(queries: Queries<'_>, kv: KeyValues<'_>, head_dim: usize, out: &[f32]) -> Result<()> {
+impl KeyValues<'_> {
+    /// Whether the keys and values of the first `positions` positions lie
+    /// within the slices.
+    fn holds(&self, positions: usize, head_dim: usize) -> bool {
+        let needed = match positions {
+            0 => 0,
+            _ => self.offset + (positions - 1) * self.stride + head_dim,
+        };
+        self.keys.len() >= needed && self.values.len() >= needed
+    }
+}
+
+fn check(queries: Queries<'_>, kv: Split<'_>, head_dim: usize, out: &[f32]) -> Result<()> {
     let positions = queries.positions();
     let group = out
         .len()
         .checked_div(head_dim * positions)
         .unwrap_or_default();
     let longest = queries.longest();
-    let fits_kv = |len: usize| len >= kv.offset + (longest - 1) * kv.stride + head_dim;
     let last_query = |group: usize| {
         (positions - 1) * queries.position_stride + (group - 1) * queries.head_stride + head_dim
+    };
+    let own_fits = |p: usize| {
+        let visible = queries.visible[p];
+        visible <= kv.len || (kv.own)(p).holds(visible, head_dim)
     };
     if group == 0
         || !out.len().is_multiple_of(head_dim * positions)
         || queries.visible.contains(&0)
         || queries.rows.len() < last_query(group)
-        || !fits_kv(kv.keys.len())
-        || !fits_kv(kv.values.len())
+        || !kv.prefix.holds(kv.len.min(longest), head_dim)
+        || !(0..positions).all(own_fits)
     {
         return Err(Error::Shape(format!(
             "attention of {} output values in heads of {head_dim} at {positions} positions \
              (queries: {} values, head stride {}, position stride {}) over up to {longest} \
-             positions at offset {} stride {} ({} keys, {} values)",
+             positions, the first {} at offset {} stride {} ({} keys, {} values), the rest \
+             in each position's own cache",
             out.len(),
             queries.rows.len(),
             queries.head_stride,
             queries.position_stride,
-            kv.offset,
-            kv.stride,
-            kv.keys.len(),
-            kv.values.len()
+            kv.len.min(longest),
+            kv.prefix.offset,
+            kv.prefix.stride,
+            kv.prefix.keys.len(),
+            kv.prefix.values.len()
         )));
     }
     Ok(())
@@ -515,5 +590,149 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Siblings attending together over a shared prefix get the bits each
+    /// gets alone over its whole cache, on every tier: the prefix is read
+    /// from the shared copy only (the siblings' own copies of it are NaN
+    /// here) and the rest from each sibling's own cache only, for
+    /// prefixes around the lanes and the value blocks and siblings that see
+    /// less than the prefix.
+    #[test]
+    fn siblings_over_a_shared_prefix_get_their_bits_alone() {
+        for (hd, group) in [(64, 3), (128, 4), (20, 2)] {
+            for prefix in [1, 7, 8, 48, 64, 65] {
+                let visible: Vec<usize> = [prefix + 1, prefix + 90, prefix, prefix + 9, 1]
+                    .into_iter()
+                    .map(|v| v.max(1))
+                    .collect();
+                let siblings = visible.len();
+                let longest = prefix + 90;
+                // Two kv heads interleaved per cached position; the group
+                // attends the second.
+                let width = longest * 2 * hd;
+                let shared = seeded(width, 9, 3.0);
+                let shared_values = seeded(width, 10, 1.0);
+                let whole: Vec<(Vec<f32>, Vec<f32>)> = (0..siblings as u32)
+                    .map(|s| {
+                        let mut keys = seeded(width, 11 + s, 3.0);
+                        let mut values = seeded(width, 31 + s, 1.0);
+                        keys[..prefix * 2 * hd].copy_from_slice(&shared[..prefix * 2 * hd]);
+                        values[..prefix * 2 * hd]
+                            .copy_from_slice(&shared_values[..prefix * 2 * hd]);
+                        (keys, values)
+                    })
+                    .collect();
+                let own: Vec<(Vec<f32>, Vec<f32>)> = whole
+                    .iter()
+                    .map(|(keys, values)| {
+                        let mut keys = keys.clone();
+                        let mut values = values.clone();
+                        keys[..prefix * 2 * hd].fill(f32::NAN);
+                        values[..prefix * 2 * hd].fill(f32::NAN);
+                        (keys, values)
+                    })
+                    .collect();
+                // The second of two kv heads interleaved per position.
+                fn second<'a>(
+                    (keys, values): &'a (Vec<f32>, Vec<f32>),
+                    hd: usize,
+                ) -> KeyValues<'a> {
+                    KeyValues {
+                        keys,
+                        values,
+                        offset: hd,
+                        stride: 2 * hd,
+                    }
+                }
+                let of = |cache| second(cache, hd);
+                let q = seeded(siblings * group * hd, 12, 3.0);
+                let scale = 1.0 / (hd as f32).sqrt();
+                let mut alone = vec![0f32; siblings * group * hd];
+                for (p, out) in alone.chunks_exact_mut(group * hd).enumerate() {
+                    let queries = Queries {
+                        rows: &q[p * group * hd..],
+                        head_stride: hd,
+                        position_stride: 0,
+                        visible: &visible[p..=p],
+                    };
+                    attend_with(
+                        AttentionTier::Portable,
+                        queries,
+                        of(&whole[p]),
+                        hd,
+                        scale,
+                        out,
+                    )
+                    .unwrap();
+                }
+                let own_of = |p: usize| of(&own[p]);
+                let prefix_cache = (shared, shared_values);
+                let split = Split {
+                    prefix: of(&prefix_cache),
+                    len: prefix,
+                    own: &own_of,
+                };
+                for &tier in AttentionTier::ALL.iter().filter(|t| t.is_supported()) {
+                    let mut together = vec![0f32; siblings * group * hd];
+                    let queries = Queries {
+                        rows: &q,
+                        head_stride: hd,
+                        position_stride: group * hd,
+                        visible: &visible,
+                    };
+                    attend_split_with(tier, queries, split, hd, scale, &mut together).unwrap();
+                    let same = together
+                        .iter()
+                        .zip(&alone)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{tier:?}: siblings differ from alone (hd {hd}, prefix {prefix})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_sibling_cache_shorter_than_its_positions_is_refused() {
+        let hd = 16;
+        let (prefix, short) = (vec![0f32; 8 * hd], vec![0f32; 9 * hd]);
+        fn kv(buffer: &[f32]) -> KeyValues<'_> {
+            KeyValues {
+                keys: buffer,
+                values: buffer,
+                offset: 0,
+                stride: 16,
+            }
+        }
+        let own = |_| kv(&short);
+        let split = Split {
+            prefix: kv(&prefix),
+            len: 8,
+            own: &own,
+        };
+        let attempt = |visible: usize| {
+            let queries = Queries {
+                rows: &[0f32; 16],
+                head_stride: hd,
+                position_stride: hd,
+                visible: &[visible],
+            };
+            attend_split(queries, split, hd, 1.0, &mut [0f32; 16])
+        };
+        assert!(attempt(9).is_ok());
+        let refused = attempt(10).unwrap_err().to_string();
+        assert!(refused.contains("own cache"), "{refused}");
+        // The prefix must hold what it is read for, too.
+        let long_prefix = Split { len: 9, ..split };
+        let queries = Queries {
+            rows: &[0f32; 16],
+            head_stride: hd,
+            position_stride: hd,
+            visible: &[9],
+        };
+        assert!(attend_split(queries, long_prefix, hd, 1.0, &mut [0f32; 16]).is_err());
     }
 }

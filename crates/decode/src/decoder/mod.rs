@@ -27,7 +27,8 @@ use candle_core::{DType, Storage, Tensor};
 use qforge_kernels::{Int8Linear, Team};
 
 use self::passes::{
-    AttentionShape, NormPass, Rope, attend_all, normalize, observe, rotate_rows, store, swiglu,
+    AttendedRows, AttentionShape, NormPass, Rope, Together, attend_all, normalize, observe,
+    rotate_rows, store, swiglu,
 };
 use self::projector::Projector;
 use qforge_formats::llama_config::LlamaConfig;
@@ -95,6 +96,10 @@ impl<Guard: std::ops::Deref<Target = Storage>> F32View<Guard> {
     }
 }
 
+/// Most rows that attend together: 16 rows of SmolLM2's 3-head groups
+/// are 48 queries, 12 KiB, beside 8 keys or 64 values at a time in L1.
+const TOGETHER_ROWS: usize = 16;
+
 /// Rows of every batch's activations, grown to the largest batch.
 #[derive(Default)]
 struct Buffers {
@@ -114,6 +119,8 @@ struct Buffers {
     sequences: Vec<usize>,
     /// Each sequence's first row.
     first_rows: Vec<usize>,
+    /// Which rows attend together with each row.
+    together: Vec<Together>,
     /// The final norm's output at each sequence's last row.
     last: Vec<f32>,
 }
@@ -344,6 +351,43 @@ impl Buffers {
             self.positions.extend(cache.len()..cache.len() + length);
             self.sequences.extend(std::iter::repeat_n(s, length));
         }
+        self.group_siblings(caches);
+    }
+
+    /// Which rows attend together: the rows of consecutive sequences
+    /// whose caches were forked from one (the `n` samples of a prompt,
+    /// which a server steps side by side), in groups of at most
+    /// [`TOGETHER_ROWS`], read their shared prefix once per group.
+    /// Every other row attends alone.
+    fn group_siblings(&mut self, caches: &[&mut KvCache]) {
+        self.together.clear();
+        let rows = self.positions.len();
+        let mut s = 0;
+        while s < caches.len() {
+            let prefix = caches[s].shared_prefix();
+            let family = caches[s..]
+                .iter()
+                .take_while(|cache| prefix.is_some() && cache.shared_prefix() == prefix)
+                .count()
+                .max(1);
+            let start = self.first_rows[s];
+            let end = self.first_rows.get(s + family).copied().unwrap_or(rows);
+            let shared = prefix.map_or(0, |prefix| prefix.len);
+            for group in (start..end).step_by(TOGETHER_ROWS) {
+                let group_end = (group + TOGETHER_ROWS).min(end);
+                let members = if family > 1 { group_end - group } else { 1 };
+                for row in group..group_end {
+                    let visible = self.positions[row] + 1;
+                    let common = if members > 1 { shared.min(visible) } else { 0 };
+                    self.together.push(Together {
+                        end: if members > 1 { group_end } else { row + 1 },
+                        shared,
+                        reads: visible - common + common.div_ceil(members),
+                    });
+                }
+            }
+            s += family;
+        }
     }
 
     /// Sizes the activations for `rows` rows of a model of config `c`.
@@ -451,7 +495,11 @@ fn decoder_layer(
         &b.v,
         caches,
     );
-    let rows_of = (&b.sequences[..], &b.positions[..]);
+    let rows_of = AttendedRows {
+        sequences: &b.sequences,
+        positions: &b.positions,
+        together: &b.together,
+    };
     let q = &b.q;
     attend_all(
         team,
@@ -510,5 +558,35 @@ impl Chunks<'_> {
             Chunks::One => 1,
             Chunks::Given(lengths) => lengths[s],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of consecutive forks of one cache attend together, at most 16
+    /// at a time; a fork apart from its family, an unforked cache and
+    /// another family's forks do not join them.
+    #[test]
+    fn consecutive_forks_of_one_cache_attend_together() {
+        let (mut origin, mut other) = (KvCache::default(), KvCache::default());
+        let mut caches: Vec<KvCache> = (0..18).map(|_| origin.fork()).collect();
+        caches.push(KvCache::default());
+        caches.extend([other.fork(), other.fork()]);
+        caches.push(origin.fork());
+        let refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let mut buffers = Buffers::default();
+        buffers.place(&refs, Chunks::Given(&[1, 2].repeat(11)));
+        let ends: Vec<usize> = buffers.together.iter().map(|t| t.end).collect();
+        // 18 forks of 1 and 2 rows (27 rows): 16 rows, then 11; the
+        // unforked cache's row alone; the other family's 3 rows; the fork
+        // apart, its 2 rows each alone.
+        let mut expected = vec![16; 16];
+        expected.extend([27; 11]);
+        expected.push(28);
+        expected.extend([31; 3]);
+        expected.extend([32, 33]);
+        assert_eq!(ends, expected);
     }
 }

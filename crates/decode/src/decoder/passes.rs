@@ -4,14 +4,33 @@
 use std::cell::RefCell;
 
 use qforge_kernels::Team;
-use qforge_kernels::attention::{KeyValues, Queries, attend, reserve};
+use qforge_kernels::attention::{KeyValues, Queries, Split, attend, attend_split, reserve};
 
 use qforge_model::llama::Rotations;
 use qforge_model::{KvCache, Observer, Result, RotatedInput};
 
 thread_local! {
-    /// One query group's heads, rotated for its position.
-    static QUERIES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// What a thread of [`attend_all`] stages its queries and outputs in.
+    static STAGED: RefCell<Staged> = const { RefCell::new(Staged::new()) };
+}
+
+/// One query group's heads (of one row, or of rows that attend together),
+/// rotated for their positions, those rows' visible positions, and their
+/// outputs before they go to their rows.
+struct Staged {
+    queries: Vec<f32>,
+    visible: Vec<usize>,
+    attended: Vec<f32>,
+}
+
+impl Staged {
+    const fn new() -> Self {
+        Self {
+            queries: Vec::new(),
+            visible: Vec::new(),
+            attended: Vec::new(),
+        }
+    }
 }
 
 /// The first error a parallel pass's threads met, for the caller.
@@ -213,89 +232,223 @@ pub(super) struct AttentionShape {
 /// What a unit of [`attend_all`] costs beside its positions, in positions.
 const UNIT_OVERHEAD_POSITIONS: usize = 8;
 
+/// The rows of a pass as attention sees them.
+#[derive(Clone, Copy)]
+pub(super) struct AttendedRows<'a> {
+    /// Each row's sequence.
+    pub(super) sequences: &'a [usize],
+    /// Each row's position in its sequence.
+    pub(super) positions: &'a [usize],
+    /// Each row's company (see [`Together`]).
+    pub(super) together: &'a [Together],
+}
+
+/// Which rows from a row on attend together with it: rows of sibling
+/// sequences (caches forked from one prompt) read the positions they
+/// share once for all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Together {
+    /// The end of the rows, from this one on, that attend with it (the
+    /// next row alone: none).
+    pub(super) end: usize,
+    /// Positions the rows share (their caches' common prefix).
+    pub(super) shared: usize,
+    /// Positions this row's attention reads for itself: its own, and its
+    /// part of the shared ones. What it costs a thread.
+    pub(super) reads: usize,
+}
+
 /// Attention of every row's query heads (`q`, rotated here for the row's
 /// position) over its sequence's cache up to and including that position,
-/// into `out`; `rows` gives each row's sequence and position.
+/// into `out`.
 ///
 /// Every (row, head) pair is one unit and each thread takes a contiguous
-/// share of them of near-equal cost (a unit costs its visible positions: in
-/// a server's batch the rows' caches differ in length several times over),
-/// a key/value head's query heads of one row attended together so that its
-/// cache is read once per thread: one row's heads split over the threads,
-/// many rows split by row. A head's result depends on nothing but its query
-/// and its sequence's cache.
+/// share of them of near-equal cost (a unit costs the positions it reads:
+/// in a server's batch the rows' caches differ in length several times
+/// over), a key/value head's query heads of one row attended together so
+/// that its cache is read once per thread: one row's heads split over the
+/// threads, many rows split by row. Whole rows of sibling sequences in a
+/// thread's share attend together, each key/value head's prefix read once
+/// for all of them. A head's result depends on nothing but its query and
+/// its sequence's cache (the shared prefix is the same bits in each).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend_all(
     team: &mut Team,
     layer: usize,
     shape: AttentionShape,
     rope: Rope<'_>,
-    (sequences, positions): (&[usize], &[usize]),
+    rows: AttendedRows<'_>,
     q: &[f32],
     caches: &[&mut KvCache],
     out: &mut [f32],
 ) -> Result<()> {
     let AttentionShape {
-        heads,
-        group,
-        dim,
-        scale,
+        heads, group, dim, ..
     } = shape;
-    let rows = positions.len();
+    let count = rows.positions.len();
     // The scratch is sized by capacity, which a reserved cache keeps,
     // rather than by the growing length.
     let longest = caches.iter().map(|c| c.capacity()).max().unwrap_or(1);
     let failure = FirstFailure::new();
     // A unit's work is its keys and values read, plus the query's own
     // (rotated, its scores set up): about as much as a few positions.
-    let cost = |unit: usize| positions[unit / heads] + 1 + UNIT_OVERHEAD_POSITIONS;
+    let cost = |unit: usize| rows.together[unit / heads].reads + 1 + UNIT_OVERHEAD_POSITIONS;
     team.run_rows_by_cost(
-        rows * heads,
+        count * heads,
         cost,
-        [&mut out[..rows * heads * dim]],
+        [&mut out[..count * heads * dim]],
         |units, [mut out]| {
             // Sized once per thread for the largest cache, so that steps do not
             // allocate.
             reserve(group, longest);
-            QUERIES.with_borrow_mut(|queries| {
+            STAGED.with_borrow_mut(|staged| {
                 let mut unit = units.start;
                 while !out.is_empty() {
                     let (row, head) = (unit / heads, unit % heads);
-                    let kv_head = head / group;
-                    let count = ((kv_head + 1) * group - head).min(out.len() / dim);
-                    let (these, rest) = out.split_at_mut(count * dim);
-                    let position = positions[row];
-                    queries.clear();
-                    queries.extend_from_slice(&q[(row * heads + head) * dim..][..count * dim]);
-                    for query in queries.chunks_exact_mut(dim) {
-                        rope.apply(query, position);
-                    }
-                    let cache = &caches[sequences[row]];
-                    let (keys, values) = cache.layer(layer);
-                    let attended = attend(
-                        Queries {
-                            rows: queries,
-                            head_stride: dim,
-                            position_stride: 0,
-                            visible: &[position + 1],
-                        },
-                        KeyValues {
-                            keys,
-                            values,
-                            offset: kv_head * cache.capacity() * dim,
-                            stride: dim,
-                        },
-                        dim,
-                        scale,
-                        these,
-                    );
-                    failure.note(attended);
-                    (unit, out) = (unit + count, rest);
+                    // Whole rows of this share that attend together.
+                    let end = rows.together[row].end.min(units.end / heads);
+                    let (done, result) = if head == 0 && end > row + 1 {
+                        let (these, rest) = out.split_at_mut((end - row) * heads * dim);
+                        let siblings = row..end;
+                        let result = attend_together(
+                            (layer, shape, rope),
+                            rows,
+                            siblings,
+                            q,
+                            caches,
+                            staged,
+                            these,
+                        );
+                        out = rest;
+                        ((end - row) * heads, result)
+                    } else {
+                        let kv_head = head / group;
+                        let done = ((kv_head + 1) * group - head).min(out.len() / dim);
+                        let (these, rest) = out.split_at_mut(done * dim);
+                        let result = attend_row(
+                            (layer, shape, rope),
+                            (rows.sequences[row], rows.positions[row]),
+                            &q[(row * heads + head) * dim..][..done * dim],
+                            kv_head,
+                            caches,
+                            staged,
+                            these,
+                        );
+                        out = rest;
+                        (done, result)
+                    };
+                    failure.note(result);
+                    unit += done;
                 }
             });
         },
     );
     failure.into_result()
+}
+
+/// One row's heads of key/value head `kv_head` (`queries`, not yet
+/// rotated) over its sequence's cache.
+fn attend_row(
+    (layer, shape, rope): (usize, AttentionShape, Rope<'_>),
+    (sequence, position): (usize, usize),
+    queries: &[f32],
+    kv_head: usize,
+    caches: &[&mut KvCache],
+    staged: &mut Staged,
+    out: &mut [f32],
+) -> qforge_kernels::Result<()> {
+    let dim = shape.dim;
+    staged.queries.clear();
+    staged.queries.extend_from_slice(queries);
+    for query in staged.queries.chunks_exact_mut(dim) {
+        rope.apply(query, position);
+    }
+    attend(
+        Queries {
+            rows: &staged.queries,
+            head_stride: dim,
+            position_stride: 0,
+            visible: &[position + 1],
+        },
+        head_kv(caches[sequence], layer, kv_head),
+        dim,
+        shape.scale,
+        out,
+    )
+}
+
+/// Rows `siblings` of sibling sequences, every head (`out`: their rows of
+/// all heads), each key/value head's shared prefix read from the first
+/// row's cache once for all of them.
+fn attend_together(
+    (layer, shape, rope): (usize, AttentionShape, Rope<'_>),
+    rows: AttendedRows<'_>,
+    siblings: std::ops::Range<usize>,
+    q: &[f32],
+    caches: &[&mut KvCache],
+    staged: &mut Staged,
+    out: &mut [f32],
+) -> qforge_kernels::Result<()> {
+    let AttentionShape {
+        heads,
+        group,
+        dim,
+        scale,
+    } = shape;
+    let width = group * dim;
+    let Staged {
+        queries,
+        visible,
+        attended,
+    } = staged;
+    visible.clear();
+    visible.extend(siblings.clone().map(|row| rows.positions[row] + 1));
+    attended.resize(siblings.len() * width, 0.0);
+    let first = &caches[rows.sequences[siblings.start]];
+    for kv_head in 0..heads / group {
+        queries.clear();
+        for row in siblings.clone() {
+            let at = (row * heads + kv_head * group) * dim;
+            let from = queries.len();
+            queries.extend_from_slice(&q[at..at + width]);
+            for query in queries[from..].chunks_exact_mut(dim) {
+                rope.apply(query, rows.positions[row]);
+            }
+        }
+        let own = |p: usize| head_kv(caches[rows.sequences[siblings.start + p]], layer, kv_head);
+        attend_split(
+            Queries {
+                rows: queries,
+                head_stride: dim,
+                position_stride: width,
+                visible,
+            },
+            Split {
+                prefix: head_kv(first, layer, kv_head),
+                len: rows.together[siblings.start].shared,
+                own: &own,
+            },
+            dim,
+            scale,
+            attended,
+        )?;
+        for (p, from) in attended.chunks_exact(width).enumerate() {
+            out[(p * heads + kv_head * group) * dim..][..width].copy_from_slice(from);
+        }
+    }
+    Ok(())
+}
+
+/// Key/value head `kv_head` of `cache`'s layer `layer`.
+fn head_kv(cache: &KvCache, layer: usize, kv_head: usize) -> KeyValues<'_> {
+    let (keys, values) = cache.layer(layer);
+    let dim = cache.head_dim();
+    KeyValues {
+        keys,
+        values,
+        offset: kv_head * cache.capacity() * dim,
+        stride: dim,
+    }
 }
 
 /// RMSNorm in the arithmetic of candle's `rms_norm`, which the tensor

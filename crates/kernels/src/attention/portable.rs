@@ -5,7 +5,7 @@ use super::*;
 
 pub(super) fn attend(
     queries: Queries<'_>,
-    kv: KeyValues<'_>,
+    kv: Split<'_>,
     hd: usize,
     scratch: Scratch<'_>,
     scale: f32,
@@ -18,16 +18,29 @@ pub(super) fn attend(
         let (p, g) = (r / group, r % group);
         let visible = queries.visible[p];
         let query = &queries.rows[p * queries.position_stride + g * queries.head_stride..][..hd];
+        let own = if visible > kv.len {
+            (kv.own)(p)
+        } else {
+            kv.prefix
+        };
+        let source = |t: usize| if t < kv.len { kv.prefix } else { own };
+        let key = |t: usize| {
+            let kv = source(t);
+            &kv.keys[kv.offset + t * kv.stride..][..hd]
+        };
+        let value = |t: usize| {
+            let kv = source(t);
+            &kv.values[kv.offset + t * kv.stride..][..hd]
+        };
         let row = &mut row[..visible.next_multiple_of(LANES)];
         for (t, score) in row[..visible].iter_mut().enumerate() {
-            *score = dot(query, &kv.keys[kv.offset + t * kv.stride..][..hd]) * scale;
+            *score = dot(query, key(t)) * scale;
         }
         row[visible..].fill(f32::NEG_INFINITY);
         let total = exponentials(row);
         out.fill(0.0);
         for (t, &e) in row[..visible].iter().enumerate() {
-            let value = &kv.values[kv.offset + t * kv.stride..][..hd];
-            for (o, &v) in out.iter_mut().zip(value) {
+            for (o, &v) in out.iter_mut().zip(value(t)) {
                 *o = e.mul_add(v, *o);
             }
         }

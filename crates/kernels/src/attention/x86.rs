@@ -2,6 +2,7 @@
 //! blocks of eight and values in blocks that stay in L1 for a tile of queries.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::*;
 use crate::exp::x86::exp;
@@ -11,14 +12,17 @@ use crate::exp::x86::exp;
 const VALUE_BLOCK: usize = 64;
 
 /// [`portable::attend`] in AVX2 registers: the same arithmetic in the
-/// same order. `hd` is a multiple of 8.
+/// same order. `hd` is a multiple of 8. The shared prefix is attended by
+/// every query of the tile at once, then each position goes on over its
+/// own cache: the scores and the weighted sums pick up where the prefix
+/// left them, so the order of every addition is that of one cache.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA, and [`check`] accepted the shapes.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn attend(
     queries: Queries<'_>,
-    kv: KeyValues<'_>,
+    kv: Split<'_>,
     hd: usize,
     scratch: Scratch<'_>,
     scale: f32,
@@ -30,13 +34,42 @@ pub(super) unsafe fn attend(
         hd,
         padded: scratch.padded(),
     };
+    let shared = kv.len.min(queries.longest());
+    // The spans of keys read: the prefix by the whole tile, then each
+    // position whose keys go on past it over its own cache, as a tile of
+    // its own (with the index of its first row). One call site each for
+    // the score and value passes, which the compiler inlines.
+    let spans = std::iter::once((tile, kv.prefix, 0..shared, 0)).chain(
+        (0..queries.positions())
+            .filter(|&p| queries.visible[p] > shared)
+            .map(|p| {
+                let own = tile.at_position(p);
+                (
+                    own,
+                    (kv.own)(p),
+                    shared..own.queries.longest(),
+                    p * tile.group,
+                )
+            }),
+    );
     let Scratch { scores, totals } = scratch;
-    // SAFETY: `check` proved that the query of head g < group at
-    // position p lies at p · position_stride + g · head_stride within
-    // `queries.rows`, and the key and value of every position t <
-    // visible[p] at offset + t · stride within theirs; the scores hold
-    // a padded row per query and `out` a row of `hd` per query.
-    unsafe { score(tile, kv, scores.as_mut_ptr(), scale) };
+    for (tile, kv, range, row) in spans.clone() {
+        // SAFETY: `check` proved that the query of head g < group at
+        // position p lies at p · position_stride + g · head_stride within
+        // `queries.rows`, the key and value of every position t < shared
+        // within the prefix's slices and of every t < visible[p] within
+        // position p's own; the scores hold a padded row per query from
+        // `row` on.
+        unsafe {
+            score(
+                tile,
+                kv,
+                range,
+                scores[row * tile.padded..].as_mut_ptr(),
+                scale,
+            )
+        };
+    }
     for (row, (scores, total)) in scores
         .chunks_exact_mut(tile.padded)
         .zip(totals.iter_mut())
@@ -47,8 +80,12 @@ pub(super) unsafe fn attend(
         *total = exponentials(scores);
     }
     out.fill(0.0);
-    // SAFETY: as above.
-    unsafe { weigh_values(tile, kv, scores.as_ptr(), out.as_mut_ptr()) };
+    for (tile, kv, range, row) in spans {
+        let (weights, out) = (scores[row * tile.padded..].as_ptr(), &mut out[row * hd..]);
+        // SAFETY: as for the scores; `out` holds a row of `hd` per query
+        // from `row` on.
+        unsafe { weigh_values(tile, kv, range, weights, out.as_mut_ptr()) };
+    }
     for (out, &total) in out.chunks_exact_mut(hd).zip(totals.iter()) {
         out.iter_mut().for_each(|o| *o /= total);
     }
@@ -64,7 +101,20 @@ struct Tile<'a> {
     padded: usize,
 }
 
-impl Tile<'_> {
+impl<'a> Tile<'a> {
+    /// The queries of position `p` alone (rows `p · group ..`).
+    fn at_position(&self, p: usize) -> Tile<'a> {
+        let q = self.queries;
+        Tile {
+            queries: Queries {
+                rows: &q.rows[p * q.position_stride..],
+                visible: &q.visible[p..=p],
+                ..q
+            },
+            ..*self
+        }
+    }
+
     fn rows(&self) -> usize {
         self.queries.positions() * self.group
     }
@@ -82,8 +132,8 @@ impl Tile<'_> {
     }
 }
 
-/// Each row's scores `q·k · scale` for the keys it sees, into its row
-/// of `scores` (`tile.padded` apart). Eight keys at a time for every
+/// Each row's scores `q·k · scale` for the keys in `range` it sees, into
+/// its row of `scores` (`tile.padded` apart). Eight keys at a time for every
 /// query of the tile, so a block of keys is read from memory once and
 /// then from L1; two queries at a time share each key vector loaded.
 ///
@@ -91,16 +141,23 @@ impl Tile<'_> {
 /// [`check`] accepted the tile and `kv`, and `scores` holds a padded row
 /// per query.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn score(tile: Tile<'_>, kv: KeyValues<'_>, scores: *mut f32, scale: f32) {
+unsafe fn score(
+    tile: Tile<'_>,
+    kv: KeyValues<'_>,
+    range: Range<usize>,
+    scores: *mut f32,
+    scale: f32,
+) {
     let Tile { hd, padded, .. } = tile;
     let stride = kv.stride;
     let scales = _mm256_set1_ps(scale);
     // SAFETY: the caller's bounds: row r's scores for keys t < visible(r).
     unsafe {
         let keys = kv.keys.as_ptr().add(kv.offset);
-        for t in (0..tile.queries.longest()).step_by(LANES) {
+        let seen = |row: usize| tile.visible(row).min(range.end);
+        for t in range.clone().step_by(LANES) {
             let block = keys.add(t * stride);
-            let whole = |row: usize| t + LANES <= tile.visible(row);
+            let whole = |row: usize| t + LANES <= seen(row);
             let mut row = 0;
             while row < tile.rows() {
                 let at = scores.add(row * padded + t);
@@ -119,7 +176,7 @@ unsafe fn score(tile: Tile<'_>, kv: KeyValues<'_>, scores: *mut f32, scale: f32)
                     let each = dot_each(tile.query(row), block, stride, hd);
                     _mm256_storeu_ps(at, _mm256_mul_ps(each, scales));
                 } else {
-                    for j in 0..tile.visible(row).saturating_sub(t) {
+                    for j in 0..seen(row).saturating_sub(t) {
                         *at.add(j) = dot(tile.query(row), block.add(j * stride), hd) * scale;
                     }
                 }
@@ -129,8 +186,8 @@ unsafe fn score(tile: Tile<'_>, kv: KeyValues<'_>, scores: *mut f32, scale: f32)
     }
 }
 
-/// Adds each row's `weights[t] · value[t]`, keys in order, to its row of
-/// `out` (zeroed). The tile's queries take a block of values in turn
+/// Adds each row's `weights[t] · value[t]` for the keys in `range` it
+/// sees, in order, to its row of `out`. The tile's queries take a block of values in turn
 /// while it is in L1; two queries at a time share each value vector
 /// loaded, as far as both see, then each goes on alone to its own end.
 ///
@@ -138,15 +195,21 @@ unsafe fn score(tile: Tile<'_>, kv: KeyValues<'_>, scores: *mut f32, scale: f32)
 /// [`check`] accepted the tile and `kv`, `weights` holds a padded row per
 /// query and `out` a row of `hd` per query.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn weigh_values(tile: Tile<'_>, kv: KeyValues<'_>, weights: *const f32, out: *mut f32) {
+unsafe fn weigh_values(
+    tile: Tile<'_>,
+    kv: KeyValues<'_>,
+    range: Range<usize>,
+    weights: *const f32,
+    out: *mut f32,
+) {
     let Tile { hd, padded, .. } = tile;
     let stride = kv.stride;
     // SAFETY: the caller's bounds: row r's values for keys t < visible(r).
     unsafe {
         let values = kv.values.as_ptr().add(kv.offset);
         let row_of = |row: usize| (out.add(row * hd), weights.add(row * padded));
-        for block in (0..tile.queries.longest()).step_by(VALUE_BLOCK) {
-            let end = |row: usize| (block + VALUE_BLOCK).min(tile.visible(row));
+        for block in range.clone().step_by(VALUE_BLOCK) {
+            let end = |row: usize| (block + VALUE_BLOCK).min(tile.visible(row)).min(range.end);
             let mut row = 0;
             while row < tile.rows() {
                 if row + 1 < tile.rows() {

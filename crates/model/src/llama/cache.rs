@@ -3,6 +3,8 @@
 //! grow, and how attention reads them. It lives apart from both passes because
 //! both fill the same layout.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use candle_core::Tensor;
 
 use super::{Llama, attention};
@@ -24,7 +26,26 @@ pub struct KvCache {
     pub(super) capacity: usize,
     pub(super) kv_heads: usize,
     pub(super) head_dim: usize,
+    /// The positions this cache holds bit for bit in common with the
+    /// caches [`KvCache::fork`]ed with it (see [`SharedPrefix`]).
+    shared: Option<SharedPrefix>,
 }
+
+/// The first `len` positions of every cache that carries the same `id`:
+/// the same bits in each, because they were one cache when it was
+/// [`KvCache::fork`]ed and committed positions are never written again.
+/// The INT8 decoder reads such a prefix once for all the siblings that
+/// step together (GRPO's `n` samples of one prompt) instead of once each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedPrefix {
+    /// Which fork the caches come from (unique in the process).
+    pub id: u64,
+    /// Positions held in common.
+    pub len: usize,
+}
+
+/// The next fork's [`SharedPrefix::id`].
+static NEXT_FORK: AtomicU64 = AtomicU64::new(0);
 
 /// One layer's cached keys and values, `[kv_heads, capacity, head_dim]`
 /// each; positions from the cache's `len` on hold nothing committed.
@@ -39,6 +60,28 @@ impl KvCache {
     #[inline]
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// A copy of this cache for a sibling sequence (another sample of the
+    /// same prompt), both marked as holding their committed positions in
+    /// common. Forks at one length are one family (the `n` samples of a
+    /// prompt); a fork after the cache grew starts a new family, which the
+    /// caches of the old one, shorter in common, are not part of.
+    pub fn fork(&mut self) -> KvCache {
+        if self.shared.is_none_or(|shared| shared.len != self.len) {
+            self.shared = Some(SharedPrefix {
+                id: NEXT_FORK.fetch_add(1, Ordering::Relaxed),
+                len: self.len,
+            });
+        }
+        self.clone()
+    }
+
+    /// The positions this cache shares with the caches forked with it, if
+    /// any were.
+    #[inline]
+    pub fn shared_prefix(&self) -> Option<SharedPrefix> {
+        self.shared
     }
 
     /// Makes room for `positions` positions in all (cached ones included),
@@ -196,6 +239,7 @@ impl Llama {
             capacity: 0,
             kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
+            shared: None,
         }
     }
 

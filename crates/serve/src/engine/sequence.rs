@@ -91,9 +91,10 @@ impl Sequence {
         Ok(token)
     }
 
-    /// The sequences of the request's siblings, each with a copy of this
-    /// one's cache (its prompt prefilled) and a sampler of its own seed;
-    /// a sibling that no one waits for any more is left out.
+    /// The sequences of the request's siblings, each with a fork of this
+    /// one's cache (its prompt prefilled, marked as theirs in common, which
+    /// the decoder then reads once for all of them) and a sampler of its
+    /// own seed; a sibling that no one waits for any more is left out.
     pub(super) fn fork(&mut self) -> Vec<Sequence> {
         let siblings = std::mem::take(&mut self.request.siblings);
         let request = &self.request;
@@ -115,7 +116,7 @@ impl Sequence {
                     admitted: None,
                     siblings: Vec::new(),
                 };
-                let mut sequence = Sequence::new(request, self.cache.clone(), self.started);
+                let mut sequence = Sequence::new(request, self.cache.fork(), self.started);
                 sequence.prefilled = self.prefilled;
                 sequence
             })
