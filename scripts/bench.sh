@@ -17,6 +17,7 @@ cargo bench -p qforge-kernels --bench attention
 .venv/bin/python scripts/bench_ort_gemm.py
 cargo bench -p qforge-model --bench forward
 cargo bench -p qforge-decode --bench decode
+cargo bench -p qforge-decode --bench grpo
 # llama.cpp beside it, when a build is at hand (benchmarks/llamacpp-reference.md says
 # how it was built): LLAMA_CPP_BIN=.../build/bin LLAMA_CPP_MODELS=dir-with-f32-and-q8_0-ggufs
 if [ -n "${LLAMA_CPP_BIN:-}" ]; then
