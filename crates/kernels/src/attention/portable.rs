@@ -18,30 +18,31 @@ pub(super) fn attend(
         let (p, g) = (r / group, r % group);
         let visible = queries.visible[p];
         let query = &queries.rows[p * queries.position_stride + g * queries.head_stride..][..hd];
-        let own = if visible > kv.len {
+        // The prefix's positions from the shared cache, the rest from the
+        // position's own: the same keys in the same order.
+        let shared = visible.min(kv.len);
+        let own = if visible > shared {
             (kv.own)(p)
         } else {
             kv.prefix
         };
-        let source = |t: usize| if t < kv.len { kv.prefix } else { own };
-        let key = |t: usize| {
-            let kv = source(t);
-            &kv.keys[kv.offset + t * kv.stride..][..hd]
-        };
-        let value = |t: usize| {
-            let kv = source(t);
-            &kv.values[kv.offset + t * kv.stride..][..hd]
-        };
+        let spans = [(kv.prefix, 0..shared), (own, shared..visible)];
         let row = &mut row[..visible.next_multiple_of(LANES)];
-        for (t, score) in row[..visible].iter_mut().enumerate() {
-            *score = dot(query, key(t)) * scale;
+        for (kv, span) in spans.clone() {
+            for t in span {
+                let key = &kv.keys[kv.offset + t * kv.stride..][..hd];
+                row[t] = dot(query, key) * scale;
+            }
         }
         row[visible..].fill(f32::NEG_INFINITY);
         let total = exponentials(row);
         out.fill(0.0);
-        for (t, &e) in row[..visible].iter().enumerate() {
-            for (o, &v) in out.iter_mut().zip(value(t)) {
-                *o = e.mul_add(v, *o);
+        for (kv, span) in spans {
+            for t in span {
+                let (e, value) = (row[t], &kv.values[kv.offset + t * kv.stride..][..hd]);
+                for (o, &v) in out.iter_mut().zip(value) {
+                    *o = e.mul_add(v, *o);
+                }
             }
         }
         out.iter_mut().for_each(|o| *o /= total);
