@@ -246,10 +246,10 @@ pub(super) struct AttendedRows<'a> {
 /// Which rows from a row on attend together with it: rows of sibling
 /// sequences (caches forked from one prompt) read the positions they
 /// share once for all of them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub(super) struct Together {
-    /// The end of the rows, from this one on, that attend with it (the
-    /// next row alone: none).
+    /// The end of the rows, from this one on, that attend with it (`row +
+    /// 1` for a row that attends alone).
     pub(super) end: usize,
     /// Positions the rows share (their caches' common prefix).
     pub(super) shared: usize,
