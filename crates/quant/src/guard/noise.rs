@@ -147,10 +147,10 @@ impl Noise {
         progress: &mut dyn FnMut(&str),
     ) -> Result<()> {
         let points = ranker.points();
-        progress("ranking layer inputs by output KL (dynamic activations)");
         let dynamic: Vec<(String, Rung)> =
             points.iter().map(|p| (p.clone(), Rung::Dynamic)).collect();
-        self.rank_kl_at(ranker, &dynamic, progress)?;
+        let what = "ranking layer inputs by output KL (dynamic activations)";
+        self.rank_kl_at(ranker, &dynamic, what, progress)?;
         let scaled: Vec<(String, Rung)> = points
             .iter()
             .filter_map(|p| match rungs.get(p) {
@@ -158,32 +158,41 @@ impl Noise {
                 _ => None,
             })
             .collect();
-        if !scaled.is_empty() {
-            progress("ranking layer inputs by output KL (static scales)");
-            self.rank_kl_at(ranker, &scaled, progress)?;
-        }
-        Ok(())
+        let what = "ranking layer inputs by output KL (static scales)";
+        self.rank_kl_at(ranker, &scaled, what, progress)
     }
 
-    /// Adds the KL of each point of `wanted` at its rung (an integer one),
-    /// where it is not ranked yet.
+    /// Adds the KL of each point of `wanted` at its rung (an integer one)
+    /// where it is not ranked yet, saying `what` it does and how far it is
+    /// when there is any to rank (a search that ranked them all before
+    /// says nothing).
     pub(super) fn rank_kl_at(
         &mut self,
         ranker: &KlRanker<'_>,
         wanted: &[(String, Rung)],
+        what: &str,
         progress: &mut dyn FnMut(&str),
     ) -> Result<()> {
-        for (i, (point, rung)) in wanted.iter().enumerate() {
+        let unranked: Vec<&(String, Rung)> = wanted
+            .iter()
+            .filter(|(point, rung)| !self.has_kl(point, *rung))
+            .collect();
+        if !unranked.is_empty() {
+            progress(what);
+        }
+        for (i, (point, rung)) in unranked.iter().enumerate() {
             let (ranked, activations) = match *rung {
                 Rung::Static(scale) => (&mut self.static_kl, Activations::Static(scale)),
                 Rung::Dynamic => (&mut self.dynamic_kl, Activations::Dynamic),
-                Rung::Fp => continue,
+                Rung::Fp => unreachable!("an FP rung needs no ranking (has_kl)"),
             };
-            if !ranked.contains_key(point) {
-                ranked.insert(point.clone(), ranker.kl(point, activations)?);
-            }
+            ranked.insert(point.clone(), ranker.kl(point, activations)?);
             if (i + 1) % 20 == 0 {
-                progress(&format!("  {}/{} layer inputs ranked", i + 1, wanted.len()));
+                progress(&format!(
+                    "  {}/{} layer inputs ranked",
+                    i + 1,
+                    unranked.len()
+                ));
             }
         }
         Ok(())

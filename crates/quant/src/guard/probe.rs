@@ -109,21 +109,24 @@ pub fn probe(
     let ladder = match (model, reference.held_out) {
         (Model::Language(lm), HeldOut::Tokens(tokens)) => {
             let ranker = KlRanker::new(&lm.model, tokens)?;
-            progress("ranking static layer inputs by output KL");
             let scaled: Vec<(String, Rung)> = plan
                 .rungs
                 .iter()
                 .filter(|(_, rung)| matches!(rung, Rung::Static(_)))
                 .map(|(point, &rung)| (point.clone(), rung))
                 .collect();
-            noise.rank_kl_at(&ranker, &scaled, progress)?;
+            let what = "ranking static layer inputs by output KL";
+            noise.rank_kl_at(&ranker, &scaled, what, progress)?;
             // The dynamic rung's ranking only where the bounded ladder goes.
             Ladder::build_ranking_as_needed(
                 &starts,
                 caps,
                 &mut noise,
                 |noise, point, rung| noise.has_kl(point, rung).then(|| noise.at(point, rung)),
-                |noise, lacking| noise.rank_kl_at(&ranker, lacking, progress),
+                |noise, lacking| {
+                    let what = "ranking layer inputs by output KL where the ladder goes";
+                    noise.rank_kl_at(&ranker, lacking, what, progress)
+                },
             )?
         }
         _ => Ladder::build(&starts, caps, |point, rung| noise.at(point, rung)),
