@@ -365,11 +365,14 @@ impl Buffers {
         let mut s = 0;
         while s < caches.len() {
             let prefix = caches[s].shared_prefix();
-            let family = caches[s..]
-                .iter()
-                .take_while(|cache| prefix.is_some() && cache.shared_prefix() == prefix)
-                .count()
-                .max(1);
+            // An unforked cache is a family of one.
+            let family = match prefix {
+                Some(_) => caches[s..]
+                    .iter()
+                    .take_while(|cache| cache.shared_prefix() == prefix)
+                    .count(),
+                None => 1,
+            };
             let start = self.first_rows[s];
             let end = self.first_rows.get(s + family).copied().unwrap_or(rows);
             let shared = prefix.map_or(0, |prefix| prefix.len);
