@@ -12,55 +12,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
 
 use qforge_formats::manifest::write_manifest;
 use qforge_model::MlpPolicy;
 use qforge_model::artifact::{LayerPrecision, write_policy};
 
-use support::{path, root};
-
-/// Long enough for any of these commands on a loaded CI machine; they take
-/// well under a second when they work.
-const DEADLINE: Duration = Duration::from_secs(120);
-
-/// Runs `command` to completion, or kills it at [`DEADLINE`] and fails the
-/// test, naming what it ran.
-fn bounded(mut command: Command, what: &str) -> Output {
-    let child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run qforge");
-    let pid = child.id();
-    let (done, finished) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = done.send(child.wait_with_output());
-    });
-    match finished.recv_timeout(DEADLINE) {
-        Ok(output) => output.expect("wait for qforge"),
-        Err(_) => {
-            // The child is not reaped until `wait_with_output` returns, so
-            // the pid is still ours to kill.
-            // SAFETY: kill(2) on a pid we spawned; no memory is involved.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-            let output = finished.recv().expect("the waiting thread reports");
-            let stderr = output.map(|o| o.stderr).unwrap_or_default();
-            panic!(
-                "{what} did not finish within {DEADLINE:?} (killed); stderr: {}",
-                String::from_utf8_lossy(&stderr)
-            );
-        }
-    }
-}
-
-/// `qforge args…` under [`bounded`].
-fn qforge_bounded(args: &[&str]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_qforge"));
-    command.args(args);
-    bounded(command, &format!("qforge {}", args.join(" ")))
-}
+use support::{DEADLINE, bounded, path, qforge_bounded, root};
 
 /// Asserts that `out` failed with exit code 1 and a message containing
 /// `expected`; returns stderr.

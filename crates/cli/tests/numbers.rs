@@ -12,41 +12,10 @@ mod support;
 mod tampered;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::Output;
 
-use support::path;
+use support::{path, qforge_bounded};
 use tampered::{ATTACKS, REMEDY, cartpole_artifact};
-
-/// Long enough for any of these commands on a loaded CI machine; each
-/// takes well under a second. Only a `serve` that wrongly accepted the
-/// artifact would run this long.
-const DEADLINE: Duration = Duration::from_secs(120);
-
-/// `qforge args…` to completion, or killed at [`DEADLINE`], failing the test.
-fn qforge_bounded(args: &[&str]) -> Output {
-    let child = Command::new(env!("CARGO_BIN_EXE_qforge"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run qforge");
-    let pid = child.id();
-    let (done, finished) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = done.send(child.wait_with_output());
-    });
-    match finished.recv_timeout(DEADLINE) {
-        Ok(output) => output.expect("wait for qforge"),
-        Err(_) => {
-            // SAFETY: kill(2) on a pid we spawned and have not reaped.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-            panic!("qforge {} ran past {DEADLINE:?}", args.join(" "));
-        }
-    }
-}
 
 /// Every command that reads the artifact `model`, writing into `out`.
 fn commands(model: &str, out: &Path) -> Vec<Vec<String>> {

@@ -9,13 +9,13 @@
 mod server;
 mod support;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use server::{CONNECTION_DEADLINE, Server, cartpole, read_until};
+use server::{Server, cartpole, read_until, read_until_closed};
 
 #[test]
 fn bad_requests_get_clear_errors_and_the_token_is_enforced() {
@@ -173,35 +173,6 @@ fn random_bodies_never_break_the_server() {
         );
     }
     assert_eq!(server.request("GET", "/health", &[], "").0, 200);
-}
-
-/// Reads `stream` until the server closes it; what it sent before. Panics
-/// when the server keeps it open past the deadline.
-fn read_until_closed(stream: &mut TcpStream, what: &str) -> String {
-    let deadline = std::time::Instant::now() + CONNECTION_DEADLINE;
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "{what}: the server kept the connection open; it sent {:?}",
-                    String::from_utf8_lossy(&got)
-                );
-            }
-            // A reset is a close too.
-            Err(_) => break,
-        }
-    }
-    String::from_utf8_lossy(&got).into_owned()
 }
 
 /// A slowloris client: sends a request line, then one byte of a header

@@ -8,13 +8,14 @@
 //! Run: `cargo bench -p qforge-decode --bench decode` (needs
 //! scripts/fetch-models.sh).
 
+#[path = "../tests/support/mod.rs"]
 mod support;
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use qforge_decode::Decoder;
-use qforge_model::{Logits, RotatedInput};
+use qforge_model::RotatedInput;
 
 fn bench(c: &mut Criterion) {
     let model = support::smollm2();
@@ -38,15 +39,7 @@ fn bench(c: &mut Criterion) {
         ("residual", &residual),
         ("quarot", &quarot),
     ] {
-        let mut cache = model.new_cache();
-        model
-            .forward(
-                std::slice::from_ref(&prompt),
-                Some(&mut cache),
-                None,
-                Logits::Last,
-            )
-            .unwrap();
+        let cache = support::prefilled_cache(model, &prompt);
         group.bench_function(format!("step_at_128_{name}"), |b| {
             b.iter_custom(|steps| {
                 let mut cache = cache.clone();
@@ -69,14 +62,7 @@ fn bench(c: &mut Criterion) {
     // batching runs. Throughput counts the tokens (one per sequence).
     let mut group = c.benchmark_group("smollm2_int8_batched_step");
     group.sample_size(10);
-    let mut cache = int8.new_cache();
-    int8.forward(
-        std::slice::from_ref(&prompt),
-        Some(&mut cache),
-        None,
-        Logits::Last,
-    )
-    .unwrap();
+    let cache = support::prefilled_cache(&int8, &prompt);
     for sequences in [1usize, 16, 64, 256] {
         group.throughput(Throughput::Elements(sequences as u64));
         let tokens: Vec<u32> = (0..sequences as u32).map(|i| 42 + i).collect();

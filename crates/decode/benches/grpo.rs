@@ -9,6 +9,7 @@
 //! Run: `cargo bench -p qforge-decode --bench grpo` (needs
 //! scripts/fetch-models.sh; ~7 GiB of memory for the long prompts' caches).
 
+#[path = "../tests/support/mod.rs"]
 mod support;
 
 use std::hint::black_box;

@@ -84,46 +84,13 @@ impl Distribution<'_> {
     /// seed draws the same tokens on every machine. A row without a finite,
     /// positive total (NaN or infinite logits) gives its argmax.
     pub fn sample(&mut self, rng: &mut StdRng) -> Result<u32> {
-        let t = match self.temperature {
-            None | Some(0.0) => return Ok(argmax(self.logits)),
-            Some(t) if t > 0.0 && t.is_finite() => t,
-            Some(t) => {
-                return Err(qforge_formats::Error::Shape(format!(
-                    "temperature must be ≥ 0 and finite, got {t}"
-                ))
-                .into());
-            }
+        let Some(t) = draw_temperature(self.temperature)? else {
+            return Ok(argmax(self.logits));
         };
         let uniform = rng.random::<f64>();
         let total = self.softmax(t).total;
-        if !(total > 0.0 && total.is_finite()) {
-            return Ok(argmax(self.logits));
-        }
-        let mut target = uniform * total;
-        for (block, &sum) in self.block_sums.iter().enumerate() {
-            if target > sum {
-                target -= sum;
-                continue;
-            }
-            let first = block * SOFTMAX_BLOCK;
-            let weights = &self.weights[first..(first + SOFTMAX_BLOCK).min(self.weights.len())];
-            let mut last_drawable = None;
-            for (i, &w) in weights.iter().enumerate() {
-                if w > 0.0 {
-                    last_drawable = Some(i);
-                }
-                target -= f64::from(w);
-                if target <= 0.0 && w > 0.0 {
-                    return Ok((first + i) as u32);
-                }
-            }
-            // The block's sum is its weights' in another order; what
-            // rounding leaves over belongs to its last token.
-            if let Some(i) = last_drawable {
-                return Ok((first + i) as u32);
-            }
-        }
-        Ok(argmax(self.logits))
+        let drawn = draw(self.weights, self.block_sums, total, uniform);
+        Ok(drawn.unwrap_or_else(|| argmax(self.logits)))
     }
 
     /// The log-probability of `token` (any token, not only a drawn one),
@@ -167,14 +134,7 @@ impl Distribution<'_> {
                 log_prob
             }
         };
-        TokenLogProb {
-            token,
-            log_prob: log_prob(token as usize),
-            top: top_tokens(logits, top)
-                .into_iter()
-                .map(|i| (i as u32, log_prob(i)))
-                .collect(),
-        }
+        TokenLogProb::of(logits, token, top, log_prob)
     }
 
     /// The softmax of logits / `t` (see [`softmax_weights`]) in the
@@ -219,6 +179,21 @@ pub struct TokenLogProb {
     /// The likeliest tokens and their log-probabilities, likeliest first
     /// (ties: the lower id first).
     pub top: Vec<(u32, f64)>,
+}
+
+impl TokenLogProb {
+    /// `token`'s figure and the `top` likeliest tokens' (by `logits`),
+    /// each by `log_prob` of its index.
+    fn of(logits: &[f32], token: u32, top: usize, log_prob: impl Fn(usize) -> f64) -> Self {
+        TokenLogProb {
+            token,
+            log_prob: log_prob(token as usize),
+            top: top_tokens(logits, top)
+                .into_iter()
+                .map(|i| (i as u32, log_prob(i)))
+                .collect(),
+        }
+    }
 }
 
 /// The log-probability of `token`, and of the `top` likeliest tokens, at
@@ -282,6 +257,55 @@ fn top_tokens(logits: &[f32], top: usize) -> Vec<usize> {
     best
 }
 
+/// The temperature a draw divides the logits by: `None` for a greedy
+/// one (no temperature, or 0), an error for a negative or non-finite one.
+fn draw_temperature(temperature: Option<f64>) -> Result<Option<f64>> {
+    match temperature {
+        None | Some(0.0) => Ok(None),
+        Some(t) if t > 0.0 && t.is_finite() => Ok(Some(t)),
+        Some(t) => Err(qforge_formats::Error::Shape(format!(
+            "temperature must be ≥ 0 and finite, got {t}"
+        ))
+        .into()),
+    }
+}
+
+/// The token on which `uniform · total` falls (`total`: the block sums
+/// summed in order): the block it falls in by the block sums, then the
+/// token by that block's weights. `None` when the total is not finite and
+/// positive (NaN or infinite logits) or no weight can be drawn; the
+/// caller takes the argmax.
+fn draw(weights: &[f32], block_sums: &[f64], total: f64, uniform: f64) -> Option<u32> {
+    if !(total > 0.0 && total.is_finite()) {
+        return None;
+    }
+    let mut target = uniform * total;
+    for (block, &sum) in block_sums.iter().enumerate() {
+        if target > sum {
+            target -= sum;
+            continue;
+        }
+        let first = block * SOFTMAX_BLOCK;
+        let weights = &weights[first..(first + SOFTMAX_BLOCK).min(weights.len())];
+        let mut last_drawable = None;
+        for (i, &w) in weights.iter().enumerate() {
+            if w > 0.0 {
+                last_drawable = Some(i);
+            }
+            target -= f64::from(w);
+            if target <= 0.0 && w > 0.0 {
+                return Some((first + i) as u32);
+            }
+        }
+        // The block's sum is its weights' in another order; what
+        // rounding leaves over belongs to its last token.
+        if let Some(i) = last_drawable {
+            return Some((first + i) as u32);
+        }
+    }
+    None
+}
+
 /// Index of the first maximum.
 fn argmax(values: &[f32]) -> u32 {
     values
@@ -297,17 +321,17 @@ mod tests {
     use super::*;
 
     /// The draw and the score as they were before one softmax served both
-    /// (two passes of `exp`, the largest logit found twice), word for word
-    /// but for the choice of the top tokens, which that change left as it
-    /// was and which both call: what the users' seeds and the recorded
-    /// figures were made with.
+    /// (two passes of `exp`, the largest logit found twice): what the
+    /// users' seeds and the recorded figures were made with. The choice of
+    /// the top tokens, the temperature's check and the walk through the
+    /// blocks, which that change left as they were, are the module's own.
     mod before {
         use std::cell::RefCell;
 
         use qforge_kernels::exp::{SOFTMAX_BLOCK, softmax_weights};
         use rand::{Rng, rngs::StdRng};
 
-        use super::super::{TokenLogProb, argmax, top_tokens};
+        use super::super::{TokenLogProb, argmax, draw, draw_temperature};
 
         use qforge_model::Result;
 
@@ -316,47 +340,13 @@ mod tests {
             temperature: Option<f64>,
             rng: &mut StdRng,
         ) -> Result<u32> {
-            let t = match temperature {
-                None | Some(0.0) => return Ok(argmax(logits)),
-                Some(t) if t > 0.0 && t.is_finite() => t,
-                Some(t) => {
-                    return Err(qforge_formats::Error::Shape(format!(
-                        "temperature must be ≥ 0 and finite, got {t}"
-                    ))
-                    .into());
-                }
+            let Some(t) = draw_temperature(temperature)? else {
+                return Ok(argmax(logits));
             };
             let uniform = rng.random::<f64>();
             Ok(with_softmax(logits, t, |weights, block_sums| {
                 let total: f64 = block_sums.iter().sum();
-                if !(total > 0.0 && total.is_finite()) {
-                    return argmax(logits);
-                }
-                let mut target = uniform * total;
-                for (block, &sum) in block_sums.iter().enumerate() {
-                    if target > sum {
-                        target -= sum;
-                        continue;
-                    }
-                    let first = block * SOFTMAX_BLOCK;
-                    let weights = &weights[first..(first + SOFTMAX_BLOCK).min(weights.len())];
-                    let mut last_drawable = None;
-                    for (i, &w) in weights.iter().enumerate() {
-                        if w > 0.0 {
-                            last_drawable = Some(i);
-                        }
-                        target -= f64::from(w);
-                        if target <= 0.0 && w > 0.0 {
-                            return (first + i) as u32;
-                        }
-                    }
-                    // The block's sum is its weights' in another order; what
-                    // rounding leaves over belongs to its last token.
-                    if let Some(i) = last_drawable {
-                        return (first + i) as u32;
-                    }
-                }
-                argmax(logits)
+                draw(weights, block_sums, total, uniform).unwrap_or_else(|| argmax(logits))
             }))
         }
 
@@ -397,17 +387,12 @@ mod tests {
             let log_total = with_softmax(logits, t, |_, block_sums| {
                 block_sums.iter().sum::<f64>().ln()
             });
-            let log_prob = |i: usize| shifted(logits[i]) - log_total;
-            TokenLogProb {
-                token,
-                log_prob: log_prob(token as usize),
-                top: top_tokens(logits, top)
-                    .into_iter()
-                    .map(|i| (i as u32, log_prob(i)))
-                    .collect(),
-            }
+            TokenLogProb::of(logits, token, top, |i| shifted(logits[i]) - log_total)
         }
     }
+
+    /// [`a_seed_draws_the_tokens_it_always_drew`]'s fold of the draws.
+    const PINNED_DRAWS: u64 = 0xaa4d_718c_27aa_db0b;
 
     /// Whether two figures are the same to the last bit (any NaN is NaN).
     fn same(a: f64, b: f64) -> bool {
@@ -490,6 +475,28 @@ mod tests {
         // The draws spread (about a third left the argmax; greedy and
         // cold rows are a third of them), so the block search was compared.
         assert!(not_argmax > draws / 4, "{not_argmax} of {draws}");
+    }
+
+    /// What a seed draws is part of qforge's contract (a trainer
+    /// reproduces its behaviour log-probs from it, and the recorded
+    /// figures were made with it): the draws of fixed rows and seeds,
+    /// folded into one number, are those of the sampler this test was
+    /// written against. A change that moves it changes users' rollouts:
+    /// say so in the CHANGELOG, then update the number.
+    #[test]
+    fn a_seed_draws_the_tokens_it_always_drew() {
+        let mut folded = 0xcbf2_9ce4_8422_2325u64;
+        for seed in 0..40 {
+            let logits = row(1 + (seed as usize * 211) % 49_152, seed);
+            let mut rng = StdRng::seed_from_u64(seed);
+            for temperature in [Some(0.3), Some(0.7), Some(1.0), Some(1.3)] {
+                for _ in 0..4 {
+                    let token = sample(&logits, temperature, &mut rng).unwrap();
+                    folded = (folded ^ u64::from(token)).wrapping_mul(0x100_0000_01b3);
+                }
+            }
+        }
+        assert_eq!(folded, PINNED_DRAWS, "{folded:#x}");
     }
 
     #[test]

@@ -6,27 +6,11 @@
 //! prefill bit for bit. Stepped alone, its first steps give the tensor
 //! forward's logits.
 
-use std::path::PathBuf;
+mod support;
 
 use qforge_decode::Decoder;
-use qforge_model::{Activations, KvCache, Llama, Logits, Residency, RotatedInput};
-
-fn smollm2() -> Llama {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/smollm2-135m-instruct-q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
-        path.display()
-    );
-    Llama::from_gguf_with(&path, Residency::Dequantized).unwrap()
-}
-
-fn int8(model: &Llama) -> Llama {
-    model
-        .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
-        .unwrap()
-}
+use qforge_model::{KvCache, Llama, Logits, RotatedInput};
+use support::{int8, prefilled_cache, smollm2};
 
 /// `sequences` caches whose prompts have lengths 1, 4, 7, … (token ids
 /// differing per sequence), prefilled by the tensor forward.
@@ -36,11 +20,7 @@ fn prefilled(model: &Llama, sequences: usize) -> Vec<KvCache> {
             let prompt: Vec<u32> = (0..1 + 3 * s as u32)
                 .map(|i| 100 + (s as u32 * 131 + i * 37) % 40_000)
                 .collect();
-            let mut cache = model.new_cache();
-            model
-                .forward(&[prompt], Some(&mut cache), None, Logits::Last)
-                .unwrap();
-            cache
+            prefilled_cache(model, &prompt)
         })
         .collect()
 }
@@ -276,15 +256,7 @@ fn int8_decoder_first_steps_match_the_tensor_forward() {
     let fp = smollm2();
     let model = int8(&fp);
     let prompt: Vec<u32> = (0..20).map(|i| 200 + 53 * i).collect();
-    let mut cache = model.new_cache();
-    model
-        .forward(
-            std::slice::from_ref(&prompt),
-            Some(&mut cache),
-            None,
-            Logits::Last,
-        )
-        .unwrap();
+    let mut cache = prefilled_cache(&model, &prompt);
     let mut decoder = Decoder::new(2).unwrap();
     let mut stepped = cache.clone();
     for token in [5u32, 4093] {

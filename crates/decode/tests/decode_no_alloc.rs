@@ -3,12 +3,12 @@
 //! sequences once the decoder has warmed up (its buffers grown to the
 //! largest batch, the caches reserved).
 
+mod support;
+
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use qforge_decode::Decoder;
-use qforge_model::{Activations, Llama, Logits, Residency};
 
 struct Counting;
 
@@ -39,22 +39,9 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn int8_decode_steps_do_not_allocate() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/smollm2-135m-instruct-q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
-        path.display()
-    );
-    let model = Llama::from_gguf_with(&path, Residency::Dequantized)
-        .unwrap()
-        .with_linears(|_, layer| layer.to_int8(Activations::Dynamic))
-        .unwrap();
+    let model = support::int8(&support::smollm2());
     let prompt: Vec<u32> = (0..16).map(|i| 300 + 41 * i).collect();
-    let mut cache = model.new_cache();
-    model
-        .forward(&[prompt], Some(&mut cache), None, Logits::Last)
-        .unwrap();
+    let cache = support::prefilled_cache(&model, &prompt);
     assert!(Decoder::supports(&model), "all INT8");
     let mut decoder = Decoder::new(2).unwrap();
     // Four sequences at different lengths, batched, then one alone: the

@@ -1,6 +1,7 @@
 //! The allocation-free INT8 decoder on a small random model against the
 //! tensor forward: step by step, and batched against each sequence alone.
 
+mod support;
 #[path = "../../model/tests/support/tiny_llama.rs"]
 mod tiny_llama;
 
@@ -24,20 +25,9 @@ fn int8_decoder_steps_match_the_tensor_forward() {
             &format!("decode-{}-{threads}", if qwen2 { "qwen2" } else { "llama" }),
             qwen2,
         );
-        let model = Llama::from_hf_dir(&dir)
-            .unwrap()
-            .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
-            .unwrap();
+        let model = support::int8(&Llama::from_hf_dir(&dir).unwrap());
         let prompt = vec![1u32, 5, 9, 33, 70, 11];
-        let mut cache = model.new_cache();
-        model
-            .forward(
-                std::slice::from_ref(&prompt),
-                Some(&mut cache),
-                None,
-                Logits::Last,
-            )
-            .unwrap();
+        let mut cache = support::prefilled_cache(&model, &prompt);
         let mut decoder = Decoder::new(threads).unwrap();
         assert!(Decoder::supports(&model), "all INT8");
         let mut ours = cache.clone();
@@ -60,9 +50,7 @@ fn int8_decoder_steps_match_the_tensor_forward() {
 fn batched_steps_match_each_sequence_decoded_alone() {
     let dir = tiny_family("step", true);
     let fp = Llama::from_hf_dir(&dir).unwrap();
-    let int8 = fp
-        .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
-        .unwrap();
+    let int8 = support::int8(&fp);
     for (name, model) in [("f32", &fp), ("int8-dynamic", &int8)] {
         // Three sequences at different positions: their prompts differ in length.
         let prompts = [vec![1u32, 5, 9], vec![7u32, 2, 40, 41, 90, 3], vec![12u32]];
@@ -149,18 +137,9 @@ pub fn step_difference(
 /// `model` with every linear int8 (dynamic activations): after a prompt,
 /// the INT8 decoder's steps give the tensor forward's logits.
 fn int8_decoder_follows_the_forward(model: &Llama) {
-    let int8 = model
-        .with_linears(|_, layer| layer.to_int8(qforge_model::Activations::Dynamic))
-        .unwrap();
+    let int8 = support::int8(model);
     let prompt = vec![1u32, 5, 9, 33, 70, 11];
-    let mut cache = int8.new_cache();
-    int8.forward(
-        std::slice::from_ref(&prompt),
-        Some(&mut cache),
-        None,
-        Logits::Last,
-    )
-    .unwrap();
+    let mut cache = support::prefilled_cache(&int8, &prompt);
     let mut decoder = Decoder::new(2).unwrap();
     let mut ours = cache.clone();
     for token in [3u32, 17, 42] {

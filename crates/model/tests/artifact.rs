@@ -3,9 +3,13 @@
 //! SmolLM2 (GGUF in, Hugging Face layout out); the manifest names a file that
 //! changed; damaged artifacts are clear errors.
 
+#[path = "support/files.rs"]
+mod files;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use files::fixture;
 use qforge_formats::manifest::{verify, write_manifest};
 use qforge_model::artifact::{
     LayerPrecision, load_language_model, load_policy, write_language_model, write_policy,
@@ -13,18 +17,9 @@ use qforge_model::artifact::{
 use qforge_model::open::recorded_source;
 use qforge_model::{LanguageModel, Logits, MlpPolicy, RotatedInput};
 
-/// A scratch directory, removed when dropped.
+/// A scratch directory for this file's tests, removed when dropped.
 fn fresh_dir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("qforge-artifact-{name}-"))
-        .tempdir()
-        .unwrap()
-}
-
-fn fixture(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(path)
+    files::fresh_dir("artifact", name)
 }
 
 /// The SmolLM2 fixture (scripts/fetch-models.sh); fails when missing.

@@ -4,27 +4,22 @@
 //! so the FIFO cases run the CLI as a child with a deadline:
 //! `crates/cli/tests/loading.rs`.)
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+#[path = "support/files.rs"]
+mod files;
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use files::fixture;
 use qforge_core::Digest;
 use qforge_formats::files::MAX_CONFIG_BYTES;
 use qforge_formats::manifest::{FileEntry, Manifest, read_manifest, verify, write_manifest};
 use qforge_model::artifact::{LayerPrecision, write_policy};
 use qforge_model::{Llama, MlpPolicy};
 
-/// A scratch directory, removed when dropped.
+/// A scratch directory for this file's tests, removed when dropped.
 fn fresh_dir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("qforge-loading-{name}-"))
-        .tempdir()
-        .unwrap()
-}
-
-fn fixture(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(path)
+    files::fresh_dir("loading", name)
 }
 
 /// A copy of the CartPole policy directory in `dir`.

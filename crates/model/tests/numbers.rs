@@ -4,16 +4,16 @@
 //! it with the very same message. Before, a weight scale of 1e-40 or 3e38
 //! and an activation scale of 1e-40, 1e-30 or 3e38 loaded.
 
+#[path = "support/files.rs"]
+mod files;
 mod tampered;
 
 use qforge_model::artifact::check_numbers;
 use tampered::{ATTACKS, REMEDY, cartpole_artifact};
 
+/// A scratch directory for this file's tests, removed when dropped.
 fn fresh_dir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("qforge-numbers-{name}-"))
-        .tempdir()
-        .unwrap()
+    files::fresh_dir("numbers", name)
 }
 
 #[test]

@@ -186,29 +186,47 @@ impl Server {
 
 /// Reads `stream` until what arrived contains `needle`; what arrived.
 pub fn read_until(stream: &mut TcpStream, needle: &str, what: &str) -> String {
+    read_stream(stream, Some(needle), what)
+}
+
+/// Reads `stream` until the server closes it (a reset is a close too);
+/// what it sent before. Panics when the server keeps it open past the
+/// deadline.
+pub fn read_until_closed(stream: &mut TcpStream, what: &str) -> String {
+    read_stream(stream, None, what)
+}
+
+/// Reads `stream` until what arrived contains `needle`, or with no needle
+/// until the server closes it.
+fn read_stream(stream: &mut TcpStream, needle: Option<&str>, what: &str) -> String {
     let deadline = std::time::Instant::now() + CONNECTION_DEADLINE;
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&got).contains(needle) {
-        match stream.read(&mut buf) {
-            Ok(0) => panic!(
-                "{what}: closed before {needle:?}; it sent {:?}",
-                String::from_utf8_lossy(&got)
-            ),
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e)
+    while needle.is_none_or(|needle| !String::from_utf8_lossy(&got).contains(needle)) {
+        let sent = |got: &[u8]| String::from_utf8_lossy(got).into_owned();
+        match (stream.read(&mut buf), needle) {
+            (Err(e), _)
                 if matches!(
                     e.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) =>
             {
+                let waiting = match needle {
+                    Some(needle) => format!("no {needle:?} yet"),
+                    None => "the server kept the connection open".to_owned(),
+                };
                 assert!(
                     std::time::Instant::now() < deadline,
-                    "{what}: no {needle:?} yet; it sent {:?}",
-                    String::from_utf8_lossy(&got)
+                    "{what}: {waiting}; it sent {:?}",
+                    sent(&got)
                 );
             }
-            Err(e) => panic!("{what}: {e}"),
+            (Ok(0) | Err(_), None) => break,
+            (Ok(0), Some(needle)) => {
+                panic!("{what}: closed before {needle:?}; it sent {:?}", sent(&got))
+            }
+            (Ok(n), _) => got.extend_from_slice(&buf[..n]),
+            (Err(e), Some(_)) => panic!("{what}: {e}"),
         }
     }
     String::from_utf8_lossy(&got).into_owned()

@@ -4,7 +4,7 @@
 use std::cell::RefCell;
 
 use qforge_kernels::Team;
-use qforge_kernels::attention::{KeyValues, Queries, Split, attend, attend_split, reserve};
+use qforge_kernels::attention::{KeyValues, Queries, Split, attend, reserve};
 
 use qforge_model::llama::Rotations;
 use qforge_model::{KvCache, Observer, Result, RotatedInput};
@@ -416,7 +416,7 @@ fn attend_together(
             }
         }
         let own = |p: usize| head_kv(caches[rows.sequences[siblings.start + p]], layer, kv_head);
-        attend_split(
+        attend(
             Queries {
                 rows: queries,
                 head_stride: dim,
@@ -426,7 +426,7 @@ fn attend_together(
             Split {
                 prefix: head_kv(first, layer, kv_head),
                 len: rows.together[siblings.start].shared,
-                own: &own,
+                own: Some(&own),
             },
             dim,
             scale,

@@ -22,7 +22,7 @@ pub(super) fn attend(
         // position's own: the same keys in the same order.
         let shared = visible.min(kv.len);
         let own = if visible > shared {
-            (kv.own)(p)
+            kv.own_of(p)
         } else {
             kv.prefix
         };

@@ -46,7 +46,7 @@ pub(super) unsafe fn attend(
                 let own = tile.at_position(p);
                 (
                     own,
-                    (kv.own)(p),
+                    kv.own_of(p),
                     shared..own.queries.longest(),
                     p * tile.group,
                 )
