@@ -427,23 +427,29 @@ mod tests {
         }
     }
 
-    /// Each position's `group` queries attended alone on the portable
-    /// tier over `kv(p)`: position `p`'s first query at
-    /// `p · position_stride`, its heads `head_stride` apart.
-    fn each_alone<'a>(
-        q: &[f32],
-        visible: &[usize],
+    /// Asserts that the positions of `visible` attended in one call over
+    /// `together` get, on every tier, the bits each gets alone on the
+    /// portable tier over its whole cache `whole(p)`: position `p`'s
+    /// `group` queries start at `p · strides.1` in `q`, their heads
+    /// `strides.0` apart (`what` names the case).
+    fn assert_together_gives_each_alone<'a>(
+        (q, visible): (&[f32], &[usize]),
         (group, hd): (usize, usize),
-        (head_stride, position_stride): (usize, usize),
-        kv: impl Fn(usize) -> KeyValues<'a>,
-    ) -> Vec<f32> {
+        strides: (usize, usize),
+        whole: impl Fn(usize) -> KeyValues<'a>,
+        together: Split<'_>,
+        what: &str,
+    ) {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut alone = vec![0f32; visible.len() * group * hd];
         for (p, out) in alone.chunks_exact_mut(group * hd).enumerate() {
-            let one = queries(&q[p * position_stride..], &visible[p..=p], (head_stride, 0));
-            attend_with(AttentionTier::Portable, one, kv(p), hd, scale, out).unwrap();
+            let one = queries(&q[p * strides.1..], &visible[p..=p], (strides.0, 0));
+            attend_with(AttentionTier::Portable, one, whole(p), hd, scale, out).unwrap();
         }
-        alone
+        let tile = queries(q, visible, strides);
+        assert_every_tier_gives(&alone, what, |tier, out| {
+            attend_with(tier, tile, together, hd, scale, out).unwrap()
+        });
     }
 
     #[test]
@@ -597,13 +603,14 @@ mod tests {
                 offset: hd,
                 stride: 2 * hd,
             };
-            let strides = (positions * hd, hd);
-            let alone = each_alone(&q, &visible, (group, hd), strides, |_| kv);
-            let what = format!("a tile differs from its positions alone (hd {hd})");
-            let (tile, scale) = (queries(&q, &visible, strides), 1.0 / (hd as f32).sqrt());
-            assert_every_tier_gives(&alone, &what, |tier, out| {
-                attend_with(tier, tile, kv, hd, scale, out).unwrap()
-            });
+            assert_together_gives_each_alone(
+                (&q, &visible),
+                (group, hd),
+                (positions * hd, hd),
+                |_| kv,
+                kv.into(),
+                &format!("a tile differs from its positions alone (hd {hd})"),
+            );
         }
     }
 
@@ -662,8 +669,6 @@ mod tests {
                 }
                 let of = |cache| second(cache, hd);
                 let q = seeded(siblings * group * hd, 12, 3.0);
-                let strides = (hd, group * hd);
-                let alone = each_alone(&q, &visible, (group, hd), strides, |p| of(&whole[p]));
                 let own_of = |p: usize| of(&own[p]);
                 let prefix_cache = (shared, shared_values);
                 let split = Split {
@@ -671,11 +676,14 @@ mod tests {
                     len: prefix,
                     own: Some(&own_of),
                 };
-                let what = format!("siblings differ from alone (hd {hd}, prefix {prefix})");
-                let (together, scale) = (queries(&q, &visible, strides), 1.0 / (hd as f32).sqrt());
-                assert_every_tier_gives(&alone, &what, |tier, out| {
-                    attend_with(tier, together, split, hd, scale, out).unwrap()
-                });
+                assert_together_gives_each_alone(
+                    (&q, &visible),
+                    (group, hd),
+                    (hd, group * hd),
+                    |p| of(&whole[p]),
+                    split,
+                    &format!("siblings differ from alone (hd {hd}, prefix {prefix})"),
+                );
             }
         }
     }

@@ -9,18 +9,13 @@ mod files;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use files::fixture;
+use files::{fixture, fresh_dir};
 use qforge_formats::manifest::{verify, write_manifest};
 use qforge_model::artifact::{
     LayerPrecision, load_language_model, load_policy, write_language_model, write_policy,
 };
 use qforge_model::open::recorded_source;
 use qforge_model::{LanguageModel, Logits, MlpPolicy, RotatedInput};
-
-/// A scratch directory for this file's tests, removed when dropped.
-fn fresh_dir(name: &str) -> tempfile::TempDir {
-    files::fresh_dir("artifact", name)
-}
 
 /// The SmolLM2 fixture (scripts/fetch-models.sh); fails when missing.
 fn smollm2_path() -> PathBuf {

@@ -10,17 +10,12 @@ mod files;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use files::fixture;
+use files::{fixture, fresh_dir};
 use qforge_core::Digest;
 use qforge_formats::files::MAX_CONFIG_BYTES;
 use qforge_formats::manifest::{FileEntry, Manifest, read_manifest, verify, write_manifest};
 use qforge_model::artifact::{LayerPrecision, write_policy};
 use qforge_model::{Llama, MlpPolicy};
-
-/// A scratch directory for this file's tests, removed when dropped.
-fn fresh_dir(name: &str) -> tempfile::TempDir {
-    files::fresh_dir("loading", name)
-}
 
 /// A copy of the CartPole policy directory in `dir`.
 fn cartpole_copy(dir: &Path) {

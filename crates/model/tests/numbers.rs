@@ -8,13 +8,9 @@
 mod files;
 mod tampered;
 
+use files::fresh_dir;
 use qforge_model::artifact::check_numbers;
 use tampered::{ATTACKS, REMEDY, cartpole_artifact};
-
-/// A scratch directory for this file's tests, removed when dropped.
-fn fresh_dir(name: &str) -> tempfile::TempDir {
-    files::fresh_dir("numbers", name)
-}
 
 #[test]
 fn the_untouched_artifact_passes_and_loads() {

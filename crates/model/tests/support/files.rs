@@ -4,10 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-/// A scratch directory named for its test, removed when dropped.
-pub fn fresh_dir(test: &str, name: &str) -> tempfile::TempDir {
+/// A scratch directory named for the test file and `name`, removed when
+/// dropped.
+pub fn fresh_dir(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
-        .prefix(&format!("qforge-{test}-{name}-"))
+        .prefix(&format!("qforge-{}-{name}-", env!("CARGO_CRATE_NAME")))
         .tempdir()
         .unwrap()
 }
