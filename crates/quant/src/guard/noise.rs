@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use qforge_eval::sensitivity::{LayerSqnr, llm_layer_sqnr, policy_layer_sqnr};
 use qforge_eval::{ReferenceLogProbs, compare_from};
 use qforge_model::{Activations, Llama, Model};
+use rayon::prelude::*;
 
 use super::{HeldOut, LadderStep, PointReport};
 use crate::error::Result;
@@ -47,6 +48,19 @@ fn sensitivity(
 /// (measured on SmolLM2: the ladder it orders is monotone in perplexity where
 /// the SQNR order was not), at one forward per layer input and rung.
 const SENSITIVITY_TOKENS: usize = 128;
+
+/// KL trials run side by side in groups of this many, progress said after
+/// each.
+const RANKED_TOGETHER: usize = 20;
+
+/// The activations a trial at integer rung `rung` quantizes with.
+fn rung_activations(rung: Rung) -> Activations {
+    match rung {
+        Rung::Static(scale) => Activations::Static(scale),
+        Rung::Dynamic => Activations::Dynamic,
+        Rung::Fp => unreachable!("an FP rung needs no ranking (has_kl)"),
+    }
+}
 
 /// Language models' second ranking: the mean KL(FP ‖ model with only one
 /// point's layers quantized) on the first [`SENSITIVITY_TOKENS`] held-out
@@ -180,17 +194,27 @@ impl Noise {
         if !unranked.is_empty() {
             progress(what);
         }
-        for (i, (point, rung)) in unranked.iter().enumerate() {
-            let (ranked, activations) = match *rung {
-                Rung::Static(scale) => (&mut self.static_kl, Activations::Static(scale)),
-                Rung::Dynamic => (&mut self.dynamic_kl, Activations::Dynamic),
-                Rung::Fp => unreachable!("an FP rung needs no ranking (has_kl)"),
-            };
-            ranked.insert(point.clone(), ranker.kl(point, activations)?);
-            if (i + 1) % 20 == 0 {
+        let mut ranked = 0;
+        for group in unranked.chunks(RANKED_TOGETHER) {
+            // The trials are independent forwards, each the same bits on
+            // any thread, so they run side by side: one forward of 128
+            // tokens ran only 1.6x faster on two cores than on one
+            // (SmolLM2), two at a time rank 1.25x faster.
+            let kls: Vec<f64> = group
+                .par_iter()
+                .map(|(point, rung)| ranker.kl(point, rung_activations(*rung)))
+                .collect::<Result<_>>()?;
+            for ((point, rung), kl) in group.iter().zip(kls) {
+                let ranking = match rung {
+                    Rung::Static(_) => &mut self.static_kl,
+                    _ => &mut self.dynamic_kl,
+                };
+                ranking.insert(point.clone(), kl);
+            }
+            ranked += group.len();
+            if group.len() == RANKED_TOGETHER {
                 progress(&format!(
-                    "  {}/{} layer inputs ranked",
-                    i + 1,
+                    "  {ranked}/{} layer inputs ranked",
                     unranked.len()
                 ));
             }
