@@ -830,8 +830,12 @@ mod tests {
             "model.layers.0.mlp.gate_proj".into(),
             TensorStats::with_gram(Gram::new(8192, 0).unwrap()),
         );
-        let bytes = encode(&forged);
-        let err = decode_shaped(&bytes, &expected).unwrap_err().to_string();
+        let refusal = |stats: &Stats| {
+            decode_shaped(&encode(stats), &expected)
+                .unwrap_err()
+                .to_string()
+        };
+        let err = refusal(&forged);
         assert!(
             err.contains("8192 wide where the pass records one 3 wide"),
             "{err}"
@@ -843,24 +847,18 @@ mod tests {
             "model.layers.0.mlp.down_proj".into(),
             TensorStats::with_channels(4096),
         );
-        let err = decode_shaped(&encode(&channels), &expected)
-            .unwrap_err()
-            .to_string();
+        let err = refusal(&channels);
         assert!(
             err.contains("4096 channels where the pass records 3"),
             "{err}"
         );
         let mut extra = stats.clone();
         extra.tensors.insert("zz".into(), TensorStats::new());
-        let err = decode_shaped(&encode(&extra), &expected)
-            .unwrap_err()
-            .to_string();
+        let err = refusal(&extra);
         assert!(err.contains("not one this pass observes"), "{err}");
         let mut missing = stats.clone();
         missing.tensors.remove("a");
-        let err = decode_shaped(&encode(&missing), &expected)
-            .unwrap_err()
-            .to_string();
+        let err = refusal(&missing);
         assert!(
             err.contains("\"a\", which this pass observes, is missing"),
             "{err}"

@@ -79,21 +79,28 @@ impl Graph {
     }
 
     fn floats(&mut self, name: &str, dims: &[usize], values: &[f32]) {
-        self.initializers.push(TensorProto {
-            name: name.into(),
-            dims: dims.iter().map(|&d| d as i64).collect(),
-            data_type: tensor_proto::DataType::Float as i32,
-            raw_data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ..Default::default()
-        });
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.initializer(name, dims, tensor_proto::DataType::Float, bytes);
     }
 
     fn int8s(&mut self, name: &str, dims: &[usize], values: &[i8]) {
+        let bytes = values.iter().map(|v| v.to_le_bytes()[0]).collect();
+        self.initializer(name, dims, tensor_proto::DataType::Int8, bytes);
+    }
+
+    /// A constant of `dims` whose little-endian values are `raw_data`.
+    fn initializer(
+        &mut self,
+        name: &str,
+        dims: &[usize],
+        data_type: tensor_proto::DataType,
+        raw_data: Vec<u8>,
+    ) {
         self.initializers.push(TensorProto {
             name: name.into(),
             dims: dims.iter().map(|&d| d as i64).collect(),
-            data_type: tensor_proto::DataType::Int8 as i32,
-            raw_data: values.iter().map(|v| v.to_le_bytes()[0]).collect(),
+            data_type: data_type as i32,
+            raw_data,
             ..Default::default()
         });
     }

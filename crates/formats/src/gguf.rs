@@ -507,23 +507,16 @@ mod tests {
             GgufHeader::parse(&good[..good.len() - 1]).is_err(),
             "truncated data"
         );
+        let refusal = |bytes: &[u8]| GgufHeader::parse(bytes).unwrap_err().to_string();
         let mut magic = good.clone();
         magic[0] = b'X';
-        assert!(
-            GgufHeader::parse(&magic)
-                .unwrap_err()
-                .to_string()
-                .contains("magic")
-        );
+        let err = refusal(&magic);
+        assert!(err.contains("magic"), "{err}");
         // A string length of 2^60 must fail on the length check.
         let mut huge = good.clone();
         huge[24..32].copy_from_slice(&(1u64 << 60).to_le_bytes());
-        assert!(
-            GgufHeader::parse(&huge)
-                .unwrap_err()
-                .to_string()
-                .contains("truncated")
-        );
+        let err = refusal(&huge);
+        assert!(err.contains("truncated"), "{err}");
         // Absurd dimensions must fail on the extent check.
         let mut dims = good.clone();
         let at = good
@@ -531,7 +524,7 @@ mod tests {
             .position(|w| w == 3u64.to_le_bytes())
             .unwrap();
         dims[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
-        let err = GgufHeader::parse(&dims).unwrap_err().to_string();
+        let err = refusal(&dims);
         assert!(err.contains("runs past the end"), "{err}");
         for cut in 0..good.len() {
             let _ = GgufHeader::parse(&good[..cut]);

@@ -456,25 +456,39 @@ impl TextTokenizer {
 /// Whether a normalizer (in its `tokenizer.json` form) never makes a text
 /// shorter in bytes.
 fn never_shortens(normalizer: &serde_json::Value) -> bool {
+    every_step(normalizer, "normalizers", &|kind, step| match kind {
+        "Prepend" | "ByteLevel" => true,
+        // Each occurrence of a literal becomes something no shorter.
+        "Replace" => {
+            let literal = step
+                .get("pattern")
+                .and_then(|p| p.get("String"))
+                .and_then(serde_json::Value::as_str);
+            let content = step.get("content").and_then(serde_json::Value::as_str);
+            matches!((literal, content), (Some(l), Some(c)) if c.len() >= l.len())
+        }
+        _ => false,
+    })
+}
+
+/// Whether every step of a normalizer or pre-tokenizer (in its
+/// `tokenizer.json` form: none, one step, or a `Sequence` listing its steps
+/// under `list`) passes `passes(type, step)`.
+fn every_step(
+    value: &serde_json::Value,
+    list: &str,
+    passes: &dyn Fn(&str, &serde_json::Map<String, serde_json::Value>) -> bool,
+) -> bool {
     use serde_json::Value;
-    match normalizer {
+    match value {
         Value::Null => true,
-        Value::Object(n) => match n.get("type").and_then(Value::as_str) {
-            Some("Sequence") => n
-                .get("normalizers")
+        Value::Object(step) => match step.get("type").and_then(Value::as_str) {
+            Some("Sequence") => step
+                .get(list)
                 .and_then(Value::as_array)
-                .is_some_and(|all| all.iter().all(never_shortens)),
-            Some("Prepend" | "ByteLevel") => true,
-            // Each occurrence of a literal becomes something no shorter.
-            Some("Replace") => {
-                let literal = n
-                    .get("pattern")
-                    .and_then(|p| p.get("String"))
-                    .and_then(Value::as_str);
-                let content = n.get("content").and_then(Value::as_str);
-                matches!((literal, content), (Some(l), Some(c)) if c.len() >= l.len())
-            }
-            _ => false,
+                .is_some_and(|all| all.iter().all(|s| every_step(s, list, passes))),
+            Some(kind) => passes(kind, step),
+            None => false,
         },
         _ => false,
     }
@@ -496,20 +510,11 @@ fn names_byte_level(step: &serde_json::Value) -> bool {
 /// Whether a pre-tokenizer (in its `tokenizer.json` form) passes every
 /// byte of its input on to some piece.
 fn keeps_every_byte(pre_tokenizer: &serde_json::Value) -> bool {
-    use serde_json::Value;
-    match pre_tokenizer {
-        Value::Null => true,
-        Value::Object(p) => match p.get("type").and_then(Value::as_str) {
-            Some("Sequence") => p
-                .get("pretokenizers")
-                .and_then(Value::as_array)
-                .is_some_and(|all| all.iter().all(keeps_every_byte)),
-            Some("ByteLevel" | "Metaspace" | "Digits") => true,
-            Some("Split") => p.get("behavior").and_then(Value::as_str) != Some("Removed"),
-            _ => false,
-        },
+    every_step(pre_tokenizer, "pretokenizers", &|kind, step| match kind {
+        "ByteLevel" | "Metaspace" | "Digits" => true,
+        "Split" => step.get("behavior").and_then(serde_json::Value::as_str) != Some("Removed"),
         _ => false,
-    }
+    })
 }
 
 #[cfg(test)]
