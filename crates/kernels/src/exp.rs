@@ -66,6 +66,7 @@ pub(crate) fn exp(x: f32) -> f32 {
 }
 
 /// Whether this CPU runs the AVX2 forms.
+#[cfg(target_arch = "x86_64")]
 fn avx2() -> bool {
     let cpu = qforge_core::CpuFeatures::get();
     cpu.avx2 && cpu.fma
@@ -251,6 +252,8 @@ mod tests {
     /// a short block with a short tail of eight.
     fn weigh_on_each_tier(logits: &[f32], scale: f32) -> Vec<(Vec<f32>, Vec<f64>)> {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
+        // Only x86-64 has a second tier to add.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut tiers = vec![portable::weigh_block as fn(&[f32], f32, f32, &mut [f32]) -> f64];
         #[cfg(target_arch = "x86_64")]
         if avx2() {
