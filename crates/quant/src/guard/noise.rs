@@ -53,15 +53,6 @@ const SENSITIVITY_TOKENS: usize = 128;
 /// each.
 const RANKED_TOGETHER: usize = 20;
 
-/// The activations a trial at integer rung `rung` quantizes with.
-fn rung_activations(rung: Rung) -> Activations {
-    match rung {
-        Rung::Static(scale) => Activations::Static(scale),
-        Rung::Dynamic => Activations::Dynamic,
-        Rung::Fp => unreachable!("an FP rung needs no ranking (has_kl)"),
-    }
-}
-
 /// Language models' second ranking: the mean KL(FP ‖ model with only one
 /// point's layers quantized) on the first [`SENSITIVITY_TOKENS`] held-out
 /// tokens, one forward per point and rung, computed as the ladder needs
@@ -202,7 +193,13 @@ impl Noise {
             // (SmolLM2), two at a time rank 1.25x faster.
             let kls: Vec<f64> = group
                 .par_iter()
-                .map(|(point, rung)| ranker.kl(point, rung_activations(*rung)))
+                .map(|(point, rung)| {
+                    let activations = rung
+                        .precision()
+                        .activations()
+                        .expect("an FP rung needs no ranking (has_kl)");
+                    ranker.kl(point, activations)
+                })
                 .collect::<Result<_>>()?;
             for ((point, rung), kl) in group.iter().zip(kls) {
                 let ranking = match rung {
