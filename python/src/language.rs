@@ -62,7 +62,7 @@ impl LanguageModel {
     ) -> Result<Self, Failure> {
         let name = precision.to_string();
         let sync = WeightSync::new(path, precision, &opened)?;
-        let lm = sync.serve(opened)?;
+        let lm = sync.to_served(opened)?;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let limits = EngineLimits {
             max_sequences: size.max_sequences,

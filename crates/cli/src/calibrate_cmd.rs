@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use qforge_calib::{Pass, Recipe, Stratify};
-use qforge_runner::cluster::{ClusterKey, RedisAddress, WorkerOptions, hostname, serve};
+use qforge_runner::cluster::{ClusterKey, RedisAddress, WorkerOptions, hostname, run_worker};
 use qforge_runner::{Calibration, ClusterSettings, EmbeddedExecutor, Executor, RedisExecutor};
 
 use crate::output::print_written;
@@ -296,7 +296,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
         key: args.key.key()?,
     };
     let name = options.name.clone();
-    let report = serve(&options, &mut |line| {
+    let report = run_worker(&options, &mut |line| {
         eprintln!("qforge worker {name}: {line}");
     })?;
     eprintln!(

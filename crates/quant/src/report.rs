@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::collections::BTreeMap;
 
 use plotters::prelude::*;
-use qforge_runner::{Delivery, WorkerReport};
+use qforge_runner::{Delivery, WorkerAccount};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -31,7 +31,7 @@ pub struct CalibrationSummary {
     /// Wall seconds.
     pub seconds: f64,
     /// Per worker, by name.
-    pub workers: BTreeMap<String, WorkerReport>,
+    pub workers: BTreeMap<String, WorkerAccount>,
     /// Every delivered result, in arrival order.
     pub timeline: Vec<Delivery>,
     /// SHA-256 of the model, data and calibration recipe.
@@ -490,7 +490,7 @@ fn sqnr_chart(points: &[PointReport]) -> Result<String> {
 /// Each delivered batch as a bar from (arrival − observation time) to its
 /// arrival, one row per worker: blue merged, red dropped as a duplicate.
 fn timeline_chart(
-    workers: &BTreeMap<String, WorkerReport>,
+    workers: &BTreeMap<String, WorkerAccount>,
     timeline: &[Delivery],
 ) -> Result<String> {
     if timeline.is_empty() {

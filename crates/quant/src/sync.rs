@@ -68,7 +68,7 @@ pub struct CodeChange {
 impl WeightSync {
     /// The sync of `opened`, the model at `path` as opened, to be served in
     /// `precision` (an artifact opens as [`RunPrecision::Stored`]); the
-    /// model to serve is [`WeightSync::serve`]`(opened)`.
+    /// model to serve is [`WeightSync::to_served`]`(opened)`.
     pub fn new(path: &Path, precision: RunPrecision, opened: &LanguageModel) -> Result<Self> {
         let recipe = match precision {
             RunPrecision::Stored if is_artifact(path) => {
@@ -95,7 +95,7 @@ impl WeightSync {
 
     /// `opened` (the model [`WeightSync::new`] was given) in the precision
     /// it is served in: a run precision applied, an artifact as stored.
-    pub fn serve(&self, opened: LanguageModel) -> Result<LanguageModel> {
+    pub fn to_served(&self, opened: LanguageModel) -> Result<LanguageModel> {
         Ok(match &self.recipe {
             Recipe::Run(precision) => precision.apply_language(opened)?,
             Recipe::Artifact { .. } => opened,

@@ -97,7 +97,7 @@ fn a_tied_model_syncs_its_own_weights_in_int8_dynamic_unchanged() {
     for name in ["int8-dynamic", "int8-dynamic-plain"] {
         let precision = RunPrecision::named(name, dir.path(), None, Calibrator::MinMax).unwrap();
         let sync = WeightSync::new(dir.path(), precision, &opened).unwrap();
-        let served = sync.serve(opened.clone()).unwrap();
+        let served = sync.to_served(opened.clone()).unwrap();
         // The rotation gives lm_head its own matrix; plain keeps it tied.
         assert_eq!(served.model.tied_embeddings(), name == "int8-dynamic-plain");
         // The trainer's weights: the embedding, no lm_head.

@@ -22,7 +22,7 @@ use qforge_core::codec::decode;
 use qforge_core::{MergePolicy, Stats, TensorStats};
 use qforge_model::Model;
 use qforge_runner::Failure;
-use qforge_runner::cluster::{ClusterKey, Compute, RedisAddress, WorkerOptions, serve_with};
+use qforge_runner::cluster::{ClusterKey, Compute, RedisAddress, WorkerOptions, run_worker_with};
 
 /// Answers every batch with the template's tensors after `delay`. The
 /// template is held as decoded (its histograms sparse, about 1 MB for
@@ -134,6 +134,6 @@ fn run() -> Result<(), String> {
         template: stats,
         delay: Duration::from_millis(delay_ms),
     };
-    serve_with(&options, &mut synthetic, &mut |_| {}).map_err(|e| e.to_string())?;
+    run_worker_with(&options, &mut synthetic, &mut |_| {}).map_err(|e| e.to_string())?;
     Ok(())
 }

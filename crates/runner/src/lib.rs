@@ -29,7 +29,7 @@ pub use error::{Error, Result};
 pub use executor::{
     ClusterSettings, EmbeddedExecutor, Executor, Listener, PassEvent, PassPosition, RedisExecutor,
 };
-pub use record::{Delivery, MAX_ATTEMPTS, PassReport, Progress, RunSummary, WorkerReport};
+pub use record::{Delivery, MAX_ATTEMPTS, PassReport, Progress, RunSummary, WorkerAccount};
 
 /// The build a worker reports when it joins a run.
 pub const BUILD: &str = concat!("qforge ", env!("CARGO_PKG_VERSION"));

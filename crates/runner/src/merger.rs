@@ -13,7 +13,7 @@ use qforge_core::{BatchId, Digest, MergePolicy, Provenance, Stats};
 
 use crate::backend::{Failure, Next, Outcome};
 use crate::checkpoint::CheckpointStore;
-use crate::record::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerReport};
+use crate::record::{Delivery, MAX_ATTEMPTS, Progress, RunSummary, WorkerAccount};
 
 /// Rejected results named one by one in the warnings; beyond, only counted.
 const REJECTIONS_LOGGED: usize = 8;
@@ -39,7 +39,7 @@ pub(crate) struct Merger<'p> {
     /// Failures so far per batch index.
     attempts: BTreeMap<usize, u32>,
     quarantined: BTreeMap<BatchId, Failure>,
-    workers: BTreeMap<String, WorkerReport>,
+    workers: BTreeMap<String, WorkerAccount>,
     timeline: Vec<Delivery>,
     duplicates: usize,
     /// The digest of each merged result that carried one, with its worker,

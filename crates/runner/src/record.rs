@@ -30,7 +30,7 @@ pub struct Progress {
 /// Per-worker accounting (`report.json` and `qforge calibrate --json` print it
 /// as it is, keyed by worker name).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
-pub struct WorkerReport {
+pub struct WorkerAccount {
     /// Batches whose results were merged.
     pub merged: usize,
     /// Results dropped as duplicates.
@@ -88,7 +88,7 @@ pub struct RunSummary {
     /// Warnings (e.g. an unreadable checkpoint skipped).
     pub warnings: Vec<String>,
     /// Accounting per worker.
-    pub workers: BTreeMap<String, WorkerReport>,
+    pub workers: BTreeMap<String, WorkerAccount>,
     /// Wall-clock seconds.
     pub seconds: f64,
     /// Every result delivered in this session, in arrival order (the
@@ -139,7 +139,7 @@ struct Quarantined<'a> {
 #[derive(Serialize)]
 struct WorkerRate<'a> {
     #[serde(flatten)]
-    report: &'a WorkerReport,
+    report: &'a WorkerAccount,
     batches_per_s: f64,
 }
 

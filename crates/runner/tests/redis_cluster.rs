@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use pendulum::{Slow, clean_bytes, open_run, setup, worker_of};
 use qforge_core::codec::encode;
-use qforge_runner::cluster::{WorkerOptions, serve, serve_with};
+use qforge_runner::cluster::{WorkerOptions, run_worker, run_worker_with};
 use qforge_runner::{RunOptions, run};
 use redis_server::RedisCluster;
 
@@ -44,7 +44,7 @@ fn a_run_through_a_three_master_redis_cluster_gives_identical_bytes() {
                 run: None,
                 ..worker_of(seed, &name, &format!("{name}-w{w}"))
             };
-            scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
+            scope.spawn(move || run_worker(&worker, &mut |_| {}).unwrap());
         }
         let summary = run(&job, &plan, &backend, &RunOptions::default(), &mut |_| {}).unwrap();
         backend.finish(true).unwrap();
@@ -87,7 +87,7 @@ fn a_run_survives_the_failover_of_the_redis_cluster_master_holding_it() {
     let summary = std::thread::scope(|scope| {
         for worker in &workers {
             scope.spawn(move || {
-                serve_with(worker, &mut Slow(Duration::from_millis(150)), &mut |_| {}).unwrap()
+                run_worker_with(worker, &mut Slow(Duration::from_millis(150)), &mut |_| {}).unwrap()
             });
         }
         // Once three batches are merged, the master holding the run dies.

@@ -9,7 +9,7 @@ mod redis_server;
 
 use std::time::{Duration, Instant};
 
-use qforge_runner::cluster::serve;
+use qforge_runner::cluster::run_worker;
 use redis_server::RedisServer;
 
 use pendulum::worker_of;
@@ -35,7 +35,7 @@ fn a_frozen_redis_ends_a_worker_within_its_outage_limit_not_twice_it() {
     worker.wait = Duration::from_secs(600);
     let (sender, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let outcome = serve(&worker, &mut |_| {});
+        let outcome = run_worker(&worker, &mut |_| {});
         sender.send(outcome.map(|_| ()).map_err(|e| e.to_string()))
     });
     // The worker waits for its run, connected: then Redis hangs.

@@ -17,7 +17,7 @@ use pendulum::{
 use qforge_calib::Session;
 use qforge_core::codec::encode;
 use qforge_model::{MlpPolicy, Model};
-use qforge_runner::cluster::{Compute, RunSpec, WorkerOptions, serve, serve_with};
+use qforge_runner::cluster::{Compute, RunSpec, WorkerOptions, run_worker, run_worker_with};
 use qforge_runner::{Error, RunOptions, run};
 use redis_server::RedisServer;
 
@@ -81,7 +81,7 @@ fn a_worker_with_another_fingerprint_is_refused_unless_mixed_hardware_is_allowed
         // Both load the fixture's files; the odd one then computes with
         // the perturbed weights.
         let serve_as = |name: &str, model: &Model| {
-            serve_with(&worker(name), &mut Loading(model.clone()), &mut |_| {})
+            run_worker_with(&worker(name), &mut Loading(model.clone()), &mut |_| {})
         };
         let client = redis::Client::open(server.url()).unwrap();
         let mut connection = client.get_connection().unwrap();
@@ -147,7 +147,7 @@ fn a_forged_non_ascii_reference_fingerprint_refuses_the_worker_without_a_panic()
         .query::<()>(&mut client.get_connection().unwrap())
         .unwrap();
     let worker = worker_of(&server, "forged-reference", "honest");
-    let err = serve(&worker, &mut |_| {}).unwrap_err();
+    let err = run_worker(&worker, &mut |_| {}).unwrap_err();
     assert!(matches!(err, Error::Refused(_)), "{err}");
     assert!(err.to_string().contains("differs from the run's"), "{err}");
 }

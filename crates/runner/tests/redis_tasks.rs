@@ -22,7 +22,7 @@ use pendulum::{
     setup_of, worker_of,
 };
 use qforge_core::codec::encode;
-use qforge_runner::cluster::{Pace, serve, serve_with};
+use qforge_runner::cluster::{Pace, run_worker, run_worker_with};
 use qforge_runner::{Backend, CheckpointStore, Next, Outcome, RunOptions, RunSummary, run};
 use redis_server::RedisServer;
 
@@ -173,7 +173,7 @@ fn a_paced_run_sizes_its_first_tasks_from_the_pace() {
             backend = backend.paced(pace);
         }
         let mut sizes = std::thread::scope(|scope| {
-            scope.spawn(|| serve(&worker_of(&server, name, "w"), &mut |_| {}).unwrap());
+            scope.spawn(|| run_worker(&worker_of(&server, name, "w"), &mut |_| {}).unwrap());
             let mut sizes = Vec::new();
             let mut left = plan.batches.len();
             backend
@@ -266,7 +266,7 @@ fn a_worker_folds_a_dead_workers_task_into_the_one_it_is_running() {
             }
             false
         });
-        let report = serve_with(
+        let report = run_worker_with(
             &worker_of(&server, "fold", "fold-live"),
             &mut Slow(Duration::from_millis(200)),
             &mut |_| {},
@@ -421,7 +421,7 @@ fn run_routed<T: Send>(
         });
         let mut connection = client.get_connection().unwrap();
         let meanwhile = meanwhile(&mut connection);
-        let served = serve_with(
+        let served = run_worker_with(
             &worker_of(server, run_name, "live"),
             &mut Slow(Duration::from_millis(per_batch_ms)),
             &mut |_| {},
@@ -468,11 +468,11 @@ fn a_worker_arriving_at_a_finished_pass_follows_the_pipeline_into_the_next() {
     let mut late_log = Vec::new();
     let backend = open_pass(0);
     let (summaries, late) = std::thread::scope(|scope| {
-        scope.spawn(|| serve(&worker_of(&server, "flw", "prompt"), &mut |_| {}).unwrap());
+        scope.spawn(|| run_worker(&worker_of(&server, "flw", "prompt"), &mut |_| {}).unwrap());
         // "late" serves the first pass, then stalls before following the
         // pipeline until the second pass is over.
         let late = scope.spawn(|| {
-            serve(&worker_of(&server, "flw", "late"), &mut |line: &str| {
+            run_worker(&worker_of(&server, "flw", "late"), &mut |line: &str| {
                 if line.ends_with("run flw.pass2") {
                     while !pass_2_done.load(Ordering::SeqCst) {
                         std::thread::sleep(Duration::from_millis(5));

@@ -16,7 +16,7 @@ use qforge_calib::{HiddenStates, Job, Plan, observe_batch};
 use qforge_core::codec::encode;
 use qforge_core::{Gram, Stats, TensorStats};
 use qforge_model::Model;
-use qforge_runner::cluster::{ClusterKey, MAC_FIELD, RedisBackend, RunKey, RunSpec, serve};
+use qforge_runner::cluster::{ClusterKey, MAC_FIELD, RedisBackend, RunKey, RunSpec, run_worker};
 use qforge_runner::{Error, RunOptions, RunSummary, run};
 use redis_server::RedisServer;
 
@@ -122,7 +122,7 @@ fn run_with_workers(
     std::thread::scope(|scope| {
         for w in 0..2 {
             let worker = worker_of(server, name, &format!("{name}-w{w}"));
-            scope.spawn(move || serve(&worker, &mut |_| {}));
+            scope.spawn(move || run_worker(&worker, &mut |_| {}));
         }
         let summary = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             run(job, plan, backend, &RunOptions::default(), &mut |_| {})
@@ -285,7 +285,7 @@ fn a_worker_holding_another_cluster_key_is_refused_before_it_observes() {
     let backend = open_run(&server, "other-key", &job, None);
     let mut worker = worker_of(&server, "other-key", "stranger");
     worker.key = ClusterKey::from_text(&"y".repeat(40), "QFORGE_CLUSTER_KEY").unwrap();
-    let err = serve(&worker, &mut |_| {}).unwrap_err();
+    let err = run_worker(&worker, &mut |_| {}).unwrap_err();
     backend.finish(false).unwrap();
     assert!(matches!(err, Error::Refused(_)), "{err}");
     let err = err.to_string();

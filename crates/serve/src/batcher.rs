@@ -28,7 +28,7 @@ use crate::metrics::Metrics;
 use crate::swap::Swap;
 
 /// One request's observations and where its actions go.
-pub struct Job {
+pub struct ActRequest {
     /// Row-major observations.
     pub observations: Vec<f32>,
     /// Number of rows.
@@ -39,7 +39,7 @@ pub struct Job {
     pub reply: oneshot::Sender<Result<Answer, String>>,
 }
 
-/// How a job's actions are chosen from the head's outputs.
+/// How a request's actions are chosen from the head's outputs.
 pub enum Choice {
     /// The head's greedy action ([`qforge_formats::policy::Head::greedy`]).
     Greedy,
@@ -50,7 +50,7 @@ pub enum Choice {
     Score(Vec<Action>),
 }
 
-/// A job's actions, their log-probabilities under the policy that chose
+/// A request's actions, their log-probabilities under the policy that chose
 /// them, and the version of that policy.
 pub struct Answer {
     /// One action per row.
@@ -64,8 +64,8 @@ pub struct Answer {
 
 /// What the batching thread receives.
 enum Message {
-    Job(Job),
-    /// A new policy, taken between two batches: the jobs queued before it
+    Act(ActRequest),
+    /// A new policy, taken between two batches: the requests queued before it
     /// are answered by the old one.
     Swap(Box<Swap<MlpPolicy>>),
 }
@@ -131,7 +131,7 @@ impl Batcher {
         max_wait: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let (queue, jobs) = mpsc::channel::<Message>();
+        let (queue, requests) = mpsc::channel::<Message>();
         let thread_metrics = Arc::clone(&metrics);
         let arriving = Arc::new(AtomicUsize::new(0));
         let thread_arriving = Arc::clone(&arriving);
@@ -150,7 +150,7 @@ impl Batcher {
                     metrics: thread_metrics,
                     arriving: thread_arriving,
                 };
-                thread.run(&jobs)
+                thread.run(&requests)
             })
             .expect("spawn the batching thread");
         Self {
@@ -166,7 +166,7 @@ impl Batcher {
         self.alive.load(Ordering::SeqCst)
     }
 
-    /// Announces a request that will (probably) submit a job, so a batch
+    /// Announces a request that will (probably) be submitted, so a batch
     /// being collected waits for it.
     pub fn announce(&self) -> Arrival {
         self.arriving.fetch_add(1, Ordering::SeqCst);
@@ -176,12 +176,12 @@ impl Batcher {
         }
     }
 
-    /// Queues the job of `arrival`; false when the batching thread is gone.
-    pub fn submit(&self, mut arrival: Arrival, job: Job) -> bool {
+    /// Queues the request of `arrival`; false when the batching thread is gone.
+    pub fn submit(&self, mut arrival: Arrival, request: ActRequest) -> bool {
         self.metrics.queue_depth.inc();
-        let sent = self.queue.send(Message::Job(job)).is_ok();
+        let sent = self.queue.send(Message::Act(request)).is_ok();
         if sent {
-            // The batching thread takes it back when it takes the job.
+            // The batching thread takes it back when it takes the request.
             arrival.submitted = true;
         } else {
             self.metrics.queue_depth.dec();
@@ -190,7 +190,7 @@ impl Batcher {
     }
 
     /// Queues a swap to `policy` (watched by `monitor`) as model `version`;
-    /// the receiver hears once every job queued before it has its answer
+    /// the receiver hears once every request queued before it has its answer
     /// and the new policy answers what follows. `None`: the batching
     /// thread is gone.
     pub fn swap(
@@ -231,7 +231,7 @@ impl BatchingThread {
                 },
             };
             let first = match first {
-                Message::Job(job) => job,
+                Message::Act(request) => request,
                 Message::Swap(swap) => {
                     self.swap(*swap);
                     continue;
@@ -254,10 +254,10 @@ impl BatchingThread {
                     },
                 };
                 match message {
-                    Message::Job(job) => {
+                    Message::Act(request) => {
                         self.arriving.fetch_sub(1, Ordering::SeqCst);
-                        rows += job.rows;
-                        batch.push(job);
+                        rows += request.rows;
+                        batch.push(request);
                     }
                     swap @ Message::Swap(_) => {
                         next = Some(swap);
@@ -277,15 +277,15 @@ impl BatchingThread {
         let _ = swap.done.send(());
     }
 
-    /// One forward over the batch's `rows`, each job answered with its own.
-    fn answer(&mut self, batch: Vec<Job>, rows: usize) {
+    /// One forward over the batch's `rows`, each request answered with its own.
+    fn answer(&mut self, batch: Vec<ActRequest>, rows: usize) {
         let metrics = &self.metrics;
         metrics.queue_depth.dec_by(batch.len() as i64);
         metrics.batch_rows.observe(rows as f64);
         let dim = self.policy.config().observation_dim;
         let mut observations = Vec::with_capacity(rows * dim);
-        for job in &batch {
-            observations.extend_from_slice(&job.observations);
+        for request in &batch {
+            observations.extend_from_slice(&request.observations);
         }
         #[cfg(test)]
         if observations.first() == Some(&FAULT_EXIT) {
@@ -315,13 +315,13 @@ impl BatchingThread {
             Ok(outputs) => {
                 let width = policy.config().head.outputs();
                 let mut rows = outputs.chunks_exact(width);
-                for job in batch {
-                    let mine: Vec<&[f32]> = rows.by_ref().take(job.rows).collect();
-                    // Only this job's rows decide its answer: another
+                for request in batch {
+                    let mine: Vec<&[f32]> = rows.by_ref().take(request.rows).collect();
+                    // Only this request's rows decide its answer: another
                     // client's overflow is not its failure.
                     let answer = match policy.config().head.check_finite(&mine.concat()) {
                         Ok(()) => {
-                            let (actions, log_probs) = choose(policy, &mine, job.choice);
+                            let (actions, log_probs) = choose(policy, &mine, request.choice);
                             Ok(Answer {
                                 actions,
                                 log_probs,
@@ -331,12 +331,12 @@ impl BatchingThread {
                         Err(e) => Err(e.to_string()),
                     };
                     // The client may have gone (timeout); nothing to do then.
-                    let _ = job.reply.send(answer);
+                    let _ = request.reply.send(answer);
                 }
             }
             Err(message) => {
-                for job in batch {
-                    let _ = job.reply.send(Err(message.clone()));
+                for request in batch {
+                    let _ = request.reply.send(Err(message.clone()));
                 }
             }
         }
@@ -344,7 +344,7 @@ impl BatchingThread {
 }
 
 /// Each output row's action as `choice` says, and its log-probability.
-/// A job admitted to sample whose policy was swapped, before its batch, for
+/// A request admitted to sample whose policy was swapped, before its batch, for
 /// one without a distribution gets that policy's greedy actions (and no
 /// log-probabilities).
 fn choose(policy: &MlpPolicy, rows: &[&[f32]], choice: Choice) -> (Vec<Action>, Vec<Option<f64>>) {

@@ -25,7 +25,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::batcher::{Answer, Choice, Job};
+use crate::batcher::{ActRequest, Answer, Choice};
 use crate::conn;
 use crate::error::{Error, Result};
 use crate::feedback;
@@ -76,7 +76,7 @@ async fn act(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes
     let (reply, answer) = oneshot::channel();
     if !batcher.submit(
         arrival,
-        Job {
+        ActRequest {
             observations,
             rows,
             choice,
@@ -347,7 +347,7 @@ async fn shadow(state: Arc<AppState>, observations: Vec<f32>, rows: usize, int8:
     let arrival = fp.announce();
     if !fp.submit(
         arrival,
-        Job {
+        ActRequest {
             observations,
             rows,
             choice: Choice::Score(int8.actions.clone()),

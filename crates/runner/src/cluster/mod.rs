@@ -120,4 +120,6 @@ pub use keys::RunKeys;
 pub use link::RedisAddress;
 pub use redis_backend::{ClusterOptions, Pace, RedisBackend};
 pub use spec::{FileRef, RunSpec};
-pub use worker::{Compute, ModelForward, WorkerOptions, WorkerReport, hostname, serve, serve_with};
+pub use worker::{
+    Compute, ModelForward, WorkerOptions, WorkerReport, hostname, run_worker, run_worker_with,
+};

@@ -1,11 +1,11 @@
 //! The worker's side of the Redis backend: `qforge worker`.
 //!
 //! This file holds what a worker is and how it finds runs: its options and
-//! report, the [`Compute`] it observes with, [`serve`] (following a
+//! report, the [`Compute`] it observes with, [`run_worker`] (following a
 //! pipeline from pass to pass), waiting for a run and reading its spec, and
-//! the types one run's `Session` shares with the files below:
+//! the types one run's `JoinedRun` shares with the files below:
 //!
-//! - `session.rs`: one run, from joining it (checks, admission, heartbeat)
+//! - `joined.rs`: one run, from joining it (checks, admission, heartbeat)
 //!   to leaving it, and the loop that takes and executes tasks;
 //! - `take.rs`: reading tasks from the streams, stealing, reclaiming dead
 //!   workers' tasks and picking stragglers to re-execute (the decisions are
@@ -13,7 +13,7 @@
 //! - `execute.rs`: observing a task's batches and publishing its results.
 
 mod execute;
-mod session;
+mod joined;
 mod take;
 
 use std::cell::{Cell, RefCell};
@@ -21,7 +21,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use qforge_calib::{Batch, HiddenStates, Job, Session as Calibration, Weights};
+use qforge_calib::{Batch, HiddenStates, Job, Session, Weights};
 use qforge_core::{MergePolicy, Stats};
 use qforge_model::Model;
 use redis::streams::{StreamId, StreamReadReply};
@@ -78,7 +78,7 @@ pub struct WorkerReport {
     pub failed: usize,
 }
 
-/// What a worker computes with. [`serve`] loads the files a spec names and
+/// What a worker computes with. [`run_worker`] loads the files a spec names and
 /// runs the model's forward ([`ModelForward`]). Tests stand in a model that
 /// computes other activations, as another CPU would; the cluster benchmark
 /// (`examples/synthetic_worker.rs`) a forward that answers after a fixed
@@ -87,8 +87,8 @@ pub struct WorkerReport {
 pub trait Compute {
     /// Loads the model and the data `spec` names, planned with its recipe,
     /// the same way the coordinator did.
-    fn open(&mut self, spec: &RunSpec) -> Result<Calibration> {
-        Calibration::open(
+    fn open(&mut self, spec: &RunSpec) -> Result<Session> {
+        Session::open(
             Path::new(&spec.model.path),
             Path::new(&spec.data.path),
             &spec.recipe,
@@ -142,18 +142,18 @@ impl Compute for ModelForward {}
 
 /// Serves runs until the one joined finishes (or, with `forever`, until an
 /// error). The worker loads the model and plans the data a spec names, the
-/// same way the coordinator did ([`Calibration::open`]), and applies the
+/// same way the coordinator did ([`Session::open`]), and applies the
 /// spec's transforms before observing. A pass whose spec names a next pass
 /// is followed into it, so workers started for a multi-pass pipeline serve
 /// all of its passes; what they loaded is kept for every pass (and, with
 /// `forever`, for the next run) over the same files and plan. `log`
 /// receives one line per notable event.
-pub fn serve(options: &WorkerOptions, log: &mut dyn FnMut(&str)) -> Result<WorkerReport> {
-    serve_with(options, &mut ModelForward, log)
+pub fn run_worker(options: &WorkerOptions, log: &mut dyn FnMut(&str)) -> Result<WorkerReport> {
+    run_worker_with(options, &mut ModelForward, log)
 }
 
-/// [`serve`], computing with `compute`.
-pub fn serve_with(
+/// [`run_worker`], computing with `compute`.
+pub fn run_worker_with(
     options: &WorkerOptions,
     compute: &mut dyn Compute,
     log: &mut dyn FnMut(&str),
@@ -165,7 +165,7 @@ pub fn serve_with(
     // The next pass of the pipeline just served, which this worker follows.
     let mut next_pass: Option<String> = None;
     // What the previous run loaded, and the fingerprint of its pass's model.
-    let mut loaded: Option<(RunSpec, Calibration, String)> = None;
+    let mut loaded: Option<(RunSpec, Session, String)> = None;
     loop {
         let following = next_pass.take();
         let wanted = following.clone().or(options.run.clone());
@@ -215,11 +215,11 @@ pub fn serve_with(
                 "fetched {fetched} of GPTQ's roundings for run {run}"
             ));
         }
-        let mut session = Session::join(options, spec, run_key, calibration, fingerprint, log)?;
-        let ending = session.serve(&mut link, &*compute, &mut report, log)?;
+        let mut joined = JoinedRun::join(options, spec, run_key, calibration, fingerprint, log)?;
+        let ending = joined.take_part(&mut link, &*compute, &mut report, log)?;
         finished = Some(run);
-        let follow = session.spec.next_pass.clone();
-        loaded = Some((session.spec, session.calibration, session.fingerprint));
+        let follow = joined.spec.next_pass.clone();
+        loaded = Some((joined.spec, joined.calibration, joined.fingerprint));
         match ending {
             Ending::Abandoned => continue,
             Ending::Finished { succeeded } => {
@@ -371,12 +371,12 @@ enum Ending {
 }
 
 /// One worker in one run.
-struct Session {
+struct JoinedRun {
     keys: RunKeys,
     spec: RunSpec,
     /// Seals this worker's results (see [`super::auth`]).
     run_key: RunKey,
-    calibration: Calibration,
+    calibration: Session,
     prepared: Prepared,
     name: String,
     fingerprint: String,

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use qforge_calib::{Plan, RoundedLayers, Session};
-use qforge_runner::cluster::{ClusterOptions, RedisBackend, RunSpec, WorkerOptions, serve};
+use qforge_runner::cluster::{ClusterOptions, RedisBackend, RunSpec, WorkerOptions, run_worker};
 use qforge_runner::{
     Backend, Embedded, Error, Failure, Next, Outcome, RunOptions, RunSummary, run,
 };
@@ -99,7 +99,7 @@ pub fn run_session_on(
                 outage_limit: Duration::from_secs(10),
                 key: test_key(),
             };
-            scope.spawn(move || serve(&worker, &mut |_| {}).unwrap());
+            scope.spawn(move || run_worker(&worker, &mut |_| {}).unwrap());
         }
         let summary = run(&job, &plan, &faults.wrap(&backend), options, &mut |_| {});
         backend.finish(summary.is_ok()).unwrap();

@@ -9,7 +9,7 @@ use qforge_core::Stats;
 use qforge_core::codec::encode;
 use redis::streams::StreamId;
 
-use super::{Compute, Current, Session, Task, WorkerReport};
+use super::{Compute, Current, JoinedRun, Task, WorkerReport};
 use crate::backend::Failure;
 use crate::cluster::auth::MAC_FIELD;
 use crate::cluster::keys::{GROUP, joined, named_batches};
@@ -49,7 +49,7 @@ impl Held {
     }
 }
 
-impl Session {
+impl JoinedRun {
     /// Observes the batches of a task, merges those that succeed into one
     /// result, and publishes it with one entry per batch that failed.
     pub(super) fn execute(
@@ -131,7 +131,7 @@ impl Session {
     /// equals its merges of the batches one by one.
     ///
     /// A dead worker's task found on the way (looked for every
-    /// [`Session::reclaim_every`], unless this is a speculative copy) is
+    /// [`JoinedRun::reclaim_every`], unless this is a speculative copy) is
     /// taken into the run: its batches are observed after this task's, the
     /// heartbeat names both, and each task gets its own result, so a result
     /// never covers more than its task (were the dead worker only slow, its

@@ -11,14 +11,14 @@ use redis::streams::{
     StreamClaimReply, StreamInfoGroupsReply, StreamPendingReply, StreamRangeReply, StreamReadReply,
 };
 
-use super::{Queue, Session, Task, WorkerReport, queue};
+use super::{JoinedRun, Queue, Task, WorkerReport, queue};
 use crate::backend::Failure;
 use crate::cluster::keys::{GROUP, idle_pending, named_batches};
 use crate::cluster::link::Link;
 use crate::cluster::policy::{self, Claimed, Source, Steal};
 use crate::error::Result;
 
-impl Session {
+impl JoinedRun {
     /// The next undelivered task, waiting briefly for one, from the
     /// sources [`policy::task_sources`] lists in turn (in a routed run:
     /// this worker's own stream, the shared one, a steal, then a wait).
@@ -309,7 +309,7 @@ impl Session {
         Ok(None)
     }
 
-    /// [`Session::speculate`] over the tasks of the routed stream of
+    /// [`JoinedRun::speculate`] over the tasks of the routed stream of
     /// `owner` (`None`: the shared one), for a worker whose floor per batch
     /// is `floor`.
     fn speculate_on(

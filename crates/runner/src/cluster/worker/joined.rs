@@ -7,11 +7,11 @@ use std::cell::{Cell, RefCell};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use qforge_calib::Session as Calibration;
+use qforge_calib::Session;
 use serde_json::json;
 
 use super::{
-    Compute, Current, Ending, Prepared, Queue, Session, WorkerOptions, WorkerReport, abbreviated,
+    Compute, Current, Ending, JoinedRun, Prepared, Queue, WorkerOptions, WorkerReport, abbreviated,
     hostname,
 };
 use crate::cluster::auth::RunKey;
@@ -22,7 +22,7 @@ use crate::cluster::spec::RunSpec;
 use crate::error::{Error, Result};
 use qforge_core::{CpuTier, ObserveTier};
 
-impl Session {
+impl JoinedRun {
     /// Checks that `calibration` is what `spec` describes, applies the
     /// spec's transforms and computes the fingerprint (unless `fingerprint`
     /// already holds it for this pass's model).
@@ -30,7 +30,7 @@ impl Session {
         options: &WorkerOptions,
         spec: RunSpec,
         run_key: RunKey,
-        calibration: Calibration,
+        calibration: Session,
         fingerprint: Option<String>,
         log: &mut dyn FnMut(&str),
     ) -> Result<Self> {
@@ -85,7 +85,7 @@ impl Session {
     }
 
     /// Registers, checks admission, then observes tasks until the run ends.
-    pub(super) fn serve(
+    pub(super) fn take_part(
         &mut self,
         link: &mut Link,
         compute: &dyn Compute,
