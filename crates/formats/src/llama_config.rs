@@ -1,7 +1,7 @@
 //! Hyper-parameters of Llama-family decoders, from a Hugging Face `config.json`
 //! or from GGUF metadata.
 
-use serde_json::Value as Json;
+use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufHeader;
@@ -165,10 +165,10 @@ impl LlamaConfig {
     }
 
     /// From a Hugging Face `config.json`.
-    pub fn from_hf(json: &Json) -> Result<Self> {
+    pub fn from_hf(json: &Value) -> Result<Self> {
         let architecture = json["architectures"]
             .get(0)
-            .and_then(Json::as_str)
+            .and_then(Value::as_str)
             .or_else(|| json["model_type"].as_str())
             .ok_or_else(|| Error::Format("config.json names no architecture".into()))?;
         let family = family_from_architecture(architecture)?;
@@ -210,10 +210,10 @@ impl LlamaConfig {
             }
         };
         let eos_token_ids = match &json["eos_token_id"] {
-            Json::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Json::Array(a) => a
+            Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Value::Array(a) => a
                 .iter()
-                .filter_map(Json::as_u64)
+                .filter_map(Value::as_u64)
                 .map(|v| v as u32)
                 .collect(),
             _ => Vec::new(),
@@ -246,14 +246,14 @@ impl LlamaConfig {
     /// As a Hugging Face `config.json` ([`LlamaConfig::from_hf`] reads it
     /// back to an equal config), so a model loaded from GGUF can be written
     /// as a Hugging Face directory.
-    pub fn to_hf(&self) -> Json {
+    pub fn to_hf(&self) -> Value {
         let (architecture, model_type) = match self.family {
             Family::Llama => ("LlamaForCausalLM", "llama"),
             Family::Mistral => ("MistralForCausalLM", "mistral"),
             Family::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         };
         let rope_scaling = match self.rope_scaling {
-            RopeScaling::None => Json::Null,
+            RopeScaling::None => Value::Null,
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,

@@ -6,7 +6,6 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use tokenizers::decoders::DecoderWrapper;
-use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -227,7 +226,7 @@ impl TextTokenizer {
         };
         let mut inner = Box::new(tokenizers::Tokenizer::new(bpe));
         inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        inner.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
         let special: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)

@@ -9,7 +9,7 @@
 
 use std::convert::Infallible;
 
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{self, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{Value, json};
@@ -63,7 +63,7 @@ fn sse_stream(
     events: impl Stream<Item = (usize, Event)> + Send + 'static,
     include_usage: bool,
     permit: OwnedSemaphorePermit,
-) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
+) -> impl Stream<Item = std::result::Result<sse::Event, Infallible>> {
     let choices = meta.prompt_ids_sent.len();
     let opening: Vec<Value> = if meta.kind == Kind::Chat {
         (0..choices)
@@ -76,7 +76,7 @@ fn sse_stream(
     } else {
         Vec::new()
     };
-    let data = |v: &Value| SseEvent::default().data(v.to_string());
+    let data = |v: &Value| sse::Event::default().data(v.to_string());
     let head = stream::iter(opening.iter().map(data).collect::<Vec<_>>());
     let progress = Progress {
         unfinished: choices,
@@ -135,9 +135,9 @@ fn sse_stream(
             std::future::ready(pass)
         })
         .flat_map(move |(out, done)| {
-            let mut events: Vec<SseEvent> = out.iter().map(data).collect();
+            let mut events: Vec<sse::Event> = out.iter().map(data).collect();
             if done {
-                events.push(SseEvent::default().data("[DONE]"));
+                events.push(sse::Event::default().data("[DONE]"));
             }
             stream::iter(events)
         });
