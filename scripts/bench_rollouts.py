@@ -271,8 +271,8 @@ def markdown(rows, peak, fixed_length):
     lines = [head, rule]
     for r in rows:
         line = (f"| {r['load']} | {r['engine']} | {r['requests']} | {r['prompt_tokens']} | "
-                f"{r['tokens_per_s']} | "
-                f"{r['p50_ms']} | {r['p99_ms']} | {r.get('machine_cores', '—')} |")
+                f"{r['tokens_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
+                f"{r.get('machine_cores', '—')} |")
         if peak:
             roofline = peak * 1e9 / LINEAR_MACS_PER_TOKEN
             line += f" {100 * r['tokens_per_s'] / roofline:.1f} % |"

@@ -237,9 +237,9 @@ impl<'p> Merger<'p> {
                 merged,
             });
         }
-        let report = self.workers.entry(worker).or_default();
+        let account = self.workers.entry(worker).or_default();
         if !merged {
-            report.duplicates += merged_before;
+            account.duplicates += merged_before;
             self.duplicates += merged_before;
             if merged_before == batches.len() {
                 return Ok(Next::Continue);
@@ -263,7 +263,7 @@ impl<'p> Merger<'p> {
                 Next::Retry(unresolved)
             });
         }
-        report.merged += batches.len();
+        account.merged += batches.len();
         self.since_checkpoint += batches.len();
         Ok(self.next())
     }

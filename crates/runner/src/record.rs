@@ -139,7 +139,7 @@ struct Quarantined<'a> {
 #[derive(Serialize)]
 struct WorkerRate<'a> {
     #[serde(flatten)]
-    report: &'a WorkerAccount,
+    account: &'a WorkerAccount,
     batches_per_s: f64,
 }
 
@@ -184,10 +184,10 @@ impl RunSummary {
             workers: self
                 .workers
                 .iter()
-                .map(|(name, report)| {
-                    let rate = report.merged as f64 / report.busy_seconds.max(1e-9);
+                .map(|(name, account)| {
+                    let rate = account.merged as f64 / account.busy_seconds.max(1e-9);
                     let rate = WorkerRate {
-                        report,
+                        account,
                         batches_per_s: rate,
                     };
                     (name.as_str(), rate)
