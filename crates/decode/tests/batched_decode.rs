@@ -84,9 +84,10 @@ fn a_sequence_steps_to_the_same_bits_alone_or_in_any_batch() {
     batched_equals_alone(&quarot, 18, 2);
 }
 
-/// The `n` samples of a prompt (caches forked from its prefill) step
-/// side by side and read the prompt's positions once for all of them: each
-/// still gets the bits it gets alone. Families past the 16 rows that
+/// The `n` samples of a prompt (caches forked from its prefill) store the
+/// prompt's positions once, step side by side and read those positions
+/// once for all of them: each still gets the bits that an unforked copy
+/// of its prompt's cache gets alone. Families past the 16 rows that
 /// attend together, a family broken up by another sequence, an unforked
 /// sequence between families, on two and three threads (which split a
 /// family between them).
@@ -97,6 +98,9 @@ fn forked_samples_stepping_together_get_the_bits_each_gets_alone() {
     let mut prefilled = prefilled(&model, 14);
     let (mut long, mut short) = (prefilled.pop().unwrap(), prefilled.pop().unwrap());
     let lone = prefilled.pop().unwrap();
+    let whole = |cache: &KvCache, n: usize| vec![cache.clone(); n];
+    let mut unforked = whole(&long, 19);
+    let short_whole = short.clone();
     let family = |origin: &mut KvCache, n: usize| -> Vec<KvCache> {
         let mut samples: Vec<KvCache> = (1..n).map(|_| origin.fork()).collect();
         samples.insert(0, origin.clone());
@@ -106,13 +110,23 @@ fn forked_samples_stepping_together_get_the_bits_each_gets_alone() {
     let three = family(&mut short, 3);
     assert_eq!(nineteen[5].shared_prefix(), long.shared_prefix());
     assert_eq!(long.shared_prefix().map(|p| p.len), Some(long.len()));
+    // Each sample holds room for what comes after the prompt, not the
+    // prompt again.
+    assert_eq!(nineteen[5].base(), long.len());
+    assert_eq!(nineteen[5].own_capacity(), long.capacity() - long.len());
+    assert_eq!(unforked[5].own_capacity(), long.capacity());
     // 19 of the long prompt, one unforked, two of the short one, the third
     // of it apart.
     let mut start: Vec<KvCache> = nineteen;
-    start.push(lone);
+    start.push(lone.clone());
     start.extend_from_slice(&three[..2]);
-    start.push(prefilled.pop().unwrap());
+    let other = prefilled.pop().unwrap();
+    start.push(other.clone());
     start.push(three[2].clone());
+    unforked.push(lone);
+    unforked.extend(whole(&short_whole, 2));
+    unforked.push(other);
+    unforked.push(short_whole);
     let sequences = start.len() as u32;
     let tokens = |step: u32| -> Vec<u32> {
         (0..sequences)
@@ -128,7 +142,7 @@ fn forked_samples_stepping_together_get_the_bits_each_gets_alone() {
             let logits = decoder.step(&model, &mut caches, &tokens(step), None);
             batched.push(logits.unwrap().to_vec());
         }
-        for (s, cache) in start.iter().enumerate() {
+        for (s, cache) in unforked.iter().enumerate() {
             let mut alone = cache.clone();
             for (step, batched) in batched.iter().enumerate() {
                 let token = tokens(step as u32)[s];

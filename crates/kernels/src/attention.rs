@@ -97,9 +97,9 @@ pub struct KeyValues<'a> {
 /// Keys and values split at position `len`: positions before it from
 /// `prefix`, one cache for every query position of the call, the rest
 /// from each query position's own (`own(p)`). Sibling sequences (the `n`
-/// samples of one prompt, whose caches hold the prompt's positions bit for
-/// bit in common) attend together so, and the prefix's keys and values
-/// are read once for all of them. Which cache a position's key comes from
+/// samples of one prompt, which store the prompt's positions once and
+/// each its own after them) attend together so, and the prefix's keys and
+/// values are read once for all of them. Which cache a position's key comes from
 /// changes nothing else: each query's scores, softmax and weighted values
 /// are computed in the same order as over one cache, so the result has
 /// the same bits. One cache for every position is a split with no own
@@ -110,10 +110,20 @@ pub struct Split<'a> {
     pub prefix: KeyValues<'a>,
     /// Positions read from `prefix`.
     pub len: usize,
-    /// Query position `p`'s own keys and values (positions from `len` on,
-    /// at the same indices as in `prefix`); `None`: `prefix` holds every
-    /// position.
-    pub own: Option<&'a dyn Fn(usize) -> KeyValues<'a>>,
+    /// The keys and values from position `len` on.
+    pub own: Own<'a>,
+}
+
+/// Where a [`Split`]'s positions from its `len` on lie: position `len`'s
+/// key at the `offset` of the [`KeyValues`], each next one `stride` on.
+#[derive(Clone, Copy)]
+pub enum Own<'a> {
+    /// Nowhere: the prefix holds every position.
+    None,
+    /// In one cache for every query position (one sequence's).
+    One(KeyValues<'a>),
+    /// In query position `p`'s own cache (sibling sequences').
+    Each(&'a (dyn Fn(usize) -> KeyValues<'a> + Sync)),
 }
 
 impl<'a> From<KeyValues<'a>> for Split<'a> {
@@ -122,7 +132,7 @@ impl<'a> From<KeyValues<'a>> for Split<'a> {
         Split {
             prefix: kv,
             len: usize::MAX,
-            own: None,
+            own: Own::None,
         }
     }
 }
@@ -133,7 +143,11 @@ impl<'a> Split<'a> {
     /// stops being inlined and costs a 128-position call 2–5 %.
     #[inline(always)]
     fn own_of(&self, p: usize) -> KeyValues<'a> {
-        self.own.map_or(self.prefix, |own| own(p))
+        match self.own {
+            Own::None => self.prefix,
+            Own::One(own) => own,
+            Own::Each(own) => own(p),
+        }
     }
 }
 
@@ -254,7 +268,7 @@ fn check(queries: Queries<'_>, kv: Split<'_>, head_dim: usize, out: &[f32]) -> R
     };
     let own_fits = |p: usize| {
         let visible = queries.visible[p];
-        visible <= kv.len || kv.own_of(p).holds(visible, head_dim)
+        visible <= kv.len || kv.own_of(p).holds(visible - kv.len, head_dim)
     };
     if group == 0
         || !out.len().is_multiple_of(head_dim * positions)
@@ -616,10 +630,10 @@ mod tests {
 
     /// Siblings attending together over a shared prefix get the bits each
     /// gets alone over its whole cache, on every tier: the prefix is read
-    /// from the shared copy only (the siblings' own copies of it are NaN
-    /// here) and the rest from each sibling's own cache only, for
-    /// prefixes around the lanes and the value blocks and siblings that see
-    /// less than the prefix.
+    /// from the shared cache and the rest from each sibling's own, which
+    /// holds its positions from the prefix's end on (behind a NaN position
+    /// that a read off by one would take), for prefixes around the lanes
+    /// and the value blocks and siblings that see less than the prefix.
     #[test]
     fn siblings_over_a_shared_prefix_get_their_bits_alone() {
         for (hd, group) in [(64, 3), (128, 4), (20, 2)] {
@@ -645,36 +659,37 @@ mod tests {
                         (keys, values)
                     })
                     .collect();
+                let tail = |buffer: &Vec<f32>| {
+                    let mut tail = vec![f32::NAN; 2 * hd];
+                    tail.extend_from_slice(&buffer[prefix * 2 * hd..]);
+                    tail
+                };
                 let own: Vec<(Vec<f32>, Vec<f32>)> = whole
                     .iter()
-                    .map(|(keys, values)| {
-                        let mut keys = keys.clone();
-                        let mut values = values.clone();
-                        keys[..prefix * 2 * hd].fill(f32::NAN);
-                        values[..prefix * 2 * hd].fill(f32::NAN);
-                        (keys, values)
-                    })
+                    .map(|(keys, values)| (tail(keys), tail(values)))
                     .collect();
-                // The second of two kv heads interleaved per position.
+                // The second of two kv heads interleaved per position, from
+                // `at`'s position on.
                 fn second<'a>(
                     (keys, values): &'a (Vec<f32>, Vec<f32>),
                     hd: usize,
+                    at: usize,
                 ) -> KeyValues<'a> {
                     KeyValues {
                         keys,
                         values,
-                        offset: hd,
+                        offset: at * 2 * hd + hd,
                         stride: 2 * hd,
                     }
                 }
-                let of = |cache| second(cache, hd);
+                let of = |cache| second(cache, hd, 0);
                 let q = seeded(siblings * group * hd, 12, 3.0);
-                let own_of = |p: usize| of(&own[p]);
+                let own_of = |p: usize| second(&own[p], hd, 1);
                 let prefix_cache = (shared, shared_values);
                 let split = Split {
                     prefix: of(&prefix_cache),
                     len: prefix,
-                    own: Some(&own_of),
+                    own: Own::Each(&own_of),
                 };
                 assert_together_gives_each_alone(
                     (&q, &visible),
@@ -691,7 +706,8 @@ mod tests {
     #[test]
     fn a_sibling_cache_shorter_than_its_positions_is_refused() {
         let hd = 16;
-        let (prefix, short) = (vec![0f32; 8 * hd], vec![0f32; 9 * hd]);
+        // The own cache holds one position, the prefix's end.
+        let (prefix, short) = (vec![0f32; 8 * hd], vec![0f32; hd]);
         fn kv(buffer: &[f32]) -> KeyValues<'_> {
             KeyValues {
                 keys: buffer,
@@ -700,11 +716,10 @@ mod tests {
                 stride: 16,
             }
         }
-        let own = |_| kv(&short);
         let split = Split {
             prefix: kv(&prefix),
             len: 8,
-            own: Some(&own),
+            own: Own::One(kv(&short)),
         };
         let attempt = |visible: usize| {
             let queries = Queries {

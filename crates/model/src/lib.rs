@@ -30,7 +30,9 @@ pub mod open;
 
 pub use error::{Error, Result};
 pub use linear::{Int8Values, Int8Weight, Linear};
-pub use llama::{HiddenState, KvCache, Llama, Logits, Residency, RotatedInput, SharedPrefix};
+pub use llama::{
+    CachedHead, HiddenState, KvCache, Llama, Logits, Residency, RotatedInput, SharedPrefix,
+};
 pub use lm::LanguageModel;
 pub use mlp::MlpPolicy;
 pub use observe::{Observer, Statistics, StatsObserver};

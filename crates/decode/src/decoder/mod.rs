@@ -384,7 +384,6 @@ impl Buffers {
                     let common = if members > 1 { shared.min(visible) } else { 0 };
                     self.together.push(Together {
                         end: if members > 1 { group_end } else { row + 1 },
-                        shared,
                         reads: visible - common + common.div_ceil(members),
                     });
                 }

@@ -4,7 +4,7 @@
 use std::cell::RefCell;
 
 use qforge_kernels::Team;
-use qforge_kernels::attention::{KeyValues, Queries, Split, attend, reserve};
+use qforge_kernels::attention::{Own, Queries, Split, attend, reserve};
 
 use qforge_model::llama::Rotations;
 use qforge_model::{KvCache, Observer, Result, RotatedInput};
@@ -196,7 +196,7 @@ pub(super) fn store(
     team.run_rows(n, [caches], |sequences, [caches]| {
         for (s, cache) in sequences.zip(caches.iter_mut()) {
             let end = first_rows.get(s + 1).copied().unwrap_or(positions.len());
-            let (capacity, hd) = (cache.capacity(), cache.head_dim());
+            let (room, base, hd) = (cache.own_capacity(), cache.base(), cache.head_dim());
             let (cached_keys, cached_values) = cache.layer_mut(layer);
             let rows = first_rows[s]..end;
             for (row, &position) in rows.clone().zip(&positions[rows]) {
@@ -205,8 +205,8 @@ pub(super) fn store(
                     .chunks_exact(hd)
                     .zip(values[at].chunks_exact(hd));
                 for (head, (key, value)) in heads.enumerate() {
-                    let slot =
-                        (head * capacity + position) * hd..(head * capacity + position + 1) * hd;
+                    let at = head * room + position - base;
+                    let slot = at * hd..(at + 1) * hd;
                     let cached_key = &mut cached_keys[slot.clone()];
                     cached_key.copy_from_slice(key);
                     rope.apply(cached_key, position);
@@ -251,8 +251,6 @@ pub(super) struct Together {
     /// The end of the rows, from this one on, that attend with it (`row +
     /// 1` for a row that attends alone).
     pub(super) end: usize,
-    /// Positions the rows share (their caches' common prefix).
-    pub(super) shared: usize,
     /// Positions this row's attention reads for itself: its own, and its
     /// part of the shared ones. What it costs a thread.
     pub(super) reads: usize,
@@ -370,7 +368,7 @@ fn attend_row(
             position_stride: 0,
             visible: &[position + 1],
         },
-        head_kv(caches[sequence], layer, kv_head),
+        caches[sequence].head(layer, kv_head),
         dim,
         shape.scale,
         out,
@@ -378,8 +376,8 @@ fn attend_row(
 }
 
 /// Rows `siblings` of sibling sequences, every head (`out`: their rows of
-/// all heads), each key/value head's shared prefix read from the first
-/// row's cache once for all of them.
+/// all heads), each key/value head's shared prefix read once for all of
+/// them.
 fn attend_together(
     (layer, shape, rope): (usize, AttentionShape, Rope<'_>),
     rows: AttendedRows<'_>,
@@ -404,7 +402,7 @@ fn attend_together(
     visible.clear();
     visible.extend(siblings.clone().map(|row| rows.positions[row] + 1));
     attended.resize(siblings.len() * width, 0.0);
-    let first = &caches[rows.sequences[siblings.start]];
+    let eldest = &caches[rows.sequences[siblings.start]];
     for kv_head in 0..heads / group {
         queries.clear();
         for row in siblings.clone() {
@@ -415,7 +413,12 @@ fn attend_together(
                 rope.apply(query, rows.positions[row]);
             }
         }
-        let own = |p: usize| head_kv(caches[rows.sequences[siblings.start + p]], layer, kv_head);
+        let own = |p: usize| {
+            caches[rows.sequences[siblings.start + p]]
+                .head(layer, kv_head)
+                .own
+        };
+        let shared = eldest.head(layer, kv_head);
         attend(
             Queries {
                 rows: queries,
@@ -424,9 +427,11 @@ fn attend_together(
                 visible,
             },
             Split {
-                prefix: head_kv(first, layer, kv_head),
-                len: rows.together[siblings.start].shared,
-                own: Some(&own),
+                // Siblings have a prefix (without one `base` is 0, and
+                // the own keys are all there is).
+                prefix: shared.prefix.unwrap_or(shared.own),
+                len: shared.base,
+                own: Own::Each(&own),
             },
             dim,
             scale,
@@ -437,18 +442,6 @@ fn attend_together(
         }
     }
     Ok(())
-}
-
-/// Key/value head `kv_head` of `cache`'s layer `layer`.
-fn head_kv(cache: &KvCache, layer: usize, kv_head: usize) -> KeyValues<'_> {
-    let (keys, values) = cache.layer(layer);
-    let dim = cache.head_dim();
-    KeyValues {
-        keys,
-        values,
-        offset: kv_head * cache.capacity() * dim,
-        stride: dim,
-    }
 }
 
 /// RMSNorm in the arithmetic of candle's `rms_norm`, which the tensor

@@ -26,20 +26,22 @@ pub(super) fn attend(
         } else {
             kv.prefix
         };
-        let spans = [(kv.prefix, 0..shared), (own, shared..visible)];
+        // Each span with the position its cache's first key holds.
+        let spans = [(kv.prefix, 0..shared, 0), (own, shared..visible, shared)];
         let row = &mut row[..visible.next_multiple_of(LANES)];
-        for (kv, span) in spans.clone() {
+        for (kv, span, first) in spans.clone() {
             for t in span {
-                let key = &kv.keys[kv.offset + t * kv.stride..][..hd];
+                let key = &kv.keys[kv.offset + (t - first) * kv.stride..][..hd];
                 row[t] = dot(query, key) * scale;
             }
         }
         row[visible..].fill(f32::NEG_INFINITY);
         let total = exponentials(row);
         out.fill(0.0);
-        for (kv, span) in spans {
+        for (kv, span, first) in spans {
             for t in span {
-                let (e, value) = (row[t], &kv.values[kv.offset + t * kv.stride..][..hd]);
+                let at = kv.offset + (t - first) * kv.stride;
+                let (e, value) = (row[t], &kv.values[at..][..hd]);
                 for (o, &v) in out.iter_mut().zip(value) {
                     *o = e.mul_add(v, *o);
                 }

@@ -37,9 +37,10 @@ pub(super) unsafe fn attend(
     let shared = kv.len.min(queries.longest());
     // The spans of keys read: the prefix by the whole tile, then each
     // position whose keys go on past it over its own cache, as a tile of
-    // its own (with the index of its first row). One call site each for
-    // the score and value passes, which the compiler inlines.
-    let spans = std::iter::once((tile, kv.prefix, 0..shared, 0)).chain(
+    // its own (with the index of its first row and the position its
+    // cache's first key holds). One call site each for the score and value
+    // passes, which the compiler inlines.
+    let spans = std::iter::once((tile, kv.prefix, 0..shared, 0, 0)).chain(
         (0..queries.positions())
             .filter(|&p| queries.visible[p] > shared)
             .map(|p| {
@@ -49,21 +50,22 @@ pub(super) unsafe fn attend(
                     kv.own_of(p),
                     shared..own.queries.longest(),
                     p * tile.group,
+                    shared,
                 )
             }),
     );
     let Scratch { scores, totals } = scratch;
-    for (tile, kv, range, row) in spans.clone() {
+    for (tile, kv, range, row, first) in spans.clone() {
         // SAFETY: `check` proved that the query of head g < group at
         // position p lies at p · position_stride + g · head_stride within
         // `queries.rows`, the key and value of every position t < shared
-        // within the prefix's slices and of every t < visible[p] within
-        // position p's own; the scores hold a padded row per query from
-        // `row` on.
+        // within the prefix's slices and of every shared ≤ t < visible[p]
+        // within position p's own; the scores hold a padded row per query
+        // from `row` on.
         unsafe {
             score(
                 tile,
-                kv,
+                (kv, first),
                 range,
                 scores[row * tile.padded..].as_mut_ptr(),
                 scale,
@@ -80,11 +82,11 @@ pub(super) unsafe fn attend(
         *total = exponentials(scores);
     }
     out.fill(0.0);
-    for (tile, kv, range, row) in spans {
+    for (tile, kv, range, row, first) in spans {
         let (weights, out) = (scores[row * tile.padded..].as_ptr(), &mut out[row * hd..]);
         // SAFETY: as for the scores; `out` holds a row of `hd` per query
         // from `row` on.
-        unsafe { weigh_values(tile, kv, range, weights, out.as_mut_ptr()) };
+        unsafe { weigh_values(tile, (kv, first), range, weights, out.as_mut_ptr()) };
     }
     for (out, &total) in out.chunks_exact_mut(hd).zip(totals.iter()) {
         out.iter_mut().for_each(|o| *o /= total);
@@ -133,7 +135,8 @@ impl<'a> Tile<'a> {
 }
 
 /// Each row's scores `q·k · scale` for the keys in `range` it sees, into
-/// its row of `scores` (`tile.padded` apart). Eight keys at a time for every
+/// its row of `scores` (`tile.padded` apart), `kv` holding the keys from
+/// position `first` on. Eight keys at a time for every
 /// query of the tile, so a block of keys is read from memory once and
 /// then from L1; two queries at a time share each key vector loaded.
 ///
@@ -143,7 +146,7 @@ impl<'a> Tile<'a> {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn score(
     tile: Tile<'_>,
-    kv: KeyValues<'_>,
+    (kv, first): (KeyValues<'_>, usize),
     range: Range<usize>,
     scores: *mut f32,
     scale: f32,
@@ -156,7 +159,7 @@ unsafe fn score(
         let keys = kv.keys.as_ptr().add(kv.offset);
         let seen = |row: usize| tile.visible(row).min(range.end);
         for t in range.clone().step_by(LANES) {
-            let block = keys.add(t * stride);
+            let block = keys.add((t - first) * stride);
             let whole = |row: usize| t + LANES <= seen(row);
             let mut row = 0;
             while row < tile.rows() {
@@ -187,7 +190,8 @@ unsafe fn score(
 }
 
 /// Adds each row's `weights[t] · value[t]` for the keys in `range` it
-/// sees, in order, to its row of `out`. The tile's queries take a block of values in turn
+/// sees, in order, to its row of `out` (`kv` holding the values from
+/// position `first` on). The tile's queries take a block of values in turn
 /// while it is in L1; two queries at a time share each value vector
 /// loaded, as far as both see, then each goes on alone to its own end.
 ///
@@ -197,7 +201,7 @@ unsafe fn score(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weigh_values(
     tile: Tile<'_>,
-    kv: KeyValues<'_>,
+    (kv, first): (KeyValues<'_>, usize),
     range: Range<usize>,
     weights: *const f32,
     out: *mut f32,
@@ -206,8 +210,10 @@ unsafe fn weigh_values(
     let stride = kv.stride;
     // SAFETY: the caller's bounds: row r's values for keys t < visible(r).
     unsafe {
+        // Indices from position `first`: value t - first, weight t (the
+        // weights pointer moved on by `first`).
         let values = kv.values.as_ptr().add(kv.offset);
-        let row_of = |row: usize| (out.add(row * hd), weights.add(row * padded));
+        let row_of = |row: usize| (out.add(row * hd), weights.add(row * padded + first));
         for block in range.clone().step_by(VALUE_BLOCK) {
             let end = |row: usize| (block + VALUE_BLOCK).min(tile.visible(row)).min(range.end);
             let mut row = 0;
@@ -215,18 +221,19 @@ unsafe fn weigh_values(
                 if row + 1 < tile.rows() {
                     let common = end(row).min(end(row + 1));
                     if common > block {
-                        let span = (block, common, stride);
+                        let span = (block - first, common - first, stride);
                         accumulate_two(row_of(row), row_of(row + 1), values, span, hd);
                     }
                     for row in [row, row + 1] {
                         let (out, weights) = row_of(row);
-                        let span = (common.max(block), end(row), stride);
+                        let span = (common.max(block) - first, end(row) - first, stride);
                         accumulate_one(out, weights, values, span, hd);
                     }
                     row += 2;
                 } else {
                     let (out, weights) = row_of(row);
-                    accumulate_one(out, weights, values, (block, end(row), stride), hd);
+                    let span = (block - first, end(row) - first, stride);
+                    accumulate_one(out, weights, values, span, hd);
                     row += 1;
                 }
             }

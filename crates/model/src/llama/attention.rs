@@ -19,24 +19,18 @@
 //! batched: the rollout engine's log-probabilities are the trainer's.
 
 use candle_core::{Device, Layout, Storage, Tensor};
-use qforge_kernels::attention::{KeyValues, Queries, attend};
+use qforge_kernels::attention::{KeyValues, Queries, Split, attend};
 use rayon::prelude::*;
 
 use crate::error::Result;
 
-/// Where one sequence's keys and values lie: the key of kv head `g` at
-/// position `t` starts at `g * head_step + t * stride` in `keys` (and its value
-/// at the same index in `values`). A KV cache is head-major with room for
-/// `capacity` positions per head (`head_step = capacity · head_dim`, `stride
-/// = head_dim`), and so are the keys of a forward without a cache
-/// (`head_step = keys · head_dim`). The key and value of a position sit at the
-/// same index whatever the layout, so every layout gives the same bits.
-#[derive(Debug, Clone, Copy)]
+/// Where one sequence's keys and values lie, per key/value head: a KV
+/// cache's heads (its positions after a shared prefix in its own buffers),
+/// or the keys of a forward without a cache. Which buffer a position's key
+/// comes from changes no bit of the result.
+#[derive(Debug, Clone)]
 pub(super) struct SequenceKv<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
-    pub head_step: usize,
-    pub stride: usize,
+    pub heads: Vec<Split<'a>>,
     /// Position of the sequence's first query.
     pub start: usize,
 }
@@ -61,16 +55,12 @@ pub(super) fn causal(
     lengths: &[usize],
 ) -> Result<Tensor> {
     let (b, heads, seq, hd) = q.dims4()?;
-    let fits = |s: &SequenceKv<'_>, len: usize| {
-        let last = (kv_heads - 1) * s.head_step + (s.start + len - 1) * s.stride + hd;
-        s.keys.len() >= last && s.values.len() >= last
-    };
     if kv.len() != b
         || lengths.len() != b
         || kv_heads == 0
         || heads % kv_heads != 0
         || lengths.iter().any(|&len| len == 0 || len > seq)
-        || kv.iter().zip(lengths).any(|(s, &len)| !fits(s, len))
+        || kv.iter().any(|s| s.heads.len() != kv_heads)
     {
         return Err(qforge_formats::Error::Shape(format!(
             "attention of queries {:?} over {} sequences of keys ({kv_heads} kv heads, lengths {lengths:?})",
@@ -111,12 +101,7 @@ pub(super) fn causal(
                     position_stride: hd,
                     visible: &visible[..positions],
                 },
-                KeyValues {
-                    keys: sequence.keys,
-                    values: sequence.values,
-                    offset: g * sequence.head_step,
-                    stride: sequence.stride,
-                },
+                sequence.heads[g],
                 hd,
                 scale,
                 &mut out[..positions * group * hd],
@@ -160,10 +145,17 @@ pub(super) fn causal_over_tensors(
         .chunks_exact(per_sequence.max(1))
         .zip(v.chunks_exact(per_sequence.max(1)))
         .map(|(keys_of, values_of)| SequenceKv {
-            keys: keys_of,
-            values: values_of,
-            head_step: keys * hd,
-            stride: hd,
+            heads: (0..kv_heads)
+                .map(|g| {
+                    KeyValues {
+                        keys: keys_of,
+                        values: values_of,
+                        offset: g * keys * hd,
+                        stride: hd,
+                    }
+                    .into()
+                })
+                .collect(),
             start: 0,
         })
         .collect();

@@ -29,7 +29,7 @@ mod rotation;
 mod stack;
 mod transform;
 
-pub use cache::{KvCache, SharedPrefix};
+pub use cache::{CachedHead, KvCache, SharedPrefix};
 pub use forward::log_softmax;
 pub use load::{DEQUANTIZE_AT_LOAD_LIMIT, Residency};
 pub(crate) use load::{SHARD_INDEX, WeightSource, index_shards};

@@ -95,6 +95,13 @@ impl EngineLimits {
     }
 }
 
+/// KV positions a request reserves against [`EngineLimits::kv_budget_tokens`]:
+/// its prompt once (its `samples` fork from the prompt's cache and share
+/// its positions) and each sample's completion.
+pub(crate) fn kv_positions(prompt: usize, max_tokens: usize, samples: usize) -> usize {
+    prompt.saturating_add(max_tokens.saturating_mul(samples))
+}
+
 /// What the engine's queue carries.
 enum Message {
     Request(Request),

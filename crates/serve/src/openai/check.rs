@@ -16,6 +16,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::{Kind, MAX_CHOICES};
+use crate::engine::kv_positions;
 use crate::http::api_error;
 use crate::logprobs;
 use crate::state::LanguageBackend;
@@ -396,9 +397,9 @@ fn fit(
             ),
         ));
     }
-    // Each choice holds a KV cache of its own.
+    // The choices share the prompt's cache, each with its own completion.
     let budget = lm.limits.kv_budget_tokens;
-    if (prompt.len() + max_tokens).saturating_mul(choices) > budget {
+    if kv_positions(prompt.len(), max_tokens, choices) > budget {
         return Err(invalid(
             Some("n"),
             format!(

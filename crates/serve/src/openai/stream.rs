@@ -182,4 +182,22 @@ mod tests {
             Some(0.0)
         );
     }
+
+    /// The samples of an `n` request store their prompt's KV once: four
+    /// samples of a 101-token prompt with 100 completion tokens each are
+    /// admitted under a budget of 512 positions (four copies of the prompt
+    /// would need 804), and reserve 501 while they run.
+    #[test]
+    fn the_samples_of_a_request_reserve_their_prompt_once() {
+        let lm = smollm2_int8();
+        let prompt: Vec<u32> = (0..101).map(|i| 1000 + i * 37).collect();
+        let server = TestServer::serving(lm, options());
+        let body = json!({"prompt": prompt, "max_tokens": 100, "temperature": 1.0,
+                          "ignore_eos": true, "n": 4, "stream": true, "seed": 5});
+        let stream = server.stream_opened("/v1/completions", &body.to_string());
+        server.wait_for_metric("qforge_running_sequences", 4.0);
+        assert_eq!(server.metric("qforge_kv_reserved_tokens"), Some(501.0));
+        drop(stream);
+        server.wait_for_metric_to_fall("qforge_kv_reserved_tokens", 0.0);
+    }
 }

@@ -14,7 +14,7 @@
 mod int8_decoder;
 mod tensor_forward;
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::time::Instant;
@@ -23,7 +23,7 @@ use qforge_decode::Decoder;
 use qforge_model::LanguageModel;
 
 use super::sequence::Sequence;
-use super::{EngineLimits, Event, FinishReason, Finished, Message, Request};
+use super::{EngineLimits, Event, FinishReason, Finished, Message, Request, kv_positions};
 use crate::batcher::panic_message;
 use crate::drift::DriftMonitor;
 use crate::metrics::Metrics;
@@ -73,10 +73,9 @@ fn positions(r: &Request) -> usize {
     r.prompt.len() + r.max_tokens
 }
 
-/// KV positions a request reserves: each of its samples' (a sibling's cache
-/// is a copy).
+/// KV positions a request reserves ([`kv_positions`]).
 fn cost(r: &Request) -> usize {
-    positions(r) * r.samples()
+    kv_positions(r.prompt.len(), r.max_tokens, r.samples())
 }
 
 impl<'a> Scheduler<'a> {
@@ -217,8 +216,9 @@ impl<'a> Scheduler<'a> {
             }
             // The cache takes its whole reservation now: a long sequence
             // never reallocates (and copies) what it has cached, and memory
-            // is what the KV budget says from admission on (each sibling's
-            // copy of this cache holds the same room).
+            // is what the KV budget says from admission on (each sibling
+            // forked from this cache holds the same room after the prompt,
+            // which they all share).
             let mut cache = self.lm.model.new_cache();
             cache.reserve(positions(&request));
             self.prefilling
@@ -351,13 +351,21 @@ impl<'a> Scheduler<'a> {
         prefilling + self.running.len()
     }
 
-    /// KV positions reserved by the admitted sequences.
+    /// KV positions reserved by the admitted sequences: a request in
+    /// prefill reserves its [`cost`]; a running sequence its own positions,
+    /// and a shared prefix counts once for the samples that share it.
     fn reserved(&self) -> usize {
-        self.prefilling
+        let prefilling: usize = self.prefilling.iter().map(|s| cost(&s.request)).sum();
+        let mut prefixes = HashSet::new();
+        let running: usize = self
+            .running
             .iter()
-            .chain(&self.running)
-            .map(|s| cost(&s.request))
-            .sum()
+            .map(|s| {
+                let prefix = s.cache.shared_prefix().filter(|p| prefixes.insert(p.id));
+                s.cache.own_capacity() + prefix.map_or(0, |p| p.len)
+            })
+            .sum();
+        prefilling + running
     }
 
     fn publish(&self) {
