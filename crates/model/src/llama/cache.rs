@@ -120,25 +120,24 @@ impl KvCache {
         {
             self.freeze();
         }
-        let mut sibling = KvCache {
-            layers: vec![CachedLayer::default(); self.layers.len()],
-            capacity: self.len,
-            ..self.clone_shape()
-        };
-        sibling.reserve(self.capacity);
-        sibling
+        self.sibling()
     }
 
-    /// This cache's shape and prefix, with no room of its own.
-    fn clone_shape(&self) -> KvCache {
-        KvCache {
-            layers: Vec::new(),
+    /// A cache of this one's shape, length and prefix that holds no
+    /// positions of its own yet, with room for as many positions as this
+    /// one. Meant for a cache whose committed positions are all in its
+    /// prefix.
+    fn sibling(&self) -> KvCache {
+        let mut sibling = KvCache {
+            layers: vec![CachedLayer::default(); self.layers.len()],
             len: self.len,
             capacity: self.len,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             prefix: self.prefix.clone(),
-        }
+        };
+        sibling.reserve(self.capacity);
+        sibling
     }
 
     /// Moves every committed position into a new shared prefix (one copy,
@@ -153,20 +152,19 @@ impl KvCache {
             .iter()
             .enumerate()
             .map(|(l, own)| {
-                let frozen = |old: Option<&Vec<f32>>, own: &[f32]| {
+                // Without an earlier prefix `base` is 0 and it adds nothing.
+                let frozen = |old: &[f32], own: &[f32]| {
                     let mut run = Vec::with_capacity(heads * len * hd);
                     for head in 0..heads {
-                        if let Some(old) = old {
-                            run.extend_from_slice(&old[head * base * hd..][..base * hd]);
-                        }
+                        run.extend_from_slice(&old[head * base * hd..][..base * hd]);
                         run.extend_from_slice(&own[head * room * hd..][..(len - base) * hd]);
                     }
                     run
                 };
                 let old = earlier.as_ref().map(|p| &p.layers[l]);
                 CachedLayer {
-                    keys: frozen(old.map(|old| &old.keys), &own.keys),
-                    values: frozen(old.map(|old| &old.values), &own.values),
+                    keys: frozen(old.map_or(&[], |old| &old.keys), &own.keys),
+                    values: frozen(old.map_or(&[], |old| &old.values), &own.values),
                 }
             })
             .collect();
@@ -177,12 +175,7 @@ impl KvCache {
             },
             layers,
         }));
-        let capacity = self.capacity;
-        *self = KvCache {
-            layers: vec![CachedLayer::default(); self.layers.len()],
-            ..self.clone_shape()
-        };
-        self.reserve(capacity);
+        *self = self.sibling();
     }
 
     /// The positions this cache shares with the caches forked with it, if
